@@ -1,0 +1,162 @@
+"""One rank of a test job: FSDP2 on CPU (gloo), saving and loading through tierstore.
+
+Run by ``tests/launch.py`` with a JSON spec as argv[1]. Operations:
+
+* ``train_save``: build the model, then for each entry of ``saves`` train ``train_steps``
+  steps and save with that entry's ``mode`` (sync | thread | process) as ``step``;
+  write the full-state digest of what was saved to ``out/saved-<step>.json``.
+* ``load``: for each entry of ``loads`` build a fresh model (different init), load it
+  through ``TieredReader`` and write the digest of the loaded state to
+  ``out/loaded-<tag>.json`` (rank 0), plus ``reader.manifest.name``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from tierstore import TieredReader, TieredWriter
+
+warnings.filterwarnings("ignore")
+
+
+class Net(nn.Module):
+    def __init__(self, vocab: int = 96, dim: int = 48) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+            for _ in range(2)
+        )
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def build(seed: int, world: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = Net()
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return model, optim
+
+
+def train(model: nn.Module, optim: torch.optim.Optimizer, steps: int, start: int) -> None:
+    rank = dist.get_rank()
+    for step in range(start, start + steps):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        tokens = torch.randint(0, 96, (4, 16), generator=g)
+        loss = nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+
+
+def digest(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, str]:
+    """sha256 of every full (unsharded) tensor of model and optimizer state."""
+    msd, osd = get_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
+    out: dict[str, str] = {}
+
+    def walk(prefix: str, obj: Any) -> None:
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(f"{prefix}.{k}", v)
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                walk(f"{prefix}.{i}", v)
+        elif isinstance(obj, torch.Tensor):
+            t = obj.detach().reshape(-1).contiguous().cpu()
+            out[prefix] = f"{t.dtype}{tuple(obj.shape)}:" + hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()
+        else:
+            out[prefix] = repr(obj)
+
+    walk("model", msd)
+    walk("optim", osd)
+    return out
+
+
+def tiers(spec: dict[str, Any]) -> dict[str, Any]:
+    rank = dist.get_rank()
+    hot = spec["hot"]
+    if isinstance(hot, list):  # node-local: one hot root per rank
+        hot = hot[rank]
+    return {"hot": hot, "cold": spec.get("cold")}
+
+
+def train_save(spec: dict[str, Any]) -> None:
+    world = dist.get_world_size()
+    model, optim = build(0, world)
+    out = Path(spec["out"])
+    step = 0
+    for save in spec["saves"]:
+        train(model, optim, spec.get("train_steps", 2), step)
+        step = save["step"]
+        msd, osd = get_state_dict(model, optim)
+        state = {"model": msd, "optim": osd, "extra": {"step": step}}
+        writer = TieredWriter(**tiers(spec), step=step)
+        mode = save["mode"]
+        if mode == "sync":
+            dcp.save(state, storage_writer=writer)
+        else:
+            kind = AsyncCheckpointerType.THREAD if mode == "thread" else AsyncCheckpointerType.PROCESS
+            dcp.async_save(state, storage_writer=writer, async_checkpointer_type=kind).result()
+        d = digest(model, optim)
+        if dist.get_rank() == 0:
+            (out / f"saved-{step}.json").write_text(json.dumps(d, sort_keys=True))
+        dist.barrier()
+
+
+def load(spec: dict[str, Any]) -> None:
+    world = dist.get_world_size()
+    out = Path(spec["out"])
+    for entry in spec["loads"]:
+        model, optim = build(12345, world)  # different init: the load must overwrite all
+        msd, osd = get_state_dict(model, optim)
+        state = {"model": msd, "optim": osd, "extra": {"step": -1}}
+        reader = TieredReader(**tiers(spec), step=entry.get("step"), name=entry.get("name"))
+        dcp.load(state, storage_reader=reader)
+        set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        d = digest(model, optim)
+        if dist.get_rank() == 0:
+            result = {"digest": d, "name": reader.manifest.name, "step": state["extra"]["step"]}
+            (out / f"loaded-{entry['tag']}.json").write_text(json.dumps(result, sort_keys=True))
+        dist.barrier()
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    try:
+        {"train_save": train_save, "load": load}[spec["op"]](spec)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+"""The storage contract every tier implements.
+
+A :class:`Backend` stores immutable objects under ``/``-separated keys relative to its
+root URL. tierstore needs only these guarantees, stated once here:
+
+* **Keys** are relative: no leading ``/``, no ``.``/``..`` or empty components, no
+  backslashes or NULs (:func:`check_key`). A backend never touches anything outside its root.
+* **Writes** (:meth:`Backend.open_write`) stream a new object. The returned
+  :class:`ObjectWriter` computes size and CRC32C of every byte as it goes; when its
+  ``close()`` returns, the object is durable and complete under its key (local: file fsync,
+  then directory fsync; object store: upload completed and verified). ``abort()`` or an
+  exception inside ``with`` discards it. tierstore only writes keys unique to one attempt,
+  so whether a write may replace an existing key is left to the backend.
+* **Publish** (:meth:`Backend.publish`) is the only atomic primitive: the whole object
+  appears at once or not at all, it is durable when the call returns, and it is
+  *exclusive*: if the key exists, it raises :class:`~tierstore.errors.PublishConflict`
+  and changes nothing; of two racing publishers exactly one wins. There is no rename.
+* **Reads** see every completed write and publish (read-after-write).
+* **Delete** is idempotent: deleting a missing key succeeds.
+* **Errors** are translated into the :mod:`tierstore.errors` tree, naming key and tier;
+  retryable failures are :class:`~tierstore.errors.TransientStorageError`.
+* **Thread safety**: one backend instance may be used from many threads at once. Backends
+  are never pickled; writers and readers rebuild them from URL + options in each process.
+"""
+
+from __future__ import annotations
+
+import abc
+import errno
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, BinaryIO, ClassVar
+
+import crc32c as _crc32c
+
+from tierstore.errors import (
+    NoSpaceLeft,
+    ObjectNotFound,
+    PublishConflict,
+    StorageError,
+    TierstoreError,
+    UnsafePath,
+)
+
+__all__ = ["Backend", "ObjectInfo", "ObjectWriter", "check_key", "crc32c_update"]
+
+
+def crc32c_update(crc: int, data: Any) -> int:
+    """Extend a CRC32C with any buffer (bytes, memoryview, numpy/tensor memory), copy-free."""
+    return int(_crc32c.crc32c(data, crc))
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What a backend knows about one stored object."""
+
+    key: str
+    size: int
+    mtime: float | None = None
+    crc32c: int | None = None  # set where the backend stores one (S3, GCS)
+
+
+def check_key(key: str, *, tier: str | None = None) -> list[str]:
+    """Validate a relative key and return its components; raise :class:`UnsafePath` if not."""
+    if not isinstance(key, str) or not key:
+        raise UnsafePath("empty or non-string key", key=key, tier=tier)
+    parts = key.split("/")
+    bad = (
+        key.startswith("/")
+        or "\\" in key
+        or "\x00" in key
+        or any(p in ("", ".", "..") for p in parts)
+    )
+    if bad:
+        raise UnsafePath("key must be relative and stay inside its root", key=key, tier=tier)
+    return parts
+
+
+class ObjectWriter(abc.ABC):
+    """Streams one new object: ``write()`` any buffers, then ``close()`` commits it.
+
+    Tracks ``size`` and ``crc32c`` of everything written, so callers never read a file
+    back to checksum it. Used as a context manager, an exception aborts the object.
+    """
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.size = 0
+        self.crc32c = 0
+        self.closed = False
+
+    def write(self, data: Any) -> int:
+        if self.closed:
+            raise ValueError(f"write to closed object writer for {self.key!r}")
+        view = memoryview(data)
+        if view.ndim != 1 or view.itemsize != 1:
+            view = view.cast("B")
+        self.crc32c = crc32c_update(self.crc32c, view)
+        self._write(view)
+        self.size += len(view)
+        return len(view)
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        """Data is made durable by ``close()``; ``flush()`` exists for ``torch.save``."""
+
+    def writable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._commit()
+
+    def abort(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._abort()
+
+    def __enter__(self) -> ObjectWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    @abc.abstractmethod
+    def _write(self, view: memoryview) -> None: ...
+
+    @abc.abstractmethod
+    def _commit(self) -> None: ...
+
+    @abc.abstractmethod
+    def _abort(self) -> None: ...
+
+
+class Backend(abc.ABC):
+    """One storage tier: immutable objects under relative keys (contract: module docstring)."""
+
+    scheme: ClassVar[str] = ""
+
+    def __init__(self, url: str, **options: Any) -> None:
+        self.url = url
+        self.label = url  # set to e.g. "hot /nvme/run1" by the catalog, used in errors
+
+    def __repr__(self) -> str:
+        # Options may hold credentials: never show them.
+        return f"{type(self).__name__}({self.url!r})"
+
+    @abc.abstractmethod
+    def open_write(self, key: str) -> ObjectWriter:
+        """Start writing a new object at ``key``."""
+
+    @abc.abstractmethod
+    def open_read(self, key: str) -> BinaryIO:
+        """Open ``key`` for streaming, sequential reading."""
+
+    @abc.abstractmethod
+    def publish(self, key: str, data: bytes) -> None:
+        """Atomically, durably and exclusively create ``key`` holding ``data``."""
+
+    @abc.abstractmethod
+    def stat(self, key: str) -> ObjectInfo:
+        """Size (and what else the backend knows) of ``key``; :class:`ObjectNotFound` if absent."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Every object below ``prefix`` (``""`` or ending in ``/``), recursively."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove ``key``; succeed if it is already gone."""
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.stat(key)
+        except ObjectNotFound:
+            return False
+        return True
+
+    def read_bytes(self, key: str, *, limit: int | None = None) -> bytes:
+        """Read a small object whole; refuse one larger than ``limit`` bytes."""
+        with self.open_read(key) as stream:
+            data = stream.read(-1 if limit is None else limit + 1)
+        if limit is not None and len(data) > limit:
+            raise StorageError(f"object larger than {limit} bytes", key=key, tier=self.label)
+        return bytes(data)
+
+    def free_bytes(self) -> int | None:
+        """Free space where the backend can tell (local disks), else ``None``."""
+        return None
+
+    def close(self) -> None:
+        """Release clients and connections."""
+
+
+_ENOSPC = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+
+
+@contextmanager
+def translate_os_errors(key: str, tier: str) -> Iterator[None]:
+    """Map ``OSError`` raised for ``key`` onto the tierstore error tree."""
+    try:
+        yield
+    except TierstoreError:
+        raise
+    except FileNotFoundError as err:
+        raise ObjectNotFound("no such object", key=key, tier=tier) from err
+    except FileExistsError as err:
+        raise PublishConflict("object already exists", key=key, tier=tier) from err
+    except OSError as err:
+        if err.errno in _ENOSPC:
+            raise NoSpaceLeft(f"no space left: {err.strerror}", key=key, tier=tier) from err
+        if err.errno == errno.ELOOP:
+            raise UnsafePath("symbolic link in key path", key=key, tier=tier) from err
+        raise StorageError(f"{type(err).__name__}: {err}", key=key, tier=tier) from err
+

@@ -1,0 +1,193 @@
+"""What a store holds: tiers, their manifests, and the committed checkpoints they make up.
+
+A checkpoint exists in a tier if and only if the tier holds its valid manifest (DESIGN.md
+invariant 1): nothing here looks at data files, DCP's ``.metadata`` or directory names.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tierstore import layout
+from tierstore.backend import Backend
+from tierstore.errors import (
+    CheckpointExists,
+    CheckpointNotFound,
+    ConfigError,
+    InvalidManifest,
+    ObjectNotFound,
+    PublishConflict,
+)
+from tierstore.manifest import MAX_MANIFEST_BYTES, Manifest
+from tierstore.registry import open_backend
+
+__all__ = ["Tier", "CheckpointInfo", "list_checkpoints", "latest_checkpoint", "resolve", "make_tiers"]
+
+log = logging.getLogger(__name__)
+
+TierURL = str | os.PathLike[str]
+
+
+class Tier:
+    """A backend in a role (``"hot"`` or ``"cold"``), built lazily and never pickled."""
+
+    def __init__(self, role: str, url: TierURL, options: Mapping[str, Any] | None = None) -> None:
+        self.role = role
+        self.url = os.fspath(url)
+        self.options = dict(options or {})
+        self._backend: Backend | None = None
+
+    def __repr__(self) -> str:
+        return f"Tier({self.role!r}, {self.url!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_backend": None}
+
+    @property
+    def label(self) -> str:
+        return f"{self.role} {self.url}"
+
+    @property
+    def backend(self) -> Backend:
+        if self._backend is None:
+            self._backend = open_backend(self.url, self.options, label=self.role)
+        return self._backend
+
+    def find_manifest(self, name: str) -> Manifest | None:
+        """The valid manifest of ``name``, ``None`` if absent; raises if present but invalid."""
+        key = layout.manifest_key(name)
+        try:
+            data = self.backend.read_bytes(key, limit=MAX_MANIFEST_BYTES)
+        except ObjectNotFound:
+            return None
+        return Manifest.from_json(data, key=key, tier=self.label, expect_name=name)
+
+    def manifests(self) -> list[Manifest]:
+        """Every valid manifest; invalid ones do not count as checkpoints and are logged."""
+        found = []
+        for info in self.backend.list(layout.MANIFEST_DIR + "/"):
+            name = layout.parse_manifest_key(info.key)
+            if name is None:
+                continue
+            try:
+                manifest = self.find_manifest(name)
+            except InvalidManifest as err:
+                log.warning("ignoring checkpoint with an invalid manifest: %s", err)
+                continue
+            if manifest is not None:
+                found.append(manifest)
+        return found
+
+    def publish_manifest(self, manifest: Manifest) -> None:
+        """The commit point of ``manifest`` in this tier; never overwrites."""
+        key = layout.manifest_key(manifest.name)
+        try:
+            self.backend.publish(key, manifest.to_json())
+        except PublishConflict as err:
+            raise CheckpointExists(
+                "checkpoint is already committed (by another attempt); committed "
+                "checkpoints are never overwritten",
+                checkpoint=manifest.name, tier=self.label,
+            ) from err
+
+
+def make_tiers(hot: TierURL | None, cold: TierURL | None = None, *,
+               hot_options: Mapping[str, Any] | None = None,
+               cold_options: Mapping[str, Any] | None = None) -> list[Tier]:
+    """The store's tiers, nearest first."""
+    if hot is None and cold is None:
+        raise ConfigError("a store needs at least one tier: pass hot= (and optionally cold=)")
+    tiers = []
+    if hot is not None:
+        tiers.append(Tier("hot", hot, hot_options))
+    if cold is not None:
+        tiers.append(Tier("cold", cold, cold_options))
+    return tiers
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A committed checkpoint and the tiers that hold it (nearest first)."""
+
+    name: str
+    step: int | None
+    attempt: str
+    created: float
+    world_size: int
+    size: int
+    num_files: int
+    tiers: tuple[str, ...]
+
+    @classmethod
+    def of(cls, manifest: Manifest, tiers: Iterable[str]) -> CheckpointInfo:
+        return cls(
+            name=manifest.name,
+            step=manifest.step,
+            attempt=manifest.attempt,
+            created=manifest.created,
+            world_size=manifest.world_size,
+            size=manifest.total_size,
+            num_files=len(manifest.files),
+            tiers=tuple(tiers),
+        )
+
+
+def _order(manifest: Manifest) -> tuple[int, float, str]:
+    return (-1 if manifest.step is None else manifest.step, manifest.created, manifest.name)
+
+
+def _collect(tiers: Sequence[Tier]) -> list[tuple[Manifest, list[Tier]]]:
+    """Committed checkpoints across tiers, oldest first, each with the tiers that hold it."""
+    merged: dict[tuple[str, str], tuple[Manifest, list[Tier]]] = {}
+    for tier in tiers:
+        for manifest in tier.manifests():
+            entry = merged.setdefault((manifest.name, manifest.attempt), (manifest, []))
+            entry[1].append(tier)
+    return sorted(merged.values(), key=lambda item: _order(item[0]))
+
+
+def list_checkpoints(hot: TierURL | None, cold: TierURL | None = None, *,
+                     hot_options: Mapping[str, Any] | None = None,
+                     cold_options: Mapping[str, Any] | None = None) -> list[CheckpointInfo]:
+    """Committed checkpoints in any tier, sorted by step (then creation time)."""
+    tiers = make_tiers(hot, cold, hot_options=hot_options, cold_options=cold_options)
+    return [CheckpointInfo.of(m, (t.role for t in holders)) for m, holders in _collect(tiers)]
+
+
+def latest_checkpoint(hot: TierURL | None, cold: TierURL | None = None, *,
+                      hot_options: Mapping[str, Any] | None = None,
+                      cold_options: Mapping[str, Any] | None = None) -> CheckpointInfo | None:
+    """The newest committed checkpoint in any tier, or ``None`` for an empty store."""
+    found = list_checkpoints(hot, cold, hot_options=hot_options, cold_options=cold_options)
+    return found[-1] if found else None
+
+
+def resolve(tiers: Sequence[Tier], *, step: int | None = None,
+            name: str | None = None) -> tuple[Manifest, list[Tier]]:
+    """The checkpoint to read and the tiers holding it, nearest first.
+
+    ``name`` picks that checkpoint; ``step`` the newest one of that step; neither, the
+    newest committed checkpoint in any tier. An invalid manifest for an explicitly named
+    checkpoint raises; when picking the newest, invalid manifests are skipped (logged).
+    """
+    where = ", ".join(t.label for t in tiers)
+    if name is not None:
+        holders: list[tuple[Manifest, Tier]] = []
+        for tier in tiers:
+            manifest = tier.find_manifest(name)
+            if manifest is not None:
+                holders.append((manifest, tier))
+        if not holders:
+            raise CheckpointNotFound("no committed checkpoint of that name",
+                                     checkpoint=name, tier=where)
+        first = holders[0][0]
+        return first, [t for m, t in holders if m.attempt == first.attempt]
+    candidates = [(m, ts) for m, ts in _collect(tiers) if step is None or m.step == step]
+    if not candidates:
+        what = "no committed checkpoint" if step is None else f"no committed checkpoint of step {step}"
+        raise CheckpointNotFound(what, tier=where)
+    return candidates[-1]

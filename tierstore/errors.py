@@ -1,0 +1,128 @@
+"""The one error tree of tierstore.
+
+Every error tierstore raises derives from :class:`TierstoreError`. Leaves also derive from
+the matching builtin (``CheckpointNotFound`` is a ``FileNotFoundError``), so code that
+already handles builtins keeps working. Each error carries what failed as attributes
+(``checkpoint``, ``tier``, ``key``, ``rank``) and names it in its message. Backend
+errors are translated at the backend boundary with ``raise ... from err``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "TierstoreError",
+    "ConfigError",
+    "BackendNotFound",
+    "StorageError",
+    "ObjectNotFound",
+    "PublishConflict",
+    "TransientStorageError",
+    "NoSpaceLeft",
+    "UnsafePath",
+    "CheckpointNotFound",
+    "CheckpointExists",
+    "IntegrityError",
+    "InvalidManifest",
+    "ChecksumMismatch",
+    "FaultInjected",
+]
+
+_CONTEXT_ORDER = ("checkpoint", "file", "key", "tier", "rank")
+
+
+class TierstoreError(Exception):
+    """Root of every error tierstore raises.
+
+    Keyword context (``checkpoint=``, ``tier=``, ``key=``, ``file=``, ``rank=``, plus any
+    error-specific fields) is kept as attributes and appended to the message.
+    """
+
+    def __init__(self, message: str, **context: Any) -> None:
+        self.message = message
+        self.checkpoint: str | None = None
+        self.tier: str | None = None
+        self.key: str | None = None
+        self.file: str | None = None
+        self.rank: int | None = None
+        for name, value in context.items():
+            setattr(self, name, value)
+        self.context = context
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        parts = [
+            f"{name} {self.context[name]!r}"
+            for name in _CONTEXT_ORDER
+            if self.context.get(name) is not None
+        ]
+        return f"{self.message} [{', '.join(parts)}]" if parts else self.message
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Errors cross process boundaries (DCP's PROCESS mode, our subprocess tests):
+        # rebuild from message + context rather than from the rendered args.
+        return (_rebuild, (type(self), self.message, self.context))
+
+
+def _rebuild(cls: type[TierstoreError], message: str, context: dict[str, Any]) -> TierstoreError:
+    return cls(message, **context)
+
+
+class ConfigError(TierstoreError, ValueError):
+    """Bad arguments or options: an unusable URL, name, option or combination."""
+
+
+class BackendNotFound(ConfigError):
+    """No backend is registered for a URL scheme; the message names what to install."""
+
+
+class StorageError(TierstoreError, OSError):
+    """A storage backend failed; ``tier``/``key`` say where."""
+
+
+class ObjectNotFound(StorageError, FileNotFoundError):
+    """The key does not exist in the tier."""
+
+
+class PublishConflict(StorageError, FileExistsError):
+    """An exclusive publish (or write) found the key already present."""
+
+
+class TransientStorageError(StorageError):
+    """A failure worth retrying: throttling, a dropped connection, a 5xx."""
+
+
+class NoSpaceLeft(StorageError):
+    """The tier is full (ENOSPC or a quota)."""
+
+
+class UnsafePath(StorageError, PermissionError):
+    """A key escapes its root: absolute, ``..``, or a symbolic link on the way."""
+
+
+class CheckpointNotFound(TierstoreError, FileNotFoundError):
+    """No committed checkpoint matches the request."""
+
+
+class CheckpointExists(TierstoreError, FileExistsError):
+    """The checkpoint is already committed; committed checkpoints are never overwritten."""
+
+
+class IntegrityError(TierstoreError, ValueError):
+    """Stored data failed verification; nothing unverified is ever loaded."""
+
+
+class InvalidManifest(IntegrityError):
+    """A manifest is malformed, unsafe (absolute or ``..`` paths) or fails its self-checksum."""
+
+
+class ChecksumMismatch(IntegrityError):
+    """A file's size or CRC32C differs from what its manifest records."""
+
+    expected: Any
+    actual: Any
+
+
+class FaultInjected(TierstoreError, RuntimeError):
+    """Raised by an armed fault point (tests only)."""

@@ -1,0 +1,110 @@
+"""Named fault points that crash tests arm; free when nothing is armed.
+
+Code marks the moments a crash could matter with ``faults.point("writer.after_file_write")``.
+Tests arm points to raise :class:`~tierstore.errors.FaultInjected`, to ``SIGKILL`` the
+process, or to exit, either in code (:func:`arm`) or, for subprocesses, through the
+``TIERSTORE_FAULTS`` environment variable read at import::
+
+    TIERSTORE_FAULTS="writer.after_file_write@2=kill"   # 2nd time this point is passed
+    TIERSTORE_FAULTS="*@7=kill"                         # 7th point passed, whatever its name
+
+A spec is ``pattern[@hit]=action`` (pattern in :mod:`fnmatch` syntax, ``hit`` counted per
+spec from 1, default 1), several separated by ``;``. With ``TIERSTORE_FAULT_TRACE=PATH``
+every point passed is appended to ``PATH`` (one name per line, with the pid), which is how
+the crash suite learns the points an operation passes and picks one by index.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import signal
+import threading
+from dataclasses import dataclass
+
+from tierstore.errors import ConfigError, FaultInjected
+
+__all__ = ["point", "arm", "disarm", "armed", "parse_spec", "ENV", "TRACE_ENV", "ACTIONS"]
+
+ENV = "TIERSTORE_FAULTS"
+TRACE_ENV = "TIERSTORE_FAULT_TRACE"
+ACTIONS = ("raise", "kill", "exit")
+
+
+@dataclass
+class _Spec:
+    pattern: str
+    hit: int
+    action: str
+    seen: int = 0
+
+
+# Process-global by nature: a fault point must be reachable from any code path without
+# threading a handle through it. Empty (the normal case) costs one truth test per point.
+_specs: list[_Spec] = []
+_trace_path: str | None = None
+_lock = threading.Lock()
+
+
+def parse_spec(text: str) -> list[_Spec]:
+    specs = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        target, _, action = part.partition("=")
+        pattern, _, hit = target.partition("@")
+        action = action or "raise"
+        if action not in ACTIONS or not pattern or (hit and not hit.isdigit()):
+            raise ConfigError(f"bad fault spec {part!r}: want pattern[@hit]=raise|kill|exit")
+        specs.append(_Spec(pattern=pattern, hit=int(hit or 1), action=action))
+    return specs
+
+
+def arm(pattern: str, action: str = "raise", *, hit: int = 1) -> None:
+    """Arm ``pattern`` to fire ``action`` on its ``hit``-th pass."""
+    _specs.extend(parse_spec(f"{pattern}@{hit}={action}"))
+
+
+def disarm() -> None:
+    """Disarm every point and stop tracing."""
+    global _trace_path
+    _specs.clear()
+    _trace_path = None
+
+
+def armed() -> bool:
+    return bool(_specs) or _trace_path is not None
+
+
+def point(name: str) -> None:
+    """Mark a fault point; does nothing unless armed or traced."""
+    if not _specs and _trace_path is None:
+        return
+    _fire(name)
+
+
+def _fire(name: str) -> None:
+    with _lock:
+        if _trace_path is not None:
+            with open(_trace_path, "a") as trace:
+                trace.write(f"{os.getpid()} {name}\n")
+        action = None
+        for spec in _specs:
+            if fnmatch.fnmatchcase(name, spec.pattern):
+                spec.seen += 1
+                if spec.seen == spec.hit:
+                    action = spec.action
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif action == "exit":
+        os._exit(17)
+    elif action == "raise":
+        raise FaultInjected(f"fault injected at {name}")
+
+
+def _arm_from_env() -> None:
+    global _trace_path
+    if os.environ.get(ENV):
+        _specs.extend(parse_spec(os.environ[ENV]))
+    _trace_path = os.environ.get(TRACE_ENV) or None
+
+
+_arm_from_env()
