@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml $(wildcard backends/*/pyproject.toml) Makefile
 	@touch $@
 
 demo: $(STAMP)
-	$(BIN)/python examples/demo.py
+	$(BIN)/python examples/train.py
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -157,9 +157,11 @@ class LocalBackend(Backend):
 
     def open_read(self, key: str) -> BinaryIO:
         path = self._path(key)
-        with translate_os_errors(key, self.label):
+        with translate_os_errors(key, self.label, reading=True):
             self._check_inside(key, path)
-            fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
+            # O_NONBLOCK: opening a FIFO planted in place of a file must not hang; it has
+            # no effect on regular files.
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _O_NOFOLLOW | _O_CLOEXEC)
             if not stat_mod.S_ISREG(os.fstat(fd).st_mode):
                 os.close(fd)
                 raise UnsafePath("not a regular file", key=key, tier=self.label)
@@ -210,7 +212,7 @@ class LocalBackend(Backend):
 
     def stat(self, key: str) -> ObjectInfo:
         path = self._path(key)
-        with translate_os_errors(key, self.label):
+        with translate_os_errors(key, self.label, reading=True):
             st = os.lstat(path)
         if not stat_mod.S_ISREG(st.st_mode):
             raise UnsafePath("not a regular file", key=key, tier=self.label)

@@ -209,12 +209,19 @@ _ENOSPC = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 
 
 @contextmanager
-def translate_os_errors(key: str, tier: str) -> Iterator[None]:
-    """Map ``OSError`` raised for ``key`` onto the tierstore error tree."""
+def translate_os_errors(key: str, tier: str, *, reading: bool = False) -> Iterator[None]:
+    """Map ``OSError`` raised for ``key`` onto the tierstore error tree.
+
+    ``reading``: a path component that is not a directory means the key is absent.
+    """
     try:
         yield
     except TierstoreError:
         raise
+    except NotADirectoryError as err:
+        if not reading:
+            raise StorageError(f"{type(err).__name__}: {err}", key=key, tier=tier) from err
+        raise ObjectNotFound("no such object", key=key, tier=tier) from err
     except FileNotFoundError as err:
         raise ObjectNotFound("no such object", key=key, tier=tier) from err
     except FileExistsError as err:

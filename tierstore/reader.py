@@ -40,6 +40,7 @@ from tierstore.errors import (
     IntegrityError,
     InvalidManifest,
     StorageError,
+    TierstoreError,
 )
 from tierstore.manifest import FileEntry, Manifest
 
@@ -80,6 +81,7 @@ class TieredReader(StorageReader):
         self.manifest: Manifest | None = None
         self._holders: list[Tier] = []
         self._storage_data: dict[MetadataIndex, Any] = {}
+        self._deferred: TierstoreError | None = None
 
     # -- DCP protocol --------------------------------------------------------------------
 
@@ -91,6 +93,17 @@ class TieredReader(StorageReader):
 
     def read_metadata(self, *args: Any) -> Metadata:  # type: ignore[override]
         # No **kwargs on purpose: DCP then never falls back to rank-local metadata files.
+        # DCP turns any error raised here into a bare AssertionError string. To hand users
+        # the real error (type, attributes, traceback), keep it and raise it from
+        # set_up_storage_reader, which DCP calls next and does not catch.
+        self._deferred = None
+        try:
+            return self._read_metadata()
+        except TierstoreError as err:
+            self._deferred = err
+            return Metadata(state_dict_metadata={})
+
+    def _read_metadata(self) -> Metadata:
         manifest, holders = resolve(self.tiers, step=self.step, name=self.name)
         self.manifest, self._holders = manifest, holders
         entry = manifest.file(manifest.metadata_file)
@@ -111,6 +124,8 @@ class TieredReader(StorageReader):
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
                               **kwargs: Any) -> None:
+        if self._deferred is not None:
+            raise self._deferred
         if metadata.storage_data is None:
             raise IntegrityError("DCP metadata has no storage data", checkpoint=self._name())
         self._storage_data = metadata.storage_data
@@ -178,8 +193,9 @@ class TieredReader(StorageReader):
         chunks: list[bytes] = []
 
         def collect(stream: _VerifiedStream) -> None:
-            chunks.clear()
-            chunks.append(stream.read_exactly(entry.size))
+            data = stream.read_exactly(entry.size)
+            stream.finish()  # verified before anyone unpickles it
+            chunks[:] = [data]
 
         self._from_nearest(entry, collect)
         return chunks[0]

@@ -1,0 +1,43 @@
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/launch.py, tests/dist_job.py
+
+from tierstore import faults  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _no_armed_faults():
+    faults.disarm()
+    yield
+    faults.disarm()
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> str:
+    """An empty hot-tier root."""
+    return str(tmp_path / "hot")
+
+
+@pytest.fixture
+def out_dir(tmp_path: Path) -> Path:
+    out = tmp_path / "out"
+    out.mkdir()
+    return out
+
+
+def unwrap(exc: BaseException) -> BaseException:
+    """The first rank's original error inside DCP's CheckpointException."""
+    failures = getattr(exc, "failures", None)
+    if failures:
+        first = failures[min(failures)]
+        return first[0] if isinstance(first, tuple) else first
+    return exc
+
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -1,0 +1,125 @@
+from __future__ import annotations
+
+import multiprocessing
+import os
+from pathlib import Path
+
+import pytest
+
+from tierstore import faults
+from tierstore._local import LocalBackend
+from tierstore.errors import ConfigError, FaultInjected, ObjectNotFound, PublishConflict, UnsafePath
+from tierstore.testing import BackendContract
+
+
+class TestLocalContract(BackendContract):
+    @pytest.fixture
+    def backend(self, tmp_path: Path) -> LocalBackend:
+        return LocalBackend(str(tmp_path / "root"))
+
+
+class TestFileURLContract(BackendContract):
+    large_size = 8 << 20
+
+    @pytest.fixture
+    def backend(self, tmp_path: Path) -> LocalBackend:
+        return LocalBackend(f"file://{tmp_path}/root")
+
+
+def _publish(root: str, i: int, queue: multiprocessing.Queue) -> None:
+    try:
+        LocalBackend(root).publish("m/x.json", f"proc-{i}".encode())
+        queue.put("won")
+    except PublishConflict:
+        queue.put("lost")
+
+
+def test_racing_processes_exactly_one_publish_wins(tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+    ctx = multiprocessing.get_context("spawn")
+    queue: multiprocessing.Queue = ctx.Queue()
+    procs = [ctx.Process(target=_publish, args=(root, i, queue)) for i in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    results = sorted(queue.get(timeout=5) for _ in procs)
+    assert results == ["lost", "lost", "lost", "won"]
+
+
+def test_symlink_inside_root_is_refused(tmp_path: Path) -> None:
+    outside = tmp_path / "secret"
+    outside.write_text("do not read")
+    backend = LocalBackend(str(tmp_path / "root"))
+    backend.publish("ck/real", b"ok")
+    os.symlink(outside, tmp_path / "root" / "ck" / "link")
+    with pytest.raises(UnsafePath):
+        backend.open_read("ck/link")
+    os.symlink(tmp_path, tmp_path / "root" / "dirlink")
+    with pytest.raises(UnsafePath):
+        backend.open_read("dirlink/secret")
+    assert "ck/link" not in {i.key for i in backend.list("ck/")}
+
+
+def test_root_may_itself_be_a_symlink(tmp_path: Path) -> None:
+    (tmp_path / "real").mkdir()
+    os.symlink(tmp_path / "real", tmp_path / "alias")
+    backend = LocalBackend(str(tmp_path / "alias"))
+    backend.publish("a/b", b"data")
+    assert backend.read_bytes("a/b") == b"data"
+
+
+def test_non_regular_file_is_refused(tmp_path: Path) -> None:
+    backend = LocalBackend(str(tmp_path))
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(UnsafePath):
+        backend.open_read("fifo")
+
+
+def test_publish_crash_before_link_leaves_key_absent(tmp_path: Path) -> None:
+    backend = LocalBackend(str(tmp_path))
+    faults.arm("local.publish.after_temp_fsync")
+    with pytest.raises(FaultInjected):
+        backend.publish("m/a.json", b"{}")
+    assert not backend.exists("m/a.json")
+    faults.disarm()
+    backend.publish("m/a.json", b"{}")  # the debris does not block a real publish
+    assert backend.read_bytes("m/a.json") == b"{}"
+
+
+def test_delete_prunes_empty_directories_but_not_root(tmp_path: Path) -> None:
+    backend = LocalBackend(str(tmp_path / "root"))
+    backend.publish("a/b/c/d", b"x")
+    backend.delete("a/b/c/d")
+    assert os.listdir(tmp_path / "root") == []
+
+
+def test_write_refuses_existing_key(tmp_path: Path) -> None:
+    backend = LocalBackend(str(tmp_path))
+    backend.publish("k", b"1")
+    with pytest.raises(PublishConflict):
+        backend.open_write("k")
+    assert backend.read_bytes("k") == b"1"
+
+
+def test_errors_name_key_and_tier(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    backend = LocalBackend(str(tmp_path / "file"))
+    backend.label = "hot /somewhere"
+    with pytest.raises(OSError) as info:
+        backend.publish("m/x.json", b"{}")
+    assert "m/x.json" in str(info.value) and "hot /somewhere" in str(info.value)
+    with pytest.raises(ObjectNotFound):
+        backend.stat("m/x.json")
+
+
+def test_bad_options_and_urls() -> None:
+    with pytest.raises(ConfigError):
+        LocalBackend("/tmp/x", bogus=1)
+    with pytest.raises(ConfigError):
+        LocalBackend("file://otherhost/x")
+
+
+def test_free_bytes_of_missing_root_uses_parent(tmp_path: Path) -> None:
+    free = LocalBackend(str(tmp_path / "not" / "yet")).free_bytes()
+    assert free is not None and free > 0

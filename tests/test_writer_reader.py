@@ -1,0 +1,343 @@
+"""TieredWriter / TieredReader in one process (no process group): protocol and bad input."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import unwrap
+
+from tierstore import (
+    CheckpointExists,
+    CheckpointNotFound,
+    ChecksumMismatch,
+    ConfigError,
+    IntegrityError,
+    InvalidManifest,
+    TieredReader,
+    TieredWriter,
+    faults,
+    latest_checkpoint,
+    list_checkpoints,
+    layout,
+)
+from tierstore.catalog import Tier
+from tierstore.errors import FaultInjected, ObjectNotFound, UnsafePath
+from tierstore.manifest import Manifest, _checksum
+
+
+def state_for(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {
+        "w": torch.randn(64, 33, generator=g),
+        "b": torch.randn(7, generator=g).to(torch.bfloat16),
+        "i": torch.arange(10) * step,
+        "extra": {"step": step, "note": f"at {step}"},
+    }
+
+
+def blank() -> dict:
+    return {"w": torch.zeros(64, 33), "b": torch.zeros(7, dtype=torch.bfloat16),
+            "i": torch.zeros(10, dtype=torch.long), "extra": {"step": -1, "note": ""}}
+
+
+def assert_same(a: dict, b: dict) -> None:
+    assert a["extra"] == b["extra"]
+    for key in ("w", "b", "i"):
+        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+
+
+def save(store: str, step: int, **kw) -> TieredWriter:
+    writer = TieredWriter(store, step=step, **kw)
+    dcp.save(state_for(step), storage_writer=writer)
+    return writer
+
+
+def load(store: str, **kw) -> tuple[dict, TieredReader]:
+    target = blank()
+    reader = TieredReader(store, **kw)
+    dcp.load(target, storage_reader=reader)
+    return target, reader
+
+
+def load_error(store: str, **kw) -> BaseException:
+    with pytest.raises(BaseException) as info:
+        load(store, **kw)
+    return unwrap(info.value)
+
+
+def data_file(store: str, manifest: Manifest, path: str = "__0_0.distcp") -> Path:
+    return Path(store, layout.file_key(manifest.name, manifest.attempt, path))
+
+
+# -- the happy paths -------------------------------------------------------------------
+
+
+def test_save_load_round_trip_and_manifest(store: str) -> None:
+    writer = save(store, 10)
+    manifest = writer.manifest
+    assert manifest is not None and manifest.step == 10 and manifest.world_size == 1
+    assert {f.path for f in manifest.files} == {".metadata", "__0_0.distcp"}
+    for entry in manifest.files:  # every size in the manifest is the real one
+        assert data_file(store, manifest, entry.path).stat().st_size == entry.size
+    target, reader = load(store)
+    assert_same(target, state_for(10))
+    assert reader.manifest == manifest
+
+
+def test_async_save_thread_without_process_group(store: str) -> None:
+    future = dcp.async_save(state_for(3), storage_writer=TieredWriter(store, step=3))
+    future.result()
+    assert_same(load(store)[0], state_for(3))
+
+
+def test_newest_is_loaded_and_step_or_name_pick_others(store: str) -> None:
+    for step in (5, 20, 15):
+        save(store, step)
+    assert [c.step for c in list_checkpoints(store)] == [5, 15, 20]
+    assert latest_checkpoint(store).step == 20
+    assert_same(load(store)[0], state_for(20))
+    assert_same(load(store, step=5)[0], state_for(5))
+    assert_same(load(store, name=layout.default_name(15))[0], state_for(15))
+
+
+def test_checkpoint_id_names_the_checkpoint(store: str) -> None:
+    dcp.save(state_for(1), checkpoint_id="warmup-done", storage_writer=TieredWriter(store))
+    target = blank()
+    dcp.load(target, checkpoint_id="warmup-done", storage_reader=TieredReader(store))
+    assert_same(target, state_for(1))
+    assert list_checkpoints(store)[0].name == "warmup-done"
+
+
+def test_many_files_and_threads(store: str) -> None:
+    writer = save(store, 1, thread_count=3, single_file_per_rank=False)
+    assert len(writer.manifest.files) == 6  # .metadata + one per item (w, b, i, 2 in extra)
+    assert_same(load(store)[0], state_for(1))
+    save(store, 2, thread_count=2)
+    assert_same(load(store)[0], state_for(2))
+
+
+def test_empty_state_dict(store: str) -> None:
+    dcp.save({}, storage_writer=TieredWriter(store, step=0))
+    dcp.load({}, storage_reader=TieredReader(store))
+    assert list_checkpoints(store)[0].num_files == 1
+
+
+def test_writer_pickles_without_its_backend(store: str) -> None:
+    writer = save(store, 1)
+    clone = pickle.loads(pickle.dumps(writer))
+    assert clone.tiers[0]._backend is None and clone.step == 1
+
+
+def test_attempt_directory_is_plain_dcp(store: str) -> None:
+    manifest = save(store, 4).manifest
+    target = blank()
+    attempt_dir = Path(store, layout.attempt_prefix(manifest.name, manifest.attempt))
+    dcp.load(target, storage_reader=dcp.FileSystemReader(attempt_dir))
+    assert_same(target, state_for(4))
+
+
+# -- commit protocol -------------------------------------------------------------------
+
+
+def test_committed_checkpoint_is_never_overwritten(store: str) -> None:
+    save(store, 7)
+    with pytest.raises(BaseException) as info:
+        dcp.save(state_for(99), storage_writer=TieredWriter(store, step=7))
+    assert isinstance(unwrap(info.value), CheckpointExists)
+    assert "step-0000000007" in str(unwrap(info.value))
+    assert_same(load(store)[0], state_for(7))
+
+
+def test_racing_attempts_on_one_step_commit_exactly_once(store: str, monkeypatch) -> None:
+    # The outer save passes the "not yet committed" check, then a second attempt commits
+    # the same step just before the outer one publishes: the outer publish must lose.
+    real_publish = Tier.publish_manifest
+    raced = []
+
+    def publish_after_rival(self: Tier, manifest: Manifest) -> None:
+        if not raced:
+            raced.append(True)
+            dcp.save(state_for(8), storage_writer=TieredWriter(store, step=8))
+        real_publish(self, manifest)
+
+    monkeypatch.setattr(Tier, "publish_manifest", publish_after_rival)
+    with pytest.raises(BaseException) as info:
+        dcp.save(state_for(1008), storage_writer=TieredWriter(store, step=8))
+    assert isinstance(unwrap(info.value), CheckpointExists)
+    monkeypatch.undo()
+    assert [c.step for c in list_checkpoints(store)] == [8]
+    assert_same(load(store)[0], state_for(8))
+    attempts = os.listdir(Path(store, layout.checkpoint_prefix("step-0000000008")))
+    assert len(attempts) == 2  # the loser's files are debris for GC, never listed
+
+
+@pytest.mark.parametrize("point", ["writer.after_file_write", "writer.after_metadata_write",
+                                   "writer.before_manifest_publish"])
+def test_failed_attempt_is_never_listed(store: str, point: str) -> None:
+    save(store, 1)
+    faults.arm(point)
+    with pytest.raises(BaseException) as info:
+        save(store, 2)
+    assert isinstance(unwrap(info.value), FaultInjected)
+    faults.disarm()
+    assert [c.step for c in list_checkpoints(store)] == [1]
+    assert_same(load(store)[0], state_for(1))
+    assert Path(store, layout.checkpoint_prefix("step-0000000002")).is_dir()  # debris exists
+    save(store, 2)  # and a new attempt at the same step works
+    assert_same(load(store)[0], state_for(2))
+
+
+def test_writer_needs_a_name(store: str) -> None:
+    with pytest.raises(BaseException) as info:
+        dcp.save(state_for(1), storage_writer=TieredWriter(store))
+    assert isinstance(unwrap(info.value), ConfigError)
+    for bad in [dict(step=-1), dict(step="3"), dict(name="../x"), dict(thread_count=0)]:
+        with pytest.raises(ConfigError):
+            TieredWriter(store, **bad)
+    with pytest.raises(ConfigError, match="not a path"):
+        dcp.save(state_for(1), checkpoint_id="/abs/path", storage_writer=TieredWriter(store))
+
+
+# -- reading: not found, corruption, hostile input ---------------------------------------
+
+
+def test_empty_or_missing_store_names_the_tier(tmp_path: Path) -> None:
+    err = load_error(str(tmp_path / "nothing"))
+    assert isinstance(err, CheckpointNotFound)
+    assert "no committed checkpoint" in str(err) and str(tmp_path / "nothing") in str(err)
+    save(str(tmp_path / "s"), 1)
+    assert "step 9" in str(load_error(str(tmp_path / "s"), step=9))
+    err = load_error(str(tmp_path / "s"), name="other")
+    assert isinstance(err, CheckpointNotFound) and err.checkpoint == "other"
+
+
+def flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("offset", [0, 700, -1])
+def test_flipped_byte_in_data_file_is_caught(store: str, offset: int) -> None:
+    manifest = save(store, 3).manifest
+    path = data_file(store, manifest)
+    flip(path, offset if offset >= 0 else path.stat().st_size - 1)
+    err = load_error(store)
+    assert isinstance(err, ChecksumMismatch), err
+    entry = manifest.file("__0_0.distcp")
+    assert err.checkpoint == manifest.name and err.file == "__0_0.distcp" and "hot" in err.tier
+    assert err.expected == f"{entry.crc32c:08x}" and err.actual != err.expected
+    assert "CRC32C mismatch" in str(err) and manifest.name in str(err)
+
+
+def test_flipped_byte_in_dcp_metadata_is_caught_before_unpickling(store: str) -> None:
+    manifest = save(store, 3).manifest
+    flip(data_file(store, manifest, ".metadata"), 40)
+    err = load_error(store)
+    assert isinstance(err, ChecksumMismatch) and err.file == ".metadata"
+
+
+@pytest.mark.parametrize("change", ["truncate", "extend", "delete"])
+def test_wrong_size_or_missing_file(store: str, change: str) -> None:
+    manifest = save(store, 3).manifest
+    path = data_file(store, manifest)
+    if change == "truncate":
+        path.write_bytes(path.read_bytes()[:-10])
+    elif change == "extend":
+        path.write_bytes(path.read_bytes() + b"junk")
+    else:
+        path.unlink()
+    err = load_error(store)
+    if change == "delete":
+        assert isinstance(err, ObjectNotFound) and "__0_0.distcp" in str(err)
+    else:
+        assert isinstance(err, ChecksumMismatch) and "size mismatch" in str(err)
+
+
+def rewrite_manifest(store: str, name: str, mutate) -> None:
+    path = Path(store, layout.manifest_key(name))
+    body = json.loads(path.read_text())
+    mutate(body)
+    body.pop("checksum")
+    body["checksum"] = _checksum(body)
+    path.write_text(json.dumps(body))
+
+
+@pytest.mark.parametrize("path", ["../../outside.distcp", "/etc/passwd"])
+def test_manifest_with_escaping_path_is_rejected(store: str, path: str, caplog) -> None:
+    save(store, 1)
+    name = save(store, 2).manifest.name
+    rewrite_manifest(store, name, lambda b: b["files"][1].update(path=path))
+    err = load_error(store, name=name)
+    assert isinstance(err, InvalidManifest) and "unsafe file path" in str(err)
+    assert name in str(err) and "hot" in str(err)
+    # Picking the newest skips the invalid checkpoint (it is not committed) and says so.
+    with caplog.at_level(logging.WARNING, logger="tierstore"):
+        target, reader = load(store)
+    assert reader.manifest.step == 1 and "invalid manifest" in caplog.text
+    assert [c.step for c in list_checkpoints(store)] == [1]
+
+
+def test_manifest_with_wrong_self_checksum_or_truncated(store: str) -> None:
+    name = save(store, 1).manifest.name
+    path = Path(store, layout.manifest_key(name))
+    good = path.read_bytes()
+    path.write_bytes(good.replace(b'"step": 1', b'"step": 2'))
+    assert "self-checksum" in str(load_error(store, name=name))
+    path.write_bytes(good[: len(good) // 2])
+    err = load_error(store, name=name)
+    assert isinstance(err, InvalidManifest) and "truncated" in str(err)
+    assert list_checkpoints(store) == []
+
+
+def test_symlinked_data_file_is_refused_even_with_right_bytes(store: str, tmp_path: Path) -> None:
+    manifest = save(store, 1).manifest
+    path = data_file(store, manifest)
+    copy = tmp_path / "elsewhere.distcp"
+    shutil.copy(path, copy)
+    path.unlink()
+    os.symlink(copy, path)
+    err = load_error(store)
+    assert isinstance(err, UnsafePath) and "__0_0.distcp" in str(err)
+
+
+def test_forged_metadata_pickle_never_runs(store: str, tmp_path: Path) -> None:
+    manifest = save(store, 1).manifest
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    payload = pickle.dumps(Evil())
+    data_file(store, manifest, ".metadata").write_bytes(payload)
+    from tierstore.backend import crc32c_update
+
+    def forge(body: dict) -> None:  # a forger who also fixes up sizes and checksums
+        for entry in body["files"]:
+            if entry["path"] == ".metadata":
+                entry.update(size=len(payload), crc32c=crc32c_update(0, payload))
+
+    rewrite_manifest(store, manifest.name, forge)
+    err = load_error(store)
+    assert isinstance(err, IntegrityError) and "cannot be loaded safely" in str(err)
+    assert not marker.exists()
+
+
+def test_metadata_referencing_unlisted_file_is_rejected(store: str) -> None:
+    manifest = save(store, 1).manifest
+
+    def drop(body: dict) -> None:
+        body["files"] = [f for f in body["files"] if f["path"] != "__0_0.distcp"]
+
+    rewrite_manifest(store, manifest.name, drop)
+    err = load_error(store)
+    assert isinstance(err, InvalidManifest) and "does not list" in str(err)

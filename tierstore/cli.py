@@ -1,0 +1,114 @@
+"""The ``tierstore`` command: inspect and operate a store (``python -m tierstore`` too)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+from tierstore import layout
+from tierstore.catalog import list_checkpoints, make_tiers, resolve
+from tierstore.errors import TierstoreError
+
+__all__ = ["main"]
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
+
+
+def _options(pairs: Sequence[str] | None) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for pair in pairs or ():
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"tierstore: option {pair!r} is not KEY=VALUE")
+        try:
+            options[key] = json.loads(value)  # numbers, booleans, lists
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
+
+
+def _human(size: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.1f} {unit}" if unit != "B" else f"{int(size)} B"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    infos = list_checkpoints(args.hot, args.cold, hot_options=_options(args.hot_option),
+                             cold_options=_options(args.cold_option))
+    if args.json:
+        print(json.dumps([asdict(i) for i in infos], indent=1))
+        return EXIT_OK
+    if not infos:
+        print("no committed checkpoints")
+        return EXIT_OK
+    now = time.time()
+    print(f"{'name':<24}{'step':>10}{'size':>12}{'files':>7}{'age':>10}  tiers")
+    for i in infos:
+        age = f"{(now - i.created) / 60:.0f} min" if now - i.created < 7200 else f"{(now - i.created) / 3600:.1f} h"
+        step = "-" if i.step is None else str(i.step)
+        print(f"{i.name:<24}{step:>10}{_human(i.size):>12}{i.num_files:>7}{age:>10}  {','.join(i.tiers)}")
+    return EXIT_OK
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    tiers = make_tiers(args.hot, args.cold, hot_options=_options(args.hot_option),
+                       cold_options=_options(args.cold_option))
+    manifest, holders = resolve(tiers, step=args.step, name=args.name)
+    if args.json:
+        body = json.loads(manifest.to_json())
+        body["tiers"] = [t.role for t in holders]
+        print(json.dumps(body, indent=1))
+        return EXIT_OK
+    print(f"checkpoint {manifest.name}  step {manifest.step}  attempt {manifest.attempt}")
+    print(f"world size {manifest.world_size}  created {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(manifest.created))}"
+          f"  size {_human(manifest.total_size)}  in {', '.join(t.label for t in holders)}")
+    print(f"data: {layout.attempt_prefix(manifest.name, manifest.attempt)}")
+    for f in manifest.files:
+        print(f"  rank {f.rank:>4}  {f.path:<24}{_human(f.size):>12}  crc32c {f.crc32c:08x}")
+    return EXIT_OK
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tierstore", description="Inspect and operate a tierstore store.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def store_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--hot", help="hot tier path or URL")
+        p.add_argument("--cold", help="cold tier URL")
+        p.add_argument("--hot-option", action="append", metavar="KEY=VALUE", help="hot backend option")
+        p.add_argument("--cold-option", action="append", metavar="KEY=VALUE", help="cold backend option")
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    ls = sub.add_parser("ls", help="list committed checkpoints")
+    store_args(ls)
+    ls.set_defaults(func=cmd_ls)
+    show = sub.add_parser("show", help="show a checkpoint's manifest")
+    store_args(show)
+    show.add_argument("--step", type=int)
+    show.add_argument("--name")
+    show.set_defaults(func=cmd_show)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.hot is None and args.cold is None:
+        print("tierstore: give --hot and/or --cold", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        return int(args.func(args))
+    except TierstoreError as err:
+        print(f"tierstore: {type(err).__name__}: {err}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""The backend contract as a reusable pytest suite.
+
+Every backend, built-in or plugin, proves the guarantees of :mod:`tierstore.backend` by
+subclassing :class:`BackendContract` and providing a fresh, empty backend::
+
+    from tierstore.testing import BackendContract
+
+    class TestMyBackend(BackendContract):
+        @pytest.fixture
+        def backend(self, tmp_path):
+            return MyBackend(f"my://{tmp_path}")
+
+Class attributes tune it: ``large_size`` (bytes streamed by the large-file tests) and
+``stream_memory_limit`` (the most Python-heap growth allowed while streaming it).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import tracemalloc
+from typing import Any
+
+import pytest
+
+from tierstore.backend import Backend, crc32c_update
+from tierstore.errors import ObjectNotFound, PublishConflict, StorageError, UnsafePath
+
+__all__ = ["BackendContract"]
+
+
+def _payload(size: int, seed: int = 0) -> bytes:
+    return (bytes([seed % 251]) + os.urandom(64)) * (size // 65) + os.urandom(size % 65)
+
+
+class BackendContract:
+    """Contract tests every backend must pass (see the module docstring)."""
+
+    large_size = 48 << 20
+    stream_memory_limit = 24 << 20
+    racers = 8
+
+    @pytest.fixture
+    def backend(self) -> Backend:
+        raise NotImplementedError("subclasses provide a fresh, empty backend")
+
+    # -- writes, reads, checksums ---------------------------------------------------------
+
+    def test_write_then_read_back(self, backend: Backend) -> None:
+        data = _payload(300_000)
+        with backend.open_write("ckpt/a/file.bin") as out:
+            for start in range(0, len(data), 70_000):
+                out.write(memoryview(data)[start : start + 70_000])
+        assert out.size == len(data)
+        assert out.crc32c == crc32c_update(0, data)
+        with backend.open_read("ckpt/a/file.bin") as stream:
+            assert stream.read() == data
+        assert backend.stat("ckpt/a/file.bin").size == len(data)
+
+    def test_stored_crc32c_matches_bytes(self, backend: Backend) -> None:
+        data = _payload(100_001, seed=3)
+        with backend.open_write("c/x") as out:
+            out.write(data)
+        info = backend.stat("c/x")
+        with backend.open_read("c/x") as stream:
+            stored = stream.read()
+        assert crc32c_update(0, stored) == out.crc32c == crc32c_update(0, data)
+        if info.crc32c is not None:  # backends that keep a server-side checksum
+            assert info.crc32c == out.crc32c
+
+    def test_empty_object(self, backend: Backend) -> None:
+        with backend.open_write("e/empty") as out:
+            pass
+        assert out.size == 0 and out.crc32c == 0
+        assert backend.read_bytes("e/empty") == b""
+
+    def test_abort_leaves_nothing(self, backend: Backend) -> None:
+        with pytest.raises(RuntimeError):
+            with backend.open_write("ab/file") as out:
+                out.write(b"partial data")
+                raise RuntimeError("writer died")
+        assert not backend.exists("ab/file")
+
+    def test_read_after_write_is_visible_everywhere(self, backend: Backend) -> None:
+        with backend.open_write("raw/one") as out:
+            out.write(b"1")
+        backend.publish("raw/two", b"22")
+        assert backend.exists("raw/one") and backend.exists("raw/two")
+        assert {i.key for i in backend.list("raw/")} == {"raw/one", "raw/two"}
+        assert backend.read_bytes("raw/two") == b"22"
+
+    def test_missing_key_is_object_not_found_naming_key_and_tier(self, backend: Backend) -> None:
+        for call in (backend.stat, backend.open_read):
+            with pytest.raises(ObjectNotFound) as info:
+                call("no/such/key")
+            assert info.value.key == "no/such/key"
+            assert "no/such/key" in str(info.value) and backend.label in str(info.value)
+            assert isinstance(info.value, FileNotFoundError)
+        assert not backend.exists("no/such/key")
+
+    def test_read_bytes_limit(self, backend: Backend) -> None:
+        backend.publish("lim/m", b"x" * 100)
+        assert backend.read_bytes("lim/m", limit=100) == b"x" * 100
+        with pytest.raises(StorageError):
+            backend.read_bytes("lim/m", limit=99)
+
+    # -- publish ------------------------------------------------------------------------
+
+    def test_publish_is_exclusive(self, backend: Backend) -> None:
+        backend.publish("m/ckpt.json", b"first")
+        with pytest.raises(PublishConflict) as info:
+            backend.publish("m/ckpt.json", b"second")
+        assert info.value.key == "m/ckpt.json"
+        assert backend.read_bytes("m/ckpt.json") == b"first"
+
+    def test_racing_publishers_exactly_one_wins(self, backend: Backend) -> None:
+        barrier = threading.Barrier(self.racers)
+        outcome: dict[int, Any] = {}
+
+        def race(i: int) -> None:
+            barrier.wait()
+            try:
+                backend.publish("race/m.json", f"writer-{i}".encode())
+                outcome[i] = "won"
+            except PublishConflict:
+                outcome[i] = "lost"
+            except Exception as err:  # pragma: no cover - reported below
+                outcome[i] = err
+
+        threads = [threading.Thread(target=race, args=(i,)) for i in range(self.racers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        winners = [i for i, r in outcome.items() if r == "won"]
+        assert len(winners) == 1, outcome
+        assert all(r in ("won", "lost") for r in outcome.values()), outcome
+        assert backend.read_bytes("race/m.json") == f"writer-{winners[0]}".encode()
+
+    def test_publish_leaves_no_temporaries_visible_as_the_key(self, backend: Backend) -> None:
+        backend.publish("p/a.json", b"{}")
+        assert [i.key for i in backend.list("p/") if i.key.endswith(".json")] == ["p/a.json"]
+
+    # -- listing and deleting ----------------------------------------------------------
+
+    def test_list_is_recursive_and_scoped(self, backend: Backend) -> None:
+        for key in ("l/a", "l/b/c", "l/b/d/e", "other/f"):
+            backend.publish(key, key.encode())
+        infos = {i.key: i for i in backend.list("l/")}
+        assert set(infos) == {"l/a", "l/b/c", "l/b/d/e"}
+        assert infos["l/b/c"].size == len(b"l/b/c")
+        assert {i.key for i in backend.list("")} >= {"l/a", "other/f"}
+        assert list(backend.list("nothing-here/")) == []
+
+    def test_delete_is_idempotent(self, backend: Backend) -> None:
+        backend.publish("d/x", b"x")
+        backend.delete("d/x")
+        backend.delete("d/x")
+        backend.delete("d/never-existed")
+        assert not backend.exists("d/x")
+        assert list(backend.list("d/")) == []
+
+    # -- keys --------------------------------------------------------------------------
+
+    @pytest.mark.parametrize("key", ["../escape", "/abs/key", "a//b", "a/./b", "a/../b", "", "a\\b"])
+    def test_unsafe_keys_are_rejected(self, backend: Backend, key: str) -> None:
+        with pytest.raises(UnsafePath):
+            backend.publish(key, b"x")
+        with pytest.raises(UnsafePath):
+            backend.open_read(key)
+
+    # -- streaming ---------------------------------------------------------------------
+
+    def test_large_file_is_streamed_both_ways(self, backend: Backend) -> None:
+        chunk = os.urandom(1 << 20)
+        chunks = self.large_size // len(chunk)
+        expected_crc = 0
+        for _ in range(chunks):
+            expected_crc = crc32c_update(expected_crc, chunk)
+        tracemalloc.start()
+        try:
+            with backend.open_write("big/file") as out:
+                for _ in range(chunks):
+                    out.write(chunk)
+            _, write_peak = tracemalloc.get_traced_memory()
+            tracemalloc.reset_peak()
+            crc, total = 0, 0
+            with backend.open_read("big/file") as stream:
+                while block := stream.read(1 << 20):
+                    crc = crc32c_update(crc, block)
+                    total += len(block)
+            _, read_peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        assert (total, crc) == (chunks * len(chunk), expected_crc)
+        assert out.crc32c == expected_crc
+        assert write_peak < self.stream_memory_limit, f"write held {write_peak} bytes"
+        assert read_peak < self.stream_memory_limit, f"read held {read_peak} bytes"
+
+    def test_repr_is_safe(self, backend: Backend) -> None:
+        assert type(backend).__name__ in repr(backend)
+        assert backend.scheme
