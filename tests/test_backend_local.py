@@ -123,3 +123,34 @@ def test_bad_options_and_urls() -> None:
 def test_free_bytes_of_missing_root_uses_parent(tmp_path: Path) -> None:
     free = LocalBackend(str(tmp_path / "not" / "yet")).free_bytes()
     assert free is not None and free > 0
+
+
+class TestMemoryContract(BackendContract):
+    large_size = 8 << 20
+    stream_memory_limit = 3 * (8 << 20)  # the store is memory: the object plus one copy
+
+    @pytest.fixture
+    def backend(self):
+        import uuid
+
+        from tierstore._memory import MemoryBackend
+
+        return MemoryBackend(f"memory://{uuid.uuid4().hex}")
+
+
+class TestFsspecFileContract(BackendContract):
+    large_size = 16 << 20
+
+    @pytest.fixture
+    def backend(self, tmp_path: Path):
+        from tierstore.registry import open_backend
+
+        return open_backend(f"fsspec+file://{tmp_path}/root")
+
+
+def test_memory_store_is_shared_by_name_and_survives_backends() -> None:
+    from tierstore._memory import MemoryBackend
+
+    MemoryBackend("memory://shared-name").publish("k", b"v")
+    assert MemoryBackend("memory://shared-name/").read_bytes("k") == b"v"
+    assert not MemoryBackend("memory://other-name").exists("k")

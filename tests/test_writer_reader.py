@@ -92,6 +92,16 @@ def test_save_load_round_trip_and_manifest(store: str) -> None:
     assert reader.manifest == manifest
 
 
+@pytest.mark.parametrize("scheme", ["file://", "memory://", "fsspec+file://"])
+def test_round_trip_on_other_builtin_backends(tmp_path: Path, scheme: str) -> None:
+    url = f"{scheme}{tmp_path}/store" if scheme != "memory://" else f"memory://{tmp_path.name}"
+    save(url, 1)
+    save(url, 2)
+    assert [c.step for c in list_checkpoints(url)] == [1, 2]
+    assert_same(load(url, step=1)[0], state_for(1))
+    assert_same(load(url)[0], state_for(2))
+
+
 def test_async_save_thread_without_process_group(store: str) -> None:
     future = dcp.async_save(state_for(3), storage_writer=TieredWriter(store, step=3))
     future.result()

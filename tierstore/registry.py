@@ -101,6 +101,10 @@ def _dist_name(ep: Any) -> str:
 def backend_class(scheme: str) -> type[Backend]:
     """The backend class for ``scheme``, importing it on first use."""
     scheme = scheme.lower()
+    if scheme.startswith("fsspec+"):  # any fsspec filesystem, asked for explicitly
+        from tierstore._fsspec import FsspecBackend
+
+        return FsspecBackend
     _load_entry_points()
     target = _registry.get(scheme)
     if target is None:
