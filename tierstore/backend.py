@@ -149,6 +149,8 @@ class Backend(abc.ABC):
     """One storage tier: immutable objects under relative keys (contract: module docstring)."""
 
     scheme: ClassVar[str] = ""
+    #: Object stores set this: data keys are then spread over hashed prefixes (see layout).
+    spread_keys: ClassVar[bool] = False
 
     def __init__(self, url: str, **options: Any) -> None:
         self.url = url

@@ -57,6 +57,10 @@ class Tier:
             self._backend = open_backend(self.url, self.options, label=self.role)
         return self._backend
 
+    def file_key(self, name: str, attempt: str, path: str) -> str:
+        """Where this tier keeps file ``path`` of an attempt."""
+        return layout.file_key(name, attempt, path, spread=self.backend.spread_keys)
+
     def find_manifest(self, name: str) -> Manifest | None:
         """The valid manifest of ``name``, ``None`` if absent; raises if present but invalid."""
         key = layout.manifest_key(name)

@@ -13,6 +13,8 @@ from typing import Any
 from tierstore import layout
 from tierstore.catalog import list_checkpoints, make_tiers, resolve
 from tierstore.errors import TierstoreError
+from tierstore.migrator import MigrationConfig, MigrationState, migrate_pending, migration_status
+from tierstore.restore import restore
 
 __all__ = ["main"]
 
@@ -76,6 +78,87 @@ def cmd_show(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+class Progress:
+    """A one-line progress display on stderr (a plain line per step when not a terminal)."""
+
+    def __init__(self, stream: Any = sys.stderr) -> None:
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.last = 0.0
+
+    def __call__(self, name: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        if done < total and now - self.last < (0.2 if self.tty else 10.0):
+            return
+        self.last = now
+        frac = done / total if total else 1.0
+        bar = "#" * int(frac * 30)
+        line = f"{name}  [{bar:<30}] {frac:6.1%}  {_human(done)} / {_human(total)}"
+        self.stream.write(("\r" + line) if self.tty else line + "\n")
+        if self.tty and done >= total:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
+def _config(args: argparse.Namespace) -> MigrationConfig:
+    bandwidth = args.bandwidth * 2**20 if args.bandwidth else None
+    return MigrationConfig(concurrency=args.concurrency, bandwidth=bandwidth)
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    if not args.cold:
+        raise SystemExit("tierstore migrate: --cold is required")
+    names = [args.name] if args.name else None
+    results = migrate_pending(args.hot, args.cold, hot_options=_options(args.hot_option),
+                              cold_options=_options(args.cold_option), names=names,
+                              config=_config(args), progress=None if args.json else Progress())
+    failed = [r for r in results if r.state is MigrationState.FAILED]
+    if args.json:
+        print(json.dumps([_status_json(r) for r in results], indent=1))
+    else:
+        for r in results:
+            detail = f": rank {r.failed_rank}, file {r.failed_file}: {r.error}" if r.error else ""
+            print(f"{r.name}: {r.state.value}{detail}")
+        if not results:
+            print("nothing to migrate: every hot checkpoint is committed in the cold tier")
+    return EXIT_ERROR if failed else EXIT_OK
+
+
+def cmd_restore(args: argparse.Namespace) -> int:
+    if not (args.hot and args.cold):
+        raise SystemExit("tierstore restore: --hot and --cold are required")
+    manifest = restore(args.hot, args.cold, step=args.step, name=args.name,
+                       hot_options=_options(args.hot_option), cold_options=_options(args.cold_option),
+                       config=_config(args), progress=None if args.json else Progress())
+    if args.json:
+        print(json.dumps({"name": manifest.name, "step": manifest.step, "attempt": manifest.attempt}))
+    else:
+        print(f"restored {manifest.name} (step {manifest.step}) into {args.hot}")
+    return EXIT_OK
+
+
+def _status_json(status: Any) -> dict[str, Any]:
+    body = asdict(status)
+    body["state"] = status.state.value
+    body["lag_bytes"] = status.lag_bytes
+    return body
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    if not (args.hot and args.cold):
+        raise SystemExit("tierstore status: --hot and --cold are required")
+    statuses = migration_status(args.hot, args.cold, hot_options=_options(args.hot_option),
+                                cold_options=_options(args.cold_option))
+    if args.json:
+        print(json.dumps([_status_json(s) for s in statuses], indent=1))
+        return EXIT_OK
+    print(f"{'name':<24}{'state':<11}{'uploaded':>22}{'lag':>10}  error")
+    for s in statuses:
+        moved = f"{_human(s.bytes_done)}/{_human(s.bytes_total)}"
+        print(f"{s.name:<24}{s.state.value:<11}{moved:>22}{s.lag_seconds:>9.0f}s  {s.error or ''}")
+    return EXIT_OK
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tierstore", description="Inspect and operate a tierstore store.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -95,6 +178,24 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--step", type=int)
     show.add_argument("--name")
     show.set_defaults(func=cmd_show)
+
+    def transfer_args(p: argparse.ArgumentParser) -> None:
+        store_args(p)
+        p.add_argument("--concurrency", type=int, default=2, help="files copied at once")
+        p.add_argument("--bandwidth", type=float, help="cap in MiB/s")
+
+    migrate = sub.add_parser("migrate", help="finish pending hot -> cold migrations")
+    transfer_args(migrate)
+    migrate.add_argument("--name", help="only this checkpoint")
+    migrate.set_defaults(func=cmd_migrate)
+    restore_p = sub.add_parser("restore", help="copy a cold checkpoint back to the hot tier")
+    transfer_args(restore_p)
+    restore_p.add_argument("--step", type=int)
+    restore_p.add_argument("--name")
+    restore_p.set_defaults(func=cmd_restore)
+    status = sub.add_parser("status", help="migration state of every hot checkpoint")
+    store_args(status)
+    status.set_defaults(func=cmd_status)
     return parser
 
 

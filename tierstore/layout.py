@@ -7,6 +7,11 @@ A store root (one per tier) looks like::
     checkpoints/<name>/<attempt>/__<rank>_<n>.distcp   shard files, one set per rank
     uploads/<name>/<attempt>/rank-<rank>.json   per-rank upload marks (cold tier only)
 
+On object stores (backends with ``spread_keys``) data files live under
+``shards/<xx>/<name>/<attempt>/<file>`` instead, ``<xx>`` two hex digits of a hash of the
+rest: thousands of ranks uploading at once then spread over 256 key prefixes rather than
+hammering one, which is what triggers S3's per-prefix throttling (503 SlowDown).
+
 ``<attempt>`` is unique to one save attempt (DESIGN.md invariant 3), so a rerun of a step
 never touches a committed attempt's files. An attempt directory is a plain DCP checkpoint:
 ``FileSystemReader`` can read it directly, tierstore not needed.
@@ -14,6 +19,7 @@ never touches a committed attempt's files. An attempt directory is a plain DCP c
 
 from __future__ import annotations
 
+import hashlib
 import re
 import time
 import uuid
@@ -34,6 +40,7 @@ __all__ = [
     "attempt_prefix",
     "checkpoint_prefix",
     "file_key",
+    "spread_attempt_of",
     "data_file_name",
     "upload_mark_key",
     "upload_prefix",
@@ -41,6 +48,7 @@ __all__ = [
 
 MANIFEST_DIR = "manifests"
 DATA_DIR = "checkpoints"
+SPREAD_DIR = "shards"
 UPLOAD_DIR = "uploads"
 METADATA_FILE = ".metadata"  # DCP's own name, so an attempt directory is plain DCP
 MANIFEST_SUFFIX = ".json"
@@ -98,9 +106,26 @@ def attempt_prefix(name: str, attempt: str) -> str:
     return f"{checkpoint_prefix(name)}{check_attempt(attempt)}/"
 
 
-def file_key(name: str, attempt: str, relpath: str) -> str:
+def file_key(name: str, attempt: str, relpath: str, *, spread: bool = False) -> str:
     """Key of a file named ``relpath`` in a manifest (validated there)."""
-    return attempt_prefix(name, attempt) + relpath
+    if not spread:
+        return attempt_prefix(name, attempt) + relpath
+    rest = f"{check_name(name)}/{check_attempt(attempt)}/{relpath}"
+    return f"{SPREAD_DIR}/{hashlib.sha1(rest.encode()).hexdigest()[:2]}/{rest}"
+
+
+def spread_attempt_of(key: str) -> tuple[str, str] | None:
+    """``(name, attempt)`` of a data key in either layout, ``None`` for other keys."""
+    parts = key.split("/")
+    if parts[0] == DATA_DIR and len(parts) >= 4:
+        name, attempt = parts[1], parts[2]
+    elif parts[0] == SPREAD_DIR and len(parts) >= 5:
+        name, attempt = parts[2], parts[3]
+    else:
+        return None
+    if _NAME.fullmatch(name) and _ATTEMPT.fullmatch(attempt):
+        return name, attempt
+    return None
 
 
 def data_file_name(rank: int, index: int) -> str:

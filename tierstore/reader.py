@@ -39,6 +39,7 @@ from tierstore.errors import (
     ConfigError,
     IntegrityError,
     InvalidManifest,
+    ObjectNotFound,
     StorageError,
     TierstoreError,
 )
@@ -60,6 +61,10 @@ class TieredReader(StorageReader):
         name: load the checkpoint of this name (a ``checkpoint_id`` given to ``dcp.load``
             does the same). With neither, the newest committed checkpoint in any tier.
         hot_options / cold_options: options for the tiers' backends.
+        node_local: the hot tier is per node (NVMe), so each rank's hot root holds only its
+            node's files and the cold manifest is the global commit: pick checkpoints by cold
+            manifest, read each file from the local hot tier when it is there and intact,
+            else from cold.
 
     After a load, ``reader.manifest`` is the checkpoint that was read.
     """
@@ -73,9 +78,13 @@ class TieredReader(StorageReader):
         name: str | None = None,
         hot_options: Mapping[str, Any] | None = None,
         cold_options: Mapping[str, Any] | None = None,
+        node_local: bool = False,
     ) -> None:
         super().__init__()
         self.tiers = make_tiers(hot, cold, hot_options=hot_options, cold_options=cold_options)
+        if node_local and (hot is None or cold is None):
+            raise ConfigError("node_local=True needs both a hot and a cold tier")
+        self.node_local = node_local
         self.step = step
         self.name = layout.check_name(name) if name is not None else None
         self.manifest: Manifest | None = None
@@ -104,7 +113,11 @@ class TieredReader(StorageReader):
             return Metadata(state_dict_metadata={})
 
     def _read_metadata(self) -> Metadata:
-        manifest, holders = resolve(self.tiers, step=self.step, name=self.name)
+        if self.node_local:
+            manifest, holders = resolve(self.tiers[1:], step=self.step, name=self.name)
+            holders = [self.tiers[0], *holders]  # local files first, verified like any other
+        else:
+            manifest, holders = resolve(self.tiers, step=self.step, name=self.name)
         self.manifest, self._holders = manifest, holders
         entry = manifest.file(manifest.metadata_file)
         assert entry is not None  # validated with the manifest
@@ -229,7 +242,7 @@ class TieredReader(StorageReader):
         assert self.manifest is not None
         errors: list[str] = []
         for i, tier in enumerate(self._holders):
-            key = layout.file_key(self.manifest.name, self.manifest.attempt, entry.path)
+            key = tier.file_key(self.manifest.name, self.manifest.attempt, entry.path)
             try:
                 with tier.backend.open_read(key) as raw:
                     consume(_VerifiedStream(raw, entry, self.manifest.name, tier.label))
@@ -241,8 +254,10 @@ class TieredReader(StorageReader):
                 if i + 1 == len(self._holders):
                     raise
                 errors.append(str(err))
-                log.warning("falling back to the next tier for file %s of checkpoint %s: %s",
-                            entry.path, self.manifest.name, err)
+                expected = not (self.node_local and i == 0 and isinstance(err, ObjectNotFound))
+                log.log(logging.WARNING if expected else logging.DEBUG,
+                        "falling back to the next tier for file %s of checkpoint %s: %s",
+                        entry.path, self.manifest.name, err)
 
 
 def _deliver(req: ReadItem, payload: bytes, planner: LoadPlanner) -> None:

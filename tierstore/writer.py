@@ -9,6 +9,10 @@ Call order (DCP's, across ranks) and what each step does here:
    directory, checksumming (CRC32C) as it writes and making each file durable
 4. coordinator ``finish``: writes DCP's ``.metadata``, then publishes the manifest naming
    every file with size, CRC32C and rank. That publish is the commit (DESIGN.md inv. 1-3).
+
+With a cold tier, each rank hands the files it wrote to this process's background migrator
+as soon as they are durable, and the coordinator hands it the commit once the hot manifest
+is published (see :mod:`tierstore.migrator`). Nothing in migration can fail the save.
 """
 
 from __future__ import annotations
@@ -32,10 +36,10 @@ from torch.futures import Future
 
 from tierstore import faults, layout
 from tierstore._version import producer
-from tierstore.backend import Backend
 from tierstore.catalog import Tier, TierURL, make_tiers
 from tierstore.errors import CheckpointExists, ConfigError
 from tierstore.manifest import FileEntry, Manifest
+from tierstore.migrator import MigrationConfig, Migrator, migrator_for
 
 __all__ = ["TieredWriter"]
 
@@ -71,6 +75,7 @@ class TieredWriter(StorageWriter):
         hot_options / cold_options: options for the tiers' backends (credentials, etc.).
         thread_count: write threads per rank, as in ``FileSystemWriter``.
         single_file_per_rank: one file per thread per rank (default), or one per item.
+        migration: how this process migrates to the cold tier (the first writer's wins).
     """
 
     def __init__(
@@ -84,6 +89,7 @@ class TieredWriter(StorageWriter):
         cold_options: Mapping[str, Any] | None = None,
         thread_count: int = 1,
         single_file_per_rank: bool = True,
+        migration: MigrationConfig | None = None,
     ) -> None:
         super().__init__()
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
@@ -95,13 +101,25 @@ class TieredWriter(StorageWriter):
         self.tiers = make_tiers(hot, cold, hot_options=hot_options, cold_options=cold_options)
         self.thread_count = thread_count
         self.single_file_per_rank = single_file_per_rank
+        self.migration = migration
         self.manifest: Manifest | None = None  # set on the coordinator once committed
         self._rank = 0
+        self._is_coordinator = False
         self._plan: _AttemptPlan | None = None
 
     @property
     def hot(self) -> Tier:
         return self.tiers[0]
+
+    @property
+    def cold(self) -> Tier | None:
+        return self.tiers[1] if len(self.tiers) > 1 else None
+
+    @property
+    def migrator(self) -> Migrator | None:
+        """This process's migrator to the cold tier (``None`` without one)."""
+        cold = self.cold
+        return None if cold is None else migrator_for(self.hot, cold, self.migration)
 
     # -- DCP protocol --------------------------------------------------------------------
 
@@ -118,6 +136,7 @@ class TieredWriter(StorageWriter):
                 "name every rank's files"
             )
         self._rank = kwargs.get("rank") or 0
+        self._is_coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -149,18 +168,23 @@ class TieredWriter(StorageWriter):
             (layout.data_file_name(attempt.rank, index), items)
             for index, items in enumerate(b for b in buckets if b)
         ]
-        backend = self.hot.backend
-
         def write(job: tuple[str, list[WriteItem]]) -> list[WriteResult]:
-            return _write_file(backend, attempt, job[0], job[1], planner.resolve_data)
+            return _write_file(self.hot, attempt, job[0], job[1], planner.resolve_data)
 
         if self.thread_count > 1 and len(jobs) > 1:
             with ThreadPoolExecutor(self.thread_count, thread_name_prefix="tierstore-write") as pool:
                 per_file = list(pool.map(write, jobs))
         else:
             per_file = [write(job) for job in jobs]
+        results = [result for results in per_file for result in results]
+        migrator = self.migrator
+        if migrator is not None and not self._is_coordinator:
+            # Upload now: the files are durable, and in node-local mode no one else can.
+            # The coordinator's files go with the commit, in finish().
+            mine = [r.storage_data.file for r in results if r.storage_data.file is not None]
+            migrator.submit_rank(attempt.name, attempt.attempt, attempt.step, attempt.rank, mine)
         future: Future[list[WriteResult]] = Future()
-        future.set_result([result for results in per_file for result in results])
+        future.set_result(results)
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -192,9 +216,12 @@ class TieredWriter(StorageWriter):
         self.hot.publish_manifest(manifest)  # COMMIT POINT (hot tier)
         self.manifest = manifest
         faults.point("writer.after_manifest_publish")
+        migrator = self.migrator
+        if migrator is not None:
+            migrator.submit_commit(manifest, self._rank)
 
     def _write_metadata(self, attempt: _AttemptPlan, metadata: Metadata) -> FileEntry:
-        key = layout.file_key(attempt.name, attempt.attempt, layout.METADATA_FILE)
+        key = self.hot.file_key(attempt.name, attempt.attempt, layout.METADATA_FILE)
         with self.hot.backend.open_write(key) as out:
             pickle.dump(metadata, out, protocol=pickle.HIGHEST_PROTOCOL)
         faults.point("writer.after_metadata_write")
@@ -227,18 +254,18 @@ class TieredWriter(StorageWriter):
 
 
 def _write_file(
-    backend: Backend,
+    tier: Tier,
     attempt: _AttemptPlan,
     relpath: str,
     items: Sequence[WriteItem],
     resolve: Callable[[WriteItem], Any],
 ) -> list[WriteResult]:
     """Write one shard file as ``FileSystemWriter`` lays it out; return its results."""
-    key = layout.file_key(attempt.name, attempt.attempt, relpath)
+    key = tier.file_key(attempt.name, attempt.attempt, relpath)
     spans: list[tuple[WriteItem, int, int]] = []
     # Byte items first, then tensors, as DCP's own writer does.
     ordered = sorted(items, key=lambda it: it.type != WriteItemType.BYTE_IO)
-    with backend.open_write(key) as out:
+    with tier.backend.open_write(key) as out:
         for item in ordered:
             offset = out.size
             data = resolve(item)

@@ -1,0 +1,272 @@
+"""Hot -> cold migration in one process: commit, fallback reads, retries, failures,
+SIGKILL at every migrator fault point followed by `tierstore migrate`, restore."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import flaky
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from conftest import unwrap
+
+from tierstore import TieredReader, TieredWriter, layout, list_checkpoints, registry
+from tierstore._transfer import Throttle
+from tierstore.catalog import Tier
+from tierstore.manifest import FileEntry, Manifest
+from tierstore.migrator import (
+    MigrationConfig,
+    MigrationState,
+    Migrator,
+    migrate_pending,
+    migration_status,
+    wait_for_migrations,
+)
+from tierstore.restore import restore
+from tierstore.retry import RetryPolicy
+
+FAST = MigrationConfig(chunk_size=4096, poll_interval=0.01, commit_timeout=5,
+                       retry=RetryPolicy(attempts=5, initial=0.001, maximum=0.01))
+
+
+def state_for(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(200, 50, generator=g), "extra": {"step": step}}
+
+
+def blank() -> dict:
+    return {"w": torch.zeros(200, 50), "extra": {"step": -1}}
+
+
+def save(hot: str, cold: str | None, step: int, **kw) -> TieredWriter:
+    writer = TieredWriter(hot, cold, step=step, migration=kw.pop("migration", FAST), **kw)
+    dcp.save(state_for(step), storage_writer=writer)
+    return writer
+
+
+def load(hot: str | None, cold: str | None, **kw) -> tuple[dict, TieredReader]:
+    target, reader = blank(), TieredReader(hot, cold, **kw)
+    dcp.load(target, storage_reader=reader)
+    return target, reader
+
+
+@pytest.fixture
+def tiers(tmp_path: Path) -> tuple[str, str]:
+    return str(tmp_path / "hot"), str(tmp_path / "cold")
+
+
+@pytest.fixture
+def flaky_cold(tmp_path: Path, monkeypatch) -> str:
+    registry.registered_backends()
+    monkeypatch.setattr(registry, "_registry", {**registry._registry, "flaky": flaky.FlakyBackend})
+    root = str(tmp_path / "cold")
+    flaky.FAILURES.pop(root, None)
+    flaky.CALLS.pop(root, None)
+    return f"flaky://{root}"
+
+
+def test_save_migrates_and_cold_alone_loads(tiers) -> None:
+    hot, cold = tiers
+    writers = [save(hot, cold, step) for step in (1, 2, 3)]
+    migrator = writers[0].migrator
+    assert migrator is writers[-1].migrator  # one per process for this (hot, cold)
+    assert migrator.wait(30)
+    states = {s.name: s for s in migrator.status()}
+    assert [states[layout.default_name(s)].state for s in (1, 2, 3)] == [MigrationState.COMMITTED] * 3
+    assert all(s.lag_bytes == 0 and s.lag_seconds >= 0 for s in states.values())
+    assert [(c.step, c.tiers) for c in list_checkpoints(hot, cold)] == [(s, ("hot", "cold")) for s in (1, 2, 3)]
+    hot_m = Tier("hot", hot).find_manifest(layout.default_name(3))
+    assert Tier("cold", cold).find_manifest(layout.default_name(3)) == hot_m
+    shutil.rmtree(hot)
+    target, reader = load(hot, cold)
+    assert torch.equal(target["w"], state_for(3)["w"]) and reader.manifest.step == 3
+
+
+def test_flipped_hot_byte_falls_back_to_cold_and_warns(tiers, caplog) -> None:
+    hot, cold = tiers
+    manifest = save(hot, cold, 5).manifest
+    assert wait_for_migrations(hot, cold, timeout=30)[0].state is MigrationState.COMMITTED
+    path = Path(hot, layout.file_key(manifest.name, manifest.attempt, "__0_0.distcp"))
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="tierstore"):
+        target, _ = load(hot, cold)
+    assert torch.equal(target["w"], state_for(5)["w"])
+    warning = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("__0_0.distcp" in w and "CRC32C mismatch" in w for w in warning), warning
+    # Without the cold tier the same damage is a clear error, never a silent load.
+    with pytest.raises(BaseException) as info:
+        load(hot, None)
+    assert "CRC32C mismatch" in str(unwrap(info.value))
+
+
+def test_transient_failures_are_retried_until_committed(tiers, flaky_cold) -> None:
+    hot, _ = tiers
+    root = flaky_cold[len("flaky://"):]
+    flaky.FAILURES[root].update(open_write=3, publish=2)
+    writer = save(hot, flaky_cold, 1)
+    assert writer.migrator.wait(30)
+    [status] = writer.migrator.status()
+    assert status.state is MigrationState.COMMITTED, status
+    assert flaky.FAILURES[root]["open_write"] == 0 and flaky.FAILURES[root]["publish"] == 0
+    assert [c.tiers for c in list_checkpoints(hot, flaky_cold)] == [("hot", "cold")]
+
+
+def test_permanent_failure_is_reported_and_training_saves_keep_working(tiers, tmp_path, monkeypatch) -> None:
+    hot, _ = tiers
+    registry.registered_backends()
+    monkeypatch.setattr(registry, "_registry", {**registry._registry, "flaky": flaky.FlakyBackend})
+    root = str(tmp_path / "cold-denied")
+    flaky.FAILURES[root].update(open_write=1)
+    cold = f"flaky://{root}"
+    opts = {"permanent": True}
+    first = TieredWriter(hot, cold, step=1, cold_options=opts, migration=FAST)
+    dcp.save(state_for(1), storage_writer=first)  # returns: migration is background work
+    assert first.migrator.wait(30)
+    [failed] = first.migrator.failures()
+    assert failed.name == layout.default_name(1) and failed.rank == 0 and failed.failed_rank == 0
+    assert failed.failed_file in {".metadata", "__0_0.distcp"}
+    assert "403 AccessDenied" in failed.error and failed.lag_bytes > 0
+    second = TieredWriter(hot, cold, step=2, cold_options=opts, migration=FAST)
+    dcp.save(state_for(2), storage_writer=second)  # the next save works and migrates
+    assert second.migrator.wait(30)
+    by_name = {s.name: s.state for s in second.migrator.status()}
+    assert by_name[layout.default_name(2)] is MigrationState.COMMITTED
+    assert [c.step for c in list_checkpoints(None, cold, cold_options=opts)] == [2]
+    assert torch.equal(load(hot, None, step=1)[0]["w"], state_for(1)["w"])  # hot copy intact
+    # The tiers' own view shows the failure too (the failure mark was published).
+    statuses = {s.name: s for s in migration_status(hot, cold, cold_options=opts)}
+    assert statuses[layout.default_name(1)].state is MigrationState.FAILED
+    assert "403" in statuses[layout.default_name(1)].error
+
+
+def test_commit_gives_up_waiting_for_a_missing_rank(tiers) -> None:
+    hot, cold = tiers
+    save(hot, None, 1)
+    real = Tier("hot", hot).find_manifest(layout.default_name(1))
+    # Pretend rank 1 of 2 also owned a file, and never uploaded it.
+    ghost = Manifest(name=real.name, step=real.step, attempt=real.attempt, world_size=2,
+                     created=real.created, files=real.files + (FileEntry("__1_0.distcp", 10, 0, 1),))
+    migrator = Migrator(Tier("hot", hot), Tier("cold", cold),
+                        MigrationConfig(poll_interval=0.01, commit_timeout=0.2))
+    migrator.submit_commit(ghost, rank=0)
+    assert migrator.wait(30)
+    [status] = migrator.status()
+    assert status.state is MigrationState.FAILED and status.failed_rank == 1
+    assert "no upload mark from ranks [1]" in status.error
+    assert list_checkpoints(None, cold) == []  # never a partial cold checkpoint
+
+
+def test_throttle_caps_bytes_per_second() -> None:
+    now, slept = [0.0], []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        now[0] += seconds
+
+    throttle = Throttle(1000.0, clock=lambda: now[0], sleep=sleep)
+    for _ in range(10):
+        throttle.consume(500)
+    assert now[0] == pytest.approx(4.5)  # 5000 bytes at 1000 B/s, the first chunk free
+
+
+def test_restore_after_losing_the_hot_tier(tiers) -> None:
+    hot, cold = tiers
+    for step in (1, 2):
+        save(hot, cold, step)
+    wait_for_migrations(hot, cold, timeout=30)
+    shutil.rmtree(hot)
+    manifest = restore(hot, cold)
+    assert manifest.step == 2 and [c.step for c in list_checkpoints(hot)] == [2]
+    target, reader = load(hot, None)  # hot alone now
+    assert torch.equal(target["w"], state_for(2)["w"])
+    assert restore(hot, cold) == manifest  # again: a no-op
+
+
+def test_restore_replaces_a_damaged_hot_file(tiers) -> None:
+    hot, cold = tiers
+    manifest = save(hot, cold, 1).manifest
+    wait_for_migrations(hot, cold, timeout=30)
+    os.remove(Path(hot, layout.manifest_key(manifest.name)))
+    path = Path(hot, layout.file_key(manifest.name, manifest.attempt, "__0_0.distcp"))
+    path.write_bytes(path.read_bytes()[:100])  # a half-restored file
+    restore(hot, cold)
+    assert torch.equal(load(hot, None)[0]["w"], state_for(1)["w"])
+
+
+SAVE_SCRIPT = """
+import sys, torch, torch.distributed.checkpoint as dcp, warnings
+warnings.filterwarnings("ignore")
+from tierstore import TieredWriter
+from tierstore.migrator import MigrationConfig
+hot, cold = sys.argv[1], sys.argv[2]
+g = torch.Generator().manual_seed(1)
+state = {"w": torch.randn(200, 50, generator=g), "extra": {"step": 1}}
+writer = TieredWriter(hot, cold, step=1, migration=MigrationConfig(chunk_size=4096))
+dcp.save(state, storage_writer=writer)
+writer.migrator.wait()
+print("migrated")
+"""
+
+MIGRATOR_POINTS = ["transfer.after_chunk@3", "migrator.after_file_upload",
+                   "migrator.before_mark_publish", "migrator.before_cold_publish",
+                   "local.publish.after_temp_fsync@2"]
+
+
+@pytest.mark.parametrize("point", MIGRATOR_POINTS)
+def test_sigkill_mid_migration_then_cli_completes(tiers, point: str) -> None:
+    hot, cold = tiers
+    proc = subprocess.run([sys.executable, "-c", SAVE_SCRIPT, hot, cold], capture_output=True,
+                          text=True, timeout=120,
+                          env={**os.environ, "TIERSTORE_FAULTS": f"{point}=kill"})
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert [c.step for c in list_checkpoints(hot)] == [1]
+    assert list_checkpoints(None, cold) == []  # no partial cold checkpoint is ever listed
+    [pending] = migration_status(hot, cold)
+    assert pending.state in (MigrationState.PENDING, MigrationState.UPLOADING)
+    cli = subprocess.run([sys.executable, "-m", "tierstore", "migrate", "--hot", hot, "--cold", cold],
+                         capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 0, cli.stderr
+    assert "step-0000000001: committed" in cli.stdout
+    target, reader = load(None, cold)
+    assert torch.equal(target["w"], state_for(1)["w"])
+    again = subprocess.run([sys.executable, "-m", "tierstore", "migrate", "--hot", hot, "--cold", cold],
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "nothing to migrate" in again.stdout
+
+
+def test_rerun_skips_what_is_already_uploaded_and_verified(tiers, flaky_cold) -> None:
+    hot, _ = tiers
+    root = flaky_cold[len("flaky://"):]
+    proc = subprocess.run([sys.executable, "-c", SAVE_SCRIPT, hot, f"file://{root}"],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "TIERSTORE_FAULTS": "migrator.before_cold_publish=kill"})
+    assert proc.returncode == -9
+    flaky.CALLS[root].clear()
+    [result] = migrate_pending(hot, flaky_cold, config=FAST)
+    assert result.state is MigrationState.COMMITTED
+    assert flaky.CALLS[root]["open_write"] == 0  # every file was already there and intact
+    assert flaky.CALLS[root]["publish"] == 1  # only the cold manifest
+
+
+def test_cli_status_and_json(tiers) -> None:
+    hot, cold = tiers
+    save(hot, None, 1)
+    run = lambda *a: subprocess.run([sys.executable, "-m", "tierstore", *a, "--hot", hot, "--cold", cold],
+                                    capture_output=True, text=True, timeout=120)
+    before = json.loads(run("status", "--json").stdout)
+    assert [(s["name"], s["state"]) for s in before] == [("step-0000000001", "pending")]
+    moved = run("migrate", "--json")
+    assert moved.returncode == 0 and json.loads(moved.stdout)[0]["state"] == "committed"
+    assert json.loads(run("status", "--json").stdout)[0]["state"] == "committed"
+    table = run("status").stdout
+    assert "step-0000000001" in table and "committed" in table

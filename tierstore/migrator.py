@@ -1,0 +1,563 @@
+"""Background, resumable, idempotent migration from the hot tier to the cold tier.
+
+Protocol for one checkpoint attempt (DESIGN.md invariants 2, 6, 7):
+
+1. **Each rank** uploads the files it wrote, in the background of whatever process finished
+   its part of the save. Every upload is verified: the source bytes against the manifest's
+   size and CRC32C as they stream, the stored object by the cold backend. The rank then
+   publishes its *upload mark* ``uploads/<name>/<attempt>/rank-<r>.json`` naming them.
+2. **The coordinator**, once the hot manifest is committed, uploads its own files (DCP's
+   ``.metadata`` among them), waits for the marks of every rank that owns files, checks
+   them against the manifest and publishes the cold manifest, exclusively: the cold commit.
+
+The tiers are the only durable state. A checkpoint with a hot manifest and no cold manifest
+is *pending*; :func:`migrate_pending` (``tierstore migrate``) finishes it from any process,
+later, skipping ranks whose mark exists and files already stored intact. Failures are
+retried (:mod:`tierstore.retry`), then recorded (status, log, and a failure mark
+``rank-<r>.failed.json`` that stops the coordinator waiting) and never raised into training.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from enum import Enum
+from typing import Any
+
+from tierstore import faults, layout
+from tierstore._transfer import Throttle, copy_file, has_verified_copy
+from tierstore.catalog import Tier, TierURL, make_tiers
+from tierstore.errors import (
+    CheckpointExists,
+    ConfigError,
+    IntegrityError,
+    ObjectNotFound,
+    PublishConflict,
+    TierstoreError,
+)
+from tierstore.manifest import FileEntry, Manifest
+from tierstore.retry import DEFAULT, RetryPolicy
+
+__all__ = [
+    "MigrationConfig",
+    "MigrationState",
+    "MigrationStatus",
+    "Migrator",
+    "migrator_for",
+    "migrate_pending",
+    "migration_status",
+    "wait_for_migrations",
+]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MigrationConfig:
+    """How a process migrates: concurrency (files at once), chunking, caps and timeouts."""
+
+    concurrency: int = 2
+    chunk_size: int = 8 << 20
+    bandwidth: float | None = None  # bytes per second for this process, None: no cap
+    commit_timeout: float = 3600.0  # how long the coordinator waits for other ranks' marks
+    poll_interval: float = 0.5
+    retry: RetryPolicy = DEFAULT
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1 or self.chunk_size < 1:
+            raise ConfigError("concurrency and chunk_size must be positive")
+
+
+class MigrationState(str, Enum):
+    PENDING = "pending"  # queued, or committed hot and not yet cold
+    UPLOADING = "uploading"
+    UPLOADED = "uploaded"  # this rank's files and mark are in the cold tier
+    COMMITTED = "committed"  # the cold manifest is published
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class MigrationStatus:
+    """Where one checkpoint's migration stands, as this process (or the tiers) know it."""
+
+    name: str
+    attempt: str
+    step: int | None
+    state: MigrationState
+    rank: int | None
+    bytes_total: int
+    bytes_done: int
+    created: float
+    finished: float | None = None
+    error: str | None = None
+    failed_rank: int | None = None
+    failed_file: str | None = None
+    lag_seconds: float = 0.0
+
+    @property
+    def lag_bytes(self) -> int:
+        return self.bytes_total - self.bytes_done
+
+
+@dataclass
+class _Job:
+    name: str
+    attempt: str
+    step: int | None
+    rank: int
+    files: tuple[FileEntry, ...]
+    created: float
+    manifest: Manifest | None = None  # set for the coordinator's commit job
+    state: MigrationState = MigrationState.PENDING
+    bytes_done: int = 0
+    finished: float | None = None
+    error: str | None = None
+    failed_rank: int | None = None
+    failed_file: str | None = None
+    listener: Callable[[int], None] | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add_bytes(self, n: int) -> None:
+        with self.lock:
+            self.bytes_done += n
+        if self.listener is not None:
+            self.listener(n)
+
+
+class _Failed(Exception):
+    def __init__(self, rank: int, file: str | None, error: BaseException | str) -> None:
+        super().__init__(str(error))
+        self.rank, self.file, self.error = rank, file, error
+
+
+class Migrator:
+    """Migrates checkpoints hot -> cold on background threads of this process.
+
+    :meth:`submit_rank` and :meth:`submit_commit` only enqueue: nothing they start ever
+    raises into the caller. Jobs run in order, one checkpoint at a time, each uploading up to
+    ``config.concurrency`` files at once. :meth:`status` reports every job, :meth:`wait`
+    drains the queue.
+    """
+
+    def __init__(self, hot: Tier, cold: Tier, config: MigrationConfig | None = None, *,
+                 clock: Callable[[], float] = time.time,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.hot, self.cold = hot, cold
+        self.config = config or MigrationConfig()
+        self._clock, self._sleep = clock, sleep
+        self._throttle = Throttle(self.config.bandwidth, sleep=sleep)
+        self._jobs: dict[tuple[str, str, int], _Job] = {}
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._unfinished = 0
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._pool = ThreadPoolExecutor(self.config.concurrency, thread_name_prefix="tierstore-upload")
+
+    # -- control ------------------------------------------------------------------------
+
+    def submit_rank(self, name: str, attempt: str, step: int | None, rank: int,
+                    files: Sequence[FileEntry]) -> None:
+        """Upload ``rank``'s ``files`` of an attempt and publish its upload mark."""
+        self._enqueue(_Job(name, attempt, step, rank, tuple(files), self._clock()))
+
+    def submit_commit(self, manifest: Manifest, rank: int) -> None:
+        """Coordinator: upload own files, wait for every rank's mark, publish cold manifest."""
+        self._enqueue(_Job(manifest.name, manifest.attempt, manifest.step, rank,
+                           manifest.files_of_rank(rank), manifest.created, manifest=manifest))
+
+    def _enqueue(self, job: _Job) -> None:
+        with self._cond:
+            self._jobs[(job.name, job.attempt, job.rank)] = job
+            self._unfinished += 1
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="tierstore-migrator",
+                                                 daemon=True)
+                self._thread.start()
+        self._queue.put(job)
+
+    def status(self) -> list[MigrationStatus]:
+        now = self._clock()
+        with self._cond:
+            jobs = list(self._jobs.values())
+        return [_status_of(job, now) for job in jobs]
+
+    def pending(self) -> list[MigrationStatus]:
+        """Jobs not yet finished (queued or uploading)."""
+        done = (MigrationState.UPLOADED, MigrationState.COMMITTED, MigrationState.FAILED)
+        return [s for s in self.status() if s.state not in done]
+
+    def failures(self) -> list[MigrationStatus]:
+        return [s for s in self.status() if s.state is MigrationState.FAILED]
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until every submitted job finished; ``False`` if ``timeout`` ran out first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._unfinished:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+        return True
+
+    def close(self, timeout: float | None = None) -> bool:
+        drained = self.wait(timeout)
+        self._queue.put(None)
+        self._pool.shutdown(wait=drained)
+        return drained
+
+    # -- work -----------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while (job := self._queue.get()) is not None:
+            try:
+                self.run(job)
+            finally:
+                with self._cond:
+                    self._unfinished -= 1
+                    self._cond.notify_all()
+
+    def run(self, job: _Job) -> None:
+        """Run one job to its end state, recording (never raising) failure."""
+        job.state = MigrationState.UPLOADING
+        try:
+            self._upload_rank(job)
+            if job.manifest is None:
+                job.state = MigrationState.UPLOADED
+            else:
+                self._commit(job.manifest)
+                job.state = MigrationState.COMMITTED
+            log.info("migrated %s rank %d to %s (%s)", job.name, job.rank, self.cold.label, job.state.value)
+        except _Failed as failure:
+            self._record_failure(job, failure)
+        except Exception as err:  # unexpected: still never into training
+            self._record_failure(job, _Failed(job.rank, None, err))
+        finally:
+            job.finished = self._clock()
+
+    def _record_failure(self, job: _Job, failure: _Failed) -> None:
+        job.state = MigrationState.FAILED
+        job.error = f"{type(failure.error).__name__}: {failure.error}" \
+            if isinstance(failure.error, BaseException) else str(failure.error)
+        job.failed_rank, job.failed_file = failure.rank, failure.file
+        log.error("migration of checkpoint %s to %s failed: rank %s, file %s: %s",
+                  job.name, self.cold.label, failure.rank, failure.file, job.error)
+        if failure.rank == job.rank:  # tell the coordinator not to wait for us
+            body = {"rank": job.rank, "file": failure.file, "error": job.error}
+            try:
+                self.cold.backend.publish(_failed_key(job), json.dumps(body).encode())
+            except TierstoreError:
+                pass  # the cold tier may be what is failing; the timeout covers that
+
+    def _upload_rank(self, job: _Job) -> None:
+        mark = layout.upload_mark_key(job.name, job.attempt, job.rank)
+        if _read_mark(self.cold, mark, job.rank) is not None:
+            job.add_bytes(sum(f.size for f in job.files))
+            return  # already done by an earlier migrator
+        futures = [self._pool.submit(self._upload_file, job, entry) for entry in job.files]
+        errors = [f.exception() for f in futures]
+        for error in errors:
+            if error is not None:
+                raise error if isinstance(error, _Failed) else _Failed(job.rank, None, error)
+        faults.point("migrator.before_mark_publish")
+        body = json.dumps({"rank": job.rank, "files": [_entry_json(f) for f in job.files]},
+                          sort_keys=True).encode()
+        self._publish_idempotent(mark, body, job.rank)
+
+    def _upload_file(self, job: _Job, entry: FileEntry) -> None:
+        try:
+            if has_verified_copy(self.cold, job.name, job.attempt, entry,
+                                 chunk_size=self.config.chunk_size):
+                job.add_bytes(entry.size)
+                return
+            sent = [0]
+            key = self.cold.file_key(job.name, job.attempt, entry.path)
+
+            def attempt() -> None:
+                job.add_bytes(-sent[0])  # a retry starts the file over
+                sent[0] = 0
+                self.cold.backend.delete(key)  # a partial copy left by a crash or a failed try
+
+                def progress(n: int) -> None:
+                    sent[0] += n
+                    job.add_bytes(n)
+
+                copy_file(self.hot, self.cold, job.name, job.attempt, entry,
+                          chunk_size=self.config.chunk_size, throttle=self._throttle,
+                          progress=progress)
+
+            self.config.retry.call(attempt, what=f"upload of {entry.path} ({job.name})",
+                                   sleep=self._sleep)
+            faults.point("migrator.after_file_upload")
+        except Exception as err:
+            raise _Failed(job.rank, entry.path, err) from err
+
+    def _publish_idempotent(self, key: str, body: bytes, rank: int) -> None:
+        def publish() -> None:
+            try:
+                self.cold.backend.publish(key, body)
+            except PublishConflict:
+                if self.cold.backend.read_bytes(key) != body:  # ours from an earlier run?
+                    raise
+
+        try:
+            self.config.retry.call(publish, what=f"publish of {key}", sleep=self._sleep)
+        except Exception as err:
+            raise _Failed(rank, None, err) from err
+
+    def _commit(self, manifest: Manifest) -> None:
+        self._await_marks(manifest)
+        faults.point("migrator.before_cold_publish")
+
+        def publish() -> None:
+            try:
+                self.cold.publish_manifest(manifest)
+            except CheckpointExists:
+                existing = self.cold.find_manifest(manifest.name)
+                if existing is None or existing.attempt != manifest.attempt:
+                    raise  # another attempt of this name owns the cold tier
+                # ours already: an earlier run (or an ambiguous publish) committed it
+
+        try:
+            self.config.retry.call(publish, what=f"cold commit of {manifest.name}", sleep=self._sleep)
+        except Exception as err:
+            raise _Failed(-1, None, err) from err
+        faults.point("migrator.after_cold_publish")
+
+    def _await_marks(self, manifest: Manifest) -> None:
+        ranks = sorted({f.rank for f in manifest.files})
+        deadline = time.monotonic() + self.config.commit_timeout
+        delay = self.config.poll_interval
+        while True:
+            missing = []
+            for rank in ranks:
+                mark = _read_mark(self.cold, layout.upload_mark_key(manifest.name, manifest.attempt, rank), rank)
+                if mark is None:
+                    missing.append(rank)
+                elif mark != manifest.files_of_rank(rank):
+                    raise _Failed(rank, None, IntegrityError(
+                        "upload mark does not match the manifest", checkpoint=manifest.name,
+                        rank=rank, tier=self.cold.label))
+            if not missing:
+                return
+            for rank in missing:
+                failure = _read_failure(self.cold, manifest, rank)
+                if failure is not None:
+                    raise _Failed(rank, failure.get("file"), failure.get("error", "failed"))
+            if time.monotonic() > deadline:
+                raise _Failed(missing[0], None, f"no upload mark from ranks {missing} after "
+                                                f"{self.config.commit_timeout:.0f}s")
+            self._sleep(delay)
+            delay = min(delay * 2, 10.0)
+
+
+def _status_of(job: _Job, now: float) -> MigrationStatus:
+    total = sum(f.size for f in job.files)
+    done = total if job.state in (MigrationState.UPLOADED, MigrationState.COMMITTED) else job.bytes_done
+    return MigrationStatus(
+        name=job.name, attempt=job.attempt, step=job.step, state=job.state, rank=job.rank,
+        bytes_total=total, bytes_done=done, created=job.created, finished=job.finished,
+        error=job.error, failed_rank=job.failed_rank, failed_file=job.failed_file,
+        lag_seconds=(job.finished or now) - job.created,
+    )
+
+
+def _entry_json(entry: FileEntry) -> dict[str, Any]:
+    return {"path": entry.path, "size": entry.size, "crc32c": entry.crc32c, "rank": entry.rank}
+
+
+def _failed_key(job: _Job) -> str:
+    return f"{layout.upload_prefix(job.name, job.attempt)}rank-{job.rank}.failed.json"
+
+
+def _read_mark(tier: Tier, key: str, rank: int) -> tuple[FileEntry, ...] | None:
+    try:
+        body = json.loads(tier.backend.read_bytes(key, limit=64 << 20))
+        files = tuple(sorted((FileEntry(**f) for f in body["files"]), key=lambda f: (f.rank, f.path)))
+    except ObjectNotFound:
+        return None
+    except (ValueError, KeyError, TypeError) as err:
+        log.warning("ignoring unreadable upload mark %s in %s: %s", key, tier.label, err)
+        return None
+    return files if body.get("rank") == rank else None
+
+
+def _read_failure(tier: Tier, manifest: Manifest, rank: int) -> dict[str, Any] | None:
+    key = f"{layout.upload_prefix(manifest.name, manifest.attempt)}rank-{rank}.failed.json"
+    try:
+        return dict(json.loads(tier.backend.read_bytes(key, limit=1 << 20)))
+    except ObjectNotFound:
+        return None
+    except ValueError:
+        return {"error": "unreadable failure mark"}
+
+
+# -- one migrator per (hot, cold) in a process ---------------------------------------------
+
+_MIGRATORS: dict[tuple[str, str, str], Migrator] = {}
+_MIGRATORS_LOCK = threading.Lock()
+
+
+def _tier_id(tier: Tier) -> str:
+    return json.dumps([tier.url, tier.options], sort_keys=True, default=repr)
+
+
+def migrator_for(hot: Tier, cold: Tier, config: MigrationConfig | None = None) -> Migrator:
+    """This process's migrator for ``hot`` -> ``cold``, created on first use.
+
+    Writers are built per save; the migrator outlives them, so it is kept per process.
+    The first caller's ``config`` wins.
+    """
+    key = (_tier_id(hot), _tier_id(cold), "")
+    with _MIGRATORS_LOCK:
+        migrator = _MIGRATORS.get(key)
+        if migrator is None:
+            migrator = _MIGRATORS[key] = Migrator(hot, cold, config)
+        return migrator
+
+
+def active_migrators() -> list[Migrator]:
+    with _MIGRATORS_LOCK:
+        return list(_MIGRATORS.values())
+
+
+def _forget_after_fork() -> None:
+    # Threads do not survive fork: a child starts with no migrators (and no stale locks).
+    global _MIGRATORS_LOCK
+    _MIGRATORS.clear()
+    _MIGRATORS_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+EXIT_WAIT_ENV = "TIERSTORE_EXIT_WAIT"
+
+
+def _drain_at_exit() -> None:
+    """Give uploads a bounded chance to finish when the process exits (default 600 s)."""
+    migrators = active_migrators()
+    if not any(m.pending() for m in migrators):
+        return
+    timeout = float(os.environ.get(EXIT_WAIT_ENV, "600"))
+    log.warning("waiting up to %.0fs for checkpoint migrations before exit", timeout)
+    deadline = time.monotonic() + timeout
+    for migrator in migrators:
+        if not migrator.wait(max(0.0, deadline - time.monotonic())):
+            log.error("exiting with migrations pending; `tierstore migrate` will finish them")
+
+
+atexit.register(_drain_at_exit)
+
+
+# -- the tiers' view: pending checkpoints, finishing them, waiting for them ---------------
+
+
+def migration_status(hot: TierURL, cold: TierURL, *, hot_options: dict[str, Any] | None = None,
+                     cold_options: dict[str, Any] | None = None) -> list[MigrationStatus]:
+    """Every hot-committed checkpoint's migration state as the tiers record it (any process)."""
+    hot_tier, cold_tier = make_tiers(hot, cold, hot_options=hot_options, cold_options=cold_options)
+    return [_tier_status(hot_tier, cold_tier, m, time.time()) for m in _hot_manifests(hot_tier)]
+
+
+def _hot_manifests(hot: Tier) -> list[Manifest]:
+    return sorted(hot.manifests(), key=lambda m: (-1 if m.step is None else m.step, m.created))
+
+
+def _tier_status(hot: Tier, cold: Tier, manifest: Manifest, now: float) -> MigrationStatus:
+    total = manifest.total_size
+    base = MigrationStatus(manifest.name, manifest.attempt, manifest.step, MigrationState.PENDING,
+                           None, total, 0, manifest.created, lag_seconds=now - manifest.created)
+    committed = cold.find_manifest(manifest.name)
+    if committed is not None and committed.attempt == manifest.attempt:
+        return replace(base, state=MigrationState.COMMITTED, bytes_done=total, lag_seconds=0.0)
+    done = 0
+    for rank in sorted({f.rank for f in manifest.files}):
+        key = layout.upload_mark_key(manifest.name, manifest.attempt, rank)
+        if _read_mark(cold, key, rank) is not None:
+            done += sum(f.size for f in manifest.files_of_rank(rank))
+            continue
+        failure = _read_failure(cold, manifest, rank)
+        if failure is not None:
+            return replace(base, state=MigrationState.FAILED, bytes_done=done,
+                           error=failure.get("error"), failed_rank=rank, failed_file=failure.get("file"))
+    state = MigrationState.UPLOADING if done else MigrationState.PENDING
+    if committed is not None:
+        return replace(base, state=MigrationState.FAILED, error=(
+            f"cold tier holds another attempt ({committed.attempt}) of this checkpoint"))
+    return replace(base, state=state, bytes_done=done)
+
+
+def migrate_pending(hot: TierURL, cold: TierURL, *, hot_options: dict[str, Any] | None = None,
+                    cold_options: dict[str, Any] | None = None, names: Iterable[str] | None = None,
+                    config: MigrationConfig | None = None,
+                    progress: Callable[[str, int, int], None] | None = None) -> list[MigrationStatus]:
+    """Finish every pending migration now, in this process, from a hot tier holding all files.
+
+    Ranks whose upload mark exists and files already stored intact are skipped. Returns
+    each checkpoint's final status; failures are reported there, not raised.
+    """
+    hot_tier, cold_tier = make_tiers(hot, cold, hot_options=hot_options, cold_options=cold_options)
+    migrator = Migrator(hot_tier, cold_tier, config)
+    wanted = set(names) if names is not None else None
+    results = []
+    try:
+        for manifest in _hot_manifests(hot_tier):
+            if wanted is not None and manifest.name not in wanted:
+                continue
+            status = _tier_status(hot_tier, cold_tier, manifest, time.time())
+            if status.state is MigrationState.COMMITTED:
+                continue
+            results.append(_migrate_whole(migrator, manifest, progress))
+    finally:
+        migrator.close()
+    return results
+
+
+def _migrate_whole(migrator: Migrator, manifest: Manifest,
+                   progress: Callable[[str, int, int], None] | None) -> MigrationStatus:
+    total = manifest.total_size
+    jobs = [_Job(manifest.name, manifest.attempt, manifest.step, rank,
+                 manifest.files_of_rank(rank), manifest.created)
+            for rank in sorted({f.rank for f in manifest.files})]
+    jobs[-1].manifest = manifest  # the last rank's job also commits
+    done = 0
+
+    def advance(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress is not None:
+            progress(manifest.name, done, total)
+
+    for job in jobs:
+        job.listener = advance
+        migrator.run(job)
+        if job.state is MigrationState.FAILED:
+            return replace(_status_of(job, time.time()), rank=None, bytes_total=total, bytes_done=done)
+    return replace(_status_of(jobs[-1], time.time()), rank=None, bytes_total=total, bytes_done=total)
+
+
+def wait_for_migrations(hot: TierURL, cold: TierURL, *, timeout: float | None = None,
+                        poll: float = 1.0, hot_options: dict[str, Any] | None = None,
+                        cold_options: dict[str, Any] | None = None) -> list[MigrationStatus]:
+    """Wait until no hot-committed checkpoint is still pending or uploading (any process).
+
+    Returns the final statuses (``committed`` or ``failed``); on ``timeout`` the ones still
+    in flight are returned as they are. Also drains this process's migrators first.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for migrator in active_migrators():
+        migrator.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    while True:
+        statuses = migration_status(hot, cold, hot_options=hot_options, cold_options=cold_options)
+        busy = [s for s in statuses if s.state in (MigrationState.PENDING, MigrationState.UPLOADING)]
+        if not busy or (deadline is not None and time.monotonic() >= deadline):
+            return statuses
+        time.sleep(poll)
