@@ -5,6 +5,7 @@ Run by ``tests/launch.py`` with a JSON spec as argv[1]. Operations:
 * ``train_save``: build the model, then for each entry of ``saves`` train ``train_steps``
   steps and save with that entry's ``mode`` (sync | thread | process) as ``step``;
   write the full-state digest of what was saved to ``out/saved-<step>.json``.
+  With ``cold`` and ``drain``, wait for every migration and write ``out/migration.json``.
 * ``load``: for each entry of ``loads`` build a fresh model (different init), load it
   through ``TieredReader`` and write the digest of the loaded state to
   ``out/loaded-<tag>.json`` (rank 0), plus ``reader.manifest.name``.
@@ -35,6 +36,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from tierstore import TieredReader, TieredWriter
+from tierstore.migrator import wait_for_migrations
 
 warnings.filterwarnings("ignore")
 
@@ -130,6 +132,12 @@ def train_save(spec: dict[str, Any]) -> None:
         if dist.get_rank() == 0:
             (out / f"saved-{step}.json").write_text(json.dumps(d, sort_keys=True))
         dist.barrier()
+    if spec.get("cold") and spec.get("drain"):
+        statuses = wait_for_migrations(**tiers(spec), timeout=180)
+        if dist.get_rank() == 0:
+            summary = {s.name: {"state": s.state.value, "error": s.error} for s in statuses}
+            (out / "migration.json").write_text(json.dumps(summary, sort_keys=True))
+        dist.barrier()
 
 
 def load(spec: dict[str, Any]) -> None:
@@ -139,10 +147,12 @@ def load(spec: dict[str, Any]) -> None:
         model, optim = build(12345, world)  # different init: the load must overwrite all
         msd, osd = get_state_dict(model, optim)
         state = {"model": msd, "optim": osd, "extra": {"step": -1}}
-        reader = TieredReader(**tiers(spec), step=entry.get("step"), name=entry.get("name"))
+        reader = TieredReader(**tiers(spec), step=entry.get("step"), name=entry.get("name"),
+                              node_local=spec.get("node_local", False))
         dcp.load(state, storage_reader=reader)
         set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
         d = digest(model, optim)
+        (out / f"sources-{entry['tag']}-rank{dist.get_rank()}.json").write_text(json.dumps(reader.sources))
         if dist.get_rank() == 0:
             result = {"digest": d, "name": reader.manifest.name, "step": state["extra"]["step"]}
             (out / f"loaded-{entry['tag']}.json").write_text(json.dumps(result, sort_keys=True))

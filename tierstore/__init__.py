@@ -24,8 +24,17 @@ from tierstore.errors import (
     TierstoreError,
 )
 from tierstore.manifest import FileEntry, Manifest
+from tierstore.migrator import (
+    MigrationConfig,
+    MigrationState,
+    MigrationStatus,
+    migrate_pending,
+    migration_status,
+    wait_for_migrations,
+)
 from tierstore.reader import TieredReader
 from tierstore.registry import register_backend
+from tierstore.restore import restore
 from tierstore.writer import TieredWriter
 
 __all__ = [
@@ -38,6 +47,13 @@ __all__ = [
     "Manifest",
     "FileEntry",
     "register_backend",
+    "MigrationConfig",
+    "MigrationState",
+    "MigrationStatus",
+    "migrate_pending",
+    "migration_status",
+    "wait_for_migrations",
+    "restore",
     "TierstoreError",
     "ConfigError",
     "BackendNotFound",

@@ -66,7 +66,8 @@ class TieredReader(StorageReader):
             manifest, read each file from the local hot tier when it is there and intact,
             else from cold.
 
-    After a load, ``reader.manifest`` is the checkpoint that was read.
+    After a load, ``reader.manifest`` is the checkpoint that was read and ``reader.sources``
+    maps each file this rank read to the tier (``"hot"``/``"cold"``) that served it.
     """
 
     def __init__(
@@ -88,6 +89,7 @@ class TieredReader(StorageReader):
         self.step = step
         self.name = layout.check_name(name) if name is not None else None
         self.manifest: Manifest | None = None
+        self.sources: dict[str, str] = {}
         self._holders: list[Tier] = []
         self._storage_data: dict[MetadataIndex, Any] = {}
         self._deferred: TierstoreError | None = None
@@ -106,6 +108,7 @@ class TieredReader(StorageReader):
         # the real error (type, attributes, traceback), keep it and raise it from
         # set_up_storage_reader, which DCP calls next and does not catch.
         self._deferred = None
+        self.sources = {}
         try:
             return self._read_metadata()
         except TierstoreError as err:
@@ -246,6 +249,7 @@ class TieredReader(StorageReader):
             try:
                 with tier.backend.open_read(key) as raw:
                     consume(_VerifiedStream(raw, entry, self.manifest.name, tier.label))
+                self.sources[entry.path] = tier.role
                 if errors:
                     log.info("read %s of checkpoint %s from %s", entry.path,
                              self.manifest.name, tier.label)
