@@ -31,13 +31,4 @@ def out_dir(tmp_path: Path) -> Path:
     return out
 
 
-def unwrap(exc: BaseException) -> BaseException:
-    """The first rank's original error inside DCP's CheckpointException."""
-    failures = getattr(exc, "failures", None)
-    if failures:
-        first = failures[min(failures)]
-        return first[0] if isinstance(first, tuple) else first
-    return exc
-
-
 os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -16,7 +16,7 @@ import flaky
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import unwrap
+from helpers import unwrap
 
 from tierstore import TieredReader, TieredWriter, layout, list_checkpoints, registry
 from tierstore._transfer import Throttle

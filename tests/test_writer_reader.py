@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import unwrap
+from helpers import unwrap
 
 from tierstore import (
     CheckpointExists,

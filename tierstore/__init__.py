@@ -7,7 +7,15 @@
 
     dcp.async_save(state, storage_writer=TieredWriter(hot="/nvme/run1", step=1200))
     dcp.load(state, storage_reader=TieredReader(hot="/nvme/run1"))  # newest committed
+
+Names that need torch (the DCP writer and reader, the manager) are imported on first use,
+so the ``tierstore`` command and storage-only tools start without importing torch.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from tierstore._version import __version__
 from tierstore.catalog import CheckpointInfo, latest_checkpoint, list_checkpoints
@@ -23,6 +31,7 @@ from tierstore.errors import (
     StorageError,
     TierstoreError,
 )
+from tierstore.gc import collect_garbage, find_garbage
 from tierstore.manifest import FileEntry, Manifest
 from tierstore.migrator import (
     MigrationConfig,
@@ -32,15 +41,36 @@ from tierstore.migrator import (
     migration_status,
     wait_for_migrations,
 )
-from tierstore.reader import TieredReader
+from tierstore.prune import prune
 from tierstore.registry import register_backend
 from tierstore.restore import restore
-from tierstore.writer import TieredWriter
+from tierstore.retention import keep_all, keep_every, keep_last, keep_steps, keep_within
+
+if TYPE_CHECKING:
+    from tierstore.manager import CheckpointManager
+    from tierstore.reader import TieredReader
+    from tierstore.writer import TieredWriter
+
+_LAZY = {
+    "TieredWriter": "tierstore.writer",
+    "TieredReader": "tierstore.reader",
+    "CheckpointManager": "tierstore.manager",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'tierstore' has no attribute {name!r}")
+
 
 __all__ = [
     "__version__",
     "TieredWriter",
     "TieredReader",
+    "CheckpointManager",
     "list_checkpoints",
     "latest_checkpoint",
     "CheckpointInfo",
@@ -54,6 +84,14 @@ __all__ = [
     "migration_status",
     "wait_for_migrations",
     "restore",
+    "prune",
+    "collect_garbage",
+    "find_garbage",
+    "keep_last",
+    "keep_every",
+    "keep_steps",
+    "keep_within",
+    "keep_all",
     "TierstoreError",
     "ConfigError",
     "BackendNotFound",

@@ -203,6 +203,12 @@ class Backend(abc.ABC):
         """Free space where the backend can tell (local disks), else ``None``."""
         return None
 
+    def abort_stale_uploads(self, *, older_than: float, dry_run: bool = True,
+                            now: float | None = None) -> list[str]:
+        """Abort the backend's own debris (S3: incomplete multipart uploads) older than
+        ``older_than`` seconds; return what was (or, dry run, would be) aborted."""
+        return []
+
     def close(self) -> None:
         """Release clients and connections."""
 

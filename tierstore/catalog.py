@@ -72,7 +72,14 @@ class Tier:
 
     def manifests(self) -> list[Manifest]:
         """Every valid manifest; invalid ones do not count as checkpoints and are logged."""
-        found = []
+        found, invalid = self.scan_manifests()
+        for err in invalid:
+            log.warning("ignoring checkpoint with an invalid manifest: %s", err)
+        return found
+
+    def scan_manifests(self) -> tuple[list[Manifest], list[InvalidManifest]]:
+        """Valid manifests, and the errors of invalid ones."""
+        found, invalid = [], []
         for info in self.backend.list(layout.MANIFEST_DIR + "/"):
             name = layout.parse_manifest_key(info.key)
             if name is None:
@@ -80,11 +87,11 @@ class Tier:
             try:
                 manifest = self.find_manifest(name)
             except InvalidManifest as err:
-                log.warning("ignoring checkpoint with an invalid manifest: %s", err)
+                invalid.append(err)
                 continue
             if manifest is not None:
                 found.append(manifest)
-        return found
+        return found, invalid
 
     def publish_manifest(self, manifest: Manifest) -> None:
         """The commit point of ``manifest`` in this tier; never overwrites."""

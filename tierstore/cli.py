@@ -1,4 +1,8 @@
-"""The ``tierstore`` command: inspect and operate a store (``python -m tierstore`` too)."""
+"""The ``tierstore`` command: inspect and operate a store (``python -m tierstore`` too).
+
+Exit codes: 0 success; 1 the operation failed, or found damage (``verify``) or something it
+could not migrate (``migrate``); 2 bad usage.
+"""
 
 from __future__ import annotations
 
@@ -13,8 +17,12 @@ from typing import Any
 from tierstore import layout
 from tierstore.catalog import list_checkpoints, make_tiers, resolve
 from tierstore.errors import TierstoreError
+from tierstore.gc import DEFAULT_GRACE, collect_garbage
 from tierstore.migrator import MigrationConfig, MigrationState, migrate_pending, migration_status
+from tierstore.prune import prune
 from tierstore.restore import restore
+from tierstore.retention import Policy, keep_all, keep_every, keep_last, keep_within
+from tierstore.scrub import verify_store
 
 __all__ = ["main"]
 
@@ -42,21 +50,104 @@ def _human(size: float) -> str:
     return f"{size:.1f} TiB"
 
 
+def _age(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h" if seconds < 172800 else f"{seconds / 86400:.1f} d"
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
-    infos = list_checkpoints(args.hot, args.cold, hot_options=_options(args.hot_option),
-                             cold_options=_options(args.cold_option))
+    hot_opts, cold_opts = _options(args.hot_option), _options(args.cold_option)
+    infos = list_checkpoints(args.hot, args.cold, hot_options=hot_opts, cold_options=cold_opts)
+    states: dict[str, str] = {}
+    if args.hot and args.cold:
+        states = {s.name: s.state.value for s in
+                  migration_status(args.hot, args.cold, hot_options=hot_opts, cold_options=cold_opts)}
+    now = time.time()
+    rows = [{**asdict(i), "age_seconds": now - i.created,
+             "migration": states.get(i.name, "committed" if "cold" in i.tiers else "-")} for i in infos]
     if args.json:
-        print(json.dumps([asdict(i) for i in infos], indent=1))
+        print(json.dumps(rows, indent=1))
         return EXIT_OK
     if not infos:
         print("no committed checkpoints")
         return EXIT_OK
-    now = time.time()
-    print(f"{'name':<24}{'step':>10}{'size':>12}{'files':>7}{'age':>10}  tiers")
-    for i in infos:
-        age = f"{(now - i.created) / 60:.0f} min" if now - i.created < 7200 else f"{(now - i.created) / 3600:.1f} h"
+    print(f"{'name':<24}{'step':>10}{'size':>12}{'files':>7}{'age':>10}  {'tiers':<10}migration")
+    for i, row in zip(infos, rows):
         step = "-" if i.step is None else str(i.step)
-        print(f"{i.name:<24}{step:>10}{_human(i.size):>12}{i.num_files:>7}{age:>10}  {','.join(i.tiers)}")
+        print(f"{i.name:<24}{step:>10}{_human(i.size):>12}{i.num_files:>7}{_age(row['age_seconds']):>10}  "
+              f"{','.join(i.tiers):<10}{row['migration']}")
+    return EXIT_OK
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    names = [args.name] if args.name else None
+    checks = verify_store(args.hot, args.cold, names=names, hot_options=_options(args.hot_option),
+                          cold_options=_options(args.cold_option),
+                          progress=None if args.json else Progress())
+    bad = [c for c in checks if not c.ok]
+    if args.json:
+        print(json.dumps([asdict(c) for c in checks], indent=1))
+    else:
+        for c in bad:
+            print(f"DAMAGED  {c.tier}  {c.checkpoint}  {c.file}: {c.problem}")
+        print(f"verified {len(checks)} files: {len(checks) - len(bad)} ok, {len(bad)} damaged")
+    return EXIT_ERROR if bad else EXIT_OK
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    report = collect_garbage(args.hot, args.cold, grace=args.grace, dry_run=not args.yes,
+                             hot_options=_options(args.hot_option), cold_options=_options(args.cold_option))
+    if args.json:
+        print(json.dumps({"deleted": report.deleted, "bytes": report.bytes,
+                          "garbage": [asdict(g) for g in report.garbage],
+                          "aborted_uploads": list(report.aborted_uploads)}, indent=1))
+        return EXIT_OK
+    verb = "deleted" if report.deleted else "would delete"
+    for g in report.garbage:
+        print(f"{verb}  {g.tier}  {g.key}  ({_human(g.size)}): {g.reason}")
+    for upload in report.aborted_uploads:
+        print(f"{'aborted' if report.deleted else 'would abort'}  incomplete upload {upload}")
+    print(f"{verb} {len(report.garbage)} objects, {_human(report.bytes)}"
+          + ("" if report.deleted else "  (dry run: add --yes to delete)"))
+    return EXIT_OK
+
+
+def _policy(args: argparse.Namespace, tier: str) -> Policy | None:
+    parts: list[Policy] = []
+    last, every, within = (getattr(args, f"{tier}_keep_{k}") for k in ("last", "every", "within"))
+    if last is not None:
+        parts.append(keep_last(last))
+    if every is not None:
+        parts.append(keep_every(every))
+    if within is not None:
+        parts.append(keep_within(within))
+    if not parts:
+        return None
+    policy = parts[0]
+    for part in parts[1:]:
+        policy = policy | part
+    return policy
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    hot_policy, cold_policy = _policy(args, "hot"), _policy(args, "cold")
+    if hot_policy is None and cold_policy is None:
+        raise SystemExit("tierstore prune: give a policy, e.g. --hot-keep-last 2 --cold-keep-last 3")
+    reports = prune(args.hot, args.cold, hot_policy=hot_policy or keep_all(),
+                    cold_policy=cold_policy or keep_all(), hot_options=_options(args.hot_option),
+                    cold_options=_options(args.cold_option), dry_run=not args.yes)
+    if args.json:
+        print(json.dumps([asdict(r) for r in reports], indent=1))
+        return EXIT_OK
+    for r in reports:
+        verb = "pruned" if not r.dry_run else "would prune"
+        print(f"{r.tier}: {verb} {list(r.deleted) + list(r.deferred)} ({_human(r.bytes_freed)}); "
+              f"kept {list(r.kept)}" + (f"; kept by safety rules {list(r.protected)}" if r.protected else ""))
+    if reports and reports[0].dry_run:
+        print("(dry run: add --yes to prune)")
     return EXIT_OK
 
 
@@ -196,6 +287,24 @@ def _parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="migration state of every hot checkpoint")
     store_args(status)
     status.set_defaults(func=cmd_status)
+    verify = sub.add_parser("verify", help="re-read every file and check size and CRC32C")
+    store_args(verify)
+    verify.add_argument("--name", help="only this checkpoint")
+    verify.set_defaults(func=cmd_verify)
+    gc = sub.add_parser("gc", help="delete what no manifest names (dry run unless --yes)")
+    store_args(gc)
+    gc.add_argument("--grace", type=float, default=DEFAULT_GRACE,
+                    help="only collect objects older than this many seconds (default: a day)")
+    gc.add_argument("--yes", action="store_true", help="really delete")
+    gc.set_defaults(func=cmd_gc)
+    prune_p = sub.add_parser("prune", help="apply retention policies (dry run unless --yes)")
+    store_args(prune_p)
+    for tier in ("hot", "cold"):
+        prune_p.add_argument(f"--{tier}-keep-last", type=int, metavar="N")
+        prune_p.add_argument(f"--{tier}-keep-every", type=int, metavar="K", help="milestone steps")
+        prune_p.add_argument(f"--{tier}-keep-within", type=float, metavar="SECONDS")
+    prune_p.add_argument("--yes", action="store_true", help="really prune")
+    prune_p.set_defaults(func=cmd_prune)
     return parser
 
 

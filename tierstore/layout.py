@@ -6,6 +6,7 @@ A store root (one per tier) looks like::
     checkpoints/<name>/<attempt>/.metadata      DCP's metadata, written by the coordinator
     checkpoints/<name>/<attempt>/__<rank>_<n>.distcp   shard files, one set per rank
     uploads/<name>/<attempt>/rank-<rank>.json   per-rank upload marks (cold tier only)
+    leases/<name>/<lease>.json                  "in use by a load" marks, with an expiry
 
 On object stores (backends with ``spread_keys``) data files live under
 ``shards/<xx>/<name>/<attempt>/<file>`` instead, ``<xx>`` two hex digits of a hash of the
@@ -50,6 +51,7 @@ MANIFEST_DIR = "manifests"
 DATA_DIR = "checkpoints"
 SPREAD_DIR = "shards"
 UPLOAD_DIR = "uploads"
+LEASE_DIR = "leases"
 METADATA_FILE = ".metadata"  # DCP's own name, so an attempt directory is plain DCP
 MANIFEST_SUFFIX = ".json"
 
@@ -138,3 +140,11 @@ def upload_prefix(name: str, attempt: str) -> str:
 
 def upload_mark_key(name: str, attempt: str, rank: int) -> str:
     return f"{upload_prefix(name, attempt)}rank-{rank}.json"
+
+
+def lease_prefix(name: str) -> str:
+    return f"{LEASE_DIR}/{check_name(name)}/"
+
+
+def lease_key(name: str, lease: str) -> str:
+    return f"{lease_prefix(name)}{lease}.json"

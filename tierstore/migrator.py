@@ -331,6 +331,12 @@ class Migrator:
         except Exception as err:
             raise _Failed(-1, None, err) from err
         faults.point("migrator.after_cold_publish")
+        # The marks did their job; a crash before this leaves them to GC.
+        try:
+            for info in list(self.cold.backend.list(layout.upload_prefix(manifest.name, manifest.attempt))):
+                self.cold.backend.delete(info.key)
+        except TierstoreError as err:
+            log.info("left upload marks of %s for GC: %s", manifest.name, err)
 
     def _await_marks(self, manifest: Manifest) -> None:
         ranks = sorted({f.rank for f in manifest.files})

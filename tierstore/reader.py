@@ -30,11 +30,12 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from tierstore import layout
+from tierstore import layout, leases
 from tierstore._safe_pickle import load_metadata
 from tierstore.backend import crc32c_update
 from tierstore.catalog import Tier, TierURL, make_tiers, resolve
 from tierstore.errors import (
+    CheckpointNotFound,
     ChecksumMismatch,
     ConfigError,
     IntegrityError,
@@ -65,6 +66,8 @@ class TieredReader(StorageReader):
             node's files and the cold manifest is the global commit: pick checkpoints by cold
             manifest, read each file from the local hot tier when it is there and intact,
             else from cold.
+        lease: announce the load with a lease in each tier read (see :mod:`tierstore.leases`)
+            so a concurrent prune leaves the files alone; needs write access to the tiers.
 
     After a load, ``reader.manifest`` is the checkpoint that was read and ``reader.sources``
     maps each file this rank read to the tier (``"hot"``/``"cold"``) that served it.
@@ -80,12 +83,15 @@ class TieredReader(StorageReader):
         hot_options: Mapping[str, Any] | None = None,
         cold_options: Mapping[str, Any] | None = None,
         node_local: bool = False,
+        lease: bool = True,
     ) -> None:
         super().__init__()
         self.tiers = make_tiers(hot, cold, hot_options=hot_options, cold_options=cold_options)
         if node_local and (hot is None or cold is None):
             raise ConfigError("node_local=True needs both a hot and a cold tier")
         self.node_local = node_local
+        self.lease = lease
+        self._leases: list[leases.Lease] = []
         self.step = step
         self.name = layout.check_name(name) if name is not None else None
         self.manifest: Manifest | None = None
@@ -112,15 +118,36 @@ class TieredReader(StorageReader):
         try:
             return self._read_metadata()
         except TierstoreError as err:
+            self._release()
             self._deferred = err
             return Metadata(state_dict_metadata={})
 
+    def _resolve(self) -> tuple[Manifest, list[Tier]]:
+        """Pick the checkpoint and lease it; re-pick if a prune removed it meanwhile."""
+        committed_tiers = self.tiers[1:] if self.node_local else self.tiers
+        for _ in range(5):
+            manifest, holders = resolve(committed_tiers, step=self.step, name=self.name)
+            self._release()
+            if self.lease:
+                self._leases = [held for t in holders
+                                if (held := leases.take(t, manifest.name)) is not None]
+            # Leased first, checked second: a prune either sees our lease or we see it gone.
+            alive = [t for t in holders if (m := t.find_manifest(manifest.name)) is not None
+                     and m.attempt == manifest.attempt]
+            if alive:
+                return manifest, alive
+        raise CheckpointNotFound("checkpoints kept disappearing while being picked (pruned?)",
+                                 checkpoint=self.name, tier=", ".join(t.label for t in committed_tiers))
+
+    def _release(self) -> None:
+        for held in self._leases:
+            held.release()
+        self._leases = []
+
     def _read_metadata(self) -> Metadata:
+        manifest, holders = self._resolve()
         if self.node_local:
-            manifest, holders = resolve(self.tiers[1:], step=self.step, name=self.name)
             holders = [self.tiers[0], *holders]  # local files first, verified like any other
-        else:
-            manifest, holders = resolve(self.tiers, step=self.step, name=self.name)
         self.manifest, self._holders = manifest, holders
         entry = manifest.file(manifest.metadata_file)
         assert entry is not None  # validated with the manifest
@@ -164,8 +191,11 @@ class TieredReader(StorageReader):
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(self._storage_info(item).relative_path, []).append(item)
-        for path, items in per_file.items():
-            self._read_file(path, items, planner)
+        try:
+            for path, items in per_file.items():
+                self._read_file(path, items, planner)
+        finally:
+            self._release()
         future: Future[None] = Future()
         future.set_result(None)
         return future

@@ -37,7 +37,7 @@ from torch.futures import Future
 from tierstore import faults, layout
 from tierstore._version import producer
 from tierstore.catalog import Tier, TierURL, make_tiers
-from tierstore.errors import CheckpointExists, ConfigError
+from tierstore.errors import CheckpointExists, ConfigError, NoSpaceLeft
 from tierstore.manifest import FileEntry, Manifest
 from tierstore.migrator import MigrationConfig, Migrator, migrator_for
 
@@ -76,6 +76,10 @@ class TieredWriter(StorageWriter):
         thread_count: write threads per rank, as in ``FileSystemWriter``.
         single_file_per_rank: one file per thread per rank (default), or one per item.
         migration: how this process migrates to the cold tier (the first writer's wins).
+        node_local: each rank's hot root is its node's own disk (see TieredReader); only
+            changes the free-space check, which is then per rank instead of for the total.
+
+    A save that cannot fit in the hot tier's free space fails before writing anything.
     """
 
     def __init__(
@@ -90,6 +94,7 @@ class TieredWriter(StorageWriter):
         thread_count: int = 1,
         single_file_per_rank: bool = True,
         migration: MigrationConfig | None = None,
+        node_local: bool = False,
     ) -> None:
         super().__init__()
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
@@ -102,6 +107,7 @@ class TieredWriter(StorageWriter):
         self.thread_count = thread_count
         self.single_file_per_rank = single_file_per_rank
         self.migration = migration
+        self.node_local = node_local
         self.manifest: Manifest | None = None  # set on the coordinator once committed
         self._rank = 0
         self._is_coordinator = False
@@ -139,10 +145,24 @@ class TieredWriter(StorageWriter):
         self._is_coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        if self.node_local:
+            self._check_space(_plan_bytes(plan), "this rank's shards")
         return plan
+
+    def _check_space(self, needed: int, what: str) -> None:
+        free = self.hot.backend.free_bytes()
+        margin = needed // 50 + (16 << 20)  # torch.save framing, metadata, filesystem slack
+        if free is not None and needed + margin > free:
+            raise NoSpaceLeft(
+                f"not enough free space for {what}: about {needed + margin} bytes needed, "
+                f"{free} free; prune old checkpoints or free space first (nothing was written)",
+                checkpoint=self.name or self.checkpoint_id, tier=self.hot.label,
+            )
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         name = self.checkpoint_name
+        if not self.node_local:
+            self._check_space(sum(_plan_bytes(p) for p in plans), "this checkpoint")
         for tier in self.tiers:
             if tier.backend.exists(layout.manifest_key(name)):
                 raise CheckpointExists(
@@ -298,6 +318,10 @@ def _plain_cpu(tensor: torch.Tensor) -> torch.Tensor:
 def _item_size(item: WriteItem) -> int:
     assert item.tensor_data is not None
     return item.tensor_data.size.numel() * item.tensor_data.properties.dtype.itemsize
+
+
+def _plan_bytes(plan: SavePlan) -> int:
+    return sum(_item_size(i) for i in plan.items if i.type != WriteItemType.BYTE_IO)
 
 
 def _split_by_size(bins: int, items: Sequence[WriteItem]) -> list[list[WriteItem]]:

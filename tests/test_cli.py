@@ -1,0 +1,123 @@
+"""The `tierstore` command in real subprocesses, on a local hot tier and an S3 cold tier
+served by moto: every command, with and without --json."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from tierstore import TieredWriter, layout, list_checkpoints
+from tierstore.catalog import Tier
+
+pytest.importorskip("tierstore_s3", reason="the S3 backend is installed by make test")
+
+
+@pytest.fixture
+def store(tmp_path: Path, s3_bucket: str, s3_env: dict[str, str], monkeypatch) -> tuple[str, str]:
+    for key, value in s3_env.items():
+        monkeypatch.setenv(key, value)
+    hot, cold = str(tmp_path / "hot"), f"s3://{s3_bucket}/run"
+    for step in (1, 2, 3):  # saved without a cold tier: all three pending migration
+        dcp.save({"w": torch.full((256, 256), float(step))}, storage_writer=TieredWriter(hot, step=step))
+    return hot, cold
+
+
+def cli(*args: str, store: tuple[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    tiers = ["--hot", store[0], "--cold", store[1]] if store else []
+    return subprocess.run([sys.executable, "-m", "tierstore", *args, *tiers], capture_output=True,
+                          text=True, timeout=120, env=os.environ.copy())
+
+
+def ok_json(*args: str, store: tuple[str, str]) -> object:
+    proc = cli(*args, "--json", store=store)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_every_command(store: tuple[str, str]) -> None:
+    hot, cold = store
+    names = [layout.default_name(s) for s in (1, 2, 3)]
+
+    # status: pending before migration
+    assert [(s["name"], s["state"]) for s in ok_json("status", store=store)] == [(n, "pending") for n in names]
+    assert "pending" in cli("status", store=store).stdout
+
+    # migrate: progress on stderr, result on stdout; then nothing left
+    proc = cli("migrate", store=store)
+    assert proc.returncode == 0, proc.stderr
+    assert all(f"{n}: committed" in proc.stdout for n in names)
+    assert ok_json("migrate", store=store) == []
+
+    # ls
+    rows = ok_json("ls", store=store)
+    assert [(r["step"], r["tiers"], r["migration"]) for r in rows] == [
+        (s, ["hot", "cold"], "committed") for s in (1, 2, 3)]
+    assert all(r["size"] > 256 * 256 * 4 and r["age_seconds"] >= 0 for r in rows)
+    text = cli("ls", store=store).stdout
+    assert "step-0000000002" in text and "hot,cold" in text and "committed" in text
+
+    # show
+    shown = ok_json("show", "--step", "2", store=store)
+    assert shown["name"] == names[1] and shown["tiers"] == ["hot", "cold"]
+    assert {f["path"] for f in shown["files"]} == {".metadata", "__0_0.distcp"}
+    assert "crc32c" in cli("show", "--step", "2", store=store).stdout
+
+    # verify: clean, then a flipped byte in the hot copy of step 3
+    checks = ok_json("verify", store=store)
+    assert len(checks) == 12 and all(c["ok"] for c in checks)
+    manifest = Tier("hot", hot).find_manifest(names[2])
+    path = Path(hot, layout.file_key(manifest.name, manifest.attempt, "__0_0.distcp"))
+    data = bytearray(path.read_bytes())
+    data[1000] ^= 1
+    path.write_bytes(bytes(data))
+    proc = cli("verify", store=store)
+    assert proc.returncode == 1
+    assert f"DAMAGED  hot {hot}  {names[2]}  __0_0.distcp: CRC32C mismatch" in proc.stdout
+    assert "11 ok, 1 damaged" in proc.stdout
+    proc = cli("verify", "--json", store=store)
+    assert proc.returncode == 1
+    assert [c["file"] for c in json.loads(proc.stdout) if not c["ok"]] == ["__0_0.distcp"]
+    path.unlink()  # repair by restoring below
+
+    # prune: dry run by default, then for real
+    assert "would prune" in cli("prune", "--hot-keep-last", "1", store=store).stdout
+    assert [c.step for c in list_checkpoints(hot)] == [1, 2, 3]
+    reports = ok_json("prune", "--hot-keep-last", "1", "--yes", store=store)
+    assert set(reports[0]["deleted"]) == set(names[:2])
+    assert [c.step for c in list_checkpoints(hot)] == [3]
+
+    # restore: from cold, verified; damaged step 3 first needs its hot manifest gone
+    proc = cli("restore", "--step", "1", store=store)
+    assert proc.returncode == 0 and "restored step-0000000001" in proc.stdout
+    assert ok_json("restore", "--step", "2", store=store)["name"] == names[1]
+    assert [c.step for c in list_checkpoints(hot)] == [1, 2, 3]
+
+    # gc: the hot copy of step 3 is missing a file; make an old dead attempt as debris
+    dead = Path(hot, layout.attempt_prefix("step-0000000007", "20260101T000000Z-0badf00d"))
+    dead.mkdir(parents=True)
+    (dead / "__0_0.distcp").write_bytes(b"junk" * 10)
+    old = time.time() - 7 * 86400
+    os.utime(dead / "__0_0.distcp", (old, old))
+    proc = cli("gc", store=store)
+    assert proc.returncode == 0 and "would delete" in proc.stdout and "0badf00d" in proc.stdout
+    report = ok_json("gc", "--yes", store=store)
+    assert report["deleted"] and [g["reason"] for g in report["garbage"]] == ["attempt named by no manifest"]
+    assert not dead.exists()
+
+
+def test_errors_and_usage(store: tuple[str, str]) -> None:
+    proc = cli("show", "--name", "nope", store=store)
+    assert proc.returncode == 1 and "CheckpointNotFound" in proc.stderr and "nope" in proc.stderr
+    assert cli("ls").returncode == 2
+    assert cli("bogus").returncode == 2
+    proc = subprocess.run([sys.executable, "-m", "tierstore", "ls", "--hot", "s3://no-such-bucket-x/run"],
+                          capture_output=True, text=True, timeout=120, env=os.environ.copy())
+    assert proc.returncode == 1 and "no-such-bucket-x" in proc.stderr

@@ -1,0 +1,153 @@
+"""Retention policies: pure functions from a tier's committed checkpoints to the names to keep.
+
+Compose with ``|`` (keep what either keeps)::
+
+    hot_policy = keep_last(2)
+    cold_policy = keep_last(3) | keep_every(1000) | keep_steps(0)
+
+A policy only says what it *wants*; :mod:`tierstore.prune` adds what must never be deleted
+(the newest checkpoint of a tier, hot checkpoints whose cold commit is pending, checkpoints
+in use) and deletes in the safe order. Policies never look at storage and never change.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Protocol
+
+__all__ = [
+    "Policy",
+    "Checkpoint",
+    "keep_last",
+    "keep_every",
+    "keep_steps",
+    "keep_within",
+    "keep_all",
+    "keep_none",
+    "DEFAULT_HOT",
+    "DEFAULT_COLD",
+]
+
+
+class Checkpoint(Protocol):
+    """What a policy sees of a checkpoint (``CheckpointInfo`` and ``Manifest`` both fit)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def step(self) -> int | None: ...
+    @property
+    def created(self) -> float: ...
+
+
+def _newest_first(checkpoints: Iterable[Checkpoint]) -> list[Checkpoint]:
+    return sorted(checkpoints, key=lambda c: (-1 if c.step is None else c.step, c.created, c.name),
+                  reverse=True)
+
+
+class Policy(abc.ABC):
+    """Decides which checkpoints of one tier to keep; ``|`` keeps the union."""
+
+    @abc.abstractmethod
+    def keep(self, checkpoints: Sequence[Checkpoint], *, now: float) -> frozenset[str]:
+        """Names to keep, a subset of ``checkpoints``' names; same input, same answer."""
+
+    def __or__(self, other: Policy) -> Policy:
+        return _Union((self, other))
+
+
+@dataclass(frozen=True)
+class _Union(Policy):
+    parts: tuple[Policy, ...]
+
+    def keep(self, checkpoints: Sequence[Checkpoint], *, now: float) -> frozenset[str]:
+        kept: frozenset[str] = frozenset()
+        for part in self.parts:
+            kept |= part.keep(checkpoints, now=now)
+        return kept
+
+    def __or__(self, other: Policy) -> Policy:
+        return _Union((*self.parts, other))
+
+    def __repr__(self) -> str:
+        return " | ".join(map(repr, self.parts))
+
+
+@dataclass(frozen=True)
+class keep_last(Policy):  # noqa: N801 - reads as a verb phrase, like tenacity's stop_after_attempt
+    """The ``n`` newest (by step, then creation time)."""
+
+    n: int
+
+    def __post_init__(self) -> None:
+        if self.n < 0:
+            raise ValueError(f"keep_last needs n >= 0, got {self.n}")
+
+    def keep(self, checkpoints: Sequence[Checkpoint], *, now: float) -> frozenset[str]:
+        return frozenset(c.name for c in _newest_first(checkpoints)[: self.n])
+
+
+@dataclass(frozen=True)
+class keep_every(Policy):  # noqa: N801
+    """Milestones: every checkpoint whose step is a multiple of ``k``."""
+
+    k: int
+
+    def __post_init__(self) -> None:
+        if self.k <= 0:
+            raise ValueError(f"keep_every needs k > 0, got {self.k}")
+
+    def keep(self, checkpoints: Sequence[Checkpoint], *, now: float) -> frozenset[str]:
+        return frozenset(c.name for c in checkpoints if c.step is not None and c.step % self.k == 0)
+
+
+@dataclass(frozen=True, init=False)
+class keep_steps(Policy):  # noqa: N801
+    """These exact steps."""
+
+    steps: frozenset[int]
+
+    def __init__(self, *steps: int) -> None:
+        object.__setattr__(self, "steps", frozenset(steps))
+
+    def keep(self, checkpoints: Sequence[Checkpoint], *, now: float) -> frozenset[str]:
+        return frozenset(c.name for c in checkpoints if c.step in self.steps)
+
+
+@dataclass(frozen=True, init=False)
+class keep_within(Policy):  # noqa: N801
+    """Everything created in the last ``duration`` (seconds or a ``timedelta``)."""
+
+    seconds: float
+
+    def __init__(self, duration: float | timedelta) -> None:
+        seconds = duration.total_seconds() if isinstance(duration, timedelta) else float(duration)
+        if seconds < 0:
+            raise ValueError(f"keep_within needs a non-negative duration, got {duration!r}")
+        object.__setattr__(self, "seconds", seconds)
+
+    def keep(self, checkpoints: Sequence[Checkpoint], *, now: float) -> frozenset[str]:
+        return frozenset(c.name for c in checkpoints if now - c.created <= self.seconds)
+
+
+@dataclass(frozen=True)
+class keep_all(Policy):  # noqa: N801
+    """Never prune."""
+
+    def keep(self, checkpoints: Sequence[Checkpoint], *, now: float) -> frozenset[str]:
+        return frozenset(c.name for c in checkpoints)
+
+
+@dataclass(frozen=True)
+class keep_none(Policy):  # noqa: N801
+    """Keep nothing the pruner's safety rules do not force it to keep."""
+
+    def keep(self, checkpoints: Sequence[Checkpoint], *, now: float) -> frozenset[str]:
+        return frozenset()
+
+
+DEFAULT_HOT: Policy = keep_last(2)
+DEFAULT_COLD: Policy = keep_last(3)
