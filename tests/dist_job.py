@@ -159,11 +159,61 @@ def load(spec: dict[str, Any]) -> None:
         dist.barrier()
 
 
+def policy(text: str):  # "last:2|every:10" -> keep_last(2) | keep_every(10)
+    from tierstore import retention
+
+    parts = [getattr(retention, f"keep_{kind}")(int(arg)) for kind, arg in
+             (p.split(":") for p in text.split("|"))]
+    result = parts[0]
+    for part in parts[1:]:
+        result = result | part
+    return result
+
+
+def manager(spec: dict[str, Any]) -> None:
+    """Train ``steps`` steps under a CheckpointManager saving every ``save_every``."""
+    from tierstore import CheckpointManager
+
+    world = dist.get_world_size()
+    model, optim = build(0, world)
+    out = Path(spec["out"])
+    mgr = CheckpointManager(**tiers(spec), save_every=spec["save_every"],
+                            hot_policy=policy(spec["hot_policy"]), cold_policy=policy(spec["cold_policy"]))
+    msd, osd = get_state_dict(model, optim)
+    assert mgr.load_latest({"model": msd, "optim": osd, "extra": {"step": -1}}) is None
+    for step in range(1, spec["steps"] + 1):
+        train(model, optim, 1, step)
+        msd, osd = get_state_dict(model, optim)
+        if mgr.save(step, {"model": msd, "optim": osd, "extra": {"step": step}}):
+            d = digest(model, optim)
+            if dist.get_rank() == 0:
+                (out / f"saved-{step}.json").write_text(json.dumps(d, sort_keys=True))
+    mgr.close()
+    if dist.get_rank() == 0:
+        (out / "stalls.json").write_text(json.dumps(mgr.stalls))
+
+
+def manager_load(spec: dict[str, Any]) -> None:
+    from tierstore import CheckpointManager
+
+    model, optim = build(12345, dist.get_world_size())
+    msd, osd = get_state_dict(model, optim)
+    state = {"model": msd, "optim": osd, "extra": {"step": -1}}
+    with CheckpointManager(**tiers(spec)) as mgr:
+        step = mgr.load_latest(state)
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    d = digest(model, optim)
+    if dist.get_rank() == 0:
+        result = {"digest": d, "step": step, "extra_step": state["extra"]["step"]}
+        (Path(spec["out"]) / "loaded-manager.json").write_text(json.dumps(result, sort_keys=True))
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     try:
-        {"train_save": train_save, "load": load}[spec["op"]](spec)
+        ops = {"train_save": train_save, "load": load, "manager": manager, "manager_load": manager_load}
+        ops[spec["op"]](spec)
     finally:
         dist.destroy_process_group()
 

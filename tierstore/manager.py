@@ -249,7 +249,14 @@ class CheckpointManager:
                 migrator.wait(timeout)
 
     def close(self) -> None:
+        """Wait for the last save and migrations, prune once more, release the group."""
         self.wait()
+        if self.rank == 0 or self.node_local:
+            try:  # now that migrations drained, hot copies kept only as pending can go
+                self.prune()
+            except Exception as err:
+                log.error("final pruning failed: %s", err)
+                self.last_error = err
         self._pruner.shutdown(wait=True)
         if self._owns_group and self.group is not None:
             dist.destroy_process_group(self.group)
