@@ -26,8 +26,9 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/python -m pip install -q mypy ruff
-	$(BIN)/ruff check tierstore tests
+	$(BIN)/ruff check tierstore tests backends examples conftest.py
 	$(BIN)/mypy
+	$(BIN)/mypy --strict --ignore-missing-imports backends/s3/tierstore_s3 backends/gcs/tierstore_gcs
 
 clean:
 	rm -rf demo-run bench-scratch .pytest_cache .hypothesis

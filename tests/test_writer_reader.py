@@ -25,8 +25,8 @@ from tierstore import (
     TieredWriter,
     faults,
     latest_checkpoint,
-    list_checkpoints,
     layout,
+    list_checkpoints,
 )
 from tierstore.catalog import Tier
 from tierstore.errors import FaultInjected, ObjectNotFound, UnsafePath

@@ -142,6 +142,7 @@ def _mtime(info: dict[str, Any]) -> float | None:
         value = info.get(field)
         if isinstance(value, (int, float)):
             return float(value)
-        if hasattr(value, "timestamp"):
-            return float(value.timestamp())
+        stamp = getattr(value, "timestamp", None)
+        if callable(stamp):
+            return float(stamp())
     return None

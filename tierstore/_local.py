@@ -146,13 +146,25 @@ class LocalBackend(Backend):
 
     # -- contract ----------------------------------------------------------------------
 
+    def _create(self, path: str, flags: int) -> int:
+        """Create ``path`` exclusively, making its directories first.
+
+        ``delete`` removes directories it leaves empty, so a concurrent delete can remove
+        the directory between our ``makedirs`` and ``open``: make it again and retry.
+        """
+        for _ in range(10):
+            self._makedirs(os.path.dirname(path))
+            try:
+                return os.open(path, flags | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o644)
+            except FileNotFoundError:
+                continue
+        return os.open(path, flags | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o644)
+
     def open_write(self, key: str) -> ObjectWriter:
         path = self._path(key)
         with translate_os_errors(key, self.label):
-            self._makedirs(os.path.dirname(path))
             self._check_inside(key, path)
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC
-            fd = os.open(path, flags, 0o644)
+            fd = self._create(path, os.O_WRONLY | _O_NOFOLLOW)
         return _LocalWriter(key, path, fd, self)
 
     def open_read(self, key: str) -> BinaryIO:
@@ -172,8 +184,7 @@ class LocalBackend(Backend):
         directory, base = os.path.split(path)
         tmp = os.path.join(directory, f".{base}.tmp-{uuid.uuid4().hex[:12]}")
         with translate_os_errors(key, self.label):
-            self._makedirs(directory)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o644)
+            fd = self._create(tmp, os.O_WRONLY)
             try:
                 view = memoryview(data)
                 while view:

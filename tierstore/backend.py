@@ -26,6 +26,7 @@ root URL. tierstore needs only these guarantees, stated once here:
 from __future__ import annotations
 
 import abc
+import builtins
 import errno
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -204,7 +205,7 @@ class Backend(abc.ABC):
         return None
 
     def abort_stale_uploads(self, *, older_than: float, dry_run: bool = True,
-                            now: float | None = None) -> list[str]:
+                            now: float | None = None) -> builtins.list[str]:
         """Abort the backend's own debris (S3: incomplete multipart uploads) older than
         ``older_than`` seconds; return what was (or, dry run, would be) aborted."""
         return []

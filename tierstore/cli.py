@@ -161,7 +161,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(json.dumps(body, indent=1))
         return EXIT_OK
     print(f"checkpoint {manifest.name}  step {manifest.step}  attempt {manifest.attempt}")
-    print(f"world size {manifest.world_size}  created {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(manifest.created))}"
+    created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(manifest.created))
+    print(f"world size {manifest.world_size}  created {created}"
           f"  size {_human(manifest.total_size)}  in {', '.join(t.label for t in holders)}")
     print(f"data: {layout.attempt_prefix(manifest.name, manifest.attempt)}")
     for f in manifest.files:

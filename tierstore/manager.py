@@ -26,8 +26,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import (
+    AsyncCheckpointerType,
+    AsyncSaveResponse,
+)
+from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from tierstore.catalog import CheckpointInfo, TierURL, list_checkpoints, make_tiers
 from tierstore.errors import ConfigError
@@ -131,13 +136,15 @@ class CheckpointManager:
                               cold_options=self.cold_options, migration=self.migration,
                               node_local=self.node_local, **self.writer_options)
         if self.async_save:
-            kind = AsyncCheckpointerType.PROCESS if self.async_mode == "process" else AsyncCheckpointerType.THREAD
-            future = dcp.async_save(state, storage_writer=writer, process_group=self.group,
-                                    async_checkpointer_type=kind)
+            kind = (AsyncCheckpointerType.PROCESS if self.async_mode == "process"
+                    else AsyncCheckpointerType.THREAD)
+            response = dcp_async_save(state, storage_writer=writer, process_group=self.group,
+                                      async_checkpointer_type=kind)
+            future = response.upload_completion if isinstance(response, AsyncSaveResponse) else response
             self._pending = future
             future.add_done_callback(lambda f: self._committed(step, f))
         else:
-            dcp.save(state, storage_writer=writer, process_group=self.group)
+            dcp_save(state, storage_writer=writer, process_group=self.group)
             self._committed(step, None)
         self.stalls[step] = time.perf_counter() - start
         return True
@@ -227,7 +234,7 @@ class CheckpointManager:
             return None
         reader = TieredReader(self.hot, self.cold, name=name, hot_options=self.hot_options,
                               cold_options=self.cold_options, node_local=self.node_local)
-        dcp.load(state, storage_reader=reader, process_group=self.group)
+        dcp_load(state, storage_reader=reader, process_group=self.group)
         assert reader.manifest is not None
         return reader.manifest.step
 

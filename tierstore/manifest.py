@@ -192,7 +192,8 @@ def _validate(body: Mapping[str, Any], *, source: str, error: type[Exception]) -
             need(False, str(err))
         need(entry["path"] not in seen, f"file {entry['path']!r} listed twice")
         seen.add(entry["path"])
-        need(_is_int(entry["size"], 0, MAX_FILE_SIZE), f"file {entry['path']!r}: absurd size {entry['size']!r}")
+        need(_is_int(entry["size"], 0, MAX_FILE_SIZE),
+             f"file {entry['path']!r}: absurd size {entry['size']!r}")
         need(_is_int(entry["crc32c"], 0, _CRC_MAX), f"file {entry['path']!r}: bad crc32c {entry['crc32c']!r}")
         need(_is_int(entry["rank"], 0, body["world_size"] - 1),
              f"file {entry['path']!r}: rank {entry['rank']!r} outside world size {body['world_size']}")

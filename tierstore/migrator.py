@@ -44,7 +44,7 @@ from tierstore.errors import (
     TierstoreError,
 )
 from tierstore.manifest import FileEntry, Manifest
-from tierstore.retry import DEFAULT, RetryPolicy
+from tierstore.retry import RetryPolicy
 
 __all__ = [
     "MigrationConfig",
@@ -60,6 +60,11 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
+# Whole-file retries on top of the backend's own per-request retries (S3 and GCS retry each
+# part and publish themselves): a few, so the two layers do not multiply.
+FILE_RETRY = RetryPolicy(attempts=3, deadline=900.0, initial=1.0, maximum=30.0)
+
+
 @dataclass(frozen=True)
 class MigrationConfig:
     """How a process migrates: concurrency (files at once), chunking, caps and timeouts."""
@@ -69,7 +74,7 @@ class MigrationConfig:
     bandwidth: float | None = None  # bytes per second for this process, None: no cap
     commit_timeout: float = 3600.0  # how long the coordinator waits for other ranks' marks
     poll_interval: float = 0.5
-    retry: RetryPolicy = DEFAULT
+    retry: RetryPolicy = FILE_RETRY
 
     def __post_init__(self) -> None:
         if self.concurrency < 1 or self.chunk_size < 1:
@@ -345,7 +350,8 @@ class Migrator:
         while True:
             missing = []
             for rank in ranks:
-                mark = _read_mark(self.cold, layout.upload_mark_key(manifest.name, manifest.attempt, rank), rank)
+                key = layout.upload_mark_key(manifest.name, manifest.attempt, rank)
+                mark = _read_mark(self.cold, key, rank)
                 if mark is None:
                     missing.append(rank)
                 elif mark != manifest.files_of_rank(rank):

@@ -108,7 +108,7 @@ class TieredReader(StorageReader):
         self.manifest = None
         self._storage_data = {}
 
-    def read_metadata(self, *args: Any) -> Metadata:  # type: ignore[override]
+    def read_metadata(self, *args: Any) -> Metadata:
         # No **kwargs on purpose: DCP then never falls back to rank-local metadata files.
         # DCP turns any error raised here into a bare AssertionError string. To hand users
         # the real error (type, attributes, traceback), keep it and raise it from
@@ -160,9 +160,9 @@ class TieredReader(StorageReader):
         if not isinstance(metadata, Metadata):
             raise IntegrityError("DCP metadata is not a Metadata object",
                                  checkpoint=manifest.name, file=entry.path)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = str(uuid.uuid4())
+        meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+        meta.load_id = str(uuid.uuid4())
+        metadata.storage_meta = meta
         return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,

@@ -14,7 +14,7 @@ from typing import Any
 from tierstore._transfer import copy_file, has_verified_copy
 from tierstore.catalog import TierURL, make_tiers, resolve
 from tierstore.errors import CheckpointExists
-from tierstore.manifest import Manifest
+from tierstore.manifest import FileEntry, Manifest
 from tierstore.migrator import MigrationConfig
 
 __all__ = ["restore"]
@@ -54,7 +54,7 @@ def restore(hot: TierURL, cold: TierURL, *, step: int | None = None, name: str |
             continue
         key = hot_tier.file_key(manifest.name, manifest.attempt, entry.path)
 
-        def attempt() -> None:
+        def attempt(key: str = key, entry: FileEntry = entry) -> None:
             hot_tier.backend.delete(key)  # a partial or damaged copy from an earlier try
             copy_file(cold_tier, hot_tier, manifest.name, manifest.attempt, entry,
                       chunk_size=config.chunk_size, progress=advance)

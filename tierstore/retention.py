@@ -77,7 +77,7 @@ class _Union(Policy):
 
 
 @dataclass(frozen=True)
-class keep_last(Policy):  # noqa: N801 - reads as a verb phrase, like tenacity's stop_after_attempt
+class keep_last(Policy):
     """The ``n`` newest (by step, then creation time)."""
 
     n: int
@@ -91,7 +91,7 @@ class keep_last(Policy):  # noqa: N801 - reads as a verb phrase, like tenacity's
 
 
 @dataclass(frozen=True)
-class keep_every(Policy):  # noqa: N801
+class keep_every(Policy):
     """Milestones: every checkpoint whose step is a multiple of ``k``."""
 
     k: int
@@ -105,7 +105,7 @@ class keep_every(Policy):  # noqa: N801
 
 
 @dataclass(frozen=True, init=False)
-class keep_steps(Policy):  # noqa: N801
+class keep_steps(Policy):
     """These exact steps."""
 
     steps: frozenset[int]
@@ -118,7 +118,7 @@ class keep_steps(Policy):  # noqa: N801
 
 
 @dataclass(frozen=True, init=False)
-class keep_within(Policy):  # noqa: N801
+class keep_within(Policy):
     """Everything created in the last ``duration`` (seconds or a ``timedelta``)."""
 
     seconds: float
@@ -134,7 +134,7 @@ class keep_within(Policy):  # noqa: N801
 
 
 @dataclass(frozen=True)
-class keep_all(Policy):  # noqa: N801
+class keep_all(Policy):
     """Never prune."""
 
     def keep(self, checkpoints: Sequence[Checkpoint], *, now: float) -> frozenset[str]:
@@ -142,7 +142,7 @@ class keep_all(Policy):  # noqa: N801
 
 
 @dataclass(frozen=True)
-class keep_none(Policy):  # noqa: N801
+class keep_none(Policy):
     """Keep nothing the pruner's safety rules do not force it to keep."""
 
     def keep(self, checkpoints: Sequence[Checkpoint], *, now: float) -> frozenset[str]:

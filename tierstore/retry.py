@@ -55,7 +55,7 @@ class RetryPolicy:
                         state.attempt_number, self.attempts,
                         state.next_action.sleep if state.next_action else 0.0, exc)
 
-        retrying = Retrying(
+        retrying: Retrying = Retrying(
             stop=stop_after_attempt(self.attempts) | stop_after_delay(self.deadline),
             wait=wait_random_exponential(multiplier=self.initial, max=self.maximum),
             retry=retry_if_exception(is_transient),
@@ -63,7 +63,12 @@ class RetryPolicy:
             before_sleep=before_sleep,
             reraise=True,
         )
-        return retrying(fn)
+        # Hand the result back beside tenacity, not through it: its retry state is a
+        # reference cycle, and a large block returned through it would stay alive until
+        # the next garbage collection (doubling a streaming reader's memory).
+        box: list[T] = []
+        retrying(lambda: box.append(fn()))
+        return box.pop()
 
 
 DEFAULT = RetryPolicy()

@@ -48,6 +48,17 @@ def _check(tier: Tier, manifest: Manifest, entry: FileEntry,
     return FileCheck(tier.label, manifest.name, entry.path, False, problem, entry.size)
 
 
+class _Ticker:
+    def __init__(self, label: str, total: int,
+                 progress: Callable[[str, int, int], None] | None) -> None:
+        self.label, self.total, self.progress, self.done = label, total, progress, 0
+
+    def __call__(self, n: int) -> None:
+        self.done += n
+        if self.progress is not None:
+            self.progress(self.label, self.done, self.total)
+
+
 def verify_store(hot: TierURL | None, cold: TierURL | None = None, *,
                  names: Iterable[str] | None = None, hot_options: dict[str, Any] | None = None,
                  cold_options: dict[str, Any] | None = None,
@@ -66,13 +77,6 @@ def verify_store(hot: TierURL | None, cold: TierURL | None = None, *,
         for manifest in sorted(manifests, key=lambda m: (m.step or -1, m.name)):
             if wanted is not None and manifest.name not in wanted:
                 continue
-            done, total = 0, manifest.total_size
-
-            def tick(n: int, m: Manifest = manifest) -> None:
-                nonlocal done
-                done += n
-                if progress is not None:
-                    progress(f"{tier.role} {m.name}", done, total)
-
+            tick = _Ticker(f"{tier.role} {manifest.name}", manifest.total_size, progress)
             results += [_check(tier, manifest, entry, tick) for entry in manifest.files]
     return results

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -292,7 +292,7 @@ def _write_file(
             if item.type == WriteItemType.BYTE_IO:
                 out.write(data.getbuffer() if isinstance(data, io.BytesIO) else data)
             else:
-                torch.save(_plain_cpu(data), out)
+                torch.save(_plain_cpu(data), cast(IO[bytes], out))
             spans.append((item, offset, out.size - offset))
     entry = FileEntry(relpath, out.size, out.crc32c, attempt.rank)
     faults.point("writer.after_file_write")

@@ -1,7 +1,7 @@
 import pytest
-from tierstore_flatdir import FlatDirBackend
 
 from tierstore.testing import BackendContract
+from tierstore_flatdir import FlatDirBackend
 
 
 class TestFlatDir(BackendContract):

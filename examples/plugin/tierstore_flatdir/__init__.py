@@ -24,7 +24,7 @@ class _Writer(ObjectWriter):
     def __init__(self, key: str, path: str, backend: FlatDirBackend) -> None:
         super().__init__(key)
         self._path, self._backend = path, backend
-        self._file = open(path, "xb")
+        self._file = open(path, "xb")  # noqa: SIM115 - closed by _commit/_abort
 
     def _write(self, view: memoryview) -> None:
         with translate_os_errors(self.key, self._backend.label):

@@ -1,0 +1,225 @@
+"""Streaming object writes: one PutObject for small objects, else a bounded multipart upload.
+
+Memory: the part being filled plus at most ``max_concurrency`` parts in flight, so about
+``part_size * (max_concurrency + 1)`` bytes whatever the object's size. A part is shipped
+only when more bytes follow it, so an object of exactly ``part_size`` is one PutObject and
+the last part of a multipart upload is never empty.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import TYPE_CHECKING, Any
+
+from tierstore.backend import ObjectWriter, crc32c_update
+from tierstore.errors import ChecksumMismatch, StorageError, TierstoreError
+from tierstore_s3 import _checksum
+from tierstore_s3._errors import client_error_code
+
+if TYPE_CHECKING:
+    from tierstore_s3._backend import S3Backend
+
+__all__ = ["S3ObjectWriter"]
+
+log = logging.getLogger(__name__)
+
+MAX_PARTS = 10_000  # S3's limit per multipart upload
+
+
+class _MultipartUpload:
+    """One multipart upload; parts go up on a small pool, each retried as a unit."""
+
+    def __init__(self, backend: S3Backend, key: str) -> None:
+        self._backend = backend
+        self._key = key
+        self._full = backend.full_key(key)
+        extra = {"ChecksumType": "FULL_OBJECT"} if backend.full_object_checksum else {}
+        created = backend.retrying("start multipart upload", key, lambda: backend.call(
+            "create_multipart_upload", key, Key=self._full, ChecksumAlgorithm="CRC32C", **extra))
+        self.upload_id: str = created["UploadId"]
+        self.part_crcs: list[int] = []
+        self._done: list[dict[str, Any]] = []
+        self._pending: set[Future[dict[str, Any]]] = set()
+        self._pool = ThreadPoolExecutor(backend.max_concurrency,
+                                        thread_name_prefix="tierstore-s3-part")
+        self._aborted = False
+        log.debug("started multipart upload of %s in %s", key, backend.label)
+
+    def wait_for_slot(self) -> None:
+        """Block until fewer than ``max_concurrency`` parts are in flight."""
+        self._settle(below=self._backend.max_concurrency)
+
+    def _settle(self, *, below: int) -> None:
+        """Collect finished parts until fewer than ``below`` are in flight; a part that
+        failed for good raises here."""
+        while self._pending and len(self._pending) >= below:
+            finished, self._pending = wait(self._pending, return_when=FIRST_COMPLETED)
+            self._done.extend(future.result() for future in finished)
+
+    def submit(self, part: _Part) -> None:
+        number = len(self.part_crcs) + 1
+        if number > MAX_PARTS:
+            raise StorageError(
+                f"object needs more than {MAX_PARTS} parts of {self._backend.part_size} bytes; "
+                "raise the tier's part_size", key=self._key, tier=self._backend.label)
+        self.part_crcs.append(part.crc)
+        self._pending.add(self._pool.submit(self._upload_part, number, part))
+
+    def _upload_part(self, number: int, part: _Part) -> dict[str, Any]:
+        backend, encoded = self._backend, _checksum.encode(part.crc)
+
+        def attempt() -> Any:
+            if self._aborted:  # stop retrying: abort() is waiting for this thread
+                raise StorageError("multipart upload aborted", key=self._key,
+                                   tier=backend.label)
+            return backend.call("upload_part", self._key, Key=self._full,
+                                UploadId=self.upload_id, PartNumber=number, Body=part.body(),
+                                ChecksumAlgorithm="CRC32C", ChecksumCRC32C=encoded)
+
+        answer = backend.retrying(f"upload part {number}", self._key, attempt)
+        return {"PartNumber": number, "ETag": answer["ETag"], "ChecksumCRC32C": encoded}
+
+    def complete(self, crc: int) -> None:
+        self._settle(below=1)
+        self._pool.shutdown()
+        parts = sorted(self._done, key=lambda part: part["PartNumber"])
+        extra: dict[str, Any] = {}
+        if self._backend.full_object_checksum:
+            extra = {"ChecksumType": "FULL_OBJECT", "ChecksumCRC32C": _checksum.encode(crc)}
+        tries = 0
+
+        def attempt() -> None:
+            nonlocal tries
+            tries += 1
+            try:
+                self._backend.call("complete_multipart_upload", self._key, Key=self._full,
+                                   UploadId=self.upload_id, MultipartUpload={"Parts": parts},
+                                   **extra)
+            except TierstoreError as err:
+                # An earlier attempt may have completed it and lost the answer; the
+                # verification that follows decides (DESIGN.md invariant 6).
+                if tries == 1 or client_error_code(err) != "NoSuchUpload":
+                    raise
+
+        self._backend.retrying("complete multipart upload", self._key, attempt)
+
+    def abort(self) -> None:
+        """Stop the upload and free its parts; best effort, never raises."""
+        self._aborted = True
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pending = set()
+        try:
+            self._backend.abort_upload(self._key, self.upload_id)
+        except Exception as err:  # an unaborted upload costs storage, not correctness
+            log.warning("could not abort multipart upload of %s in %s (its parts stay until "
+                        "garbage collection or a lifecycle rule removes them): %s", self._key,
+                        self._backend.label, err)
+
+
+class _Part:
+    """One part's bytes, held in the very ``BytesIO`` that goes out as the request body.
+
+    botocore sends a ``BytesIO`` as it is and aiohttp streams it in small chunks; a
+    ``bytes`` body would be wrapped in a shared ``BytesIO`` that aiohttp's
+    ``getbuffer()`` then copies, doubling the memory of every part in flight.
+    """
+
+    def __init__(self, capacity: int = 0) -> None:
+        self._body = io.BytesIO()
+        if capacity:  # one exact allocation instead of repeated growth (writes past the end)
+            self._body.seek(capacity - 1)
+            self._body.write(b"\0")
+            self._body.seek(0)
+        self.size = 0
+        self.crc = 0
+
+    def add(self, piece: memoryview) -> None:
+        self._body.write(piece)
+        self.size += len(piece)
+        self.crc = crc32c_update(self.crc, piece)
+
+    def body(self) -> io.BytesIO:
+        """The request body, rewound: each (re)try sends it from the start."""
+        self._body.truncate(self.size)
+        self._body.seek(0)
+        return self._body
+
+
+class S3ObjectWriter(ObjectWriter):
+    """Streams one object to S3 (see the module docstring)."""
+
+    def __init__(self, key: str, backend: S3Backend) -> None:
+        super().__init__(key)
+        self._backend = backend
+        self._part = _Part()  # the first part grows: most objects are small
+        self._upload: _MultipartUpload | None = None
+        self._sent = False  # the final PUT or completion was sent: the object may exist
+
+    def _write(self, view: memoryview) -> None:
+        part_size = self._backend.part_size
+        while view:
+            if self._part.size >= part_size:
+                self._ship_part()
+            piece = view[: part_size - self._part.size]
+            self._part.add(piece)
+            view = view[len(piece):]
+
+    def _ship_part(self, *, last: bool = False) -> None:
+        if self._upload is None:
+            self._upload = _MultipartUpload(self._backend, self.key)
+        # Wait for a free slot before starting the next part, so at most
+        # max_concurrency + 1 parts exist (module docstring).
+        self._upload.wait_for_slot()
+        self._upload.submit(self._part)
+        self._part = _Part(0 if last else self._backend.part_size)
+
+    def _commit(self) -> None:
+        try:
+            if self._upload is None:
+                part, self._part = self._part, _Part()
+                self._sent = True
+                self._backend.retrying("upload", self.key, lambda: self._backend.put(
+                    self.key, part.body(), self.crc32c))
+                part_crcs: list[int] = []
+            else:
+                self._ship_part(last=True)
+                self._sent = True
+                self._upload.complete(self.crc32c)
+                part_crcs = self._upload.part_crcs
+            self._verify(part_crcs)
+        except BaseException:
+            self._discard()
+            raise
+
+    def _verify(self, part_crcs: list[int]) -> None:
+        """Size and stored CRC32C must be what we wrote (DESIGN.md invariant 2)."""
+        head = self._backend.head(self.key)
+        size = int(head["ContentLength"])
+        if size != self.size:
+            raise self._mismatch("size", f"{self.size} bytes", f"{size} bytes")
+        stored = head.get("ChecksumCRC32C")
+        if stored and stored not in _checksum.accepted_values(self.crc32c, part_crcs):
+            raise self._mismatch("CRC32C", _checksum.encode(self.crc32c), stored)
+
+    def _mismatch(self, what: str, expected: str, actual: str) -> ChecksumMismatch:
+        return ChecksumMismatch(
+            f"uploaded object's {what} differs: expected {expected}, S3 holds {actual}",
+            key=self.key, tier=self._backend.label, expected=expected, actual=actual)
+
+    def _discard(self) -> None:
+        """Leave nothing behind: abort the upload, delete a completed but bad object."""
+        self._abort()
+        if not self._sent:
+            return
+        try:  # keys are unique to one attempt (DESIGN.md invariant 3): ours to delete
+            self._backend.delete(self.key)
+        except Exception as err:
+            log.warning("could not delete failed upload %s in %s: %s", self.key,
+                        self._backend.label, err)
+
+    def _abort(self) -> None:
+        self._part = _Part()
+        if self._upload is not None:
+            self._upload.abort()
