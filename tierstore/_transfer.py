@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import BinaryIO
 
 from tierstore import faults
 from tierstore.backend import crc32c_update
@@ -50,15 +51,16 @@ def copy_file(src: Tier, dst: Tier, name: str, attempt: str, entry: FileEntry, *
     """
     src_key = src.file_key(name, attempt, entry.path)
     dst_key = dst.file_key(name, attempt, entry.path)
+    buffer = memoryview(bytearray(chunk_size))  # reused: no allocation per chunk
     with src.backend.open_read(src_key) as stream:
         writer = dst.backend.open_write(dst_key)
         try:
-            while chunk := stream.read(chunk_size):
+            while n := _read_into(stream, buffer):
                 if throttle is not None:
-                    throttle.consume(len(chunk))
-                writer.write(chunk)
+                    throttle.consume(n)
+                writer.write(buffer[:n])  # writers copy what they keep
                 if progress is not None:
-                    progress(len(chunk))
+                    progress(n)
                 faults.point("transfer.after_chunk")
             if (writer.size, writer.crc32c) != (entry.size, entry.crc32c):
                 raise ChecksumMismatch(
@@ -71,6 +73,15 @@ def copy_file(src: Tier, dst: Tier, name: str, attempt: str, entry: FileEntry, *
             writer.abort()
             raise
         writer.close()
+
+
+def _read_into(stream: BinaryIO, buffer: memoryview) -> int:
+    readinto = getattr(stream, "readinto", None)
+    if readinto is not None:
+        return int(readinto(buffer) or 0)
+    chunk = stream.read(len(buffer))
+    buffer[: len(chunk)] = chunk
+    return len(chunk)
 
 
 def has_verified_copy(tier: Tier, name: str, attempt: str, entry: FileEntry, *,
