@@ -53,6 +53,7 @@ class _LocalWriter(ObjectWriter):
         self._buffer = bytearray()
 
     def _drain(self, view: memoryview) -> None:
+        faults.point("local.write")
         while view:
             view = view[os.write(self._fd, view) :]
 
@@ -186,6 +187,7 @@ class LocalBackend(Backend):
         with translate_os_errors(key, self.label):
             fd = self._create(tmp, os.O_WRONLY)
             try:
+                faults.point("local.publish.write")
                 view = memoryview(data)
                 while view:
                     view = view[os.write(fd, view) :]

@@ -2,8 +2,10 @@
 
 Code marks the moments a crash could matter with ``faults.point("writer.after_file_write")``.
 Tests arm points to raise :class:`~tierstore.errors.FaultInjected`, to ``SIGKILL`` the
-process, or to exit, either in code (:func:`arm`) or, for subprocesses, through the
-``TIERSTORE_FAULTS`` environment variable read at import::
+process, to exit, to raise ``OSError(ENOSPC)`` (a full disk) or to sleep
+(``TIERSTORE_FAULT_SLEEP`` seconds, default 2: widens a race window), either in code
+(:func:`arm`) or, for subprocesses, through the ``TIERSTORE_FAULTS`` environment variable
+read at import::
 
     TIERSTORE_FAULTS="writer.after_file_write@2=kill"   # 2nd time this point is passed
     TIERSTORE_FAULTS="*@7=kill"                         # 7th point passed, whatever its name
@@ -16,10 +18,12 @@ the crash suite learns the points an operation passes and picks one by index.
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import os
 import signal
 import threading
+import time
 from dataclasses import dataclass
 
 from tierstore.errors import ConfigError, FaultInjected
@@ -28,7 +32,8 @@ __all__ = ["point", "arm", "disarm", "armed", "parse_spec", "ENV", "TRACE_ENV", 
 
 ENV = "TIERSTORE_FAULTS"
 TRACE_ENV = "TIERSTORE_FAULT_TRACE"
-ACTIONS = ("raise", "kill", "exit")
+ACTIONS = ("raise", "kill", "exit", "enospc", "sleep")
+SLEEP_ENV = "TIERSTORE_FAULT_SLEEP"
 
 
 @dataclass
@@ -53,7 +58,7 @@ def parse_spec(text: str) -> list[_Spec]:
         pattern, _, hit = target.partition("@")
         action = action or "raise"
         if action not in ACTIONS or not pattern or (hit and not hit.isdigit()):
-            raise ConfigError(f"bad fault spec {part!r}: want pattern[@hit]=raise|kill|exit")
+            raise ConfigError(f"bad fault spec {part!r}: want pattern[@hit]={'|'.join(ACTIONS)}")
         specs.append(_Spec(pattern=pattern, hit=int(hit or 1), action=action))
     return specs
 
@@ -98,6 +103,10 @@ def _fire(name: str) -> None:
         os._exit(17)
     elif action == "raise":
         raise FaultInjected(f"fault injected at {name}")
+    elif action == "enospc":
+        raise OSError(errno.ENOSPC, f"No space left on device (injected at {name})")
+    elif action == "sleep":
+        time.sleep(float(os.environ.get(SLEEP_ENV, "2")))
 
 
 def _arm_from_env() -> None:

@@ -3,9 +3,11 @@
 Garbage is, per tier:
 
 * data of attempts that no manifest in *any* tier references (dead or losing attempts,
-  data left by an interrupted prune), once every file of the attempt is older than ``grace``;
+  data left by an interrupted prune), once every file of the attempt is older than ``grace``
+  and no live lease says a load is still reading it;
 * files inside a referenced attempt that its manifest does not list, older than ``grace``;
 * upload marks of attempts already committed in that tier, or referenced nowhere and old;
+* "migrated" marks of checkpoints no longer in the (hot) tier;
 * leftover publish temporaries and expired leases, older than ``grace``;
 * backend debris such as S3 incomplete multipart uploads older than ``grace``.
 
@@ -27,6 +29,7 @@ from tierstore import layout
 from tierstore.backend import ObjectInfo
 from tierstore.catalog import Tier, TierURL, make_tiers
 from tierstore.errors import ObjectNotFound
+from tierstore.leases import live_leases
 from tierstore.manifest import Manifest
 
 __all__ = ["Garbage", "GCReport", "find_garbage", "collect_garbage", "DEFAULT_GRACE"]
@@ -70,6 +73,8 @@ def _tier_garbage(tier: Tier, referenced: dict[tuple[str, str], Manifest],
             attempts[where].append(info)
         elif key.startswith(layout.UPLOAD_DIR + "/"):
             found += _mark_garbage(tier, info, referenced, committed_here, now, grace)
+        elif key.startswith(layout.MIGRATED_DIR + "/"):
+            found += _migrated_garbage(tier, info, committed_here)
         elif key.startswith(layout.LEASE_DIR + "/"):
             if _lease_expired(tier, info, now, grace):
                 found.append(Garbage(tier.label, key, info.size, "expired lease"))
@@ -78,6 +83,9 @@ def _tier_garbage(tier: Tier, referenced: dict[tuple[str, str], Manifest],
     for (name, attempt), infos in attempts.items():
         manifest = referenced.get((name, attempt))
         if manifest is None:
+            # Un-published by a prune while a load held a lease: the load still reads it.
+            if live_leases(tier, name, now=now):
+                continue
             if all(_old(i, now, grace) for i in infos):
                 found += [Garbage(tier.label, i.key, i.size, "attempt named by no manifest")
                           for i in infos]
@@ -98,6 +106,13 @@ def _mark_garbage(tier: Tier, info: ObjectInfo, referenced: dict[tuple[str, str]
         return [Garbage(tier.label, info.key, info.size, "upload mark of a committed checkpoint")]
     if attempt not in referenced and _old(info, now, grace):
         return [Garbage(tier.label, info.key, info.size, "upload mark of a dead attempt")]
+    return []
+
+
+def _migrated_garbage(tier: Tier, info: ObjectInfo, committed_here: set[tuple[str, str]]) -> list[Garbage]:
+    parts = info.key.split("/")
+    if len(parts) == 3 and (parts[1], parts[2].removesuffix(".json")) not in committed_here:
+        return [Garbage(tier.label, info.key, info.size, "migrated mark of a pruned checkpoint")]
     return []
 
 

@@ -7,6 +7,7 @@ A store root (one per tier) looks like::
     checkpoints/<name>/<attempt>/__<rank>_<n>.distcp   shard files, one set per rank
     uploads/<name>/<attempt>/rank-<rank>.json   per-rank upload marks (cold tier only)
     leases/<name>/<lease>.json                  "in use by a load" marks, with an expiry
+    migrated/<name>/<attempt>.json              hot tier: "committed in cold" (survives a cold prune)
 
 On object stores (backends with ``spread_keys``) data files live under
 ``shards/<xx>/<name>/<attempt>/<file>`` instead, ``<xx>`` two hex digits of a hash of the
@@ -52,6 +53,7 @@ DATA_DIR = "checkpoints"
 SPREAD_DIR = "shards"
 UPLOAD_DIR = "uploads"
 LEASE_DIR = "leases"
+MIGRATED_DIR = "migrated"
 METADATA_FILE = ".metadata"  # DCP's own name, so an attempt directory is plain DCP
 MANIFEST_SUFFIX = ".json"
 
@@ -148,3 +150,8 @@ def lease_prefix(name: str) -> str:
 
 def lease_key(name: str, lease: str) -> str:
     return f"{lease_prefix(name)}{lease}.json"
+
+
+def migrated_key(name: str, attempt: str) -> str:
+    """Hot-tier mark that the attempt was committed in cold, even if cold pruned it since."""
+    return f"{MIGRATED_DIR}/{check_name(name)}/{check_attempt(attempt)}.json"

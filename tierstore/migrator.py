@@ -336,6 +336,7 @@ class Migrator:
         except Exception as err:
             raise _Failed(-1, None, err) from err
         faults.point("migrator.after_cold_publish")
+        mark_migrated(self.hot, manifest)
         # The marks did their job; a crash before this leaves them to GC.
         try:
             for info in list(self.cold.backend.list(layout.upload_prefix(manifest.name, manifest.attempt))):
@@ -369,6 +370,25 @@ class Migrator:
                                                 f"{self.config.commit_timeout:.0f}s")
             self._sleep(delay)
             delay = min(delay * 2, 10.0)
+
+
+def mark_migrated(hot: Tier, manifest: Manifest) -> None:
+    """Record in the hot tier that ``manifest`` is committed in cold.
+
+    Without it, a checkpoint the cold policy later prunes would look pending again (hot
+    manifest, no cold manifest): hot pruning would keep it forever and a migrator would
+    upload it again. Best effort: if it is lost, the next status check rewrites it.
+    """
+    try:
+        hot.backend.publish(layout.migrated_key(manifest.name, manifest.attempt), b"{}")
+    except PublishConflict:
+        pass
+    except TierstoreError as err:
+        log.warning("could not mark %s as migrated in %s: %s", manifest.name, hot.label, err)
+
+
+def was_migrated(hot: Tier, manifest: Manifest) -> bool:
+    return hot.backend.exists(layout.migrated_key(manifest.name, manifest.attempt))
 
 
 def _status_of(job: _Job, now: float) -> MigrationStatus:
@@ -489,6 +509,10 @@ def _tier_status(hot: Tier, cold: Tier, manifest: Manifest, now: float) -> Migra
                            None, total, 0, manifest.created, lag_seconds=now - manifest.created)
     committed = cold.find_manifest(manifest.name)
     if committed is not None and committed.attempt == manifest.attempt:
+        if not was_migrated(hot, manifest):
+            mark_migrated(hot, manifest)  # repair a mark lost to a crash after the commit
+        return replace(base, state=MigrationState.COMMITTED, bytes_done=total, lag_seconds=0.0)
+    if was_migrated(hot, manifest):  # committed once, pruned from cold since by its policy
         return replace(base, state=MigrationState.COMMITTED, bytes_done=total, lag_seconds=0.0)
     done = 0
     for rank in sorted({f.rank for f in manifest.files}):

@@ -94,6 +94,7 @@ def delete_data(tier: Tier, manifest: Manifest) -> int:
         faults.point("prune.after_file_delete")
     for info in list(tier.backend.list(layout.upload_prefix(manifest.name, manifest.attempt))):
         tier.backend.delete(info.key)
+    tier.backend.delete(layout.migrated_key(manifest.name, manifest.attempt))
     return freed
 
 
@@ -129,9 +130,12 @@ def prune_node_local(hot: Tier, cold: Tier, policy: Policy, *, dry_run: bool = F
 
 
 def pending_in_cold(hot: Tier, cold: Tier) -> set[str]:
-    """Hot checkpoints whose cold commit has not happened yet."""
+    """Hot checkpoints never committed in cold (one the cold policy pruned is not pending)."""
+    from tierstore.migrator import was_migrated
+
     committed = {(m.name, m.attempt) for m in cold.manifests()}
-    return {m.name for m in hot.manifests() if (m.name, m.attempt) not in committed}
+    return {m.name for m in hot.manifests()
+            if (m.name, m.attempt) not in committed and not was_migrated(hot, m)}
 
 
 def prune(hot: TierURL | None, cold: TierURL | None = None, *, hot_policy: Policy = DEFAULT_HOT,

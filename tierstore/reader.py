@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from tierstore import layout, leases
+from tierstore import faults, layout, leases
 from tierstore._safe_pickle import load_metadata
 from tierstore.backend import crc32c_update
 from tierstore.catalog import Tier, TierURL, make_tiers, resolve
@@ -131,6 +131,7 @@ class TieredReader(StorageReader):
             if self.lease:
                 self._leases = [held for t in holders
                                 if (held := leases.take(t, manifest.name)) is not None]
+            faults.point("reader.after_lease")
             # Leased first, checked second: a prune either sees our lease or we see it gone.
             alive = [t for t in holders if (m := t.find_manifest(manifest.name)) is not None
                      and m.attempt == manifest.attempt]
@@ -193,6 +194,7 @@ class TieredReader(StorageReader):
             per_file.setdefault(self._storage_info(item).relative_path, []).append(item)
         try:
             for path, items in per_file.items():
+                faults.point("reader.before_file")
                 self._read_file(path, items, planner)
         finally:
             self._release()
