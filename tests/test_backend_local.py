@@ -154,3 +154,29 @@ def test_memory_store_is_shared_by_name_and_survives_backends() -> None:
     MemoryBackend("memory://shared-name").publish("k", b"v")
     assert MemoryBackend("memory://shared-name/").read_bytes("k") == b"v"
     assert not MemoryBackend("memory://other-name").exists("k")
+
+
+def test_concurrent_deletes_never_break_writes_in_the_same_directory(tmp_path: Path) -> None:
+    # Regression: delete() prunes directories it empties; a writer creating a file in the
+    # same directory at that moment saw ENOENT (from mkdir or open) as ObjectNotFound.
+    import threading
+
+    backend = LocalBackend(str(tmp_path / "root"))
+    errors: list[BaseException] = []
+
+    def churn(worker: int) -> None:
+        try:
+            for i in range(300):
+                key = f"a/b/c/w{worker}-{i}"
+                with backend.open_write(key) as out:
+                    out.write(b"x")
+                backend.delete(key)
+        except BaseException as err:  # reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=churn, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []

@@ -154,11 +154,12 @@ class LocalBackend(Backend):
         the directory between our ``makedirs`` and ``open``: make it again and retry.
         """
         for _ in range(10):
-            self._makedirs(os.path.dirname(path))
-            try:
+            try:  # either step fails with ENOENT if a directory vanished under it
+                self._makedirs(os.path.dirname(path))
                 return os.open(path, flags | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o644)
             except FileNotFoundError:
                 continue
+        self._makedirs(os.path.dirname(path))
         return os.open(path, flags | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o644)
 
     def open_write(self, key: str) -> ObjectWriter:
@@ -193,8 +194,11 @@ class LocalBackend(Backend):
                     view = view[os.write(fd, view) :]
                 if self.fsync:
                     os.fsync(fd)
-            finally:
+            except BaseException:
                 os.close(fd)
+                os.unlink(tmp)  # e.g. ENOSPC: leave no temporary behind
+                raise
+            os.close(fd)
             faults.point("local.publish.after_temp_fsync")
             try:
                 self._link_exclusive(key, tmp, path)

@@ -2,7 +2,7 @@
 
 Code marks the moments a crash could matter with ``faults.point("writer.after_file_write")``.
 Tests arm points to raise :class:`~tierstore.errors.FaultInjected`, to ``SIGKILL`` the
-process, to exit, to raise ``OSError(ENOSPC)`` (a full disk) or to sleep
+process (or its whole process group), to exit, to raise ``OSError(ENOSPC)`` (a full disk) or to sleep
 (``TIERSTORE_FAULT_SLEEP`` seconds, default 2: widens a race window), either in code
 (:func:`arm`) or, for subprocesses, through the ``TIERSTORE_FAULTS`` environment variable
 read at import::
@@ -32,7 +32,7 @@ __all__ = ["point", "arm", "disarm", "armed", "parse_spec", "ENV", "TRACE_ENV", 
 
 ENV = "TIERSTORE_FAULTS"
 TRACE_ENV = "TIERSTORE_FAULT_TRACE"
-ACTIONS = ("raise", "kill", "exit", "enospc", "sleep")
+ACTIONS = ("raise", "kill", "killgroup", "exit", "enospc", "sleep")
 SLEEP_ENV = "TIERSTORE_FAULT_SLEEP"
 
 
@@ -99,6 +99,8 @@ def _fire(name: str) -> None:
                     action = spec.action
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    elif action == "killgroup":  # the whole job at once, as when a node loses power
+        os.killpg(os.getpgrp(), signal.SIGKILL)
     elif action == "exit":
         os._exit(17)
     elif action == "raise":

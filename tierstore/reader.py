@@ -279,6 +279,14 @@ class TieredReader(StorageReader):
         for i, tier in enumerate(self._holders):
             key = tier.file_key(self.manifest.name, self.manifest.attempt, entry.path)
             try:
+                # The stored size first: a truncated file fails fast, and no length claimed by
+                # a forged manifest or metadata can make a read allocate more than is stored.
+                stored = tier.backend.stat(key).size
+                if stored != entry.size:
+                    raise ChecksumMismatch(
+                        f"size mismatch: expected {entry.size} bytes, found {stored} bytes",
+                        checkpoint=self.manifest.name, file=entry.path, tier=tier.label,
+                        expected=f"{entry.size} bytes", actual=f"{stored} bytes")
                 with tier.backend.open_read(key) as raw:
                     consume(_VerifiedStream(raw, entry, self.manifest.name, tier.label))
                 self.sources[entry.path] = tier.role

@@ -11,6 +11,7 @@ launcher would.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import pickle
 import signal
@@ -49,6 +50,7 @@ def _child(fn: Callable[[int], Any], rank: int, world: int, store: str | None, c
     code = 0
     try:
         os.environ.update(env)
+        logging.disable(logging.CRITICAL)  # expected failures would flood the test output
         faults.disarm()
         faults._trace_path = trace
         if crash_at is not None:
@@ -83,17 +85,26 @@ def _unwrap(err: BaseException) -> BaseException:
 
 
 def run(fn: Callable[[int], Any], *, world: int = 1, crash_at: int | None = None, victim: int = 0,
-        action: str = "kill", timeout: float = 120.0, env: dict[str, str] | None = None) -> Outcome:
-    """Fork ``world`` children running ``fn(rank)``; arm rank ``victim`` with ``crash_at``."""
+        action: str = "killgroup", timeout: float = 120.0, env: dict[str, str] | None = None) -> Outcome:
+    """Fork ``world`` children running ``fn(rank)``; arm rank ``victim`` with ``crash_at``.
+
+    The children form a process group of their own, so the default action kills the whole
+    job at the victim's point at once: no survivor makes timing-dependent progress.
+    """
     scratch = tempfile.mkdtemp(prefix="tierstore-fork-")
     store = os.path.join(scratch, "pg-store") if world > 1 else None
-    pids = []
+    pids: list[int] = []
     for rank in range(world):
         trace, out = os.path.join(scratch, f"trace-{rank}"), os.path.join(scratch, f"out-{rank}")
         armed = crash_at if rank == victim else None
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the child never returns
+            os.setpgid(0, pids[0] if pids else 0)
             _child(fn, rank, world, store, armed, action, trace, out, env or {})
+        try:
+            os.setpgid(pid, pids[0] if pids else pid)  # also from here: no race with the child
+        except (PermissionError, ProcessLookupError):
+            pass
         pids.append(pid)
     codes = _wait_all(pids, timeout)
     results, errors, types, points = [], [], [], []

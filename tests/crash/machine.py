@@ -1,0 +1,294 @@
+"""The crash-consistency state machine: random saves, migrations, prunes, loads, corruptions
+and recoveries, each possibly SIGKILLed at any fault point it passes.
+
+Each operation runs in forked children (see ``forking``). Before running it for real, the
+machine runs it once on a scratch copy of the store with tracing on, learns the fault points
+it passes, and lets hypothesis pick one as the crash point (or none), so every crash lands
+on a real point and every example replays deterministically.
+
+Invariants checked after every step:
+
+1. every checkpoint listed as committed in a tier loads bit-exact from that tier alone, or,
+   if the test damaged that copy, the damage is detected (an error, never wrong data);
+2. a load through both tiers returns the right bytes whenever one intact copy exists;
+3. nothing committed disappears except by retention policy (so the newest committed
+   checkpoint before a crash is still committed after it);
+4. an operation that returned normally did what it promised (a save is committed, a
+   migration committed every intact pending checkpoint, a prune removed exactly its plan,
+   a GC left no garbage).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import forking
+import model
+import torch.distributed.checkpoint as dcp
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from stats import STATS
+
+from tierstore import TieredWriter, layout, list_checkpoints
+from tierstore.catalog import Tier
+from tierstore._transfer import has_verified_copy
+from tierstore.gc import collect_garbage, find_garbage
+from tierstore.migrator import MigrationState, migrate_pending, migration_status
+from tierstore.prune import pending_in_cold, plan_prune, prune
+from tierstore.retention import Policy, keep_every, keep_last
+
+Op = Callable[[str, str, int], Any]  # (hot, cold, rank) -> result
+
+
+class CrashConsistency(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.root = Path(tempfile.mkdtemp(prefix="tierstore-crash-"))
+        self.hot, self.cold = str(self.root / "hot"), str(self.root / "cold")
+        self.next_step = 1
+        self.seen: dict[str, set[str]] = {"hot": set(), "cold": set()}
+        self.may_vanish: dict[str, set[str]] = {"hot": set(), "cold": set()}
+        STATS.examples += 1
+
+    def teardown(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _root(self, role: str) -> str:
+        return self.hot if role == "hot" else self.cold
+
+    def _damaged(self, role: str, name: str) -> bool:
+        """Does this tier's copy differ from its manifest? (Two flips of one byte cancel.)"""
+        tier = Tier(role, self._root(role))
+        manifest = tier.find_manifest(name)
+        return manifest is not None and any(
+            not has_verified_copy(tier, name, manifest.attempt, entry) for entry in manifest.files)
+
+    def _listed(self, role: str) -> dict[str, Any]:
+        hot, cold = (self.hot, None) if role == "hot" else (None, self.cold)
+        return {c.name: c for c in list_checkpoints(hot, cold)}
+
+    def _run(self, data: st.DataObject, op: Op, world: int = 1) -> forking.Outcome:
+        """Trace ``op`` on a copy of the store, pick a crash point among those it passed,
+        then run it for real."""
+        scratch = Path(tempfile.mkdtemp(prefix="tierstore-trace-"))
+        try:
+            for role in ("hot", "cold"):
+                if Path(self._root(role)).exists():
+                    shutil.copytree(self._root(role), scratch / role, symlinks=True)
+            hot, cold = str(scratch / "hot"), str(scratch / "cold")
+            traced = forking.run(lambda rank: op(hot, cold, rank), world=world)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        victim = data.draw(st.integers(0, world - 1), label="victim rank")
+        passed = len(traced.points[victim])
+        # Drawn from a fixed range and mapped onto the points this run passed, so the draws
+        # are the same whatever the trace length: examples shrink and replay.
+        pick = data.draw(st.one_of(st.none(), st.integers(1, 1 << 10)), label="crash at point")
+        crash = None if pick is None or not passed else 1 + (pick - 1) % passed
+        outcome = forking.run(lambda rank: op(self.hot, self.cold, rank), world=world,
+                              crash_at=crash, victim=victim)
+        self.last = (op.__qualname__, world, victim, crash, outcome)
+        STATS.steps += 1
+        if outcome.killed:
+            STATS.faults += 1
+            if outcome.died_at:
+                STATS.crash_points.add(outcome.died_at)
+        return outcome
+
+    # -- rules ---------------------------------------------------------------------------
+
+    @rule(data=st.data(), world=st.sampled_from([1, 2]), per_item=st.booleans(),
+          with_cold=st.booleans(), mode=st.sampled_from(["sync", "thread"]))
+    def save(self, data: st.DataObject, world: int, per_item: bool, with_cold: bool, mode: str) -> None:
+        step, self.next_step = self.next_step, self.next_step + 1
+
+        def op(hot: str, cold: str, rank: int) -> list[tuple[str, str, str | None]]:
+            writer = TieredWriter(hot, cold if with_cold else None, step=step,
+                                  single_file_per_rank=not per_item, migration=model.FAST)
+            if mode == "sync":
+                dcp.save(model.state_for(step), storage_writer=writer)
+            else:
+                dcp.async_save(model.state_for(step), storage_writer=writer).result()
+            migrator = writer.migrator
+            if migrator is None:
+                return []
+            migrator.wait(60)
+            return [(s.name, s.state.value, s.error) for s in migrator.status()]
+
+        outcome = self._run(data, op, world)
+        if outcome.killed:
+            return
+        assert outcome.ok, outcome.errors
+        name = layout.default_name(step)
+        assert name in self._listed("hot"), "a save that returned must be committed"
+        if with_cold:
+            states = [s for result in outcome.results for s in result]
+            assert all(state in ("uploaded", "committed") for _, state, _ in states), states
+            assert name in self._listed("cold"), "its migration finished, so it is committed cold"
+
+    @rule(data=st.data())
+    def migrate(self, data: st.DataObject) -> None:
+        def op(hot: str, cold: str, rank: int) -> list[tuple[str, str, str | None]]:
+            return [(s.name, s.state.value, s.error) for s in migrate_pending(hot, cold, config=model.FAST)]
+
+        outcome = self._run(data, op)
+        if outcome.killed:
+            return
+        assert outcome.ok, outcome.errors
+        for name, state, error in outcome.results[0]:
+            if state != "committed":  # only a source the test damaged may fail to migrate
+                assert self._damaged("hot", name), (name, state, error)
+        for status in migration_status(self.hot, self.cold):
+            if not self._damaged("hot", status.name):
+                assert status.state is MigrationState.COMMITTED, status
+
+    @rule(data=st.data(), hot_keep=st.integers(1, 3), cold_keep=st.integers(1, 3),
+          every=st.sampled_from([0, 2, 3]))
+    def prune(self, data: st.DataObject, hot_keep: int, cold_keep: int, every: int) -> None:
+        hot_policy: Policy = keep_last(hot_keep)
+        cold_policy: Policy = keep_last(cold_keep) | keep_every(every) if every else keep_last(cold_keep)
+        hot, cold = Tier("hot", self.hot), Tier("cold", self.cold)
+        now = time.time()
+        doomed_hot = {m.name for m in plan_prune(hot.manifests(), hot_policy,
+                                                 protect=pending_in_cold(hot, cold), now=now)[0]}
+        doomed_cold = {m.name for m in plan_prune(cold.manifests(), cold_policy, now=now)[0]}
+        self.may_vanish["hot"] |= doomed_hot
+        self.may_vanish["cold"] |= doomed_cold
+
+        def op(hot_url: str, cold_url: str, rank: int) -> None:
+            prune(hot_url, cold_url, hot_policy=hot_policy, cold_policy=cold_policy)
+
+        outcome = self._run(data, op)
+        if outcome.killed:
+            return
+        assert outcome.ok, outcome.errors
+        assert not doomed_hot & set(self._listed("hot")) and not doomed_cold & set(self._listed("cold"))
+
+    @rule(data=st.data())
+    def load_latest(self, data: st.DataObject) -> None:
+        listed = {**self._listed("cold"), **self._listed("hot")}
+
+        def op(hot: str, cold: str, rank: int) -> tuple[str, bool]:
+            target, reader = model.load(hot, cold, lease=True)
+            assert reader.manifest is not None
+            return reader.manifest.name, model.matches(target, reader.manifest.step)
+
+        outcome = self._run(data, op)
+        if outcome.killed:
+            return
+        if not listed:
+            assert outcome.error_types[0] == "CheckpointNotFound", outcome.errors
+            return
+        newest = max(listed.values(), key=lambda c: c.step)
+        holders = [role for role in ("hot", "cold") if newest.name in self._listed(role)]
+        if outcome.ok:
+            assert outcome.results[0] == (newest.name, True), outcome.results
+        else:  # per-file fallback can succeed even with both copies damaged; failing needs one
+            assert all(self._damaged(role, newest.name) for role in holders), outcome.errors
+            assert outcome.error_types[0] in ("ChecksumMismatch", "ObjectNotFound", "IntegrityError"), outcome.errors
+
+    # Every draw below comes from a fixed range and is mapped onto what the store holds, so
+    # generation never depends on store state (two-rank crashes make that state racy).
+    @rule(kind=st.sampled_from(["flip", "truncate", "delete"]), which=st.integers(0, 1 << 16),
+          file_pick=st.integers(0, 1 << 16), where=st.integers(0, 1 << 30))
+    def corrupt_a_file(self, kind: str, which: int, file_pick: int, where: int) -> None:
+        choices = sorted((role, name) for role in ("hot", "cold") for name in self._listed(role))
+        if not choices:
+            return
+        role, name = choices[which % len(choices)]
+        tier = Tier(role, self._root(role))
+        manifest = tier.find_manifest(name)
+        assert manifest is not None
+        files = sorted(manifest.files, key=lambda f: f.path)
+        entry = files[file_pick % len(files)]
+        path = Path(self._root(role), tier.file_key(name, manifest.attempt, entry.path))
+        if path.exists():
+            raw = bytearray(path.read_bytes())
+            if kind == "delete" or not raw:
+                path.unlink()
+            elif kind == "truncate":
+                path.write_bytes(bytes(raw[: where % len(raw)]))
+            else:
+                raw[where % len(raw)] ^= 0xFF
+                path.write_bytes(bytes(raw))
+        STATS.faults += 1
+
+    @rule(data=st.data())
+    def restart(self, data: st.DataObject) -> None:
+        """What an operator runs after crashes: collect garbage, finish migrations."""
+
+        def op(hot: str, cold: str, rank: int) -> None:
+            collect_garbage(hot, cold, grace=0, dry_run=False)
+            migrate_pending(hot, cold, config=model.FAST)
+
+        outcome = self._run(data, op)
+        if outcome.killed:
+            return
+        assert outcome.ok, outcome.errors
+        assert find_garbage(self.hot, self.cold, grace=0) == []
+
+    # -- invariants ----------------------------------------------------------------------
+
+    def _check(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except AssertionError as err:
+            STATS.violations += 1
+            STATS.messages.append(str(err)[:500])
+            raise
+
+    @invariant()
+    def listed_checkpoints_load_or_their_damage_is_detected(self) -> None:
+        def check() -> None:
+            for role in ("hot", "cold"):
+                hot, cold = (self.hot, None) if role == "hot" else (None, self.cold)
+                for name, info in self._listed(role).items():
+                    try:
+                        target, _ = model.load(hot, cold, name)
+                    except BaseException as err:
+                        inner = model.unwrap(err)
+                        assert self._damaged(role, name), f"{role} copy of {name} does not load: {inner!r}"
+                        assert isinstance(inner, model.DETECTED), inner
+                        continue
+                    assert not self._damaged(role, name), f"damaged {role} copy of {name} loaded"
+                    assert model.matches(target, info.step), f"{role} copy of {name} loaded wrong bytes"
+
+        self._check(check)
+
+    @invariant()
+    def a_load_through_both_tiers_uses_any_intact_copy(self) -> None:
+        def check() -> None:
+            both = set(self._listed("hot")) & set(self._listed("cold"))
+            for name in sorted(both):
+                step = self.steps_of(name)
+                try:
+                    target, _ = model.load(self.hot, self.cold, name)
+                except BaseException as err:
+                    assert self._damaged("hot", name) and self._damaged("cold", name), repr(model.unwrap(err))
+                    continue
+                assert model.matches(target, step), f"{name} loaded wrong bytes through both tiers"
+
+        self._check(check)
+
+    @invariant()
+    def nothing_committed_disappears_except_by_policy(self) -> None:
+        def check() -> None:
+            for role in ("hot", "cold"):
+                now = set(self._listed(role))
+                gone = self.seen[role] - now
+                assert gone <= self.may_vanish[role], f"{role}: {sorted(gone - self.may_vanish[role])} vanished"
+                self.seen[role] = now
+                self.may_vanish[role] = set()
+
+        self._check(check)
+
+    @staticmethod
+    def steps_of(name: str) -> int:
+        return int(name.split("-")[1])
