@@ -8,8 +8,9 @@
     dcp.async_save(state, storage_writer=TieredWriter(hot="/nvme/run1", step=1200))
     dcp.load(state, storage_reader=TieredReader(hot="/nvme/run1"))  # newest committed
 
-Names that need torch (the DCP writer and reader, the manager) are imported on first use,
-so the ``tierstore`` command and storage-only tools start without importing torch.
+Names that need torch (the DCP writer and reader, the manager, ``TrainingState``) are
+imported on first use, so the ``tierstore`` command and storage-only tools start without
+importing torch.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from tierstore._version import __version__
+from tierstore.cadence import CadencePlan, TimeCadence, optimal_interval
 from tierstore.catalog import CheckpointInfo, latest_checkpoint, list_checkpoints
+from tierstore.data import ResumableLoader, ResumableSampler
 from tierstore.errors import (
     BackendNotFound,
     CheckpointExists,
@@ -45,16 +48,20 @@ from tierstore.prune import prune
 from tierstore.registry import register_backend
 from tierstore.restore import restore
 from tierstore.retention import keep_all, keep_every, keep_last, keep_steps, keep_within
+from tierstore.verify import Probe, ResumeReport, verify_checkpoint, verify_resume
 
 if TYPE_CHECKING:
     from tierstore.manager import CheckpointManager
     from tierstore.reader import TieredReader
+    from tierstore.state import ResumePlanner, TrainingState
     from tierstore.writer import TieredWriter
 
 _LAZY = {
     "TieredWriter": "tierstore.writer",
     "TieredReader": "tierstore.reader",
     "CheckpointManager": "tierstore.manager",
+    "TrainingState": "tierstore.state",
+    "ResumePlanner": "tierstore.state",
 }
 
 
@@ -92,6 +99,17 @@ __all__ = [
     "keep_steps",
     "keep_within",
     "keep_all",
+    "TrainingState",
+    "ResumePlanner",
+    "ResumableSampler",
+    "ResumableLoader",
+    "optimal_interval",
+    "CadencePlan",
+    "TimeCadence",
+    "Probe",
+    "ResumeReport",
+    "verify_resume",
+    "verify_checkpoint",
     "TierstoreError",
     "ConfigError",
     "BackendNotFound",

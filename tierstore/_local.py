@@ -94,7 +94,8 @@ class _LocalWriter(ObjectWriter):
         try:
             os.unlink(self._path)
         except OSError:
-            pass
+            return
+        self._backend._prune_empty_dirs(os.path.dirname(self._path))
 
 
 class LocalBackend(Backend):
@@ -257,14 +258,16 @@ class LocalBackend(Backend):
                 os.unlink(path)
             except FileNotFoundError:
                 return
-            # Drop directories the delete left empty, up to (not including) the root.
-            directory = os.path.dirname(path)
-            while directory != self.root and directory.startswith(self.root):
-                try:
-                    os.rmdir(directory)
-                except OSError:
-                    break
-                directory = os.path.dirname(directory)
+            self._prune_empty_dirs(os.path.dirname(path))
+
+    def _prune_empty_dirs(self, directory: str) -> None:
+        """Drop directories left empty, up to (not including) the root."""
+        while directory != self.root and directory.startswith(self.root):
+            try:
+                os.rmdir(directory)
+            except OSError:
+                break
+            directory = os.path.dirname(directory)
 
     def free_bytes(self) -> int | None:
         directory = self.root

@@ -91,6 +91,9 @@ class ObjectWriter(abc.ABC):
         self.size = 0
         self.crc32c = 0
         self.closed = False
+        # The storage error a write raised. Callers that write through C++ (torch.save)
+        # get a generic RuntimeError back from it; this keeps the real one to re-raise.
+        self.failure: TierstoreError | None = None
 
     def write(self, data: Any) -> int:
         if self.closed:
@@ -99,7 +102,11 @@ class ObjectWriter(abc.ABC):
         if view.ndim != 1 or view.itemsize != 1:
             view = view.cast("B")
         self.crc32c = crc32c_update(self.crc32c, view)
-        self._write(view)
+        try:
+            self._write(view)
+        except TierstoreError as err:
+            self.failure = err
+            raise
         self.size += len(view)
         return len(view)
 

@@ -251,6 +251,17 @@ def cmd_status(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_verify_resume(args: argparse.Namespace) -> int:
+    from tierstore.verify import verify_checkpoint  # imports torch only in the fresh processes
+
+    report = verify_checkpoint(args.probe, args.hot, args.cold, name=args.name, step=args.step,
+                               nproc=args.nproc, record=args.record, rtol=args.rtol, atol=args.atol,
+                               hot_options=_options(args.hot_option),
+                               cold_options=_options(args.cold_option), timeout=args.timeout)
+    print(json.dumps(report.to_dict(), indent=1) if args.json else report.summary())
+    return EXIT_OK if report.ok else EXIT_ERROR
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tierstore", description="Inspect and operate a tierstore store.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -306,6 +317,23 @@ def _parser() -> argparse.ArgumentParser:
         prune_p.add_argument(f"--{tier}-keep-within", type=float, metavar="SECONDS")
     prune_p.add_argument("--yes", action="store_true", help="really prune")
     prune_p.set_defaults(func=cmd_prune)
+    verify_resume = sub.add_parser(
+        "verify-resume", help="load a checkpoint in fresh processes and check it restores the run",
+        description="Load a checkpoint into fresh processes built by a probe and compare the loss on "
+                    "a fixed batch and every state key with a live record (see docs/training-state.md).")
+    store_args(verify_resume)
+    verify_resume.add_argument("--probe", required=True, metavar="MODULE:FUNCTION",
+                               help="probe function, 'package.module:function' or 'path/to/file.py:function'")
+    verify_resume.add_argument("--step", type=int)
+    verify_resume.add_argument("--name")
+    verify_resume.add_argument("--nproc", type=int, help="fresh processes (default: the record's, "
+                                                         "else the checkpoint's world size)")
+    verify_resume.add_argument("--record", metavar="DIR",
+                               help="live record written by verify_resume(..., record_dir=DIR)")
+    verify_resume.add_argument("--rtol", type=float, default=0.0, help="loss tolerance (default bit-exact)")
+    verify_resume.add_argument("--atol", type=float, default=0.0)
+    verify_resume.add_argument("--timeout", type=float, default=600.0, help="seconds for the fresh processes")
+    verify_resume.set_defaults(func=cmd_verify_resume)
     return parser
 
 

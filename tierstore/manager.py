@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
@@ -41,6 +41,9 @@ from tierstore.prune import PruneReport, pending_in_cold, prune_node_local, prun
 from tierstore.reader import TieredReader
 from tierstore.retention import DEFAULT_COLD, DEFAULT_HOT, Policy, keep_none
 from tierstore.writer import TieredWriter
+
+if TYPE_CHECKING:
+    from tierstore.verify import ResumeReport
 
 __all__ = ["CheckpointManager"]
 
@@ -237,6 +240,50 @@ class CheckpointManager:
         dcp_load(state, storage_reader=reader, process_group=self.group)
         assert reader.manifest is not None
         return reader.manifest.step
+
+    def load(self, state: dict[str, Any], *, name: str | None = None, step: int | None = None,
+             planner: Any = None) -> int | None:
+        """Like :meth:`load_latest`, for a chosen checkpoint (``name``/``step``) or DCP planner.
+
+        ``planner=tierstore.state.ResumePlanner()`` resumes a ``TrainingState`` under a larger
+        world size, whose new ranks have no RNG entry of their own in the checkpoint.
+        """
+        chosen = name
+        if chosen is None:
+            found = [c for c in list_checkpoints(None if self.node_local else self.hot, self.cold,
+                                                 hot_options=self.hot_options, cold_options=self.cold_options)
+                     if step is None or c.step == step]
+            chosen = found[-1].name if found else None
+        if self.distributed:  # every rank loads what the coordinator picked
+            box = [chosen]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0) if self.group else 0,
+                                       group=self.group)
+            chosen = box[0]
+        if chosen is None:
+            return None
+        reader = TieredReader(self.hot, self.cold, name=chosen, hot_options=self.hot_options,
+                              cold_options=self.cold_options, node_local=self.node_local)
+        dcp_load(state, storage_reader=reader, process_group=self.group, planner=planner)
+        assert reader.manifest is not None
+        return reader.manifest.step
+
+    def verify_resume(self, probe: Any, state: dict[str, Any], *, name: str | None = None,
+                      step: int | None = None, rtol: float = 0.0, atol: float = 0.0,
+                      timeout: float = 600.0, record_dir: str | None = None) -> ResumeReport:
+        """Prove the newest (or a chosen) checkpoint restores ``state``: see :mod:`tierstore.verify`.
+
+        Call on every rank right after :meth:`save`, before the next training step. Waits for
+        the pending save to commit, then loads it in fresh processes (one per rank) built by
+        ``probe`` (``"module:function"`` or the function) and returns a
+        :class:`tierstore.verify.ResumeReport`, the same on every rank.
+        """
+        from tierstore.verify import verify_resume
+
+        self.wait(migrations=False)
+        return verify_resume(probe, state, hot=self.hot, cold=self.cold, name=name, step=step,
+                             hot_options=self.hot_options, cold_options=self.cold_options,
+                             node_local=self.node_local, group=self.group, rtol=rtol, atol=atol,
+                             timeout=timeout, record_dir=record_dir)
 
     # -- lifecycle -----------------------------------------------------------------------
 

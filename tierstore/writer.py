@@ -151,12 +151,12 @@ class TieredWriter(StorageWriter):
 
     def _check_space(self, needed: int, what: str) -> None:
         free = self.hot.backend.free_bytes()
-        margin = needed // 50 + (16 << 20)  # torch.save framing, metadata, filesystem slack
+        margin = needed // 50 + (1 << 20)  # torch.save framing, metadata, filesystem slack
         if free is not None and needed + margin > free:
             raise NoSpaceLeft(
                 f"not enough free space for {what}: about {needed + margin} bytes needed, "
                 f"{free} free; prune old checkpoints or free space first (nothing was written)",
-                checkpoint=self.name or self.checkpoint_id, tier=self.hot.label,
+                checkpoint=self.checkpoint_name, tier=self.hot.label,
             )
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -292,7 +292,12 @@ def _write_file(
             if item.type == WriteItemType.BYTE_IO:
                 out.write(data.getbuffer() if isinstance(data, io.BytesIO) else data)
             else:
-                torch.save(_plain_cpu(data), cast(IO[bytes], out))
+                try:
+                    torch.save(_plain_cpu(data), cast(IO[bytes], out))
+                except Exception as err:
+                    if out.failure is not None:  # a full disk, not torch's "unexpected pos"
+                        raise out.failure from err
+                    raise
             spans.append((item, offset, out.size - offset))
     entry = FileEntry(relpath, out.size, out.crc32c, attempt.rank)
     faults.point("writer.after_file_write")
