@@ -87,3 +87,16 @@ def test_real_enospc_mid_write(tiny_disk: Path, monkeypatch) -> None:
     assert model.matches(target, 1)
     collect_garbage(hot, grace=0, dry_run=False)
     assert find_garbage(hot, grace=0) == []
+
+
+def test_enospc_inside_torch_save_is_reported_as_no_space(tmp_path: Path) -> None:
+    # Regression (found by the real-tmpfs test): a tensor larger than the local writer's
+    # 64 KiB write buffer hits the disk inside torch.save, whose C++ writer turned our
+    # NoSpaceLeft into "RuntimeError: unexpected pos". Injected here so it runs anywhere.
+    hot = str(tmp_path / "hot")
+    faults.arm("local.write", "enospc")
+    with pytest.raises(BaseException) as info:
+        dcp.save({"big": model.torch.zeros(1 << 18)}, storage_writer=TieredWriter(hot, step=1))
+    faults.disarm()
+    err = model.unwrap(info.value)
+    assert isinstance(err, NoSpaceLeft) and "__0_0.distcp" in str(err), repr(err)
