@@ -22,6 +22,7 @@ never touches a committed attempt's files. An attempt directory is a plain DCP c
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import time
 import uuid
@@ -35,6 +36,7 @@ __all__ = [
     "METADATA_FILE",
     "default_name",
     "check_name",
+    "is_name",
     "new_attempt",
     "check_attempt",
     "manifest_key",
@@ -75,6 +77,15 @@ def check_name(name: str) -> str:
             "store, it is not a path)"
         )
     return name
+
+
+def is_name(value: str | os.PathLike[str]) -> bool:
+    """Whether ``value`` (a DCP ``checkpoint_id``, say) is a valid checkpoint name."""
+    try:
+        check_name(os.fspath(value))
+    except (ConfigError, TypeError):
+        return False
+    return True
 
 
 def new_attempt(now: float | None = None) -> str:

@@ -204,11 +204,7 @@ class TieredReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        try:
-            layout.check_name(os.fspath(checkpoint_id))
-        except (ConfigError, TypeError):
-            return False
-        return True
+        return layout.is_name(checkpoint_id)
 
     @property
     def checkpoint_id(self) -> str:

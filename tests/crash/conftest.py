@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from stats import STATS  # noqa: E402
+from stats import STATS
 
 # Forked workers inherit this process: keep torch single-threaded so no intra-op thread
 # pool exists to be forked in a broken state.
@@ -44,7 +44,7 @@ def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untype
 
 
 def pytest_runtest_makereport(item, call) -> None:  # type: ignore[no-untyped-def]
-    if call.when == "call" and call.excinfo is not None and "crash" in item.nodeid:
-        if call.excinfo.errisinstance(AssertionError) and not STATS.messages:
-            STATS.violations += 1
-            STATS.messages.append(str(call.excinfo.value).splitlines()[0][:500])
+    failed = call.when == "call" and call.excinfo is not None and "crash" in item.nodeid
+    if failed and call.excinfo.errisinstance(AssertionError) and not STATS.messages:
+        STATS.violations += 1
+        STATS.messages.append(str(call.excinfo.value).splitlines()[0][:500])

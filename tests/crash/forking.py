@@ -22,6 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from helpers import unwrap
+
 from tierstore import faults
 
 
@@ -63,7 +65,7 @@ def _child(fn: Callable[[int], Any], rank: int, world: int, store: str | None, c
         try:
             result: Any = (fn(rank), None, None)
         except BaseException as err:  # report, the parent decides what it means
-            inner = _unwrap(err)
+            inner = unwrap(err)
             result = (None, f"{type(inner).__name__}: {inner}", type(inner).__name__)
             if os.environ.get("TIERSTORE_CRASH_DEBUG"):
                 traceback.print_exc()
@@ -74,14 +76,6 @@ def _child(fn: Callable[[int], Any], rank: int, world: int, store: str | None, c
         code = 3
     finally:
         os._exit(code)  # never run the parent's atexit handlers or pytest's teardown
-
-
-def _unwrap(err: BaseException) -> BaseException:
-    failures = getattr(err, "failures", None)  # DCP's CheckpointException
-    if failures:
-        first = failures[min(failures)]
-        return first[0] if isinstance(first, tuple) else first
-    return err
 
 
 def run(fn: Callable[[int], Any], *, world: int = 1, crash_at: int | None = None, victim: int = 0,
@@ -117,7 +111,11 @@ def run(fn: Callable[[int], Any], *, world: int = 1, crash_at: int | None = None
         results.append(value)
         errors.append(error)
         types.append(kind)
-        points.append([line.split(" ", 1)[1].strip() for line in open(trace)] if os.path.exists(trace) else [])
+        passed: list[str] = []
+        if os.path.exists(trace):
+            with open(trace) as lines:
+                passed = [line.split(" ", 1)[1].strip() for line in lines]
+        points.append(passed)
     died = None
     if codes[victim] == -signal.SIGKILL and points[victim]:
         died = points[victim][-1]

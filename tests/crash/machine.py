@@ -35,8 +35,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from stats import STATS
 
 from tierstore import TieredWriter, layout, list_checkpoints
-from tierstore.catalog import Tier
 from tierstore._transfer import has_verified_copy
+from tierstore.catalog import Tier
 from tierstore.gc import collect_garbage, find_garbage
 from tierstore.migrator import MigrationState, migrate_pending, migration_status
 from tierstore.prune import pending_in_cold, plan_prune, prune

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from helpers import unwrap  # noqa: F401  (re-exported for the crash tests)
 
 from tierstore import TieredReader
 from tierstore.errors import IntegrityError, StorageError
@@ -46,10 +47,3 @@ def load(hot: str | None, cold: str | None, name: str | None = None, *,
     dcp.load(target, storage_reader=reader)
     return target, reader
 
-
-def unwrap(err: BaseException) -> BaseException:
-    failures = getattr(err, "failures", None)
-    if failures:
-        first = failures[min(failures)]
-        return first[0] if isinstance(first, tuple) else first
-    return err

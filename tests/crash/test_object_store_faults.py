@@ -22,7 +22,7 @@ from tierstore.scrub import verify_store
 
 pytest.importorskip("tierstore_s3", reason="the S3 backend is installed by make test")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "backends" / "s3" / "tests"))
-from s3_fault_proxy import FaultProxy  # noqa: E402
+from s3_fault_proxy import FaultProxy
 
 MiB = 1 << 20
 FAST_RETRY = RetryPolicy(attempts=8, deadline=60, initial=0.01, maximum=0.05)

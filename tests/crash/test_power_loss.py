@@ -221,7 +221,7 @@ def violations_after_power_loss(tmp_path: Path, drop: frozenset[str] = frozenset
             try:
                 target, _ = model.load(str(image), None, name)
                 ok = model.matches(target, info.step)
-            except BaseException as err:  # noqa: BLE001 - any failure is the finding
+            except BaseException as err:
                 ok, name = False, f"{name} ({type(model.unwrap(err)).__name__})"
             if not ok:
                 found.append(f"after op {index} ({op}): listed {name} does not load")
