@@ -214,6 +214,7 @@ def main() -> None:
         ops = {"train_save": train_save, "load": load, "manager": manager, "manager_load": manager_load}
         ops[spec["op"]](spec)
     finally:
+        dist.barrier()  # tearing gloo down while a peer still talks can abort at exit
         dist.destroy_process_group()
 
 

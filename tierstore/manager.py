@@ -60,7 +60,7 @@ class CheckpointManager:
         hot_policy / cold_policy: retention per tier (defaults: hot keeps the last 2, cold the
             last 3; add milestones with ``keep_last(3) | keep_every(1000)``).
         save_every: an int (every N steps), a callable ``step -> bool`` (e.g. a
-            :class:`tierstore.cadence.Cadence`), or ``None`` to save whenever asked.
+            :class:`tierstore.cadence.TimeCadence`), or ``None`` to save whenever asked.
         async_save: save with ``dcp.async_save`` (default) or ``dcp.save``.
         async_mode: ``"thread"`` or ``"process"`` (DCP's checkpointer types).
         node_local: the hot tier is per node (see ``TieredReader``).
