@@ -7,7 +7,7 @@ TORCH  := torch==2.13.0
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test bench soak lint clean venv
+.PHONY: demo test bench bench-full soak lint clean venv
 
 venv: $(STAMP)
 
@@ -24,9 +24,29 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# Benchmarks (docs/benchmarks.md). s3torchconnector is optional: the report says so if it
+# did not install; installing it with the pinned torch keeps pip from pulling another build.
+define bench_deps
+	$(BIN)/python -m pip install -q -e '.[bench]'
+	-$(BIN)/python -m pip install -q s3torchconnector $(TORCH)
+endef
+
+bench: $(STAMP)
+	$(bench_deps)
+	$(BIN)/python -m benchmarks --profile quick
+
+bench-full: $(STAMP)
+	$(bench_deps)
+	$(BIN)/python -m benchmarks --profile full
+
+# The crash-consistency soak: thousands of fresh hypothesis examples, with every crash,
+# power-loss and fault test (docs/crash-consistency.md). TIERSTORE_CRASH_EXAMPLES sets how many.
+soak: $(STAMP)
+	TIERSTORE_CRASH_PROFILE=soak $(BIN)/python -m pytest tests/crash -q -p no:cacheprovider $(PYTEST_ARGS)
+
 lint: $(STAMP)
 	$(BIN)/python -m pip install -q mypy ruff
-	$(BIN)/ruff check tierstore tests backends examples conftest.py
+	$(BIN)/ruff check tierstore tests backends examples benchmarks conftest.py
 	$(BIN)/mypy
 	$(BIN)/mypy --strict --ignore-missing-imports backends/s3/tierstore_s3 backends/gcs/tierstore_gcs
 

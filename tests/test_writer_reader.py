@@ -351,3 +351,26 @@ def test_metadata_referencing_unlisted_file_is_rejected(store: str) -> None:
     rewrite_manifest(store, manifest.name, drop)
     err = load_error(store)
     assert isinstance(err, InvalidManifest) and "does not list" in str(err)
+
+
+def test_zip_crc32_is_skipped_while_writing_and_restored_after(store: str, monkeypatch) -> None:
+    # torch's own zip CRC32 is redundant with tierstore's CRC32C (verified on every read):
+    # off while a TieredWriter writes, the caller's setting back afterwards, files still
+    # plain DCP that FileSystemReader loads.
+    seen = []
+    real_save = torch.save
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(torch.serialization.get_crc32_options())
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", spy)
+    assert torch.serialization.get_crc32_options() is True
+    manifest = save(store, 9).manifest
+    assert seen and not any(seen)
+    assert torch.serialization.get_crc32_options() is True
+    monkeypatch.undo()
+    target = blank()
+    dcp.load(target, storage_reader=dcp.FileSystemReader(
+        Path(store, layout.attempt_prefix(manifest.name, manifest.attempt))))
+    assert_same(target, state_for(9))

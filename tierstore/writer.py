@@ -21,9 +21,11 @@ import dataclasses
 import io
 import os
 import pickle
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import IO, Any, cast
 
@@ -191,11 +193,12 @@ class TieredWriter(StorageWriter):
         def write(job: tuple[str, list[WriteItem]]) -> list[WriteResult]:
             return _write_file(self.hot, attempt, job[0], job[1], planner.resolve_data)
 
-        if self.thread_count > 1 and len(jobs) > 1:
-            with ThreadPoolExecutor(self.thread_count, thread_name_prefix="tierstore-write") as pool:
-                per_file = list(pool.map(write, jobs))
-        else:
-            per_file = [write(job) for job in jobs]
+        with _without_zip_crc32():
+            if self.thread_count > 1 and len(jobs) > 1:
+                with ThreadPoolExecutor(self.thread_count, thread_name_prefix="tierstore-write") as pool:
+                    per_file = list(pool.map(write, jobs))
+            else:
+                per_file = [write(job) for job in jobs]
         results = [result for results in per_file for result in results]
         migrator = self.migrator
         if migrator is not None and not self._is_coordinator:
@@ -305,6 +308,46 @@ def _write_file(
         )
         for i, (item, offset, length) in enumerate(spans)
     ]
+
+
+# torch.save computes a zip CRC32 of every record, in software: about 3x the CPU of the
+# CRC32C tierstore computes over the same bytes as it writes them, which every read verifies
+# (torch.load never checks the zip CRC32). So it is off while TieredWriters write: measured in
+# benchmarks/cpu_costs.py, it is the largest CPU item of a save. The switch is process-wide
+# (torch.serialization.set_crc32_options): the first writer in turns it off, the last one
+# out restores it; a torch.save of another thread in that window skips it too, and its file
+# loads as usual.
+_zip_crc32_lock = threading.Lock()
+_zip_crc32_writers = 0
+_zip_crc32_saved = True
+
+
+@contextmanager
+def _without_zip_crc32() -> Iterator[None]:
+    global _zip_crc32_writers, _zip_crc32_saved
+    with _zip_crc32_lock:
+        if _zip_crc32_writers == 0:
+            _zip_crc32_saved = torch.serialization.get_crc32_options()
+            torch.serialization.set_crc32_options(False)
+        _zip_crc32_writers += 1
+    try:
+        yield
+    finally:
+        with _zip_crc32_lock:
+            _zip_crc32_writers -= 1
+            if _zip_crc32_writers == 0:
+                torch.serialization.set_crc32_options(_zip_crc32_saved)
+
+
+def _reset_zip_crc32_after_fork() -> None:
+    # A child forked mid-write has no writer running: give torch back its setting.
+    global _zip_crc32_lock, _zip_crc32_writers
+    if _zip_crc32_writers:
+        torch.serialization.set_crc32_options(_zip_crc32_saved)
+    _zip_crc32_lock, _zip_crc32_writers = threading.Lock(), 0
+
+
+os.register_at_fork(after_in_child=_reset_zip_crc32_after_fork)
 
 
 def _plain_cpu(tensor: torch.Tensor) -> torch.Tensor:

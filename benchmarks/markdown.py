@@ -1,0 +1,44 @@
+"""Markdown building blocks and the report's paths."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from benchmarks.measure import GiB, MiB
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "benchmarks.md"
+IMG = ROOT / "docs" / "img" / "benchmarks"
+
+SAVE_ORDER = ("disk_sync", "fsw_sync", "fsw_async", "tiered_sync", "tiered_async", "fsspec_sync",
+              "fsspec_async", "s3torch_sync", "s3torch_async")
+LOCAL_ORDER = ("disk_sync", "fsw_sync", "tiered_sync", "fsw_async", "tiered_async")
+LOAD_ORDER = ("fsr_hot", "tiered_hot", "tiered_hot_nocrc", "fsr_hot_warm", "tiered_hot_warm",
+              "tiered_hot_nocrc_warm", "fsspec_cold", "tiered_cold", "tiered_cold_nocrc",
+              "s3torch_cold", "crc_only")
+Lines = list[str]
+
+
+def size_label(n: int) -> str:
+    return f"{n // GiB} GiB" if n >= GiB and n % GiB == 0 else f"{n // MiB} MiB"
+
+
+def table(header: list[str], rows: list[list[str]]) -> Lines:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(row) + " |" for row in rows]
+    return [*out, ""]
+
+
+def image(path: Path, alt: str) -> str:
+    return f"![{alt}]({path.relative_to(DOC.parent).as_posix()})\n"
+
+
+def spread(summary: Mapping[str, float] | None, scale: float = 1.0, fmt: str = "{:.2f}") -> str:
+    if summary is None:
+        return "n/a"
+    return (f"{fmt.format(summary['median'] * scale)} ({fmt.format(summary['min'] * scale)}"
+            f"-{fmt.format(summary['max'] * scale)})")
+
+
+# -- header, machine, targets --------------------------------------------------------------

@@ -1,0 +1,71 @@
+"""The report's figures (matplotlib, Agg): small PNGs, every axis a ratio or a rate."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+from matplotlib.axes import Axes
+
+COLORS = {"tiered": "#1b7837", "fsw": "#2166ac", "fsspec": "#b2182b", "s3torch": "#e08214",
+          "disk": "#555555", "fsr": "#2166ac", "s3fs": "#b2182b", "crc": "#999999"}
+DPI = 80
+
+
+def color(name: str) -> str:
+    return COLORS.get(name.split("_")[0], "#666666")
+
+
+def _save(fig: plt.Figure, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
+def bars(path: Path, title: str, ylabel: str, groups: Mapping[str, Mapping[str, float]],
+         *, log: bool = False, reference: float | None = None) -> Path:
+    """Grouped bars: ``groups[group][series] = value``; one colour per series."""
+    fig, ax = plt.subplots(figsize=(7.2, 3.4))
+    series = list(dict.fromkeys(s for values in groups.values() for s in values))
+    width = 0.8 / max(1, len(series))
+    for i, name in enumerate(series):
+        xs = [g + i * width for g, values in enumerate(groups.values()) if name in values]
+        ys = [values[name] for values in groups.values() if name in values]
+        ax.bar(xs, ys, width, label=name, color=color(name), alpha=0.55 + 0.45 * (i % 2))
+    ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))], list(groups))
+    _finish(ax, title, ylabel, log=log, reference=reference)
+    ax.legend(fontsize=7, ncol=2)
+    return _save(fig, path)
+
+
+def lines(path: Path, title: str, xlabel: str, ylabel: str,
+          series: Mapping[str, Mapping[float, float]], *, log: bool = False,
+          reference: float | None = None, xticks: Sequence[float] | None = None) -> Path:
+    fig, ax = plt.subplots(figsize=(6.4, 3.4))
+    for name, points in series.items():
+        xs = sorted(points)
+        ax.plot(xs, [points[x] for x in xs], marker="o", label=name, color=color(name))
+    if xticks is not None:
+        ax.set_xticks(list(xticks))
+    ax.set_xlabel(xlabel)
+    _finish(ax, title, ylabel, log=log, reference=reference)
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+def _finish(ax: Axes, title: str, ylabel: str, *, log: bool, reference: float | None) -> None:
+    ax.set_title(title, fontsize=10)
+    ax.set_ylabel(ylabel)
+    if log:
+        ax.set_yscale("log")
+    else:
+        ax.set_ylim(bottom=0)
+    if reference is not None:
+        ax.axhline(reference, color="black", linewidth=0.8, linestyle="--")
+    ax.grid(axis="y", alpha=0.3)
