@@ -69,8 +69,9 @@ def _child(fn: Callable[[int], Any], rank: int, world: int, store: str | None, c
             result = (None, f"{type(inner).__name__}: {inner}", type(inner).__name__)
             if os.environ.get("TIERSTORE_CRASH_DEBUG"):
                 traceback.print_exc()
-        with open(out, "wb") as f:
+        with open(out + ".tmp", "wb") as f:  # a job killed mid-write leaves no torn result
             pickle.dump(result, f)
+        os.replace(out + ".tmp", out)
     except BaseException:
         traceback.print_exc()
         code = 3
