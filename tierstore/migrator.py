@@ -138,7 +138,9 @@ class _Job:
 
 
 class _Failed(Exception):
-    def __init__(self, rank: int, file: str | None, error: BaseException | str) -> None:
+    """A job's failure: the rank whose upload failed (``None``: the commit itself) and file."""
+
+    def __init__(self, rank: int | None, file: str | None, error: BaseException | str) -> None:
         super().__init__(str(error))
         self.rank, self.file, self.error = rank, file, error
 
@@ -276,6 +278,7 @@ class Migrator:
         body = json.dumps({"rank": job.rank, "files": [_entry_json(f) for f in job.files]},
                           sort_keys=True).encode()
         self._publish_idempotent(mark, body, job.rank)
+        self.cold.backend.delete(_failed_key(job))  # an earlier failure of ours is resolved
 
     def _upload_file(self, job: _Job, entry: FileEntry) -> None:
         try:
@@ -334,7 +337,7 @@ class Migrator:
         try:
             self.config.retry.call(publish, what=f"cold commit of {manifest.name}", sleep=self._sleep)
         except Exception as err:
-            raise _Failed(-1, None, err) from err
+            raise _Failed(None, None, err) from err
         faults.point("migrator.after_cold_publish")
         mark_migrated(self.hot, manifest)
         # The marks did their job; a crash before this leaves them to GC.
