@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from tierstore import TieredReader, TieredWriter
-from tierstore.migrator import wait_for_migrations
+from tierstore.pending import wait_for_migrations
 
 warnings.filterwarnings("ignore")
 

@@ -21,14 +21,8 @@ from tierstore import TieredReader, TieredWriter, layout, list_checkpoints, regi
 from tierstore._transfer import Throttle
 from tierstore.catalog import Tier
 from tierstore.manifest import FileEntry, Manifest
-from tierstore.migrator import (
-    MigrationConfig,
-    MigrationState,
-    Migrator,
-    migrate_pending,
-    migration_status,
-    wait_for_migrations,
-)
+from tierstore.migrator import MigrationConfig, MigrationState, Migrator
+from tierstore.pending import migrate_pending, migration_status, wait_for_migrations
 from tierstore.restore import restore
 from tierstore.retry import RetryPolicy
 

@@ -15,7 +15,8 @@ import torch.distributed.checkpoint as dcp
 from tierstore import TieredReader, TieredWriter, layout, leases, list_checkpoints
 from tierstore.catalog import Tier
 from tierstore.gc import collect_garbage, find_garbage
-from tierstore.migrator import MigrationConfig, migrate_pending, wait_for_migrations
+from tierstore.migrator import MigrationConfig
+from tierstore.pending import migrate_pending, wait_for_migrations
 from tierstore.prune import prune, prune_tier
 from tierstore.retention import keep_last, keep_steps
 

@@ -36,14 +36,8 @@ from tierstore.errors import (
 )
 from tierstore.gc import collect_garbage, find_garbage
 from tierstore.manifest import FileEntry, Manifest
-from tierstore.migrator import (
-    MigrationConfig,
-    MigrationState,
-    MigrationStatus,
-    migrate_pending,
-    migration_status,
-    wait_for_migrations,
-)
+from tierstore.migrator import MigrationConfig, MigrationState, MigrationStatus
+from tierstore.pending import migrate_pending, migration_status, wait_for_migrations
 from tierstore.prune import prune
 from tierstore.registry import register_backend
 from tierstore.restore import restore

@@ -18,7 +18,8 @@ from tierstore import layout
 from tierstore.catalog import list_checkpoints, make_tiers, resolve
 from tierstore.errors import TierstoreError
 from tierstore.gc import DEFAULT_GRACE, collect_garbage
-from tierstore.migrator import MigrationConfig, MigrationState, migrate_pending, migration_status
+from tierstore.migrator import MigrationConfig, MigrationState
+from tierstore.pending import migrate_pending, migration_status
 from tierstore.prune import prune
 from tierstore.restore import restore
 from tierstore.retention import Policy, keep_all, keep_every, keep_last, keep_within

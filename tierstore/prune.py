@@ -21,6 +21,7 @@ from tierstore import faults, layout
 from tierstore.catalog import Tier, TierURL, make_tiers
 from tierstore.leases import live_leases
 from tierstore.manifest import Manifest
+from tierstore.migrator import was_migrated
 from tierstore.retention import DEFAULT_COLD, DEFAULT_HOT, Policy
 
 __all__ = ["PruneReport", "prune", "prune_tier", "prune_node_local", "plan_prune", "pending_in_cold"]
@@ -131,8 +132,6 @@ def prune_node_local(hot: Tier, cold: Tier, policy: Policy, *, dry_run: bool = F
 
 def pending_in_cold(hot: Tier, cold: Tier) -> set[str]:
     """Hot checkpoints never committed in cold (one the cold policy pruned is not pending)."""
-    from tierstore.migrator import was_migrated
-
     committed = {(m.name, m.attempt) for m in cold.manifests()}
     return {m.name for m in hot.manifests()
             if (m.name, m.attempt) not in committed and not was_migrated(hot, m)}

@@ -38,7 +38,8 @@ from tierstore import TieredWriter, layout, list_checkpoints
 from tierstore._transfer import has_verified_copy
 from tierstore.catalog import Tier
 from tierstore.gc import collect_garbage, find_garbage
-from tierstore.migrator import MigrationState, migrate_pending, migration_status
+from tierstore.migrator import MigrationState
+from tierstore.pending import migrate_pending, migration_status
 from tierstore.prune import pending_in_cold, plan_prune, prune
 from tierstore.retention import Policy, keep_every, keep_last
 

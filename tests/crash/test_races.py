@@ -13,7 +13,7 @@ from stats import STATS
 
 from tierstore import TieredWriter, faults, layout, list_checkpoints
 from tierstore.gc import collect_garbage
-from tierstore.migrator import migrate_pending, migration_status
+from tierstore.pending import migrate_pending, migration_status
 from tierstore.prune import prune
 from tierstore.retention import keep_last
 

@@ -1,0 +1,139 @@
+"""The tiers' view of migration, from any process: which hot checkpoints are still pending in
+cold, finishing them now (``tierstore migrate``), and waiting until none is left.
+
+Everything here reads the state the tiers hold (manifests, upload marks, failure marks,
+"migrated" marks), so it works from a monitoring job or another node as well as from the
+process that saved. The background copying itself is :mod:`tierstore.migrator`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+from typing import Any
+
+from tierstore import layout
+from tierstore.catalog import Tier, TierURL, make_tiers
+from tierstore.manifest import Manifest
+from tierstore.migrator import (
+    MigrationConfig,
+    MigrationState,
+    MigrationStatus,
+    Migrator,
+    _Job,
+    _read_failure,
+    _read_mark,
+    _status_of,
+    active_migrators,
+    mark_migrated,
+    was_migrated,
+)
+
+__all__ = ["migration_status", "migrate_pending", "wait_for_migrations"]
+
+def migration_status(hot: TierURL, cold: TierURL, *, hot_options: dict[str, Any] | None = None,
+                     cold_options: dict[str, Any] | None = None) -> list[MigrationStatus]:
+    """Every hot-committed checkpoint's migration state as the tiers record it (any process)."""
+    hot_tier, cold_tier = make_tiers(hot, cold, hot_options=hot_options, cold_options=cold_options)
+    return [_tier_status(hot_tier, cold_tier, m, time.time()) for m in _hot_manifests(hot_tier)]
+
+
+def _hot_manifests(hot: Tier) -> list[Manifest]:
+    return sorted(hot.manifests(), key=lambda m: (-1 if m.step is None else m.step, m.created))
+
+
+def _tier_status(hot: Tier, cold: Tier, manifest: Manifest, now: float) -> MigrationStatus:
+    total = manifest.total_size
+    base = MigrationStatus(manifest.name, manifest.attempt, manifest.step, MigrationState.PENDING,
+                           None, total, 0, manifest.created, lag_seconds=now - manifest.created)
+    committed = cold.find_manifest(manifest.name)
+    if committed is not None and committed.attempt == manifest.attempt:
+        if not was_migrated(hot, manifest):
+            mark_migrated(hot, manifest)  # repair a mark lost to a crash after the commit
+        return replace(base, state=MigrationState.COMMITTED, bytes_done=total, lag_seconds=0.0)
+    if was_migrated(hot, manifest):  # committed once, pruned from cold since by its policy
+        return replace(base, state=MigrationState.COMMITTED, bytes_done=total, lag_seconds=0.0)
+    done = 0
+    for rank in sorted({f.rank for f in manifest.files}):
+        key = layout.upload_mark_key(manifest.name, manifest.attempt, rank)
+        if _read_mark(cold, key, rank) is not None:
+            done += sum(f.size for f in manifest.files_of_rank(rank))
+            continue
+        failure = _read_failure(cold, manifest, rank)
+        if failure is not None:
+            return replace(base, state=MigrationState.FAILED, bytes_done=done,
+                           error=failure.get("error"), failed_rank=rank, failed_file=failure.get("file"))
+    state = MigrationState.UPLOADING if done else MigrationState.PENDING
+    if committed is not None:
+        return replace(base, state=MigrationState.FAILED, error=(
+            f"cold tier holds another attempt ({committed.attempt}) of this checkpoint"))
+    return replace(base, state=state, bytes_done=done)
+
+
+def migrate_pending(hot: TierURL, cold: TierURL, *, hot_options: dict[str, Any] | None = None,
+                    cold_options: dict[str, Any] | None = None, names: Iterable[str] | None = None,
+                    config: MigrationConfig | None = None,
+                    progress: Callable[[str, int, int], None] | None = None) -> list[MigrationStatus]:
+    """Finish every pending migration now, in this process, from a hot tier holding all files.
+
+    Ranks whose upload mark exists and files already stored intact are skipped. Returns
+    each checkpoint's final status; failures are reported there, not raised.
+    """
+    hot_tier, cold_tier = make_tiers(hot, cold, hot_options=hot_options, cold_options=cold_options)
+    migrator = Migrator(hot_tier, cold_tier, config)
+    wanted = set(names) if names is not None else None
+    results = []
+    try:
+        for manifest in _hot_manifests(hot_tier):
+            if wanted is not None and manifest.name not in wanted:
+                continue
+            status = _tier_status(hot_tier, cold_tier, manifest, time.time())
+            if status.state is MigrationState.COMMITTED:
+                continue
+            results.append(_migrate_whole(migrator, manifest, progress))
+    finally:
+        migrator.close()
+    return results
+
+
+def _migrate_whole(migrator: Migrator, manifest: Manifest,
+                   progress: Callable[[str, int, int], None] | None) -> MigrationStatus:
+    total = manifest.total_size
+    jobs = [_Job(manifest.name, manifest.attempt, manifest.step, rank,
+                 manifest.files_of_rank(rank), manifest.created)
+            for rank in sorted({f.rank for f in manifest.files})]
+    jobs[-1].manifest = manifest  # the last rank's job also commits
+    done = 0
+
+    def advance(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress is not None:
+            progress(manifest.name, done, total)
+
+    for job in jobs:
+        job.listener = advance
+        migrator.run(job)
+        if job.state is MigrationState.FAILED:
+            return replace(_status_of(job, time.time()), rank=None, bytes_total=total, bytes_done=done)
+    return replace(_status_of(jobs[-1], time.time()), rank=None, bytes_total=total, bytes_done=total)
+
+
+def wait_for_migrations(hot: TierURL, cold: TierURL, *, timeout: float | None = None,
+                        poll: float = 1.0, hot_options: dict[str, Any] | None = None,
+                        cold_options: dict[str, Any] | None = None) -> list[MigrationStatus]:
+    """Wait until no hot-committed checkpoint is still pending or uploading (any process).
+
+    Returns the final statuses (``committed`` or ``failed``); on ``timeout`` the ones still
+    in flight are returned as they are. Also drains this process's migrators first.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for migrator in active_migrators():
+        migrator.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    while True:
+        statuses = migration_status(hot, cold, hot_options=hot_options, cold_options=cold_options)
+        busy = [s for s in statuses if s.state in (MigrationState.PENDING, MigrationState.UPLOADING)]
+        if not busy or (deadline is not None and time.monotonic() >= deadline):
+            return statuses
+        time.sleep(poll)
