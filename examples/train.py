@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import shutil
@@ -183,6 +184,8 @@ def worker(args: argparse.Namespace) -> None:
             emit({"event": "verify", "ok": report.ok, "summary": report.summary()})
         manager.close()
     dist.barrier()  # no rank tears gloo down while a peer still talks to it
+    del train, state, manager, batches
+    gc.collect()  # FSDP2 modules sit in reference cycles that would hold the groups into exit
     dist.destroy_process_group()
 
 

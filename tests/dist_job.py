@@ -14,8 +14,10 @@ Run by ``tests/launch.py`` with a JSON spec as argv[1]. Operations:
 from __future__ import annotations
 
 import datetime
+import gc
 import hashlib
 import json
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -215,7 +217,14 @@ def main() -> None:
         ops[spec["op"]](spec)
     finally:
         dist.barrier()  # tearing gloo down while a peer still talks can abort at exit
+        gc.collect()  # FSDP2 modules sit in reference cycles that hold the groups alive
         dist.destroy_process_group()
+    # Every result is on disk. Skip interpreter finalization: gloo objects still reachable
+    # then are torn down without the GIL's protection and have aborted a rank (SIGABRT,
+    # "terminate called without an active exception") after it had done all its work.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -58,7 +58,8 @@ def run_job(spec: dict[str, Any], world: int, *, env: dict[str, str] | None = No
         penv = {**os.environ, **(env or {}), **((rank_env or {}).get(rank, {}))}
         penv.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                     LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                    MASTER_PORT=str(port), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+                    MASTER_PORT=str(port), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1",
+                    PYTHONFAULTHANDLER="1")  # a fatal signal prints every thread's stack
         procs.append(subprocess.Popen(
             [sys.executable, str(script), json.dumps(spec)], env=penv,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
