@@ -14,10 +14,8 @@ Run by ``tests/launch.py`` with a JSON spec as argv[1]. Operations:
 from __future__ import annotations
 
 import datetime
-import gc
 import hashlib
 import json
-import os
 import sys
 import warnings
 from pathlib import Path
@@ -26,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from launch import leave_cleanly
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -212,20 +211,9 @@ def manager_load(spec: dict[str, Any]) -> None:
 def main() -> None:
     spec = json.loads(sys.argv[1])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    try:
-        ops = {"train_save": train_save, "load": load, "manager": manager, "manager_load": manager_load}
-        ops[spec["op"]](spec)
-    finally:
-        dist.barrier()  # tearing gloo down while a peer still talks can abort at exit
-        gc.collect()  # FSDP2 modules sit in reference cycles that hold the groups alive
-        dist.destroy_process_group()
-    # Every result is on disk. Skip interpreter finalization: gloo objects still reachable
-    # then are torn down without the GIL's protection and have aborted a rank (SIGABRT,
-    # "terminate called without an active exception") after it had done all its work.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
+    ops = {"train_save": train_save, "load": load, "manager": manager, "manager_load": manager_load}
+    ops[spec["op"]](spec)
+    leave_cleanly()
 
 if __name__ == "__main__":
     main()

@@ -210,12 +210,11 @@ def op_cadence(spec: dict[str, Any]) -> None:
 def main() -> None:
     spec = json.loads(sys.argv[1])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    try:
-        ops = {"train": op_train, "resume": op_resume, "verify": op_verify, "cadence": op_cadence}
-        ops[spec["op"]](spec)
-        dist.barrier()  # no rank tears gloo down while a peer still talks to it (SIGABRT otherwise)
-    finally:
-        dist.destroy_process_group()
+    ops = {"train": op_train, "resume": op_resume, "verify": op_verify, "cadence": op_cadence}
+    ops[spec["op"]](spec)
+    from launch import leave_cleanly  # here: verify-resume also loads this file as a probe module
+
+    leave_cleanly()
 
 
 if __name__ == "__main__":
