@@ -215,5 +215,6 @@ def main() -> None:
     ops[spec["op"]](spec)
     leave_cleanly()
 
+
 if __name__ == "__main__":
     main()
