@@ -10,6 +10,7 @@ and the loss to the spec's ``out`` file.
 from __future__ import annotations
 
 import datetime
+import gc
 import hashlib
 import json
 import logging
@@ -143,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(spec["out"]).write_text(json.dumps(result))
         if dist.is_initialized():
             _leave_together(result["error"] is None)
+            gc.collect()  # FSDP2 modules sit in reference cycles that would hold the group into exit
             dist.destroy_process_group()
     return 0 if result["error"] is None else 1
 
