@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import errno
 import multiprocessing
 import os
 from pathlib import Path
@@ -8,7 +9,14 @@ import pytest
 
 from tierstore import faults
 from tierstore._local import LocalBackend
-from tierstore.errors import ConfigError, FaultInjected, ObjectNotFound, PublishConflict, UnsafePath
+from tierstore.errors import (
+    ConfigError,
+    FaultInjected,
+    ObjectNotFound,
+    PublishConflict,
+    StorageError,
+    UnsafePath,
+)
 from tierstore.testing import BackendContract
 
 
@@ -180,3 +188,39 @@ def test_concurrent_deletes_never_break_writes_in_the_same_directory(tmp_path: P
     for t in threads:
         t.join()
     assert errors == []
+
+
+def test_directory_made_and_pruned_by_others_between_mkdir_and_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Regression (seen once in CI under the churn test above): our mkdir failed with
+    # EEXIST because another writer had just made the directory, and a concurrent
+    # delete pruned it again before we looked. That is a vanished directory (retry),
+    # not an existing object (PublishConflict).
+    backend = LocalBackend(str(tmp_path / "root"))
+    real_mkdir = os.mkdir
+    raced: list[str] = []
+
+    def mkdir_losing_the_race(path: str, *args: object, **kwargs: object) -> None:
+        if not raced and os.path.basename(path) == "c":
+            raced.append(path)  # made by another writer, already pruned again
+            raise FileExistsError(errno.EEXIST, "File exists", path)
+        real_mkdir(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "mkdir", mkdir_losing_the_race)
+    with backend.open_write("a/b/c/obj") as out:
+        out.write(b"x")
+    backend.publish("a/b/c/manifest", b"m")
+    assert raced
+    assert backend.read_bytes("a/b/c/obj") == b"x"
+    assert backend.read_bytes("a/b/c/manifest") == b"m"
+
+
+def test_a_file_where_a_directory_belongs_is_still_an_error(tmp_path: Path) -> None:
+    backend = LocalBackend(str(tmp_path / "root"))
+    backend.publish("a/b", b"file")
+    with pytest.raises(StorageError) as info:
+        backend.publish("a/b/c", b"x")
+    assert not isinstance(info.value, PublishConflict)
+    assert "a/b/c" in str(info.value) and "not a directory" in str(info.value)
+    assert backend.read_bytes("a/b") == b"file"

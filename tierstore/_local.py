@@ -140,9 +140,15 @@ class LocalBackend(Backend):
             try:
                 os.mkdir(path)
             except FileExistsError:
-                if not os.path.isdir(path):
-                    raise
-                continue
+                if os.path.isdir(path):
+                    continue  # another writer made it first
+                if os.path.lexists(path):
+                    raise NotADirectoryError(
+                        errno.ENOTDIR, "not a directory, but a key needs it as one", path
+                    ) from None
+                # Another writer made it and a concurrent delete already pruned it again:
+                # report it as vanished so ``_create`` starts over.
+                raise FileNotFoundError(errno.ENOENT, "directory vanished", path) from None
             if self.fsync:
                 _fsync_dir(os.path.dirname(path))
 
