@@ -40,11 +40,9 @@ def forget_migration(hot: str, name: str) -> None:
     from tierstore import layout
     from tierstore.catalog import Tier
 
-    marker = getattr(layout, "migrated_key", None)
     tier = Tier("hot", hot)
-    manifest = tier.find_manifest(name)
-    if marker is not None and manifest is not None:
-        tier.backend.delete(marker(name, manifest.attempt))
+    for info in list(tier.backend.list(f"{layout.MIGRATED_DIR}/{name}/")):
+        tier.backend.delete(info.key)
 
 
 def migrate_tiered(spec: dict[str, Any], target: S3Target, name: str, inflight: int) -> Record:

@@ -20,12 +20,14 @@ __all__ = [
     "PublishConflict",
     "TransientStorageError",
     "NoSpaceLeft",
+    "ObjectTooLarge",
     "UnsafePath",
     "CheckpointNotFound",
     "CheckpointExists",
     "IntegrityError",
     "InvalidManifest",
     "ChecksumMismatch",
+    "SaveFailed",
     "FaultInjected",
 ]
 
@@ -93,6 +95,10 @@ class TransientStorageError(StorageError):
     """A failure worth retrying: throttling, a dropped connection, a 5xx."""
 
 
+class ObjectTooLarge(StorageError):
+    """A small object (manifest, mark, lease) is larger than any honest one: damaged or hostile."""
+
+
 class NoSpaceLeft(StorageError):
     """The tier is full (ENOSPC or a quota)."""
 
@@ -122,6 +128,13 @@ class ChecksumMismatch(IntegrityError):
 
     expected: Any
     actual: Any
+
+
+class SaveFailed(TierstoreError, RuntimeError):
+    """A checkpoint save failed; raised by the manager's next ``save``/``wait``/``close``.
+
+    ``step`` is the step whose save failed; ``errors`` maps each failing rank to its error.
+    """
 
 
 class FaultInjected(TierstoreError, RuntimeError):

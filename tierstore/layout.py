@@ -6,8 +6,11 @@ A store root (one per tier) looks like::
     checkpoints/<name>/<attempt>/.metadata      DCP's metadata, written by the coordinator
     checkpoints/<name>/<attempt>/__<rank>_<n>.distcp   shard files, one set per rank
     uploads/<name>/<attempt>/rank-<rank>.json   per-rank upload marks (cold tier only)
-    leases/<name>/<lease>.json                  "in use by a load" marks, with an expiry
-    migrated/<name>/<attempt>.json              hot tier: "committed in cold" (survives a cold prune)
+    uploads/<name>/<attempt>/rank-<rank>.failed.json   a rank's failed upload (cold tier only)
+    leases/<name>/<lease>.json                  "in use by a load" marks
+    migrated/<name>/<attempt>/<store-id>.json   hot tier: "committed in the cold tier whose
+                                                identity is <store-id>" (survives a cold prune)
+    tierstore-store.json                        cold tier: the tier's identity, written once
 
 On object stores (backends with ``spread_keys``) data files live under
 ``shards/<xx>/<name>/<attempt>/<file>`` instead, ``<xx>`` two hex digits of a hash of the
@@ -47,7 +50,14 @@ __all__ = [
     "spread_attempt_of",
     "data_file_name",
     "upload_mark_key",
+    "failed_mark_key",
+    "parse_upload_key",
     "upload_prefix",
+    "migrated_key",
+    "parse_migrated_key",
+    "STORE_ID_KEY",
+    "new_store_id",
+    "check_store_id",
 ]
 
 MANIFEST_DIR = "manifests"
@@ -56,11 +66,14 @@ SPREAD_DIR = "shards"
 UPLOAD_DIR = "uploads"
 LEASE_DIR = "leases"
 MIGRATED_DIR = "migrated"
+STORE_ID_KEY = "tierstore-store.json"
 METADATA_FILE = ".metadata"  # DCP's own name, so an attempt directory is plain DCP
 MANIFEST_SUFFIX = ".json"
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _ATTEMPT = re.compile(r"[0-9]{8}T[0-9]{6}Z-[0-9a-f]{8}")
+_STORE_ID = re.compile(r"[0-9a-f]{32}")
+_UPLOAD_MARK = re.compile(r"rank-(0|[1-9][0-9]{0,8})(\.failed)?\.json")
 
 
 def default_name(step: int) -> str:
@@ -155,6 +168,21 @@ def upload_mark_key(name: str, attempt: str, rank: int) -> str:
     return f"{upload_prefix(name, attempt)}rank-{rank}.json"
 
 
+def failed_mark_key(name: str, attempt: str, rank: int) -> str:
+    return f"{upload_prefix(name, attempt)}rank-{rank}.failed.json"
+
+
+def parse_upload_key(key: str) -> tuple[str, str, int, bool] | None:
+    """``(name, attempt, rank, failed)`` of an upload or failure mark key, else ``None``."""
+    parts = key.split("/")
+    if len(parts) != 4 or parts[0] != UPLOAD_DIR:
+        return None
+    match = _UPLOAD_MARK.fullmatch(parts[3])
+    if not (match and _NAME.fullmatch(parts[1]) and _ATTEMPT.fullmatch(parts[2])):
+        return None
+    return parts[1], parts[2], int(match.group(1)), match.group(2) is not None
+
+
 def lease_prefix(name: str) -> str:
     return f"{LEASE_DIR}/{check_name(name)}/"
 
@@ -163,6 +191,43 @@ def lease_key(name: str, lease: str) -> str:
     return f"{lease_prefix(name)}{lease}.json"
 
 
-def migrated_key(name: str, attempt: str) -> str:
-    """Hot-tier mark that the attempt was committed in cold, even if cold pruned it since."""
-    return f"{MIGRATED_DIR}/{check_name(name)}/{check_attempt(attempt)}.json"
+def clock_probe_key(token: str) -> str:
+    """A short-lived object whose store-assigned mtime reads the store's clock (see leases).
+
+    One level under ``leases/``, so never inside a checkpoint's lease prefix."""
+    return f"{LEASE_DIR}/clock-{token}.probe"
+
+
+def new_store_id() -> str:
+    return uuid.uuid4().hex
+
+
+def check_store_id(store_id: str) -> str:
+    if not isinstance(store_id, str) or not _STORE_ID.fullmatch(store_id):
+        raise ConfigError(f"invalid store id {store_id!r}")
+    return store_id
+
+
+def migrated_key(name: str, attempt: str, store_id: str) -> str:
+    """Hot-tier mark: the attempt was committed in the cold tier ``store_id``, even if that
+    tier pruned it since."""
+    return f"{MIGRATED_DIR}/{check_name(name)}/{check_attempt(attempt)}/{check_store_id(store_id)}.json"
+
+
+def parse_migrated_key(key: str) -> tuple[str, str, str | None] | None:
+    """``(name, attempt, store_id)`` of a migrated mark; ``store_id`` is ``None`` for the
+    marks of tierstore <= 0.1, which did not say which cold tier they meant."""
+    parts = key.split("/")
+    if parts[0] != MIGRATED_DIR or not parts[-1].endswith(".json"):
+        return None
+    if len(parts) == 3:
+        name, attempt, store_id = parts[1], parts[2].removesuffix(".json"), None
+    elif len(parts) == 4:
+        name, attempt, store_id = parts[1], parts[2], parts[3].removesuffix(".json")
+        if not _STORE_ID.fullmatch(store_id):
+            return None
+    else:
+        return None
+    if _NAME.fullmatch(name) and _ATTEMPT.fullmatch(attempt):
+        return name, attempt, store_id
+    return None

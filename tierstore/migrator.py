@@ -30,17 +30,16 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
 
-from tierstore import faults, layout
+from tierstore import faults, layout, marks
 from tierstore._transfer import Throttle, copy_file, has_verified_copy
 from tierstore.catalog import Tier
 from tierstore.errors import (
     CheckpointExists,
+    ChecksumMismatch,
     ConfigError,
     IntegrityError,
     ObjectNotFound,
-    PublishConflict,
     TierstoreError,
 )
 from tierstore.manifest import FileEntry, Manifest
@@ -53,8 +52,6 @@ __all__ = [
     "Migrator",
     "migrator_for",
     "active_migrators",
-    "mark_migrated",
-    "was_migrated",
 ]
 
 log = logging.getLogger(__name__)
@@ -258,27 +255,35 @@ class Migrator:
         log.error("migration of checkpoint %s to %s failed: rank %s, file %s: %s",
                   job.name, self.cold.label, failure.rank, failure.file, job.error)
         if failure.rank == job.rank:  # tell the coordinator not to wait for us
-            body = {"rank": job.rank, "file": failure.file, "error": job.error}
-            try:
-                self.cold.backend.publish(_failed_key(job), json.dumps(body).encode())
-            except TierstoreError:
-                pass  # the cold tier may be what is failing; the timeout covers that
+            marks.publish_failure(self.cold, job.name, job.attempt, job.rank, failure.file,
+                                  job.error)
 
     def _upload_rank(self, job: _Job) -> None:
-        mark = layout.upload_mark_key(job.name, job.attempt, job.rank)
-        if _read_mark(self.cold, mark, job.rank) is not None:
+        try:
+            marked = marks.read_upload_mark(self.cold, job.name, job.attempt, job.rank)
+        except IntegrityError as err:
+            log.warning("re-uploading rank %d of %s: %s", job.rank, job.name, err)
+            marked = None
+        files = tuple(sorted(job.files, key=lambda f: (f.rank, f.path)))
+        if marked == files and all(self._in_place(e, job.name, job.attempt) for e in files):
             job.add_bytes(sum(f.size for f in job.files))
-            return  # already done by an earlier migrator
+            return  # already done by an earlier migrator, and still there
         futures = [self._pool.submit(self._upload_file, job, entry) for entry in job.files]
         errors = [f.exception() for f in futures]
         for error in errors:
             if error is not None:
                 raise error if isinstance(error, _Failed) else _Failed(job.rank, None, error)
         faults.point("migrator.before_mark_publish")
-        body = json.dumps({"rank": job.rank, "files": [_entry_json(f) for f in job.files]},
-                          sort_keys=True).encode()
-        self._publish_idempotent(mark, body, job.rank)
-        self.cold.backend.delete(_failed_key(job))  # an earlier failure of ours is resolved
+
+        def publish() -> None:
+            marks.publish_upload_mark(self.cold, job.name, job.attempt, job.rank, files)
+
+        try:
+            self.config.retry.call(publish, what=f"upload mark of rank {job.rank} ({job.name})",
+                                   sleep=self._sleep)
+        except Exception as err:
+            raise _Failed(job.rank, None, err) from err
+        marks.clear_failure(self.cold, job.name, job.attempt, job.rank)  # resolved, if any
 
     def _upload_file(self, job: _Job, entry: FileEntry) -> None:
         try:
@@ -287,17 +292,18 @@ class Migrator:
                 job.add_bytes(entry.size)
                 return
             sent = [0]
-            key = self.cold.file_key(job.name, job.attempt, entry.path)
 
             def attempt() -> None:
                 job.add_bytes(-sent[0])  # a retry starts the file over
                 sent[0] = 0
-                self.cold.backend.delete(key)  # a partial copy left by a crash or a failed try
 
                 def progress(n: int) -> None:
                     sent[0] += n
                     job.add_bytes(n)
 
+                # Never delete first: the object may be another migrator's verified copy.
+                # The write replaces the key atomically with the same verified bytes, and
+                # an aborted write leaves whatever was there (the backend contract).
                 copy_file(self.hot, self.cold, job.name, job.attempt, entry,
                           chunk_size=self.config.chunk_size, throttle=self._throttle,
                           progress=progress)
@@ -308,22 +314,27 @@ class Migrator:
         except Exception as err:
             raise _Failed(job.rank, entry.path, err) from err
 
-    def _publish_idempotent(self, key: str, body: bytes, rank: int) -> None:
-        def publish() -> None:
-            try:
-                self.cold.backend.publish(key, body)
-            except PublishConflict:
-                if self.cold.backend.read_bytes(key) != body:  # ours from an earlier run?
-                    raise
-
+    def _in_place(self, entry: FileEntry, name: str, attempt: str) -> bool:
+        """Is ``entry`` stored in cold with its size (and CRC32C, where the store keeps one)?"""
         try:
-            self.config.retry.call(publish, what=f"publish of {key}", sleep=self._sleep)
-        except Exception as err:
-            raise _Failed(rank, None, err) from err
+            info = self.cold.backend.stat(self.cold.file_key(name, attempt, entry.path))
+        except ObjectNotFound:
+            return False
+        return info.size == entry.size and info.crc32c in (None, entry.crc32c)
 
     def _commit(self, manifest: Manifest) -> None:
         self._await_marks(manifest)
+        cold_id = marks.store_id(self.cold, create=True)
+        assert cold_id is not None  # created if it was missing
         faults.point("migrator.before_cold_publish")
+        # The marks say every rank uploaded; the manifest may only vouch for what is there
+        # now (another actor may have removed or damaged an object since).
+        for entry in manifest.files:
+            if not self._in_place(entry, manifest.name, manifest.attempt):
+                raise _Failed(entry.rank, entry.path, ChecksumMismatch(
+                    "not in the cold tier as uploaded (missing, or its size or CRC32C "
+                    "differ) at the cold commit; `tierstore migrate` uploads it again",
+                    checkpoint=manifest.name, file=entry.path, tier=self.cold.label))
 
         def publish() -> None:
             try:
@@ -331,7 +342,11 @@ class Migrator:
             except CheckpointExists:
                 existing = self.cold.find_manifest(manifest.name)
                 if existing is None or existing.attempt != manifest.attempt:
-                    raise  # another attempt of this name owns the cold tier
+                    other = existing.attempt if existing is not None else "unknown"
+                    raise CheckpointExists(
+                        f"the cold tier holds another committed attempt ({other}) of this "
+                        "checkpoint; it is never overwritten, so this attempt stays hot only",
+                        checkpoint=manifest.name, tier=self.cold.label) from None
                 # ours already: an earlier run (or an ambiguous publish) committed it
 
         try:
@@ -339,7 +354,7 @@ class Migrator:
         except Exception as err:
             raise _Failed(None, None, err) from err
         faults.point("migrator.after_cold_publish")
-        mark_migrated(self.hot, manifest)
+        marks.mark_migrated(self.hot, manifest, cold_id)
         # The marks did their job; a crash before this leaves them to GC.
         try:
             for info in list(self.cold.backend.list(layout.upload_prefix(manifest.name, manifest.attempt))):
@@ -351,21 +366,14 @@ class Migrator:
         ranks = sorted({f.rank for f in manifest.files})
         deadline = time.monotonic() + self.config.commit_timeout
         delay = self.config.poll_interval
+        done: set[int] = set()  # a mark stays until the commit: read each one only until seen
         while True:
-            missing = []
-            for rank in ranks:
-                key = layout.upload_mark_key(manifest.name, manifest.attempt, rank)
-                mark = _read_mark(self.cold, key, rank)
-                if mark is None:
-                    missing.append(rank)
-                elif mark != manifest.files_of_rank(rank):
-                    raise _Failed(rank, None, IntegrityError(
-                        "upload mark does not match the manifest", checkpoint=manifest.name,
-                        rank=rank, tier=self.cold.label))
+            missing = [r for r in ranks if r not in done and not self._rank_uploaded(manifest, r)]
+            done.update(r for r in ranks if r not in missing)
             if not missing:
                 return
             for rank in missing:
-                failure = _read_failure(self.cold, manifest, rank)
+                failure = marks.read_failure(self.cold, manifest.name, manifest.attempt, rank)
                 if failure is not None:
                     raise _Failed(rank, failure.get("file"), failure.get("error", "failed"))
             if time.monotonic() > deadline:
@@ -374,24 +382,30 @@ class Migrator:
             self._sleep(delay)
             delay = min(delay * 2, 10.0)
 
-
-def mark_migrated(hot: Tier, manifest: Manifest) -> None:
-    """Record in the hot tier that ``manifest`` is committed in cold.
-
-    Without it, a checkpoint the cold policy later prunes would look pending again (hot
-    manifest, no cold manifest): hot pruning would keep it forever and a migrator would
-    upload it again. Best effort: if it is lost, the next status check rewrites it.
-    """
-    try:
-        hot.backend.publish(layout.migrated_key(manifest.name, manifest.attempt), b"{}")
-    except PublishConflict:
-        pass
-    except TierstoreError as err:
-        log.warning("could not mark %s as migrated in %s: %s", manifest.name, hot.label, err)
-
-
-def was_migrated(hot: Tier, manifest: Manifest) -> bool:
-    return hot.backend.exists(layout.migrated_key(manifest.name, manifest.attempt))
+    def _rank_uploaded(self, manifest: Manifest, rank: int) -> bool:
+        """Has ``rank`` uploaded its files? Its mark says so; a damaged or wrong mark is
+        repaired when every file it should vouch for is in place, and fails the commit
+        (for ``tierstore migrate`` to upload again) when not."""
+        expected = manifest.files_of_rank(rank)
+        try:
+            marked = marks.read_upload_mark(self.cold, manifest.name, manifest.attempt, rank)
+        except IntegrityError as err:
+            problem = str(err)
+        else:
+            if marked is None:
+                return False
+            if marked == expected:
+                return True
+            problem = "it lists other files than the manifest"
+        if not all(self._in_place(e, manifest.name, manifest.attempt) for e in expected):
+            raise _Failed(rank, None, IntegrityError(
+                f"upload mark is wrong ({problem}) and the rank's files are not all in the "
+                "cold tier; `tierstore migrate` uploads them again",
+                checkpoint=manifest.name, rank=rank, tier=self.cold.label))
+        log.warning("repairing the upload mark of rank %d of %s in %s: %s", rank,
+                    manifest.name, self.cold.label, problem)
+        marks.publish_upload_mark(self.cold, manifest.name, manifest.attempt, rank, expected)
+        return True
 
 
 def _status_of(job: _Job, now: float) -> MigrationStatus:
@@ -403,36 +417,6 @@ def _status_of(job: _Job, now: float) -> MigrationStatus:
         error=job.error, failed_rank=job.failed_rank, failed_file=job.failed_file,
         lag_seconds=(job.finished or now) - job.created,
     )
-
-
-def _entry_json(entry: FileEntry) -> dict[str, Any]:
-    return {"path": entry.path, "size": entry.size, "crc32c": entry.crc32c, "rank": entry.rank}
-
-
-def _failed_key(job: _Job) -> str:
-    return f"{layout.upload_prefix(job.name, job.attempt)}rank-{job.rank}.failed.json"
-
-
-def _read_mark(tier: Tier, key: str, rank: int) -> tuple[FileEntry, ...] | None:
-    try:
-        body = json.loads(tier.backend.read_bytes(key, limit=64 << 20))
-        files = tuple(sorted((FileEntry(**f) for f in body["files"]), key=lambda f: (f.rank, f.path)))
-    except ObjectNotFound:
-        return None
-    except (ValueError, KeyError, TypeError) as err:
-        log.warning("ignoring unreadable upload mark %s in %s: %s", key, tier.label, err)
-        return None
-    return files if body.get("rank") == rank else None
-
-
-def _read_failure(tier: Tier, manifest: Manifest, rank: int) -> dict[str, Any] | None:
-    key = f"{layout.upload_prefix(manifest.name, manifest.attempt)}rank-{rank}.failed.json"
-    try:
-        return dict(json.loads(tier.backend.read_bytes(key, limit=1 << 20)))
-    except ObjectNotFound:
-        return None
-    except ValueError:
-        return {"error": "unreadable failure mark"}
 
 
 # -- one migrator per (hot, cold) in a process ---------------------------------------------

@@ -13,8 +13,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
-from tierstore import layout
+from tierstore import marks
 from tierstore.catalog import Tier, TierURL, make_tiers
+from tierstore.errors import IntegrityError, InvalidManifest
 from tierstore.manifest import Manifest
 from tierstore.migrator import (
     MigrationConfig,
@@ -22,52 +23,63 @@ from tierstore.migrator import (
     MigrationStatus,
     Migrator,
     _Job,
-    _read_failure,
-    _read_mark,
     _status_of,
     active_migrators,
-    mark_migrated,
-    was_migrated,
 )
 
 __all__ = ["migration_status", "migrate_pending", "wait_for_migrations"]
 
 def migration_status(hot: TierURL, cold: TierURL, *, hot_options: dict[str, Any] | None = None,
                      cold_options: dict[str, Any] | None = None) -> list[MigrationStatus]:
-    """Every hot-committed checkpoint's migration state as the tiers record it (any process)."""
+    """Every hot-committed checkpoint's migration state as the tiers record it (any process).
+
+    Raises the storage error if the cold tier cannot be read at all.
+    """
     hot_tier, cold_tier = make_tiers(hot, cold, hot_options=hot_options, cold_options=cold_options)
-    return [_tier_status(hot_tier, cold_tier, m, time.time()) for m in _hot_manifests(hot_tier)]
+    cold_id = marks.store_id(cold_tier)
+    return [_tier_status(hot_tier, cold_tier, m, time.time(), cold_id)
+            for m in _hot_manifests(hot_tier)]
 
 
 def _hot_manifests(hot: Tier) -> list[Manifest]:
     return sorted(hot.manifests(), key=lambda m: (-1 if m.step is None else m.step, m.created))
 
 
-def _tier_status(hot: Tier, cold: Tier, manifest: Manifest, now: float) -> MigrationStatus:
+def _tier_status(hot: Tier, cold: Tier, manifest: Manifest, now: float,
+                 cold_id: str | None) -> MigrationStatus:
     total = manifest.total_size
     base = MigrationStatus(manifest.name, manifest.attempt, manifest.step, MigrationState.PENDING,
                            None, total, 0, manifest.created, lag_seconds=now - manifest.created)
-    committed = cold.find_manifest(manifest.name)
-    if committed is not None and committed.attempt == manifest.attempt:
-        if not was_migrated(hot, manifest):
-            mark_migrated(hot, manifest)  # repair a mark lost to a crash after the commit
+    try:
+        committed = cold.find_manifest(manifest.name)
+    except InvalidManifest as err:
+        return replace(base, state=MigrationState.FAILED, error=(
+            f"the cold manifest is invalid ({err}); the hot copy is kept"))
+    if committed is not None and committed == manifest:
+        if cold_id is not None and not marks.was_migrated(hot, manifest, cold_id):
+            marks.mark_migrated(hot, manifest, cold_id)  # repair a mark lost after the commit
         return replace(base, state=MigrationState.COMMITTED, bytes_done=total, lag_seconds=0.0)
-    if was_migrated(hot, manifest):  # committed once, pruned from cold since by its policy
+    if committed is None and marks.was_migrated(hot, manifest, cold_id):
+        # committed in this cold tier once, pruned there since by its policy
         return replace(base, state=MigrationState.COMMITTED, bytes_done=total, lag_seconds=0.0)
+    if committed is not None:
+        return replace(base, state=MigrationState.FAILED, error=(
+            f"the cold tier holds another attempt ({committed.attempt}) of this checkpoint; "
+            "it is never overwritten, so this attempt stays in the hot tier only"))
     done = 0
     for rank in sorted({f.rank for f in manifest.files}):
-        key = layout.upload_mark_key(manifest.name, manifest.attempt, rank)
-        if _read_mark(cold, key, rank) is not None:
+        try:
+            marked = marks.read_upload_mark(cold, manifest.name, manifest.attempt, rank)
+        except IntegrityError:
+            marked = None  # damaged: the next migration repairs it
+        if marked is not None:
             done += sum(f.size for f in manifest.files_of_rank(rank))
             continue
-        failure = _read_failure(cold, manifest, rank)
+        failure = marks.read_failure(cold, manifest.name, manifest.attempt, rank)
         if failure is not None:
             return replace(base, state=MigrationState.FAILED, bytes_done=done,
                            error=failure.get("error"), failed_rank=rank, failed_file=failure.get("file"))
     state = MigrationState.UPLOADING if done else MigrationState.PENDING
-    if committed is not None:
-        return replace(base, state=MigrationState.FAILED, error=(
-            f"cold tier holds another attempt ({committed.attempt}) of this checkpoint"))
     return replace(base, state=state, bytes_done=done)
 
 
@@ -85,10 +97,11 @@ def migrate_pending(hot: TierURL, cold: TierURL, *, hot_options: dict[str, Any] 
     wanted = set(names) if names is not None else None
     results = []
     try:
+        cold_id = marks.store_id(cold_tier)
         for manifest in _hot_manifests(hot_tier):
             if wanted is not None and manifest.name not in wanted:
                 continue
-            status = _tier_status(hot_tier, cold_tier, manifest, time.time())
+            status = _tier_status(hot_tier, cold_tier, manifest, time.time(), cold_id)
             if status.state is MigrationState.COMMITTED:
                 continue
             results.append(_migrate_whole(migrator, manifest, progress))

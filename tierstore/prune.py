@@ -2,11 +2,18 @@
 
 For each checkpoint a tier's policy does not keep (DESIGN.md invariant 5):
 
-1. never the newest committed checkpoint of the tier, never a hot checkpoint whose cold
-   commit is still pending (when a cold tier is configured);
+1. never the newest committed checkpoint of the tier, and (when a cold tier is configured)
+   never a hot checkpoint unless the *current* cold tier holds a valid manifest of the same
+   attempt, or the hot tier's migrated mark names the current cold tier's identity (it was
+   committed there and that tier's own policy pruned it since). A torn or invalid cold
+   manifest, a cold tier that cannot be read, or one holding another attempt protects the
+   hot copy, and the report says why;
 2. **un-publish first**: delete the manifest, so the checkpoint stops existing;
 3. then, unless a load holds a live lease on it, delete its data and upload marks. A crash
    anywhere leaves at worst unreferenced data, which :mod:`tierstore.gc` removes later.
+
+A failure on one checkpoint is reported (``PruneReport.errors``) and pruning goes on with
+the others: one damaged object never stops the rest.
 """
 
 from __future__ import annotations
@@ -17,14 +24,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tierstore import faults, layout
+from tierstore import faults, layout, marks
 from tierstore.catalog import Tier, TierURL, make_tiers
+from tierstore.errors import InvalidManifest, TierstoreError
 from tierstore.leases import live_leases
 from tierstore.manifest import Manifest
-from tierstore.migrator import was_migrated
 from tierstore.retention import DEFAULT_COLD, DEFAULT_HOT, Policy
 
-__all__ = ["PruneReport", "prune", "prune_tier", "prune_node_local", "plan_prune", "pending_in_cold"]
+__all__ = ["PruneReport", "ColdCheck", "prune", "prune_tier", "prune_node_local", "plan_prune",
+           "pending_in_cold", "check_cold_copies"]
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +47,8 @@ class PruneReport:
     bytes_freed: int = 0
     dry_run: bool = False
     details: dict[str, Any] = field(default_factory=dict, compare=False)
+    warnings: tuple[str, ...] = ()  # why hot copies were kept beyond the plain rules
+    errors: tuple[str, ...] = ()  # checkpoints (or the whole tier) that could not be pruned
 
 
 def _order(m: Manifest) -> tuple[int, float, str]:
@@ -59,31 +69,38 @@ def plan_prune(manifests: Iterable[Manifest], policy: Policy, *, protect: Iterab
 
 
 def prune_tier(tier: Tier, policy: Policy, *, protect: Iterable[str] = (), dry_run: bool = False,
-               now: float | None = None) -> PruneReport:
+               now: float | None = None, warnings: Iterable[str] = ()) -> PruneReport:
     """Apply ``policy`` to one tier (see the module docstring for the order)."""
     now = time.time() if now is None else now
     doomed, kept, protected = plan_prune(tier.manifests(), policy, protect=protect, now=now)
-    deleted, deferred, freed = [], [], 0
+    deleted, deferred, errors, freed = [], [], [], 0
     for manifest in doomed:
         if dry_run:
             deleted.append(manifest.name)
             freed += manifest.total_size
             continue
-        faults.point("prune.before_unpublish")
-        tier.backend.delete(layout.manifest_key(manifest.name))  # un-publish first
-        faults.point("prune.after_unpublish")
-        if live_leases(tier, manifest.name, now=now):
-            log.info("pruned %s from %s; its data stays until the load using it ends (GC)",
-                     manifest.name, tier.label)
-            deferred.append(manifest.name)
+        try:
+            faults.point("prune.before_unpublish")
+            tier.backend.delete(layout.manifest_key(manifest.name))  # un-publish first
+            faults.point("prune.after_unpublish")
+            if live_leases(tier, manifest.name, now=now):
+                log.info("pruned %s from %s; its data stays until the load using it ends (GC)",
+                         manifest.name, tier.label)
+                deferred.append(manifest.name)
+                continue
+            freed += delete_data(tier, manifest)
+        except TierstoreError as err:
+            log.error("could not prune %s from %s (going on with the others): %s",
+                      manifest.name, tier.label, err)
+            errors.append(f"{manifest.name}: {err}")
             continue
-        freed += delete_data(tier, manifest)
         deleted.append(manifest.name)
     if deleted or deferred:
         log.info("pruned %s from %s (kept %s)", deleted + deferred, tier.label, sorted(kept))
     return PruneReport(tier=tier.label, kept=tuple(sorted(kept)), deleted=tuple(deleted),
                        deferred=tuple(deferred), protected=tuple(sorted(protected)),
-                       bytes_freed=freed, dry_run=dry_run)
+                       bytes_freed=freed, dry_run=dry_run, warnings=tuple(warnings),
+                       errors=tuple(errors))
 
 
 def delete_data(tier: Tier, manifest: Manifest) -> int:
@@ -95,7 +112,8 @@ def delete_data(tier: Tier, manifest: Manifest) -> int:
         faults.point("prune.after_file_delete")
     for info in list(tier.backend.list(layout.upload_prefix(manifest.name, manifest.attempt))):
         tier.backend.delete(info.key)
-    tier.backend.delete(layout.migrated_key(manifest.name, manifest.attempt))
+    for info in list(tier.backend.list(f"{layout.MIGRATED_DIR}/{manifest.name}/{manifest.attempt}/")):
+        tier.backend.delete(info.key)
     return freed
 
 
@@ -130,23 +148,85 @@ def prune_node_local(hot: Tier, cold: Tier, policy: Policy, *, dry_run: bool = F
                        protected=tuple(sorted(protected)), bytes_freed=freed, dry_run=dry_run)
 
 
+@dataclass(frozen=True)
+class ColdCheck:
+    """Which hot checkpoints the cold tier does not (provably) hold, and why."""
+
+    protect: frozenset[str]  # hot copies that must stay
+    warnings: tuple[str, ...] = ()  # what was wrong, beyond "not migrated yet"
+
+
+def check_cold_copies(hot: Tier, cold: Tier) -> ColdCheck:
+    """Hold each hot checkpoint against the *current* cold tier (docs/design.md inv. 5).
+
+    A hot copy may go only if the cold tier holds a valid manifest of the same attempt, or
+    the hot tier's migrated mark names this cold tier's identity (committed there once,
+    pruned there since by its own policy). Anything else protects it: pending, a torn or
+    invalid cold manifest, another attempt under the name, an unreadable cold tier.
+    """
+    hot_manifests = hot.manifests()
+    try:
+        cold_id = marks.store_id(cold)
+    except TierstoreError as err:
+        why = f"cold tier {cold.label} cannot be read ({err}); every hot checkpoint kept"
+        log.warning("%s", why)
+        return ColdCheck(frozenset(m.name for m in hot_manifests), (why,))
+    protect, warnings = set(), []
+    for manifest in hot_manifests:
+        try:
+            there = cold.find_manifest(manifest.name)
+        except InvalidManifest as err:
+            warnings.append(f"{manifest.name}: the cold manifest is invalid ({err}); hot copy kept")
+            protect.add(manifest.name)
+            continue
+        except TierstoreError as err:
+            warnings.append(f"{manifest.name}: cold tier {cold.label} cannot be read ({err}); "
+                            "hot copy kept")
+            protect.add(manifest.name)
+            continue
+        if there is not None:
+            if there != manifest:
+                warnings.append(f"{manifest.name}: cold tier holds another attempt "
+                                f"({there.attempt}); hot attempt {manifest.attempt} kept")
+                protect.add(manifest.name)
+            elif cold_id is not None and not marks.was_migrated(hot, manifest, cold_id):
+                marks.mark_migrated(hot, manifest, cold_id)  # lost to a crash after the commit
+            continue
+        if not marks.was_migrated(hot, manifest, cold_id):
+            protect.add(manifest.name)  # pending: never committed in this cold tier
+    for why in warnings:
+        log.warning("%s", why)
+    return ColdCheck(frozenset(protect), tuple(warnings))
+
+
 def pending_in_cold(hot: Tier, cold: Tier) -> set[str]:
-    """Hot checkpoints never committed in cold (one the cold policy pruned is not pending)."""
-    committed = {(m.name, m.attempt) for m in cold.manifests()}
-    return {m.name for m in hot.manifests()
-            if (m.name, m.attempt) not in committed and not was_migrated(hot, m)}
+    """Hot checkpoints the current cold tier does not provably hold (see :func:`check_cold_copies`)."""
+    return set(check_cold_copies(hot, cold).protect)
 
 
 def prune(hot: TierURL | None, cold: TierURL | None = None, *, hot_policy: Policy = DEFAULT_HOT,
           cold_policy: Policy = DEFAULT_COLD, hot_options: dict[str, Any] | None = None,
           cold_options: dict[str, Any] | None = None, dry_run: bool = False,
           now: float | None = None) -> list[PruneReport]:
-    """Prune every tier of a store by its policy; hot checkpoints pending cold are kept."""
+    """Prune every tier of a store by its policy; hot checkpoints not provably in cold are
+    kept. A tier that cannot be pruned at all is reported in its report's ``errors``."""
     tiers = {t.role: t for t in make_tiers(hot, cold, hot_options=hot_options, cold_options=cold_options)}
     reports = []
     if "hot" in tiers:
-        protect = pending_in_cold(tiers["hot"], tiers["cold"]) if "cold" in tiers else set()
-        reports.append(prune_tier(tiers["hot"], hot_policy, protect=protect, dry_run=dry_run, now=now))
+        check = check_cold_copies(tiers["hot"], tiers["cold"]) if "cold" in tiers else ColdCheck(frozenset())
+        reports.append(_guarded(tiers["hot"], lambda: prune_tier(
+            tiers["hot"], hot_policy, protect=check.protect, dry_run=dry_run, now=now,
+            warnings=check.warnings)))
     if "cold" in tiers:
-        reports.append(prune_tier(tiers["cold"], cold_policy, dry_run=dry_run, now=now))
+        reports.append(_guarded(tiers["cold"], lambda: prune_tier(
+            tiers["cold"], cold_policy, dry_run=dry_run, now=now)))
     return reports
+
+
+def _guarded(tier: Tier, run: Any) -> PruneReport:
+    try:
+        report: PruneReport = run()
+    except TierstoreError as err:
+        log.error("could not prune %s: %s", tier.label, err)
+        return PruneReport(tier=tier.label, kept=(), deleted=(), errors=(f"{tier.label}: {err}",))
+    return report
