@@ -102,12 +102,28 @@ def test_delete_prunes_empty_directories_but_not_root(tmp_path: Path) -> None:
     assert os.listdir(tmp_path / "root") == []
 
 
-def test_write_refuses_existing_key(tmp_path: Path) -> None:
+def test_write_replaces_existing_key_only_on_close(tmp_path: Path) -> None:
+    # Issue 12 item 2: a migrator retrying a file must not delete the key first (another
+    # migrator's verified copy); the old object stays whole until the new one replaces it.
     backend = LocalBackend(str(tmp_path))
     backend.publish("k", b"1")
-    with pytest.raises(PublishConflict):
-        backend.open_write("k")
+    out = backend.open_write("k")
+    out.write(b"22")
     assert backend.read_bytes("k") == b"1"
+    out.close()
+    assert backend.read_bytes("k") == b"22"
+    assert sorted(os.listdir(tmp_path)) == ["k"]  # no temporary left behind
+
+
+def test_crash_mid_write_leaves_no_partial_object_under_the_key(tmp_path: Path) -> None:
+    backend = LocalBackend(str(tmp_path))
+    out = backend.open_write("a/k")
+    out.write(b"x" * (2 << 20))  # past the coalescing buffer: bytes are on disk
+    assert not backend.exists("a/k")  # what a crash at this point leaves
+    names = os.listdir(tmp_path / "a")
+    assert len(names) == 1 and names[0].startswith(".k.tmp-")  # debris gc recognises
+    out.abort()
+    assert os.listdir(tmp_path) == []
 
 
 def test_errors_name_key_and_tier(tmp_path: Path) -> None:

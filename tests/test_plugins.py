@@ -51,6 +51,18 @@ def test_installed_plugin_scheme_works_without_import(plugin_site: Path, tmp_pat
     assert "loaded ['step-0000000001']" in proc.stdout
 
 
+def test_installed_plugin_passes_the_backend_contract(plugin_site: Path) -> None:
+    """The plugin's own two-line contract suite, against the installed plugin: the contract
+    grows (atomic replace on write, say), and the example must keep up with it."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir",
+         str(ROOT / "examples" / "plugin"), str(ROOT / "examples" / "plugin" / "tests")],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(plugin_site)}, cwd=str(plugin_site))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout
+
+
 def test_plugin_is_not_imported_until_used(plugin_site: Path) -> None:
     code = """
         import sys

@@ -10,18 +10,27 @@ conditional PUT, but on a local or network filesystem a reader may briefly see a
 written manifest (it then fails validation and counts as not committed). Filesystems without
 exclusive create are refused at publish. For local disks and parallel filesystems prefer
 the built-in local backend (plain paths), which fsyncs and publishes atomically.
+
+Writes go to a temporary beside the key (``.<name>.tmp-<hex>``, debris gc recognises) that
+``close()`` moves over the key with ``fs.mv``, so an aborted write never touches an existing
+object. Whether that move is atomic is the filesystem's: a rename on local and most network
+filesystems, a copy then a delete on object stores (whose copy is atomic, but costs a
+server-side copy: use the dedicated S3/GCS backends there). Best effort, then.
 """
 
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, BinaryIO
 
 import fsspec
 
+from tierstore._redact import redact_url, scrub, url_secrets
 from tierstore.backend import Backend, ObjectInfo, ObjectWriter, check_key, translate_os_errors
-from tierstore.errors import ConfigError, ObjectNotFound, PublishConflict, StorageError
+from tierstore.errors import ConfigError, ObjectNotFound, PublishConflict, StorageError, TierstoreError
 
 __all__ = ["FsspecBackend"]
 
@@ -29,17 +38,19 @@ PREFIX = "fsspec+"
 
 
 class _FsspecWriter(ObjectWriter):
-    def __init__(self, key: str, stream: Any, backend: FsspecBackend) -> None:
+    def __init__(self, key: str, stream: Any, tmp: str, path: str, backend: FsspecBackend) -> None:
         super().__init__(key)
         self._stream = stream
+        self._tmp = tmp
+        self._path = path
         self._backend = backend
 
     def _write(self, view: memoryview) -> None:
-        with translate_os_errors(self.key, self._backend.label):
+        with self._backend.errors(self.key):
             self._stream.write(view)
 
     def _commit(self) -> None:
-        with translate_os_errors(self.key, self._backend.label):
+        with self._backend.errors(self.key):
             self._stream.flush()
             fileno = getattr(self._stream, "fileno", None)
             if callable(fileno):  # a local file underneath: make it durable
@@ -48,6 +59,11 @@ class _FsspecWriter(ObjectWriter):
                 except (OSError, ValueError, NotImplementedError):
                     pass
             self._stream.close()
+            try:
+                self._backend.fs.mv(self._tmp, self._path)  # see the module docstring
+            except BaseException:
+                self._remove_temporary()
+                raise
 
     def _abort(self) -> None:
         try:
@@ -57,7 +73,13 @@ class _FsspecWriter(ObjectWriter):
             else:
                 self._stream.close()
         finally:
-            self._backend.delete(self.key)
+            self._remove_temporary()  # never the key: it may hold another writer's object
+
+    def _remove_temporary(self) -> None:
+        try:
+            self._backend.fs.rm_file(self._tmp)
+        except Exception:  # a buffered writer may never have created it
+            pass
 
 
 class FsspecBackend(Backend):
@@ -68,10 +90,27 @@ class FsspecBackend(Backend):
     def __init__(self, url: str, **options: Any) -> None:
         super().__init__(url, **options)
         if not url.startswith(PREFIX):
-            raise ConfigError(f"an fsspec tier URL starts with {PREFIX!r}: {url!r}")
+            raise ConfigError(f"an fsspec tier URL starts with {PREFIX!r}: {redact_url(url)!r}")
         inner = url[len(PREFIX) :]
+        # Some filesystems (memory, file) keep userinfo in the path, so it can surface in
+        # the filesystem's own error text: errors() scrubs these from what we raise.
+        self._secrets = url_secrets(url)
         self.fs, root = fsspec.core.url_to_fs(inner, skip_instance_cache=True, **options)
         self.root = root.rstrip("/")
+
+    @contextmanager
+    def errors(self, key: str, *, reading: bool = False) -> Iterator[None]:
+        """``translate_os_errors``, with the URL's credentials scrubbed from the message."""
+        try:
+            with translate_os_errors(key, self.label, reading=reading):
+                yield
+        except TierstoreError as err:
+            if not any(s in str(err) for s in self._secrets):
+                raise
+            context = {k: scrub(v, self._secrets) if isinstance(v, str) else v
+                       for k, v in err.context.items()}
+            # from None: the original exception's text holds the secret too.
+            raise type(err)(scrub(err.message, self._secrets), **context) from None
 
     def _path(self, key: str) -> str:
         return "/".join([self.root, *check_key(key, tier=self.label)])
@@ -83,21 +122,23 @@ class FsspecBackend(Backend):
 
     def open_write(self, key: str) -> ObjectWriter:
         path = self._path(key)
-        with translate_os_errors(key, self.label):
-            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-            stream = self.fs.open(path, "wb")
-        return _FsspecWriter(key, stream, self)
+        with self.errors(key):
+            directory, base = path.rsplit("/", 1)
+            tmp = f"{directory}/.{base}.tmp-{uuid.uuid4().hex[:12]}"
+            self.fs.makedirs(directory, exist_ok=True)
+            stream = self.fs.open(tmp, "wb")
+        return _FsspecWriter(key, stream, tmp, path, self)
 
     def open_read(self, key: str) -> BinaryIO:
         path = self._path(key)
-        with translate_os_errors(key, self.label, reading=True):
+        with self.errors(key, reading=True):
             if self.fs.isdir(path):
                 raise FileNotFoundError(path)
             return self.fs.open(path, "rb")  # type: ignore[no-any-return]
 
     def publish(self, key: str, data: bytes) -> None:
         path = self._path(key)
-        with translate_os_errors(key, self.label):
+        with self.errors(key):
             self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
             try:
                 with self.fs.open(path, "xb") as stream:
@@ -112,7 +153,7 @@ class FsspecBackend(Backend):
 
     def stat(self, key: str) -> ObjectInfo:
         path = self._path(key)
-        with translate_os_errors(key, self.label, reading=True):
+        with self.errors(key, reading=True):
             info = self.fs.info(path)
         if info.get("type") != "file":
             raise ObjectNotFound("no such object", key=key, tier=self.label)
@@ -130,7 +171,7 @@ class FsspecBackend(Backend):
 
     def delete(self, key: str) -> None:
         path = self._path(key)
-        with translate_os_errors(key, self.label):
+        with self.errors(key):
             try:
                 self.fs.rm_file(path)
             except FileNotFoundError:

@@ -1,4 +1,13 @@
-"""Local POSIX backend: node-local NVMe, or a parallel filesystem (Lustre, GPFS)."""
+"""Local POSIX backend: node-local NVMe, or a parallel filesystem (Lustre, GPFS).
+
+Every operation below the root goes through directory file descriptors opened one
+component at a time with ``O_NOFOLLOW | O_DIRECTORY``, and acts on the last name relative
+to its directory (``openat``, ``unlinkat``, ``linkat``, ``renameat``, ``mkdirat``). A
+symbolic link anywhere below the root, even one swapped in after a check, therefore
+cannot lead a read, write, publish, mkdir or delete outside the store: the walk refuses it
+with :class:`~tierstore.errors.UnsafePath` (DESIGN.md invariant 4). The root itself may be
+a symbolic link.
+"""
 
 from __future__ import annotations
 
@@ -23,16 +32,32 @@ _SMALL_WRITE = 64 << 10  # coalesce torch.save's many small header writes
 _BUFFER = 1 << 20
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_DIR_FLAGS = os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC
 # Hard links give an exclusive, atomic publish; these errnos mean the filesystem has none.
 _NO_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK}
+# A directory a writer just made or opened can be pruned by a concurrent delete before the
+# writer creates its file there (ENOENT): start over this many times.
+_VANISHED_RETRIES = 10
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
+def _fsync_dir(fd: int) -> None:
+    # One call site per purpose: tests/crash/test_power_loss.py tells them apart by caller.
+    os.fsync(fd)
+
+
+def _temp_name(base: str) -> str:
+    # gc recognises ".tmp-" debris; the leading dot keeps it out of DCP's shard names.
+    return f".{base}.tmp-{uuid.uuid4().hex[:12]}"
+
+
+def _unlink_quietly(name: str, dir_fd: int) -> bool:
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        os.unlink(name, dir_fd=dir_fd)
+    except OSError:
+        return False
+    return True
 
 
 def _path_from_url(url: str) -> str:
@@ -44,11 +69,51 @@ def _path_from_url(url: str) -> str:
     return os.path.abspath(unquote(parsed.path))
 
 
+class _Dirs:
+    """Open descriptors of the root and of each directory down to a key's parent.
+
+    ``fds[i + 1]`` is ``names[i]`` opened relative to ``fds[i]``, so every later step acts
+    on the directories that were walked, whatever a path would resolve to now.
+    """
+
+    def __init__(self, fds: list[int], names: list[str]) -> None:
+        self.fds = fds
+        self.names = names
+
+    @property
+    def fd(self) -> int:
+        return self.fds[-1]
+
+    def prune_empty(self) -> None:
+        """Remove the walked directories left empty, deepest first; never the root.
+
+        ``rmdir`` of a name never follows a link, so nothing outside can be removed.
+        """
+        for parent, name in reversed(list(zip(self.fds, self.names))):
+            try:
+                os.rmdir(name, dir_fd=parent)
+            except OSError:
+                return
+
+    def close(self) -> None:
+        fds, self.fds = self.fds, []
+        for fd in reversed(fds):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
 class _LocalWriter(ObjectWriter):
-    def __init__(self, key: str, path: str, fd: int, backend: LocalBackend) -> None:
+    """Writes a unique temporary beside the key; ``close()`` fsyncs and renames it into place."""
+
+    def __init__(self, key: str, dirs: _Dirs, fd: int, tmp: str, base: str,
+                 backend: LocalBackend) -> None:
         super().__init__(key)
-        self._path = path
+        self._dirs = dirs
         self._fd = fd
+        self._tmp = tmp
+        self._base = base
         self._backend = backend
         self._buffer = bytearray()
 
@@ -70,8 +135,9 @@ class _LocalWriter(ObjectWriter):
             self._drain(view)
 
     def _commit(self) -> None:
-        # Durable before visible as complete: file fsync, then its directory's entry
-        # (DESIGN.md invariant 2).
+        # Durable before visible, and visible whole: file fsync, rename over the key, then
+        # its directory's entry (DESIGN.md invariant 2). A crash leaves the old object or
+        # the new one under the key, and at worst a temporary for gc.
         with translate_os_errors(self.key, self._backend.label):
             try:
                 if self._buffer:
@@ -79,23 +145,32 @@ class _LocalWriter(ObjectWriter):
                     self._buffer.clear()
                 if self._backend.fsync:
                     os.fsync(self._fd)
+                fd, self._fd = self._fd, -1
+                os.close(fd)
+                os.replace(self._tmp, self._base, src_dir_fd=self._dirs.fd,
+                           dst_dir_fd=self._dirs.fd)
             except BaseException:
                 self._abort()
                 raise
-            os.close(self._fd)
-            if self._backend.fsync:
-                _fsync_dir(os.path.dirname(self._path))
+            try:
+                if self._backend.fsync:
+                    _fsync_dir(self._dirs.fd)
+            finally:
+                self._dirs.close()
 
     def _abort(self) -> None:
+        # The temporary only: an object already under the key is never touched.
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            try:
+                os.close(fd)
+            except OSError:
+                pass
         try:
-            os.close(self._fd)
-        except OSError:
-            pass
-        try:
-            os.unlink(self._path)
-        except OSError:
-            return
-        self._backend._prune_empty_dirs(os.path.dirname(self._path))
+            if self._dirs.fds and _unlink_quietly(self._tmp, self._dirs.fd):
+                self._dirs.prune_empty()
+        finally:
+            self._dirs.close()
 
 
 class LocalBackend(Backend):
@@ -114,22 +189,24 @@ class LocalBackend(Backend):
         self.root = _path_from_url(str(url))
         self.fsync = fsync
 
-    # -- paths -------------------------------------------------------------------------
+    # -- walking below the root ------------------------------------------------------------
 
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *check_key(key, tier=self.label))
 
-    def _check_inside(self, key: str, path: str) -> None:
-        # Reject symbolic links anywhere below the root (manifests must never lead a read
-        # outside the checkpoint: DESIGN.md invariant 4). The root itself may be a link.
-        expected = os.path.join(os.path.realpath(self.root), *key.split("/"))
-        if os.path.realpath(path) != expected:
-            raise UnsafePath("path leaves the tier root through a symbolic link",
-                             key=key, tier=self.label)
+    def _open_root(self, create: bool) -> int:
+        flags = os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC  # the root itself may be a link
+        try:
+            return os.open(self.root, flags)
+        except FileNotFoundError:
+            if not create:
+                raise
+        self._make_root()
+        return os.open(self.root, flags)
 
-    def _makedirs(self, directory: str) -> None:
-        """Create ``directory`` and missing parents, each entry made durable."""
-        missing = []
+    def _make_root(self) -> None:
+        """Create the root and its missing parents (the configured place, not the store)."""
+        missing, directory = [], self.root
         while not os.path.isdir(directory):
             missing.append(directory)
             parent = os.path.dirname(directory)
@@ -142,85 +219,141 @@ class LocalBackend(Backend):
             except FileExistsError:
                 if os.path.isdir(path):
                     continue  # another writer made it first
-                if os.path.lexists(path):
-                    raise NotADirectoryError(
-                        errno.ENOTDIR, "not a directory, but a key needs it as one", path
-                    ) from None
-                # Another writer made it and a concurrent delete already pruned it again:
-                # report it as vanished so ``_create`` starts over.
-                raise FileNotFoundError(errno.ENOENT, "directory vanished", path) from None
+                raise NotADirectoryError(
+                    errno.ENOTDIR, "not a directory, but the tier root needs it as one", path
+                ) from None
             if self.fsync:
-                _fsync_dir(os.path.dirname(path))
+                fd = os.open(os.path.dirname(path), os.O_RDONLY | _O_CLOEXEC)
+                try:
+                    _fsync_dir(fd)
+                finally:
+                    os.close(fd)
+
+    def _refuse_link(self, key: str, parent: int, name: str) -> None:
+        """Raise :class:`UnsafePath` if ``name`` in ``parent`` is a symbolic link."""
+        try:
+            st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+        except OSError:
+            return
+        if stat_mod.S_ISLNK(st.st_mode):
+            raise UnsafePath("symbolic link in key path", key=key, tier=self.label)
+
+    def _makedirs(self, parent: int, name: str) -> None:
+        """Make directory ``name`` in ``parent``, its entry durable; fine if it exists."""
+        try:
+            os.mkdir(name, 0o777, dir_fd=parent)
+        except FileExistsError:
+            return  # another writer made it first, or it is no directory: the open says
+        if self.fsync:
+            _fsync_dir(parent)
+
+    def _open_dir(self, key: str, parent: int, name: str, create: bool) -> int:
+        try:
+            return os.open(name, _DIR_FLAGS, dir_fd=parent)
+        except FileNotFoundError:
+            if not create:
+                raise
+        except NotADirectoryError:
+            self._refuse_link(key, parent, name)
+            raise NotADirectoryError(
+                errno.ENOTDIR, "not a directory, but a key needs it as one", name) from None
+        self._makedirs(parent, name)
+        # ENOENT here: made by another writer and already pruned by a concurrent delete.
+        return self._open_dir(key, parent, name, create=False)
+
+    def _open_dirs(self, key: str, names: list[str], *, create: bool) -> _Dirs:
+        """Walk from the root down ``names``, refusing links (making missing ones if ``create``)."""
+        fds = [self._open_root(create)]
+        dirs = _Dirs(fds, names)
+        try:
+            for name in names:
+                fds.append(self._open_dir(key, fds[-1], name, create))
+        except BaseException:
+            dirs.close()
+            raise
+        return dirs
+
+    def _create(self, key: str, parts: list[str], name: str) -> tuple[_Dirs, int]:
+        """Exclusively create file ``name`` in ``key``'s directory, making it first.
+
+        ``delete`` removes directories it leaves empty, so a concurrent delete can remove
+        the directory between our walk and our create: walk again and retry.
+        """
+        for attempt in range(_VANISHED_RETRIES + 1):
+            try:
+                dirs = self._open_dirs(key, parts[:-1], create=True)
+            except FileNotFoundError:
+                if attempt == _VANISHED_RETRIES:
+                    raise
+                continue
+            try:
+                return dirs, os.open(name, _CREATE_FLAGS, 0o644, dir_fd=dirs.fd)
+            except FileNotFoundError:
+                dirs.close()
+                if attempt == _VANISHED_RETRIES:
+                    raise
+            except BaseException:
+                dirs.close()
+                raise
+        raise AssertionError("unreachable")  # pragma: no cover
 
     # -- contract ----------------------------------------------------------------------
 
-    def _create(self, path: str, flags: int) -> int:
-        """Create ``path`` exclusively, making its directories first.
-
-        ``delete`` removes directories it leaves empty, so a concurrent delete can remove
-        the directory between our ``makedirs`` and ``open``: make it again and retry.
-        """
-        for _ in range(10):
-            try:  # either step fails with ENOENT if a directory vanished under it
-                self._makedirs(os.path.dirname(path))
-                return os.open(path, flags | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o644)
-            except FileNotFoundError:
-                continue
-        self._makedirs(os.path.dirname(path))
-        return os.open(path, flags | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o644)
-
     def open_write(self, key: str) -> ObjectWriter:
-        path = self._path(key)
+        parts = check_key(key, tier=self.label)
+        tmp = _temp_name(parts[-1])
         with translate_os_errors(key, self.label):
-            self._check_inside(key, path)
-            fd = self._create(path, os.O_WRONLY | _O_NOFOLLOW)
-        return _LocalWriter(key, path, fd, self)
+            dirs, fd = self._create(key, parts, tmp)
+        return _LocalWriter(key, dirs, fd, tmp, parts[-1], self)
 
     def open_read(self, key: str) -> BinaryIO:
-        path = self._path(key)
+        parts = check_key(key, tier=self.label)
         with translate_os_errors(key, self.label, reading=True):
-            self._check_inside(key, path)
-            # O_NONBLOCK: opening a FIFO planted in place of a file must not hang; it has
-            # no effect on regular files.
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _O_NOFOLLOW | _O_CLOEXEC)
+            dirs = self._open_dirs(key, parts[:-1], create=False)
+            try:
+                # O_NONBLOCK: opening a FIFO planted in place of a file must not hang; it
+                # has no effect on regular files. O_NOFOLLOW: a link fails with ELOOP.
+                fd = os.open(parts[-1], os.O_RDONLY | os.O_NONBLOCK | _O_NOFOLLOW | _O_CLOEXEC,
+                             dir_fd=dirs.fd)
+            finally:
+                dirs.close()
             if not stat_mod.S_ISREG(os.fstat(fd).st_mode):
                 os.close(fd)
                 raise UnsafePath("not a regular file", key=key, tier=self.label)
             return os.fdopen(fd, "rb")
 
     def publish(self, key: str, data: bytes) -> None:
-        path = self._path(key)
-        directory, base = os.path.split(path)
-        tmp = os.path.join(directory, f".{base}.tmp-{uuid.uuid4().hex[:12]}")
+        parts = check_key(key, tier=self.label)
+        tmp = _temp_name(parts[-1])
         with translate_os_errors(key, self.label):
-            fd = self._create(tmp, os.O_WRONLY)
+            dirs, fd = self._create(key, parts, tmp)
             try:
-                faults.point("local.publish.write")
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-                if self.fsync:
-                    os.fsync(fd)
-            except BaseException:
-                os.close(fd)
-                os.unlink(tmp)  # e.g. ENOSPC: leave no temporary behind
-                raise
-            os.close(fd)
-            faults.point("local.publish.after_temp_fsync")
-            try:
-                self._link_exclusive(key, tmp, path)
-            finally:
                 try:
-                    os.unlink(tmp)
-                except FileNotFoundError:
-                    pass
-            faults.point("local.publish.before_dir_fsync")
-            if self.fsync:
-                _fsync_dir(directory)
+                    faults.point("local.publish.write")
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(fd, view) :]
+                    if self.fsync:
+                        os.fsync(fd)
+                except BaseException:
+                    os.close(fd)
+                    _unlink_quietly(tmp, dirs.fd)  # e.g. ENOSPC: leave no temporary behind
+                    raise
+                os.close(fd)
+                faults.point("local.publish.after_temp_fsync")
+                try:
+                    self._link_exclusive(key, dirs.fd, tmp, parts[-1])
+                finally:
+                    _unlink_quietly(tmp, dirs.fd)
+                faults.point("local.publish.before_dir_fsync")
+                if self.fsync:
+                    _fsync_dir(dirs.fd)
+            finally:
+                dirs.close()
 
-    def _link_exclusive(self, key: str, tmp: str, path: str) -> None:
-        try:
-            os.link(tmp, path)  # atomic, and fails if `path` exists: an exclusive rename
+    def _link_exclusive(self, key: str, directory: int, tmp: str, base: str) -> None:
+        try:  # atomic, and fails if `base` exists (even as a link): an exclusive rename
+            os.link(tmp, base, src_dir_fd=directory, dst_dir_fd=directory, follow_symlinks=False)
         except FileExistsError as err:
             raise PublishConflict("already published", key=key, tier=self.label) from err
         except OSError as err:
@@ -230,50 +363,79 @@ class LocalBackend(Backend):
             # non-concurrent writers. Logged so operators know.
             log.warning("%s has no hard links; publish of %s is not race-exclusive",
                         self.label, key)
-            if os.path.lexists(path):
-                raise PublishConflict("already published", key=key, tier=self.label) from err
-            os.rename(tmp, path)
+            try:
+                os.stat(base, dir_fd=directory, follow_symlinks=False)
+            except FileNotFoundError:
+                os.rename(tmp, base, src_dir_fd=directory, dst_dir_fd=directory)
+                return
+            raise PublishConflict("already published", key=key, tier=self.label) from err
 
     def stat(self, key: str) -> ObjectInfo:
-        path = self._path(key)
+        parts = check_key(key, tier=self.label)
         with translate_os_errors(key, self.label, reading=True):
-            st = os.lstat(path)
+            dirs = self._open_dirs(key, parts[:-1], create=False)
+            try:
+                st = os.stat(parts[-1], dir_fd=dirs.fd, follow_symlinks=False)
+            finally:
+                dirs.close()
         if not stat_mod.S_ISREG(st.st_mode):
             raise UnsafePath("not a regular file", key=key, tier=self.label)
         return ObjectInfo(key=key, size=st.st_size, mtime=st.st_mtime)
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        """Regular files only: links, FIFOs and linked directories are no objects of ours."""
         if prefix and not prefix.endswith("/"):
             raise ValueError(f"list prefix must be '' or end with '/': {prefix!r}")
-        top = self._path(prefix.rstrip("/")) if prefix else self.root
-        for directory, _dirs, files in os.walk(top, followlinks=False):
-            rel_dir = os.path.relpath(directory, self.root)
-            for name in files:
-                rel = name if rel_dir == "." else f"{rel_dir}/{name}".replace(os.sep, "/")
-                try:
-                    st = os.lstat(os.path.join(directory, name))
-                except FileNotFoundError:
-                    continue  # deleted while listing
-                if stat_mod.S_ISREG(st.st_mode):
-                    yield ObjectInfo(key=rel, size=st.st_size, mtime=st.st_mtime)
+        names = check_key(prefix.rstrip("/"), tier=self.label) if prefix else []
+        try:
+            dirs = self._open_dirs(prefix, names, create=False)
+        except (FileNotFoundError, NotADirectoryError, UnsafePath):
+            return  # nothing stored there, or only through a link
+        try:
+            yield from self._walk(dirs.fd, prefix)
+        finally:
+            dirs.close()
+
+    def _walk(self, fd: int, rel: str) -> Iterator[ObjectInfo]:
+        try:
+            with os.scandir(fd) as scan:
+                entries = list(scan)
+        except OSError:
+            return  # removed or unreadable while listing
+        for entry in entries:
+            key = rel + entry.name
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    child = os.open(entry.name, _DIR_FLAGS, dir_fd=fd)
+                elif entry.is_file(follow_symlinks=False):
+                    st = entry.stat(follow_symlinks=False)
+                    if stat_mod.S_ISREG(st.st_mode):
+                        yield ObjectInfo(key=key, size=st.st_size, mtime=st.st_mtime)
+                    continue
+                else:
+                    continue
+            except OSError:
+                continue  # deleted, or swapped for a link, while listing
+            try:
+                yield from self._walk(child, key + "/")
+            finally:
+                os.close(child)
 
     def delete(self, key: str) -> None:
-        path = self._path(key)
+        parts = check_key(key, tier=self.label)
         with translate_os_errors(key, self.label):
             try:
-                os.unlink(path)
-            except FileNotFoundError:
-                return
-            self._prune_empty_dirs(os.path.dirname(path))
-
-    def _prune_empty_dirs(self, directory: str) -> None:
-        """Drop directories left empty, up to (not including) the root."""
-        while directory != self.root and directory.startswith(self.root):
+                dirs = self._open_dirs(key, parts[:-1], create=False)
+            except (FileNotFoundError, NotADirectoryError):
+                return  # no such key
             try:
-                os.rmdir(directory)
-            except OSError:
-                break
-            directory = os.path.dirname(directory)
+                try:
+                    os.unlink(parts[-1], dir_fd=dirs.fd)  # a link itself, never its target
+                except FileNotFoundError:
+                    return
+                dirs.prune_empty()
+            finally:
+                dirs.close()
 
     def free_bytes(self) -> int | None:
         directory = self.root

@@ -8,9 +8,11 @@ root URL. tierstore needs only these guarantees, stated once here:
 * **Writes** (:meth:`Backend.open_write`) stream a new object. The returned
   :class:`ObjectWriter` computes size and CRC32C of every byte as it goes; when its
   ``close()`` returns, the object is durable and complete under its key (local: file fsync,
-  then directory fsync; object store: upload completed and verified). ``abort()`` or an
-  exception inside ``with`` discards it. tierstore only writes keys unique to one attempt,
-  so whether a write may replace an existing key is left to the backend.
+  rename into place, directory fsync; object store: upload completed and verified). A
+  write never exposes a partial object under its key; if the key exists, ``close()``
+  replaces it atomically. ``abort()``, or an exception inside ``with``, discards what was
+  written and leaves an existing object untouched. tierstore only writes keys unique to one
+  attempt, and a migrator replacing an object replaces it with the same verified bytes.
 * **Publish** (:meth:`Backend.publish`) is the only atomic primitive: the whole object
   appears at once or not at all, it is durable when the call returns, and it is
   *exclusive*: if the key exists, it raises :class:`~tierstore.errors.PublishConflict`
@@ -36,9 +38,11 @@ from typing import Any, BinaryIO, ClassVar
 
 import crc32c as _crc32c
 
+from tierstore._redact import redact_url
 from tierstore.errors import (
     NoSpaceLeft,
     ObjectNotFound,
+    ObjectTooLarge,
     PublishConflict,
     StorageError,
     TierstoreError,
@@ -162,11 +166,11 @@ class Backend(abc.ABC):
 
     def __init__(self, url: str, **options: Any) -> None:
         self.url = url
-        self.label = url  # set to e.g. "hot /nvme/run1" by the catalog, used in errors
+        self.label = redact_url(url)  # set to e.g. "hot /nvme/run1" by the catalog, used in errors
 
     def __repr__(self) -> str:
         # Options may hold credentials: never show them.
-        return f"{type(self).__name__}({self.url!r})"
+        return f"{type(self).__name__}({redact_url(self.url)!r})"
 
     @abc.abstractmethod
     def open_write(self, key: str) -> ObjectWriter:
@@ -204,7 +208,7 @@ class Backend(abc.ABC):
         with self.open_read(key) as stream:
             data = stream.read(-1 if limit is None else limit + 1)
         if limit is not None and len(data) > limit:
-            raise StorageError(f"object larger than {limit} bytes", key=key, tier=self.label)
+            raise ObjectTooLarge(f"object larger than {limit} bytes", key=key, tier=self.label)
         return bytes(data)
 
     def free_bytes(self) -> int | None:

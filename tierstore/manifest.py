@@ -121,7 +121,8 @@ class Manifest:
             raise bad(f"{len(data)} bytes is larger than the {MAX_MANIFEST_BYTES} byte limit")
         try:
             body = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+            # RecursionError: a forged manifest of thousands of nested brackets
             raise bad(f"not valid JSON ({err}); truncated or corrupt?") from err
         if not isinstance(body, dict):
             raise bad("top level is not an object")

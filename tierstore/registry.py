@@ -13,6 +13,7 @@ from importlib.metadata import entry_points
 from types import MappingProxyType
 from typing import Any
 
+from tierstore._redact import redact_url
 from tierstore.backend import Backend
 from tierstore.errors import BackendNotFound, ConfigError
 
@@ -148,5 +149,5 @@ def open_backend(url: str | os.PathLike[str], options: Mapping[str, Any] | None 
     scheme, text = split_scheme(url)
     backend = backend_class(scheme)(text, **dict(options or {}))
     if label:
-        backend.label = f"{label} {text}"
+        backend.label = f"{label} {redact_url(text)}"
     return backend

@@ -81,6 +81,64 @@ class BackendContract:
                 raise RuntimeError("writer died")
         assert not backend.exists("ab/file")
 
+    def test_aborted_write_keeps_the_existing_object(self, backend: Backend) -> None:
+        backend.publish("ab/kept", b"verified copy")
+        with pytest.raises(RuntimeError):
+            with backend.open_write("ab/kept") as out:
+                out.write(_payload(200_000, seed=5))
+                raise RuntimeError("writer died")
+        assert backend.read_bytes("ab/kept") == b"verified copy"
+        assert [i.key for i in backend.list("ab/")] == ["ab/kept"]
+
+    def test_write_over_existing_key_replaces_it_whole_on_close(self, backend: Backend) -> None:
+        old, new = _payload(150_000, seed=1), _payload(300_000, seed=2)
+        with backend.open_write("ow/k") as out:
+            out.write(old)
+        out = backend.open_write("ow/k")
+        for start in range(0, len(new), 70_000):
+            out.write(memoryview(new)[start : start + 70_000])
+            assert backend.read_bytes("ow/k") == old  # never a partial object
+        out.close()
+        assert backend.read_bytes("ow/k") == new
+        assert backend.stat("ow/k").size == len(new)
+        assert [i.key for i in backend.list("ow/")] == ["ow/k"]
+
+    def test_concurrent_readers_never_see_a_partial_object(self, backend: Backend) -> None:
+        versions = [_payload(600_000, seed=s) for s in range(3)]
+        backend.publish("cr/k", versions[0])
+        done = threading.Event()
+        seen: list[Any] = []
+
+        def read() -> None:
+            while not done.is_set():
+                try:
+                    data = backend.read_bytes("cr/k")
+                except ObjectNotFound as err:  # the key always exists: read-after-write broken
+                    seen.append(err)
+                    continue
+                except StorageError:  # the reader noticed the replace: no partial object
+                    continue
+                except Exception as err:  # reported below
+                    seen.append(err)
+                    return
+                seen.append(versions.index(data) if data in versions else f"{len(data)} bytes")
+
+        readers = [threading.Thread(target=read) for _ in range(2)]
+        for t in readers:
+            t.start()
+        try:
+            for version in versions[1:] * 2:
+                with backend.open_write("cr/k") as out:
+                    for start in range(0, len(version), 1 << 16):
+                        out.write(memoryview(version)[start : start + (1 << 16)])
+        finally:
+            done.set()
+            for t in readers:
+                t.join()
+        partial = [s for s in seen if not isinstance(s, int)]
+        assert partial == [], f"{len(partial)} reads saw no whole version, e.g. {partial[:5]}"
+        assert backend.read_bytes("cr/k") == versions[2]
+
     def test_read_after_write_is_visible_everywhere(self, backend: Backend) -> None:
         with backend.open_write("raw/one") as out:
             out.write(b"1")

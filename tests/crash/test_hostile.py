@@ -66,7 +66,10 @@ def load_error(store: dict[str, Path]) -> BaseException:
         model.load(str(store["hot"]), None, layout.default_name(1))
     STATS.faults += 1
     code = (".py", ".pyc", ".so")  # Python reading its own modules (lazy imports, tracebacks)
-    outside = [p for p in opened if not os.path.realpath(p).startswith(os.path.realpath(store["hot"]))
+    # Relative names are opened relative to a directory the local backend walked from the
+    # root without following links (dir_fd): inside by construction. The root is absolute.
+    outside = [p for p in opened if os.path.isabs(p)
+               and not os.path.realpath(p).startswith(os.path.realpath(store["hot"]))
                and not p.endswith(code) and not p.startswith(("/proc/", "/dev/", sys.prefix))]
     assert not any(os.path.realpath(p) == os.path.realpath(store["secret"]) for p in opened), opened
     assert outside == [], f"opened outside the store: {outside}"

@@ -66,15 +66,27 @@ class ShadowFS:
             node = child
         return node
 
-    def _parent(self, path: str) -> tuple[int, str] | None:
+    def _parent(self, path: str, dir_fd: int | None = None) -> tuple[int, str] | None:
+        if dir_fd is not None:  # the backend walks directory fds: resolve from that node
+            node: int | None = self.fds.get(dir_fd)
+            *dirs, name = path.split("/")
+            for part in dirs:
+                node = None if node is None else self.nodes[node].entries.get(part)
+            return None if node is None else (node, name)
         parts = self._parts(path)
         if not parts:
             return None
         parent = self._lookup(parts[:-1])
         return None if parent is None else (parent, parts[-1])
 
-    def _new(self, path: str, is_dir: bool) -> int | None:
-        where = self._parent(path)
+    def _node(self, path: str, dir_fd: int | None) -> int | None:
+        if dir_fd is None and self._parts(path) == []:
+            return 0
+        where = self._parent(path, dir_fd)
+        return None if where is None else self.nodes[where[0]].entries.get(where[1])
+
+    def _new(self, path: str, is_dir: bool, dir_fd: int | None = None) -> int | None:
+        where = self._parent(path, dir_fd)
         if where is None:
             return None
         node = max(self.nodes) + 1
@@ -97,13 +109,12 @@ class ShadowFS:
 
     # -- the syscalls ----------------------------------------------------------------------
 
-    def open(self, path: str, flags: int, mode: int = 0o777) -> int:
-        fd = os.open(path, flags, mode)
+    def open(self, path: str, flags: int, mode: int = 0o777, *, dir_fd: int | None = None) -> int:
+        fd = os.open(path, flags, mode, dir_fd=dir_fd)
         if flags & os.O_CREAT:
-            node = self._new(path, is_dir=False)
+            node = self._new(path, is_dir=False, dir_fd=dir_fd)
         else:
-            parts = self._parts(path)
-            node = None if parts is None else self._lookup(parts)
+            node = self._node(path, dir_fd)
         if node is not None:
             self.fds[fd] = node
             if flags & os.O_CREAT:
@@ -132,37 +143,41 @@ class ShadowFS:
         os.close(fd)
         self.fds.pop(fd, None)
 
-    def mkdir(self, path: str, mode: int = 0o777) -> None:
-        os.mkdir(path, mode)
-        if self._new(path, is_dir=True) is not None:
+    def mkdir(self, path: str, mode: int = 0o777, *, dir_fd: int | None = None) -> None:
+        os.mkdir(path, mode, dir_fd=dir_fd)
+        if self._new(path, is_dir=True, dir_fd=dir_fd) is not None:
             self._record(f"mkdir {path}")
 
-    def link(self, src: str, dst: str) -> None:
-        os.link(src, dst)
-        parts, where = self._parts(src), self._parent(dst)
-        node = None if parts is None else self._lookup(parts)
+    def link(self, src: str, dst: str, *, src_dir_fd: int | None = None,
+             dst_dir_fd: int | None = None, follow_symlinks: bool = True) -> None:
+        os.link(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd,
+                follow_symlinks=follow_symlinks)
+        node, where = self._node(src, src_dir_fd), self._parent(dst, dst_dir_fd)
         if node is not None and where is not None:
             self.nodes[where[0]].entries[where[1]] = node
             self._record(f"link {dst}")
 
-    def rename(self, src: str, dst: str) -> None:
-        os.rename(src, dst)
-        old, new = self._parent(src), self._parent(dst)
+    def rename(self, src: str, dst: str, *, src_dir_fd: int | None = None,
+               dst_dir_fd: int | None = None) -> None:
+        os.rename(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
+        old, new = self._parent(src, src_dir_fd), self._parent(dst, dst_dir_fd)
         if old is not None and new is not None:
             node = self.nodes[old[0]].entries.pop(old[1])
             self.nodes[new[0]].entries[new[1]] = node
             self._record(f"rename {dst}")
 
-    def unlink(self, path: str) -> None:
-        os.unlink(path)
-        where = self._parent(path)
+    replace = rename  # the model is the same: the destination entry now names the node
+
+    def unlink(self, path: str, *, dir_fd: int | None = None) -> None:
+        os.unlink(path, dir_fd=dir_fd)
+        where = self._parent(path, dir_fd)
         if where is not None:
             self.nodes[where[0]].entries.pop(where[1], None)
             self._record(f"unlink {path}")
 
-    def rmdir(self, path: str) -> None:
-        os.rmdir(path)
-        where = self._parent(path)
+    def rmdir(self, path: str, *, dir_fd: int | None = None) -> None:
+        os.rmdir(path, dir_fd=dir_fd)
+        where = self._parent(path, dir_fd)
         if where is not None:
             self.nodes[where[0]].entries.pop(where[1], None)
             self._record(f"rmdir {path}")

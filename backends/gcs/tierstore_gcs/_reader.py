@@ -9,6 +9,8 @@ from __future__ import annotations
 import io
 from typing import TYPE_CHECKING, Any
 
+from tierstore.errors import ObjectNotFound, StorageError
+
 if TYPE_CHECKING:
     from tierstore_gcs._backend import GCSBackend
 
@@ -34,7 +36,13 @@ class RangeReader(io.RawIOBase):
     def _fetch(self) -> None:
         self._block = b""  # hold one block at a time, not two
         stop = min(self._pos + self._block_size, self._size)
-        self._block = self._backend._read_range(self._key, self._generation, self._pos, stop)
+        try:
+            self._block = self._backend._read_range(self._key, self._generation, self._pos, stop)
+        except ObjectNotFound as err:
+            # The generation we opened is gone: the key was replaced or deleted mid-read. Say
+            # so, rather than "no such object" for a key that may well exist (as S3 does).
+            raise StorageError("object changed while being read", key=self._key,
+                               tier=self._backend.label) from err
         self._block_start = self._pos
 
     def readinto(self, buffer: Any) -> int:

@@ -20,11 +20,14 @@ __all__ = ["FlatDirBackend"]
 
 
 class _Writer(ObjectWriter):
-    # The base class counts size and CRC32C of every write(); we only move bytes.
+    # The base class counts size and CRC32C of every write(); we only move bytes. The
+    # contract: no partial object is ever visible under the key, so write a temporary and
+    # move it into place (replacing any older object) on commit.
     def __init__(self, key: str, path: str, backend: FlatDirBackend) -> None:
         super().__init__(key)
         self._path, self._backend = path, backend
-        self._file = open(path, "xb")  # noqa: SIM115 - closed by _commit/_abort
+        self._tmp = f"{path}.tmp-{uuid.uuid4().hex}"  # '%' escapes mean no key ends like this
+        self._file = open(self._tmp, "xb")  # noqa: SIM115 - closed by _commit/_abort
 
     def _write(self, view: memoryview) -> None:
         with translate_os_errors(self.key, self._backend.label):
@@ -35,11 +38,12 @@ class _Writer(ObjectWriter):
             self._file.flush()
             os.fsync(self._file.fileno())
             self._file.close()
+            os.replace(self._tmp, self._path)
             self._backend._sync_dir()
 
     def _abort(self) -> None:
         self._file.close()
-        os.unlink(self._path)
+        os.unlink(self._tmp)
 
 
 class FlatDirBackend(Backend):
