@@ -208,10 +208,45 @@ def manager_load(spec: dict[str, Any]) -> None:
         (Path(spec["out"]) / "loaded-manager.json").write_text(json.dumps(result, sort_keys=True))
 
 
+def manager_fallback(spec: dict[str, Any]) -> None:
+    """Save steps 1 and 2 with a CheckpointManager, flip a byte inside rank 1's shard of
+    step 2, then ``load_latest`` on every rank: all must fall back to step 1 together."""
+    from tierstore import CheckpointManager, layout
+    from tierstore.catalog import Tier
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model, optim = build(0, world)
+    out = Path(spec["out"])
+    with CheckpointManager(**tiers(spec), async_save=False) as mgr:
+        for step in (1, 2):
+            train(model, optim, 1, step)
+            msd, osd = get_state_dict(model, optim)
+            mgr.save(step, {"model": msd, "optim": osd, "extra": {"step": step}}, force=True)
+            if step == 1:
+                first = digest(model, optim)
+    if rank == 0:
+        tier = Tier("hot", tiers(spec)["hot"])
+        manifest = tier.find_manifest(layout.default_name(2))
+        shard = Path(tier.url, tier.file_key(manifest.name, manifest.attempt, "__1_0.distcp"))
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        shard.write_bytes(bytes(data))
+    dist.barrier()
+    model, optim = build(12345, world)
+    msd, osd = get_state_dict(model, optim)
+    state = {"model": msd, "optim": osd, "extra": {"step": -1}}
+    with CheckpointManager(**tiers(spec)) as mgr:
+        step = mgr.load_latest(state)
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    result = {"step": step, "extra_step": state["extra"]["step"], "same": digest(model, optim) == first}
+    (out / f"fallback-rank{rank}.json").write_text(json.dumps(result))
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    ops = {"train_save": train_save, "load": load, "manager": manager, "manager_load": manager_load}
+    ops = {"train_save": train_save, "load": load, "manager": manager, "manager_load": manager_load,
+           "manager_fallback": manager_fallback}
     ops[spec["op"]](spec)
     leave_cleanly()
 

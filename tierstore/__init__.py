@@ -31,6 +31,7 @@ from tierstore.errors import (
     IntegrityError,
     InvalidManifest,
     PublishConflict,
+    SaveFailed,
     StorageError,
     TierstoreError,
 )
@@ -40,12 +41,12 @@ from tierstore.migrator import MigrationConfig, MigrationState, MigrationStatus
 from tierstore.pending import migrate_pending, migration_status, wait_for_migrations
 from tierstore.prune import prune
 from tierstore.registry import register_backend
-from tierstore.restore import restore
+from tierstore.restore import RestoreReport, restore, restore_checkpoint
 from tierstore.retention import keep_all, keep_every, keep_last, keep_steps, keep_within
 from tierstore.verify import Probe, ResumeReport, verify_checkpoint, verify_resume
 
 if TYPE_CHECKING:
-    from tierstore.manager import CheckpointManager
+    from tierstore.manager import CheckpointManager, Health
     from tierstore.reader import TieredReader
     from tierstore.state import ResumePlanner, TrainingState
     from tierstore.writer import TieredWriter
@@ -54,6 +55,7 @@ _LAZY = {
     "TieredWriter": "tierstore.writer",
     "TieredReader": "tierstore.reader",
     "CheckpointManager": "tierstore.manager",
+    "Health": "tierstore.manager",
     "TrainingState": "tierstore.state",
     "ResumePlanner": "tierstore.state",
 }
@@ -72,6 +74,7 @@ __all__ = [
     "TieredWriter",
     "TieredReader",
     "CheckpointManager",
+    "Health",
     "list_checkpoints",
     "latest_checkpoint",
     "CheckpointInfo",
@@ -85,6 +88,8 @@ __all__ = [
     "migration_status",
     "wait_for_migrations",
     "restore",
+    "restore_checkpoint",
+    "RestoreReport",
     "prune",
     "collect_garbage",
     "find_garbage",
@@ -109,6 +114,7 @@ __all__ = [
     "BackendNotFound",
     "StorageError",
     "PublishConflict",
+    "SaveFailed",
     "CheckpointNotFound",
     "CheckpointExists",
     "IntegrityError",

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tierstore import layout
+from tierstore._redact import redact_url
 from tierstore.backend import Backend
 from tierstore.errors import (
     CheckpointExists,
@@ -20,10 +21,11 @@ from tierstore.errors import (
     ConfigError,
     InvalidManifest,
     ObjectNotFound,
+    ObjectTooLarge,
     PublishConflict,
 )
 from tierstore.manifest import MAX_MANIFEST_BYTES, Manifest
-from tierstore.registry import open_backend
+from tierstore.registry import backend_class, open_backend, split_scheme
 
 __all__ = ["Tier", "CheckpointInfo", "list_checkpoints", "latest_checkpoint", "resolve", "make_tiers"]
 
@@ -42,20 +44,28 @@ class Tier:
         self._backend: Backend | None = None
 
     def __repr__(self) -> str:
-        return f"Tier({self.role!r}, {self.url!r})"
+        return f"Tier({self.role!r}, {redact_url(self.url)!r})"
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_backend": None}
 
     @property
     def label(self) -> str:
-        return f"{self.role} {self.url}"
+        return f"{self.role} {redact_url(self.url)}"
 
     @property
     def backend(self) -> Backend:
         if self._backend is None:
             self._backend = open_backend(self.url, self.options, label=self.role)
         return self._backend
+
+    def check_scheme(self) -> None:
+        """Raise :class:`~tierstore.errors.BackendNotFound` now if no backend serves this URL.
+
+        Imports the plugin but builds no backend: nothing is sent to the tier, so a cold
+        tier that is down cannot make this block.
+        """
+        backend_class(split_scheme(self.url)[0])
 
     def file_key(self, name: str, attempt: str, path: str) -> str:
         """Where this tier keeps file ``path`` of an attempt."""
@@ -78,20 +88,32 @@ class Tier:
         return found
 
     def scan_manifests(self) -> tuple[list[Manifest], list[InvalidManifest]]:
-        """Valid manifests, and the errors of invalid ones."""
+        """Valid manifests, and the errors of invalid ones (torn, corrupt, oversized).
+
+        Other storage errors propagate: a manifest that could not be read is not known to
+        be damaged, and callers such as GC must not act as if it were absent.
+        """
         found, invalid = [], []
         for info in self.backend.list(layout.MANIFEST_DIR + "/"):
             name = layout.parse_manifest_key(info.key)
             if name is None:
                 continue
             try:
-                manifest = self.find_manifest(name)
+                manifest = self._find_valid(name)
             except InvalidManifest as err:
                 invalid.append(err)
                 continue
             if manifest is not None:
                 found.append(manifest)
         return found, invalid
+
+    def _find_valid(self, name: str) -> Manifest | None:
+        """:meth:`find_manifest`, with an oversized manifest reported as invalid."""
+        try:
+            return self.find_manifest(name)
+        except ObjectTooLarge as err:
+            raise InvalidManifest(f"invalid manifest: {err.message}", key=err.key,
+                                  tier=self.label, checkpoint=name) from err
 
     def publish_manifest(self, manifest: Manifest) -> None:
         """The commit point of ``manifest`` in this tier; never overwrites."""
@@ -152,12 +174,27 @@ def _order(manifest: Manifest) -> tuple[int, float, str]:
 
 
 def _collect(tiers: Sequence[Tier]) -> list[tuple[Manifest, list[Tier]]]:
-    """Committed checkpoints across tiers, oldest first, each with the tiers that hold it."""
+    """Committed checkpoints across tiers, oldest first, each with the tiers that hold it.
+
+    A manifest invalid in one tier does not hide a valid one of the same name in another.
+    """
     merged: dict[tuple[str, str], tuple[Manifest, list[Tier]]] = {}
+    invalid: list[tuple[InvalidManifest, Tier]] = []
     for tier in tiers:
-        for manifest in tier.manifests():
+        found, bad = tier.scan_manifests()
+        invalid += [(err, tier) for err in bad]
+        for manifest in found:
             entry = merged.setdefault((manifest.name, manifest.attempt), (manifest, []))
             entry[1].append(tier)
+    valid = {name: holders for (name, _), (_, holders) in merged.items()}
+    for err, tier in invalid:
+        elsewhere = valid.get(err.checkpoint or "")
+        if elsewhere:
+            log.warning("ignoring the invalid manifest of checkpoint %s in %s, %s holds a valid "
+                        "one: %s", err.checkpoint, tier.label, elsewhere[0].label, err)
+        else:
+            log.warning("skipping checkpoint %s: its manifest is invalid in %s and no other tier "
+                        "holds a valid one: %s", err.checkpoint, tier.label, err)
     return sorted(merged.values(), key=lambda item: _order(item[0]))
 
 
@@ -177,28 +214,47 @@ def latest_checkpoint(hot: TierURL | None, cold: TierURL | None = None, *,
     return found[-1] if found else None
 
 
-def resolve(tiers: Sequence[Tier], *, step: int | None = None,
-            name: str | None = None) -> tuple[Manifest, list[Tier]]:
+def resolve(tiers: Sequence[Tier], *, step: int | None = None, name: str | None = None,
+            exclude: Collection[tuple[str, str]] = ()) -> tuple[Manifest, list[Tier]]:
     """The checkpoint to read and the tiers holding it, nearest first.
 
     ``name`` picks that checkpoint; ``step`` the newest one of that step; neither, the
-    newest committed checkpoint in any tier. An invalid manifest for an explicitly named
-    checkpoint raises; when picking the newest, invalid manifests are skipped (logged).
+    newest committed checkpoint in any tier. Without ``name``, ``(name, attempt)`` pairs in
+    ``exclude`` are passed over (a reader skipping damaged checkpoints). A manifest invalid
+    in one tier is skipped (logged) when another tier holds a valid one; an explicitly named
+    checkpoint whose manifest is invalid in every tier raises that tier's
+    :class:`~tierstore.errors.InvalidManifest`.
     """
     where = ", ".join(t.label for t in tiers)
     if name is not None:
-        holders: list[tuple[Manifest, Tier]] = []
-        for tier in tiers:
-            manifest = tier.find_manifest(name)
-            if manifest is not None:
-                holders.append((manifest, tier))
-        if not holders:
-            raise CheckpointNotFound("no committed checkpoint of that name",
-                                     checkpoint=name, tier=where)
-        first = holders[0][0]
-        return first, [t for m, t in holders if m.attempt == first.attempt]
-    candidates = [(m, ts) for m, ts in _collect(tiers) if step is None or m.step == step]
+        return _resolve_name(tiers, name, where)
+    candidates = [(m, ts) for m, ts in _collect(tiers)
+                  if (step is None or m.step == step) and (m.name, m.attempt) not in exclude]
     if not candidates:
         what = "no committed checkpoint" if step is None else f"no committed checkpoint of step {step}"
+        if exclude:
+            what += " besides the damaged ones skipped"
         raise CheckpointNotFound(what, tier=where)
     return candidates[-1]
+
+
+def _resolve_name(tiers: Sequence[Tier], name: str, where: str) -> tuple[Manifest, list[Tier]]:
+    holders: list[tuple[Manifest, Tier]] = []
+    invalid: list[InvalidManifest] = []
+    for tier in tiers:
+        try:
+            manifest = tier._find_valid(name)
+        except InvalidManifest as err:
+            invalid.append(err)
+            continue
+        if manifest is not None:
+            holders.append((manifest, tier))
+    if not holders:
+        if invalid:
+            raise invalid[0]
+        raise CheckpointNotFound("no committed checkpoint of that name", checkpoint=name, tier=where)
+    for bad in invalid:
+        log.warning("ignoring an invalid manifest of checkpoint %s, reading the valid one in %s: %s",
+                    name, holders[0][1].label, bad)
+    first = holders[0][0]
+    return first, [t for m, t in holders if m.attempt == first.attempt]

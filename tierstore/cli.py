@@ -15,13 +15,14 @@ from dataclasses import asdict
 from typing import Any
 
 from tierstore import layout
+from tierstore._redact import redact_url
 from tierstore.catalog import list_checkpoints, make_tiers, resolve
 from tierstore.errors import TierstoreError
 from tierstore.gc import DEFAULT_GRACE, collect_garbage
 from tierstore.migrator import MigrationConfig, MigrationState
 from tierstore.pending import migrate_pending, migration_status
 from tierstore.prune import prune
-from tierstore.restore import restore
+from tierstore.restore import restore_checkpoint
 from tierstore.retention import Policy, keep_all, keep_every, keep_last, keep_within
 from tierstore.scrub import verify_store
 
@@ -104,16 +105,22 @@ def cmd_gc(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"deleted": report.deleted, "bytes": report.bytes,
                           "garbage": [asdict(g) for g in report.garbage],
-                          "aborted_uploads": list(report.aborted_uploads)}, indent=1))
-        return EXIT_OK
+                          "aborted_uploads": list(report.aborted_uploads),
+                          "damaged": [asdict(d) for d in report.damaged],
+                          "failures": [asdict(f) for f in report.failures]}, indent=1))
+        return EXIT_ERROR if report.failures or report.damaged else EXIT_OK
     verb = "deleted" if report.deleted else "would delete"
     for g in report.garbage:
         print(f"{verb}  {g.tier}  {g.key}  ({_human(g.size)}): {g.reason}")
     for upload in report.aborted_uploads:
         print(f"{'aborted' if report.deleted else 'would abort'}  incomplete upload {upload}")
+    for d in report.damaged:
+        print(f"DAMAGED  {d.tier}  {d.key}: {d.error} (its checkpoint's data is kept)")
+    for f in report.failures:
+        print(f"FAILED  {f.tier}  {f.key or '(listing)'}: {f.error}")
     print(f"{verb} {len(report.garbage)} objects, {_human(report.bytes)}"
           + ("" if report.deleted else "  (dry run: add --yes to delete)"))
-    return EXIT_OK
+    return EXIT_ERROR if report.failures or report.damaged else EXIT_OK
 
 
 def _policy(args: argparse.Namespace, tier: str) -> Policy | None:
@@ -220,13 +227,23 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 def cmd_restore(args: argparse.Namespace) -> int:
     if not (args.hot and args.cold):
         raise SystemExit("tierstore restore: --hot and --cold are required")
-    manifest = restore(args.hot, args.cold, step=args.step, name=args.name,
-                       hot_options=_options(args.hot_option), cold_options=_options(args.cold_option),
-                       config=_config(args), progress=None if args.json else Progress())
+    report = restore_checkpoint(args.hot, args.cold, step=args.step, name=args.name,
+                                hot_options=_options(args.hot_option),
+                                cold_options=_options(args.cold_option),
+                                config=_config(args), progress=None if args.json else Progress())
+    manifest = report.manifest
     if args.json:
-        print(json.dumps({"name": manifest.name, "step": manifest.step, "attempt": manifest.attempt}))
-    else:
-        print(f"restored {manifest.name} (step {manifest.step}) into {args.hot}")
+        print(json.dumps({"name": manifest.name, "step": manifest.step, "attempt": manifest.attempt,
+                          "copied": list(report.copied),
+                          "repaired": [asdict(r) for r in report.repaired],
+                          "manifest_repaired": report.manifest_repaired}))
+        return EXIT_OK
+    for repair in report.repaired:
+        print(f"repaired  {manifest.name}  {repair.path}: {repair.problem}")
+    if report.manifest_repaired:
+        print(f"repaired  {manifest.name}  manifest: it was damaged in the hot tier")
+    print(f"restored {manifest.name} (step {manifest.step}) into {redact_url(args.hot)}: "
+          f"{len(report.copied)} files copied, {len(report.repaired)} repaired")
     return EXIT_OK
 
 
@@ -242,14 +259,15 @@ def cmd_status(args: argparse.Namespace) -> int:
         raise SystemExit("tierstore status: --hot and --cold are required")
     statuses = migration_status(args.hot, args.cold, hot_options=_options(args.hot_option),
                                 cold_options=_options(args.cold_option))
+    failed = any(s.state.value == "failed" for s in statuses)
     if args.json:
         print(json.dumps([_status_json(s) for s in statuses], indent=1))
-        return EXIT_OK
+        return EXIT_ERROR if failed else EXIT_OK
     print(f"{'name':<24}{'state':<11}{'uploaded':>22}{'lag':>10}  error")
     for s in statuses:
         moved = f"{_human(s.bytes_done)}/{_human(s.bytes_total)}"
         print(f"{s.name:<24}{s.state.value:<11}{moved:>22}{s.lag_seconds:>9.0f}s  {s.error or ''}")
-    return EXIT_OK
+    return EXIT_ERROR if failed else EXIT_OK  # a failed migration is damage to act on
 
 
 def cmd_verify_resume(args: argparse.Namespace) -> int:

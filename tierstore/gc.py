@@ -6,14 +6,24 @@ Garbage is, per tier:
   data left by an interrupted prune), once every file of the attempt is older than ``grace``
   and no live lease says a load is still reading it;
 * files inside a referenced attempt that its manifest does not list, older than ``grace``;
-* upload marks of attempts already committed in that tier, or referenced nowhere and old;
-* "migrated" marks of checkpoints no longer in the (hot) tier;
-* leftover publish temporaries and expired leases, older than ``grace``;
+* upload marks of attempts already committed in that tier, or referenced nowhere and old,
+  and damaged upload marks (a key no mark has, unreadable JSON, another rank) once old;
+* "migrated" marks of attempts not committed in the (hot) tier;
+* leftover publish temporaries, clock probes and expired leases, older than ``grace``
+  (lease expiry is judged by the store's clock: :mod:`tierstore.leases`);
 * backend debris such as S3 incomplete multipart uploads older than ``grace``.
 
 Manifests of other tiers count: cold uploads of a checkpoint still pending (only its hot
 manifest exists) are never garbage. The grace period protects attempts still being written
 and migrations in flight, so keep it well above your longest save.
+
+GC never deletes what it cannot read. A manifest that exists but is invalid (torn, corrupt,
+oversized) is *damaged*, not garbage: it is reported in :attr:`GCReport.damaged` and every
+object of that checkpoint name (data of all its attempts, marks) is kept, since the attempt
+a torn manifest names cannot be known. If a tier's manifests cannot be listed or read at all,
+GC raises before deleting anything. Any other error on one object or one tier is reported in
+:attr:`GCReport.failures` and the rest carries on. The tier's identity object
+(``tierstore-store.json``) is never garbage.
 """
 
 from __future__ import annotations
@@ -22,21 +32,23 @@ import json
 import logging
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from tierstore import layout
+from tierstore import layout, marks
 from tierstore.backend import ObjectInfo
 from tierstore.catalog import Tier, TierURL, make_tiers
-from tierstore.errors import ObjectNotFound
-from tierstore.leases import live_leases
+from tierstore.errors import IntegrityError, ObjectNotFound, ObjectTooLarge, TierstoreError
+from tierstore.leases import expired_leases, live_leases
 from tierstore.manifest import Manifest
 
-__all__ = ["Garbage", "GCReport", "find_garbage", "collect_garbage", "DEFAULT_GRACE"]
+__all__ = ["Garbage", "Problem", "GCReport", "find_garbage", "collect_garbage", "DEFAULT_GRACE"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_GRACE = 24 * 3600.0
+_SMALL_LIMIT = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -48,82 +60,169 @@ class Garbage:
 
 
 @dataclass(frozen=True)
+class Problem:
+    """An object GC left alone because it is damaged, or an operation that failed."""
+
+    tier: str
+    key: str
+    error: str
+
+
+@dataclass(frozen=True)
 class GCReport:
     garbage: tuple[Garbage, ...]
     deleted: bool
     aborted_uploads: tuple[str, ...] = ()
+    damaged: tuple[Problem, ...] = ()  # invalid manifests: their checkpoints' data is kept
+    failures: tuple[Problem, ...] = ()  # errors on single objects or tiers; the rest went on
 
     @property
     def bytes(self) -> int:
         return sum(g.size for g in self.garbage)
 
 
-def _old(info: ObjectInfo, now: float, grace: float) -> bool:
-    return info.mtime is not None and now - info.mtime >= grace
+@dataclass
+class _Scan:
+    """What one GC pass found; shared by every tier's walk."""
+
+    now: float
+    grace: float
+    referenced: dict[tuple[str, str], Manifest]
+    damaged_names: set[str]
+    garbage: list[Garbage] = field(default_factory=list)
+    failures: list[Problem] = field(default_factory=list)
+
+    def old(self, info: ObjectInfo) -> bool:
+        return info.mtime is not None and self.now - info.mtime >= self.grace
+
+    def add(self, tier: Tier, info: ObjectInfo, reason: str) -> None:
+        self.garbage.append(Garbage(tier.label, info.key, info.size, reason))
+
+    def fail(self, tier: Tier, key: str, err: Exception) -> None:
+        log.warning("gc: %s in %s: %s", key or "listing", tier.label, err)
+        self.failures.append(Problem(tier.label, key, str(err)))
 
 
-def _tier_garbage(tier: Tier, referenced: dict[tuple[str, str], Manifest],
-                  committed_here: set[tuple[str, str]], now: float, grace: float) -> list[Garbage]:
-    found: list[Garbage] = []
+def _scan(tiers: Sequence[Tier], now: float, grace: float) -> tuple[_Scan, list[Problem]]:
+    # Manifest read errors propagate on purpose: without every manifest, nothing is known
+    # to be unreferenced.
+    scans = [(tier, *tier.scan_manifests()) for tier in tiers]
+    damaged = [Problem(t.label, err.key or "", str(err)) for t, _, invalid in scans for err in invalid]
+    for problem in damaged:
+        log.warning("gc: keeping the data of a checkpoint with a damaged manifest: %s", problem.error)
+    scan = _Scan(now, grace, referenced={(m.name, m.attempt): m for _, ms, _ in scans for m in ms},
+                 damaged_names={err.checkpoint for _, _, invalid in scans for err in invalid
+                                if err.checkpoint is not None})
+    for tier, manifests, _ in scans:
+        try:
+            _tier_garbage(tier, scan, {(m.name, m.attempt) for m in manifests})
+        except TierstoreError as err:  # e.g. the tier cannot be listed: the others go on
+            scan.fail(tier, "", err)
+    return scan, damaged
+
+
+def _tier_garbage(tier: Tier, scan: _Scan, committed_here: set[tuple[str, str]]) -> None:
     attempts: dict[tuple[str, str], list[ObjectInfo]] = defaultdict(list)
+    lease_infos: list[ObjectInfo] = []
     for info in tier.backend.list(""):
         key = info.key
         where = layout.spread_attempt_of(key)
         if where is not None:
             attempts[where].append(info)
+        elif key == layout.STORE_ID_KEY:
+            continue  # the tier's identity: never garbage
+        elif ".tmp-" in key.rsplit("/", 1)[-1]:
+            if scan.old(info):
+                scan.add(tier, info, "leftover publish temporary")
         elif key.startswith(layout.UPLOAD_DIR + "/"):
-            found += _mark_garbage(tier, info, referenced, committed_here, now, grace)
+            _mark_garbage(tier, info, scan, committed_here)
         elif key.startswith(layout.MIGRATED_DIR + "/"):
-            found += _migrated_garbage(tier, info, committed_here)
+            _migrated_garbage(tier, info, scan, committed_here)
         elif key.startswith(layout.LEASE_DIR + "/"):
-            if _lease_expired(tier, info, now, grace):
-                found.append(Garbage(tier.label, key, info.size, "expired lease"))
-        elif key.startswith(layout.MANIFEST_DIR + "/") and ".tmp-" in key and _old(info, now, grace):
-            found.append(Garbage(tier.label, key, info.size, "leftover publish temporary"))
+            if key.count("/") == 1:  # not in any checkpoint's lease prefix: a clock probe
+                if scan.old(info):
+                    scan.add(tier, info, "leftover clock probe")
+            else:
+                lease_infos.append(info)
+    for info in expired_leases(tier, lease_infos, grace=scan.grace):
+        scan.add(tier, info, "expired lease")
     for (name, attempt), infos in attempts.items():
-        manifest = referenced.get((name, attempt))
-        if manifest is None:
+        if name not in scan.damaged_names:
+            _attempt_garbage(tier, scan, name, attempt, infos)
+
+
+def _attempt_garbage(tier: Tier, scan: _Scan, name: str, attempt: str,
+                     infos: list[ObjectInfo]) -> None:
+    manifest = scan.referenced.get((name, attempt))
+    if manifest is None:
+        if not all(scan.old(i) for i in infos):
+            return
+        try:
             # Un-published by a prune while a load held a lease: the load still reads it.
-            if live_leases(tier, name, now=now):
-                continue
-            if all(_old(i, now, grace) for i in infos):
-                found += [Garbage(tier.label, i.key, i.size, "attempt named by no manifest")
-                          for i in infos]
-            continue
-        listed = {tier.file_key(name, attempt, f.path) for f in manifest.files}
-        found += [Garbage(tier.label, i.key, i.size, "file not listed in its manifest")
-                  for i in infos if i.key not in listed and _old(i, now, grace)]
-    return found
+            if live_leases(tier, name):
+                return
+        except TierstoreError as err:
+            scan.fail(tier, layout.lease_prefix(name), err)
+            return
+        for info in infos:
+            scan.add(tier, info, "attempt named by no manifest")
+        return
+    listed = {tier.file_key(name, attempt, f.path) for f in manifest.files}
+    for info in infos:
+        if info.key not in listed and scan.old(info):
+            scan.add(tier, info, "file not listed in its manifest")
 
 
-def _mark_garbage(tier: Tier, info: ObjectInfo, referenced: dict[tuple[str, str], Manifest],
-                  committed_here: set[tuple[str, str]], now: float, grace: float) -> list[Garbage]:
-    parts = info.key.split("/")
-    if len(parts) != 4:
-        return []
-    attempt = (parts[1], parts[2])
-    if attempt in committed_here:
-        return [Garbage(tier.label, info.key, info.size, "upload mark of a committed checkpoint")]
-    if attempt not in referenced and _old(info, now, grace):
-        return [Garbage(tier.label, info.key, info.size, "upload mark of a dead attempt")]
-    return []
+def _mark_garbage(tier: Tier, info: ObjectInfo, scan: _Scan, committed_here: set[tuple[str, str]]) -> None:
+    parsed = layout.parse_upload_key(info.key)
+    if parsed is None:
+        if scan.old(info):
+            scan.add(tier, info, "damaged upload mark")
+        return
+    name, attempt, rank, failed = parsed
+    if name in scan.damaged_names:
+        return
+    if (name, attempt) in committed_here:
+        scan.add(tier, info, "upload mark of a committed checkpoint")
+    elif (name, attempt) not in scan.referenced:
+        if scan.old(info):
+            scan.add(tier, info, "upload mark of a dead attempt")
+    elif scan.old(info):
+        try:
+            damaged = _mark_damaged(tier, name, attempt, rank, failed)
+        except TierstoreError as err:
+            scan.fail(tier, info.key, err)
+            return
+        if damaged:
+            scan.add(tier, info, "damaged upload mark")
 
 
-def _migrated_garbage(tier: Tier, info: ObjectInfo, committed_here: set[tuple[str, str]]) -> list[Garbage]:
-    parts = info.key.split("/")
-    if len(parts) == 3 and (parts[1], parts[2].removesuffix(".json")) not in committed_here:
-        return [Garbage(tier.label, info.key, info.size, "migrated mark of a pruned checkpoint")]
-    return []
-
-
-def _lease_expired(tier: Tier, info: ObjectInfo, now: float, grace: float) -> bool:
+def _mark_damaged(tier: Tier, name: str, attempt: str, rank: int, failed: bool) -> bool:
+    # RecursionError: json.loads of deeply nested (valid) JSON, a hostile mark.
+    if not failed:
+        try:
+            marks.read_upload_mark(tier, name, attempt, rank)
+        except (IntegrityError, RecursionError):
+            return True
+        return False
+    key = layout.failed_mark_key(name, attempt, rank)
     try:
-        expires = float(json.loads(tier.backend.read_bytes(info.key, limit=1 << 16))["expires"])
+        body = json.loads(tier.backend.read_bytes(key, limit=_SMALL_LIMIT))
     except ObjectNotFound:
         return False
-    except (ValueError, KeyError, TypeError):
-        return _old(info, now, grace)
-    return expires + grace <= now
+    except (ObjectTooLarge, ValueError, RecursionError):
+        return True
+    return not (isinstance(body, dict) and body.get("rank") == rank)
+
+
+def _migrated_garbage(tier: Tier, info: ObjectInfo, scan: _Scan,
+                      committed_here: set[tuple[str, str]]) -> None:
+    parsed = layout.parse_migrated_key(info.key)
+    if parsed is None:
+        return  # not a mark tierstore writes: not ours to judge
+    name, attempt, _ = parsed  # marks for any cold tier, legacy ones too
+    if (name, attempt) not in committed_here and name not in scan.damaged_names:
+        scan.add(tier, info, "migrated mark of a pruned checkpoint")
 
 
 def find_garbage(hot: TierURL | None, cold: TierURL | None = None, *, grace: float = DEFAULT_GRACE,
@@ -133,13 +232,7 @@ def find_garbage(hot: TierURL | None, cold: TierURL | None = None, *, grace: flo
     """Everything :func:`collect_garbage` would delete (nothing is touched)."""
     now = time.time() if now is None else now
     tiers = make_tiers(hot, cold, hot_options=hot_options, cold_options=cold_options)
-    manifests = {t.role: t.manifests() for t in tiers}
-    referenced = {(m.name, m.attempt): m for ms in manifests.values() for m in ms}
-    found = []
-    for tier in tiers:
-        committed_here = {(m.name, m.attempt) for m in manifests[tier.role]}
-        found += _tier_garbage(tier, referenced, committed_here, now, grace)
-    return found
+    return _scan(tiers, now, grace)[0].garbage
 
 
 def collect_garbage(hot: TierURL | None, cold: TierURL | None = None, *,
@@ -147,17 +240,26 @@ def collect_garbage(hot: TierURL | None, cold: TierURL | None = None, *,
                     hot_options: dict[str, Any] | None = None,
                     cold_options: dict[str, Any] | None = None,
                     now: float | None = None) -> GCReport:
-    """Find garbage in every tier and, unless ``dry_run``, delete it."""
+    """Find garbage in every tier and, unless ``dry_run``, delete it (see the module docstring
+    for what is kept and what the report lists)."""
     now = time.time() if now is None else now
-    garbage = find_garbage(hot, cold, grace=grace, hot_options=hot_options,
-                           cold_options=cold_options, now=now)
-    tiers = {t.label: t for t in make_tiers(hot, cold, hot_options=hot_options, cold_options=cold_options)}
+    tiers = make_tiers(hot, cold, hot_options=hot_options, cold_options=cold_options)
+    scan, damaged = _scan(tiers, now, grace)
+    by_label = {t.label: t for t in tiers}
     aborted: list[str] = []
-    for tier in tiers.values():
-        aborted += tier.backend.abort_stale_uploads(older_than=grace, dry_run=dry_run, now=now)
+    for tier in tiers:
+        try:
+            aborted += tier.backend.abort_stale_uploads(older_than=grace, dry_run=dry_run, now=now)
+        except TierstoreError as err:
+            scan.fail(tier, "", err)
     if not dry_run:
-        for item in garbage:
-            tiers[item.tier].backend.delete(item.key)
-        if garbage:
-            log.info("garbage collected %d objects (%d bytes)", len(garbage), sum(g.size for g in garbage))
-    return GCReport(garbage=tuple(garbage), deleted=not dry_run, aborted_uploads=tuple(aborted))
+        for item in scan.garbage:
+            try:
+                by_label[item.tier].backend.delete(item.key)
+            except TierstoreError as err:
+                scan.fail(by_label[item.tier], item.key, err)
+        if scan.garbage:
+            log.info("garbage collected %d objects (%d bytes)", len(scan.garbage),
+                     sum(g.size for g in scan.garbage))
+    return GCReport(garbage=tuple(scan.garbage), deleted=not dry_run, aborted_uploads=tuple(aborted),
+                    damaged=tuple(damaged), failures=tuple(scan.failures))

@@ -13,7 +13,14 @@
 Saves run through ``dcp.async_save`` (THREAD by default) on a process group of the manager's
 own, so its collectives never interleave with training's. The next save waits only for the
 previous flush. After each commit the coordinator prunes in the background, so slow object
-store deletes never stall a save.
+store deletes never stall a save. Nothing on the save path sends a request to the cold
+tier: a cold tier that is slow, stalled, down or denying writes delays no save.
+
+Failures are loud: a save that fails (in the background, under ``async_save``) is raised as
+:class:`~tierstore.errors.SaveFailed` by the next :meth:`CheckpointManager.save`, or by
+:meth:`~CheckpointManager.wait` / :meth:`~CheckpointManager.close` if no save follows, once.
+Migration and pruning never raise into training; :meth:`CheckpointManager.health` reports
+them (and every failure is logged).
 """
 
 from __future__ import annotations
@@ -22,10 +29,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, TimeoutError
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import (
     AsyncCheckpointerType,
@@ -34,22 +43,46 @@ from torch.distributed.checkpoint.state_dict_saver import (
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from tierstore.catalog import CheckpointInfo, TierURL, list_checkpoints, make_tiers
-from tierstore.errors import ConfigError
-from tierstore.migrator import MigrationConfig, active_migrators
-from tierstore.prune import PruneReport, pending_in_cold, prune_node_local, prune_tier
-from tierstore.reader import TieredReader
+from tierstore import marks
+from tierstore.catalog import CheckpointInfo, Tier, TierURL, list_checkpoints, make_tiers
+from tierstore.errors import ConfigError, SaveFailed, TierstoreError
+from tierstore.migrator import MigrationConfig, MigrationState, MigrationStatus, Migrator, active_migrators
+from tierstore.prune import PruneReport, check_cold_copies, prune_node_local, prune_tier
+from tierstore.reader import TieredReader, is_damage
 from tierstore.retention import DEFAULT_COLD, DEFAULT_HOT, Policy, keep_none
 from tierstore.writer import TieredWriter
 
 if TYPE_CHECKING:
     from tierstore.verify import ResumeReport
 
-__all__ = ["CheckpointManager"]
+__all__ = ["CheckpointManager", "Health"]
 
 log = logging.getLogger(__name__)
 
 Cadence = Callable[[int], bool]
+
+
+@dataclass(frozen=True)
+class Health:
+    """What a :class:`CheckpointManager` knows of its saves, migrations and pruning.
+
+    ``ok`` is false while any save or migration has failed, or pruning reported an error.
+    Migration figures are this process's migrator's (the coordinator's sees the commits).
+    """
+
+    saves_ok: int
+    saves_failed: int
+    last_saved_step: int | None
+    last_error: str | None  # the newest save failure, "step N: ..."
+    migrations_pending: int
+    migrations_failed: tuple[MigrationStatus, ...]
+    migration_lag_seconds: float  # age of the oldest migration not finished
+    migration_lag_bytes: int  # bytes not yet in the cold tier
+    prune_errors: tuple[str, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not (self.saves_failed or self.migrations_failed or self.prune_errors)
 
 
 class CheckpointManager:
@@ -97,6 +130,8 @@ class CheckpointManager:
         self.hot_options, self.cold_options = dict(hot_options or {}), dict(cold_options or {})
         self.tiers = {t.role: t for t in make_tiers(hot, cold, hot_options=hot_options,
                                                     cold_options=cold_options)}
+        for tier in self.tiers.values():
+            tier.check_scheme()  # a typo or missing plugin fails here, once, not at each save
         self.hot_policy = hot_policy or DEFAULT_HOT
         self.cold_policy = cold_policy or DEFAULT_COLD
         self.save_every = save_every
@@ -111,10 +146,15 @@ class CheckpointManager:
         self._owns_group = process_group is None and self.distributed
         self.group = dist.new_group(backend="gloo") if self._owns_group else process_group
         self._pending: Future[Any] | None = None
-        self._pruner = ThreadPoolExecutor(1, thread_name_prefix="tierstore-prune")
-        self._prunes: list[Future[list[PruneReport]]] = []
+        self._pruning: Future[None] | None = None  # the background prune, if one runs
+        self._prune_again = False  # a commit landed while it ran: prune once more
         self._lock = threading.Lock()
         self.last_error: BaseException | None = None
+        self._unraised: SaveFailed | None = None  # a failed save not yet raised to the caller
+        self._last_failure: str | None = None
+        self._saves_ok = self._saves_failed = 0
+        self._last_saved_step: int | None = None
+        self._prune_errors: list[str] = []
         self.stalls: dict[int, float] = {}  # step -> seconds the caller was blocked by save()
 
     # -- cadence -------------------------------------------------------------------------
@@ -129,11 +169,17 @@ class CheckpointManager:
     # -- saving --------------------------------------------------------------------------
 
     def save(self, step: int, state: dict[str, Any], *, force: bool = False) -> bool:
-        """Checkpoint ``state`` as ``step`` if the cadence wants it (or ``force``); ``True`` if saved."""
+        """Checkpoint ``state`` as ``step`` if the cadence wants it (or ``force``); ``True`` if saved.
+
+        Raises :class:`~tierstore.errors.SaveFailed` if the previous (background) save failed;
+        this save is then not started (call again to save). A synchronous save that fails
+        raises it at once.
+        """
         if not (force or self.should_save(step)):
             return False
         start = time.perf_counter()
         self._finish_previous()  # block the next save only until the previous flush is done
+        self._raise_failure()
         self._relieve_disk_pressure()
         writer = TieredWriter(self.hot, self.cold, step=step, hot_options=self.hot_options,
                               cold_options=self.cold_options, migration=self.migration,
@@ -141,13 +187,23 @@ class CheckpointManager:
         if self.async_save:
             kind = (AsyncCheckpointerType.PROCESS if self.async_mode == "process"
                     else AsyncCheckpointerType.THREAD)
-            response = dcp_async_save(state, storage_writer=writer, process_group=self.group,
-                                      async_checkpointer_type=kind)
+            try:
+                response = dcp_async_save(state, storage_writer=writer, process_group=self.group,
+                                          async_checkpointer_type=kind)
+            except (Exception, CheckpointException) as err:  # staging or planning failed
+                self._failed(step, err)
+                self._raise_failure()
+                raise
             future = response.upload_completion if isinstance(response, AsyncSaveResponse) else response
             self._pending = future
             future.add_done_callback(lambda f: self._committed(step, f))
         else:
-            dcp_save(state, storage_writer=writer, process_group=self.group)
+            try:
+                dcp_save(state, storage_writer=writer, process_group=self.group)
+            except (Exception, CheckpointException) as err:  # a BaseException, in DCP
+                self._failed(step, err)
+                self._raise_failure()
+                raise
             self._committed(step, None)
         self.stalls[step] = time.perf_counter() - start
         return True
@@ -157,18 +213,86 @@ class CheckpointManager:
         if pending is not None:
             try:
                 pending.result()
-            except BaseException as err:  # already logged by _committed
-                self.last_error = err
+            except BaseException:  # recorded by _committed, raised by _raise_failure
+                pass
+
+    def _failed(self, step: int, err: BaseException) -> None:
+        failure = _save_failed(step, err)
+        log.error("%s", failure)
+        with self._lock:
+            self.last_error = err
+            self._last_failure = str(failure)
+            self._saves_failed += 1
+            self._unraised = failure
+
+    def _raise_failure(self) -> None:
+        with self._lock:
+            failure, self._unraised = self._unraised, None
+        if failure is not None:
+            raise failure
 
     def _committed(self, step: int, future: Future[Any] | None) -> None:
         error = future.exception() if future is not None else None
         if error is not None:
-            self.last_error = error
-            log.error("checkpoint of step %d failed: %s", step, error)
+            self._failed(step, error)
             return
+        with self._lock:
+            self._saves_ok += 1
+            self._last_saved_step = step
         if self.rank == 0 or self.node_local:
-            with self._lock:
-                self._prunes.append(self._pruner.submit(self.prune))
+            self._prune_in_background()
+
+    def _prune_in_background(self) -> Future[None]:
+        """Prune on a daemon thread, at most one at a time: commits that land meanwhile fold
+        into one more round, so a slow or stalled cold tier never queues a prune per save
+        (and an exiting process never waits on one)."""
+        with self._lock:
+            if self._pruning is not None and not self._pruning.done():
+                self._prune_again = True
+                return self._pruning
+            future: Future[None] = Future()
+            self._pruning, self._prune_again = future, False
+
+        def rounds() -> None:
+            while True:
+                try:
+                    self.prune()
+                except Exception as err:
+                    log.error("pruning failed: %s", err)
+                    with self._lock:
+                        self._prune_errors.append(str(err))
+                with self._lock:
+                    if not self._prune_again:
+                        future.set_result(None)
+                        return
+                    self._prune_again = False
+
+        threading.Thread(target=rounds, name="tierstore-prune", daemon=True).start()
+        return future
+
+    def health(self) -> Health:
+        """Saves, migrations and pruning as this process knows them (never raises, never
+        sends a request to a tier)."""
+        now = time.time()
+        statuses = [s for m in self._migrators() for s in m.status()]
+        failed = tuple(s for s in statuses if s.state is MigrationState.FAILED)
+        busy = [s for s in statuses if s.state in (MigrationState.PENDING, MigrationState.UPLOADING)]
+        with self._lock:
+            return Health(
+                saves_ok=self._saves_ok, saves_failed=self._saves_failed,
+                last_saved_step=self._last_saved_step,
+                last_error=self._last_failure,
+                migrations_pending=len(busy), migrations_failed=failed,
+                migration_lag_seconds=max((now - s.created for s in busy), default=0.0),
+                migration_lag_bytes=sum(s.lag_bytes for s in busy),
+                prune_errors=tuple(self._prune_errors),
+            )
+
+    def _migrators(self) -> list[Migrator]:
+        hot, cold = self.tiers["hot"], self.tiers.get("cold")
+        if cold is None:
+            return []
+        return [m for m in active_migrators() if (m.hot.url, m.cold.url) == (hot.url, cold.url)]
 
     def prune(self) -> list[PruneReport]:
         """Apply the retention policies now (the coordinator does this after each commit)."""
@@ -178,31 +302,45 @@ class CheckpointManager:
             reports.append(prune_node_local(hot, cold, self.hot_policy))
             if self.rank == 0:
                 reports.append(prune_tier(cold, self.cold_policy))
-            return reports
-        protect = pending_in_cold(hot, cold) if cold is not None else set()
-        reports.append(prune_tier(hot, self.hot_policy, protect=protect))
-        if cold is not None:
-            reports.append(prune_tier(cold, self.cold_policy))
+        else:
+            check = check_cold_copies(hot, cold) if cold is not None else None
+            reports.append(prune_tier(hot, self.hot_policy,
+                                      protect=check.protect if check else (),
+                                      warnings=check.warnings if check else ()))
+            if cold is not None:
+                reports.append(prune_tier(cold, self.cold_policy))
+        errors = [e for r in reports for e in r.errors]
+        if errors:
+            with self._lock:
+                self._prune_errors[:] = errors
         return reports
 
     def _relieve_disk_pressure(self) -> None:
+        """Below the hot tier's free-space watermark, prune it beyond policy, from hot-tier
+        knowledge alone: this runs before a save, where no cold request may be made. A hot
+        copy goes only if the hot tier's migrated mark names the cold tier's identity (known
+        once any background prune reached the cold tier); the rest is kept."""
         if self.hot_min_free is None or (self.rank != 0 and not self.node_local):
             return
         hot, cold = self.tiers["hot"], self.tiers.get("cold")
         free = hot.backend.free_bytes()
         if free is None:
             return
+        manifests = hot.manifests()
         threshold = self.hot_min_free
         if threshold == "auto":
-            newest = max(hot.manifests(), key=lambda m: (m.step or -1, m.created), default=None)
+            newest = max(manifests, key=lambda m: (m.step or -1, m.created), default=None)
             threshold = int(newest.total_size * 1.1) if newest is not None else 0
         if free >= int(threshold):
             return
-        protect = pending_in_cold(hot, cold) if cold is not None else set()
+        protect = set()
+        if cold is not None:
+            cold_id = _known_store_id(cold)
+            protect = {m.name for m in manifests if not marks.was_migrated(hot, m, cold_id)}
         report = prune_tier(hot, keep_none(), protect=protect)
         log.warning("hot tier %s below its free-space watermark (%d bytes free, want %d): "
-                    "pruned %s beyond policy; kept the newest and those pending cold (%s)",
-                    hot.label, free, threshold, list(report.deleted), sorted(protect))
+                    "pruned %s beyond policy; kept the newest and those not known to be in "
+                    "cold (%s)", hot.label, free, threshold, list(report.deleted), sorted(protect))
 
     # -- resuming ------------------------------------------------------------------------
 
@@ -221,51 +359,64 @@ class CheckpointManager:
         return [c.step for c in found if c.step is not None]
 
     def load_latest(self, state: dict[str, Any]) -> int | None:
-        """Load the newest checkpoint into ``state``; its step, or ``None`` if there is none.
+        """Load the newest checkpoint that loads verified into ``state``; its step, or ``None``
+        if the store holds no checkpoint.
 
         The coordinator picks the checkpoint and tells every rank, so all ranks load the same
-        one even if a save commits meanwhile.
+        one even if a save commits meanwhile. A checkpoint found damaged while loading is
+        skipped with a warning and the next older one is loaded: its manifest invalid, or its
+        ``.metadata`` or a data file missing, truncated or corrupt (a byte flipped inside a
+        shard included), in every tier holding it. DCP hands every rank each rank's read
+        errors, so all ranks agree to move on, and the coordinator picks the next name. The
+        failed attempt may have copied some items into ``state``; the retry overwrites them.
+        Any other failure raises at once (a state dict that does not match the checkpoint, a
+        tier that cannot be reached); so does the newest checkpoint's error if none loads.
         """
-        info = self.latest()
-        name = info.name if info is not None else None
-        if self.distributed:
-            box = [name]
-            dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0) if self.group else 0,
-                                       group=self.group)
-            name = box[0]
-        if name is None:
-            return None
-        reader = TieredReader(self.hot, self.cold, name=name, hot_options=self.hot_options,
-                              cold_options=self.cold_options, node_local=self.node_local)
-        dcp_load(state, storage_reader=reader, process_group=self.group)
-        assert reader.manifest is not None
-        return reader.manifest.step
+        return self.load(state)
 
     def load(self, state: dict[str, Any], *, name: str | None = None, step: int | None = None,
              planner: Any = None) -> int | None:
         """Like :meth:`load_latest`, for a chosen checkpoint (``name``/``step``) or DCP planner.
 
+        With ``name``, exactly that checkpoint: if it is damaged the error raises. Without,
+        the newest checkpoint (of ``step``, if given) that loads verified, skipping damaged
+        ones as :meth:`load_latest` does.
+
         ``planner=tierstore.state.ResumePlanner()`` resumes a ``TrainingState`` under a larger
         world size, whose new ranks have no RNG entry of their own in the checkpoint.
         """
-        chosen = name
-        if chosen is None:
-            found = [c for c in list_checkpoints(None if self.node_local else self.hot, self.cold,
-                                                 hot_options=self.hot_options, cold_options=self.cold_options)
-                     if step is None or c.step == step]
-            chosen = found[-1].name if found else None
-        if self.distributed:  # every rank loads what the coordinator picked
-            box = [chosen]
-            dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0) if self.group else 0,
-                                       group=self.group)
-            chosen = box[0]
-        if chosen is None:
-            return None
-        reader = TieredReader(self.hot, self.cold, name=chosen, hot_options=self.hot_options,
-                              cold_options=self.cold_options, node_local=self.node_local)
-        dcp_load(state, storage_reader=reader, process_group=self.group, planner=planner)
-        assert reader.manifest is not None
-        return reader.manifest.step
+        coordinator = not self.distributed or dist.get_rank(self.group) == 0
+        candidates = [name] if name is not None else []  # newest first; known to the coordinator
+        if name is None and coordinator:
+            found = list_checkpoints(None if self.node_local else self.hot, self.cold,
+                                     hot_options=self.hot_options, cold_options=self.cold_options)
+            candidates = [c.name for c in reversed(found) if step is None or c.step == step]
+        damaged: list[CheckpointException] = []
+        while True:
+            chosen = candidates[len(damaged)] if len(damaged) < len(candidates) else None
+            if self.distributed:  # every rank loads what the coordinator picked
+                box = [chosen]
+                dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0) if self.group else 0,
+                                           group=self.group)
+                chosen = box[0]
+            if chosen is None:
+                break
+            reader = TieredReader(self.hot, self.cold, name=chosen, hot_options=self.hot_options,
+                                  cold_options=self.cold_options, node_local=self.node_local)
+            try:
+                dcp_load(state, storage_reader=reader, process_group=self.group, planner=planner)
+            except CheckpointException as err:  # the same on every rank: DCP gathers failures
+                if name is not None or not is_damage(err):
+                    raise
+                damaged.append(err)
+                log.warning("checkpoint %s is damaged in every tier holding it, loading the next "
+                            "older one instead: %s", chosen, _describe(err))
+                continue
+            assert reader.manifest is not None
+            return reader.manifest.step
+        if damaged:
+            raise damaged[0]
+        return None
 
     def verify_resume(self, probe: Any, state: dict[str, Any], *, name: str | None = None,
                       step: int | None = None, rtol: float = 0.0, atol: float = 0.0,
@@ -288,36 +439,84 @@ class CheckpointManager:
     # -- lifecycle -----------------------------------------------------------------------
 
     def wait(self, *, migrations: bool = True, timeout: float | None = None) -> None:
-        """Wait for the last save, its pruning, and (by default) this process's migrations."""
-        self._finish_previous()
-        with self._lock:
-            prunes, self._prunes = self._prunes, []
-        for prune in prunes:
-            try:
-                prune.result(timeout)
-            except Exception as err:
-                log.error("pruning failed: %s", err)
-                self.last_error = err
-        if migrations:
-            for migrator in active_migrators():
-                migrator.wait(timeout)
+        """Wait for the last save; by default also for its pruning and this process's
+        migrations (each up to ``timeout`` seconds). ``migrations=False`` waits for the save
+        alone, and so never for the cold tier.
 
-    def close(self) -> None:
-        """Wait for the last save and migrations, prune once more, release the group."""
-        self.wait()
+        Raises :class:`~tierstore.errors.SaveFailed` for a failed save not raised before.
+        Failed migrations and pruning are not raised: see :meth:`health`.
+        """
+        self._finish_previous()
+        if migrations:
+            with self._lock:
+                pruning = self._pruning
+            if pruning is not None:
+                try:
+                    pruning.result(timeout)
+                except TimeoutError:
+                    log.warning("pruning still running after %ss (the cold tier is slow?)", timeout)
+            for migrator in self._migrators():
+                migrator.wait(timeout)
+        self._raise_failure()
+
+    def close(self, *, timeout: float | None = None) -> None:
+        """Wait for the last save and migrations (up to ``timeout`` seconds each; migrations
+        left unfinished are completed later by ``tierstore migrate``), prune once more,
+        release the group. Raises :class:`~tierstore.errors.SaveFailed` like :meth:`wait`,
+        after releasing everything."""
+        failure: SaveFailed | None = None
+        try:
+            self.wait(timeout=timeout)
+        except SaveFailed as err:
+            failure = err
         if self.rank == 0 or self.node_local:
-            try:  # now that migrations drained, hot copies kept only as pending can go
-                self.prune()
-            except Exception as err:
-                log.error("final pruning failed: %s", err)
-                self.last_error = err
-        self._pruner.shutdown(wait=True)
+            # Now that migrations drained, hot copies kept only as pending can go.
+            try:  # joins a running prune, which then runs one more round
+                self._prune_in_background().result(timeout)
+            except TimeoutError:
+                log.warning("final pruning still running after %ss; left to the next run", timeout)
         if self._owns_group and self.group is not None:
             dist.destroy_process_group(self.group)
             self.group = None
+        if failure is not None:
+            raise failure
 
     def __enter__(self) -> CheckpointManager:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _known_store_id(cold: Tier) -> str | None:
+    """The cold tier's identity if this process already read it (no request is sent)."""
+    known = getattr(cold, "_store_id", None)
+    return str(known) if known is not None else None
+
+
+def _describe(err: BaseException) -> str:
+    failures = getattr(err, "failures", None)  # DCP's CheckpointException: rank -> (error, trace)
+    if isinstance(failures, dict) and failures:
+        return "; ".join(f"rank {rank}: {_describe(_unwrap(exc))}"
+                         for rank, exc in sorted(failures.items()))
+    if isinstance(err, SaveFailed):
+        return str(err)
+    return f"{type(err).__name__}: {err}"
+
+
+def _unwrap(exc: Any) -> BaseException:
+    found = exc[0] if isinstance(exc, tuple) else exc  # DCP wraps (error, traceback)
+    return found if isinstance(found, BaseException) else RuntimeError(repr(found))
+
+
+def _save_failed(step: int, err: BaseException) -> SaveFailed:
+    failures = getattr(err, "failures", None)
+    errors = ({rank: _unwrap(e) for rank, e in failures.items()} if isinstance(failures, dict)
+              else {None: err})
+    failure = SaveFailed(f"checkpoint of step {step} failed: {_describe(err)}")
+    failure.step, failure.errors = step, errors  # type: ignore[attr-defined]
+    first = next(iter(errors.values()))
+    if isinstance(first, TierstoreError):  # already named in the message: attributes only
+        failure.checkpoint, failure.tier, failure.file = first.checkpoint, first.tier, first.file
+    failure.__cause__ = err
+    return failure

@@ -20,7 +20,7 @@ import logging
 import os
 import pickle
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, BinaryIO
 
 import torch
@@ -31,7 +31,8 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from tierstore import faults, layout, leases
-from tierstore._safe_pickle import load_metadata
+from tierstore._redact import redact_url
+from tierstore._safe_pickle import load_metadata, safe_byte_io
 from tierstore.backend import crc32c_update
 from tierstore.catalog import Tier, TierURL, make_tiers, resolve
 from tierstore.errors import (
@@ -41,16 +42,32 @@ from tierstore.errors import (
     IntegrityError,
     InvalidManifest,
     ObjectNotFound,
+    ObjectTooLarge,
     StorageError,
     TierstoreError,
+    UnsafePath,
 )
 from tierstore.manifest import FileEntry, Manifest
 
-__all__ = ["TieredReader"]
+__all__ = ["TieredReader", "is_damage"]
 
 log = logging.getLogger(__name__)
 
 _CHUNK = 8 << 20
+# Errors that mean "this checkpoint's bytes are bad or gone", never "try again later".
+_DAMAGE = (IntegrityError, ObjectNotFound, ObjectTooLarge, UnsafePath)
+
+
+def is_damage(err: BaseException) -> bool:
+    """Whether ``err`` (or, for DCP's ``CheckpointException``, every rank's error in it) says
+    the checkpoint's stored data is damaged or missing, rather than anything about the
+    caller, the state dict or a passing storage failure.
+    """
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict):
+        causes = [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+        return bool(causes) and all(is_damage(c) for c in causes)
+    return isinstance(err, _DAMAGE)
 
 
 class TieredReader(StorageReader):
@@ -60,7 +77,11 @@ class TieredReader(StorageReader):
         hot, cold: the store's tiers (either may be omitted, not both).
         step: load the newest checkpoint of this step.
         name: load the checkpoint of this name (a ``checkpoint_id`` given to ``dcp.load``
-            does the same). With neither, the newest committed checkpoint in any tier.
+            does the same). With neither, the newest committed checkpoint in any tier
+            that is not found damaged before loading: one whose manifest is invalid, or whose
+            ``.metadata`` or some data file is missing or damaged, in every tier holding it is
+            skipped with a warning (bytes inside data files are verified only while they
+            stream; ``CheckpointManager.load_latest`` also falls back on those).
         hot_options / cold_options: options for the tiers' backends.
         node_local: the hot tier is per node (NVMe), so each rank's hot root holds only its
             node's files and the cold manifest is the global commit: pick checkpoints by cold
@@ -122,11 +143,12 @@ class TieredReader(StorageReader):
             self._deferred = err
             return Metadata(state_dict_metadata={})
 
-    def _resolve(self) -> tuple[Manifest, list[Tier]]:
+    def _resolve(self, exclude: Collection[tuple[str, str]] = ()) -> tuple[Manifest, list[Tier]]:
         """Pick the checkpoint and lease it; re-pick if a prune removed it meanwhile."""
         committed_tiers = self.tiers[1:] if self.node_local else self.tiers
         for _ in range(5):
-            manifest, holders = resolve(committed_tiers, step=self.step, name=self.name)
+            manifest, holders = resolve(committed_tiers, step=self.step, name=self.name,
+                                        exclude=exclude)
             self._release()
             if self.lease:
                 self._leases = [held for t in holders
@@ -146,7 +168,65 @@ class TieredReader(StorageReader):
         self._leases = []
 
     def _read_metadata(self) -> Metadata:
-        manifest, holders = self._resolve()
+        """Open the named checkpoint; without a name, the newest one that opens verified.
+
+        Without a name, a candidate is skipped (warning naming it and what was wrong) when
+        its ``.metadata`` is missing, damaged or unloadable in every tier holding it, or one
+        of its data files is missing or of the wrong size in every tier (one ``stat`` per
+        file; bytes are checked only while streaming, in :meth:`read_data`). Candidates with
+        a manifest invalid in every tier are never picked (:func:`tierstore.catalog.resolve`).
+        If every candidate is damaged, the newest one's error is raised.
+        """
+        skipped: dict[tuple[str, str], TierstoreError] = {}
+        while True:
+            try:
+                manifest, holders = self._resolve(skipped)
+            except CheckpointNotFound:
+                if not skipped:
+                    raise
+                break
+            try:
+                metadata = self._open(manifest, holders)
+                if metadata.storage_data is None:
+                    raise IntegrityError("DCP metadata has no storage data", checkpoint=manifest.name,
+                                         file=manifest.metadata_file)
+                if self.name is None:
+                    self._check_data_files(manifest, holders)
+                return metadata
+            except TierstoreError as err:
+                if self.name is not None or not is_damage(err):
+                    raise
+                self._release()
+                skipped[(manifest.name, manifest.attempt)] = err
+                log.warning("skipping damaged checkpoint %s (it has no good copy in %s), trying "
+                            "the next older one: %s", manifest.name,
+                            ", ".join(t.label for t in holders), err)
+        raise next(iter(skipped.values()))
+
+    def _check_data_files(self, manifest: Manifest, holders: Sequence[Tier]) -> None:
+        """Raise if some data file is missing or of the wrong size in every tier in ``holders``
+        (the error of the farthest tier, as a read would)."""
+        for entry in manifest.files:
+            if entry.path == manifest.metadata_file:
+                continue
+            for i, tier in enumerate(holders):
+                key = tier.file_key(manifest.name, manifest.attempt, entry.path)
+                try:
+                    size = tier.backend.stat(key).size
+                except (ObjectNotFound, UnsafePath) as err:
+                    if i + 1 < len(holders):
+                        continue
+                    context = {**err.context, "checkpoint": manifest.name, "file": entry.path}
+                    raise type(err)(err.message, **context) from err
+                if size == entry.size:
+                    break
+                if i + 1 == len(holders):
+                    raise ChecksumMismatch(
+                        f"size mismatch: expected {entry.size} bytes, found {size} bytes",
+                        checkpoint=manifest.name, file=entry.path, tier=tier.label,
+                        expected=f"{entry.size} bytes", actual=f"{size} bytes")
+
+    def _open(self, manifest: Manifest, holders: list[Tier]) -> Metadata:
         if self.node_local:
             holders = [self.tiers[0], *holders]  # local files first, verified like any other
         self.manifest, self._holders = manifest, holders
@@ -155,12 +235,11 @@ class TieredReader(StorageReader):
         data = self._read_small(entry)
         try:
             metadata = load_metadata(data)
-        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as err:
+        except pickle.UnpicklingError as err:
+            served = self.sources.get(entry.path)
             raise IntegrityError(f"DCP metadata cannot be loaded safely: {err}",
-                                 checkpoint=manifest.name, file=entry.path) from err
-        if not isinstance(metadata, Metadata):
-            raise IntegrityError("DCP metadata is not a Metadata object",
-                                 checkpoint=manifest.name, file=entry.path)
+                                 checkpoint=manifest.name, file=entry.path,
+                                 tier=", ".join(t.label for t in holders if t.role == served)) from err
         meta = getattr(metadata, "storage_meta", None) or StorageMeta()
         meta.load_id = str(uuid.uuid4())
         metadata.storage_meta = meta
@@ -208,7 +287,7 @@ class TieredReader(StorageReader):
 
     @property
     def checkpoint_id(self) -> str:
-        return f"{self.tiers[0].url}#{self._name()}"
+        return f"{redact_url(self.tiers[0].url)}#{self._name()}"
 
     # -- reading ------------------------------------------------------------------------
 
@@ -260,7 +339,7 @@ class TieredReader(StorageReader):
                 if failure is None:
                     try:
                         for req in reqs:
-                            _deliver(req, payload, planner)
+                            _deliver(req, payload, planner, stream)
                     except Exception as err:  # corrupt bytes may break torch.load first
                         failure = err
             stream.finish()  # raises ChecksumMismatch before any deserialization error
@@ -300,15 +379,23 @@ class TieredReader(StorageReader):
                         entry.path, self.manifest.name, err)
 
 
-def _deliver(req: ReadItem, payload: bytes, planner: LoadPlanner) -> None:
-    if req.type == LoadItemType.BYTE_IO:
-        planner.load_bytes(req, io.BytesIO(payload))
-        return
-    tensor = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
-    tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+def _deliver(req: ReadItem, payload: bytes, planner: LoadPlanner, stream: _VerifiedStream) -> None:
+    # Nothing stored reaches a code-running unpickler: tensors load weights_only, and a
+    # BYTE_IO item reaches the planner (whose torch.load has weights_only=False) re-encoded.
+    try:
+        if req.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(req, safe_byte_io(payload))
+            return
+        tensor = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"found a {type(tensor).__name__}, not a tensor")
+        tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+    except Exception as err:
+        raise stream.corrupt(f"item {req.storage_index.fqn!r} cannot be loaded safely: "
+                             f"{type(err).__name__}: {err}") from err
     target = planner.resolve_tensor(req).detach()
     if target.size() != tensor.size():
-        raise IntegrityError(f"stored chunk of {req.storage_index.fqn} has shape "
+        raise stream.corrupt(f"stored chunk of {req.storage_index.fqn!r} has shape "
                              f"{tuple(tensor.size())}, expected {tuple(target.size())}")
     target.copy_(tensor)
     planner.commit_tensor(req, target)
@@ -325,6 +412,20 @@ class _VerifiedStream:
         self.pos = 0
         self.crc = 0
 
+    def corrupt(self, message: str) -> IntegrityError:
+        """An error about this file's contents or the metadata describing them."""
+        return IntegrityError(message, checkpoint=self._checkpoint, file=self._entry.path,
+                              tier=self._tier)
+
+    def _check_span(self, what: str, value: Any, end: int) -> None:
+        # DCP metadata is input: a negative, non-integer or too large span must not reach
+        # read() (read(-1) reads everything) nor be reported as a size mismatch.
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise self.corrupt(f"DCP metadata gives item {what} {value!r}: not a byte count")
+        if end > self._entry.size:
+            raise self.corrupt(f"DCP metadata points past the end of the file: item {what} "
+                               f"{value} ends at byte {end}, the file has {self._entry.size}")
+
     def _mismatch(self, what: str, expected: Any, actual: Any) -> ChecksumMismatch:
         return ChecksumMismatch(
             f"{what} mismatch: expected {expected}, found {actual}",
@@ -339,9 +440,7 @@ class _VerifiedStream:
         return data
 
     def read_exactly(self, n: int) -> bytes:
-        if self.pos + n > self._entry.size:
-            raise IntegrityError("DCP metadata points past the end of the file",
-                                 checkpoint=self._checkpoint, file=self._entry.path)
+        self._check_span("length", n, self.pos + n if isinstance(n, int) else 0)
         data = self._read(n)
         if len(data) != n:
             self._drain()
@@ -349,9 +448,10 @@ class _VerifiedStream:
         return data
 
     def skip_to(self, offset: int) -> None:
+        self._check_span("offset", offset, offset if isinstance(offset, int) else 0)
         if offset < self.pos:
-            raise IntegrityError("DCP metadata has overlapping items",
-                                 checkpoint=self._checkpoint, file=self._entry.path)
+            raise self.corrupt(f"DCP metadata has overlapping items: one starts at byte {offset}, "
+                               f"inside the previous one (which ends at byte {self.pos})")
         while self.pos < offset:
             if not self._read(min(_CHUNK, offset - self.pos)):
                 raise self._mismatch("size", f"{self._entry.size} bytes", f"{self.pos} bytes")

@@ -1,45 +1,82 @@
-"""Copy a checkpoint from the cold tier back to the hot tier, verified.
+"""Copy a checkpoint from the cold tier back to the hot tier, verified; repair a damaged one.
 
 After a node replacement the hot tier is empty; restoring the checkpoint to resume from
 turns a slow resume from object storage into a fast local one. The hot manifest is
 published last, after every file is durable and verified, exactly as a save commits.
+
+Restoring a checkpoint the hot tier already holds repairs it: every hot file is verified
+against the manifest (size, CRC32C) and each missing, truncated or corrupt one is replaced by
+a verified cold copy. A copy replaces the damaged file whole (backend writes are atomic), so
+nothing is deleted first and a concurrent load sees either the old bytes or the new ones. A
+hot manifest that is itself damaged is replaced by the cold one once every file is good.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
+from tierstore import layout
 from tierstore._transfer import copy_file, has_verified_copy
-from tierstore.catalog import TierURL, make_tiers, resolve
-from tierstore.errors import CheckpointExists
+from tierstore.catalog import Tier, TierURL, make_tiers, resolve
+from tierstore.errors import (
+    CheckpointExists,
+    InvalidManifest,
+    ObjectNotFound,
+    ObjectTooLarge,
+    StorageError,
+)
 from tierstore.manifest import FileEntry, Manifest
 from tierstore.migrator import MigrationConfig
 
-__all__ = ["restore"]
+__all__ = ["restore", "restore_checkpoint", "RestoreReport", "Repair"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Repair:
+    """A file of the hot copy that was replaced, and what was wrong with it."""
+
+    path: str
+    problem: str
+
+
+@dataclass(frozen=True)
+class RestoreReport:
+    manifest: Manifest
+    copied: tuple[str, ...]  # every file copied from cold
+    repaired: tuple[Repair, ...]  # files the hot tier held damaged, or lacked while committed
+    manifest_repaired: bool = False  # the hot manifest was damaged and has been replaced
 
 
 def restore(hot: TierURL, cold: TierURL, *, step: int | None = None, name: str | None = None,
             hot_options: dict[str, Any] | None = None, cold_options: dict[str, Any] | None = None,
             config: MigrationConfig | None = None,
             progress: Callable[[str, int, int], None] | None = None) -> Manifest:
-    """Restore the newest (or the given) cold checkpoint into the hot tier; return its manifest.
+    """Restore (or repair) the newest (or the given) cold checkpoint in the hot tier; return
+    its manifest. :func:`restore_checkpoint` also says what was copied and repaired."""
+    return restore_checkpoint(hot, cold, step=step, name=name, hot_options=hot_options,
+                              cold_options=cold_options, config=config, progress=progress).manifest
 
-    Files already in the hot tier and intact are kept; damaged or partial ones are replaced.
-    Restoring a checkpoint the hot tier already holds is a no-op.
-    """
+
+def restore_checkpoint(hot: TierURL, cold: TierURL, *, step: int | None = None,
+                       name: str | None = None, hot_options: dict[str, Any] | None = None,
+                       cold_options: dict[str, Any] | None = None,
+                       config: MigrationConfig | None = None,
+                       progress: Callable[[str, int, int], None] | None = None) -> RestoreReport:
+    """Restore the newest (or the given) cold checkpoint into the hot tier, repairing what the
+    hot tier holds of it (module docstring); raise :class:`CheckpointExists` if the hot tier
+    commits another attempt under that name."""
     config = config or MigrationConfig()
     hot_tier, cold_tier = make_tiers(hot, cold, hot_options=hot_options, cold_options=cold_options)
     manifest, _ = resolve([cold_tier], step=step, name=name)
-    present = hot_tier.find_manifest(manifest.name)
-    if present is not None:
-        if present.attempt != manifest.attempt:
-            raise CheckpointExists("the hot tier holds another attempt of this checkpoint",
-                                   checkpoint=manifest.name, tier=hot_tier.label)
-        return manifest
+    present, torn = _hot_manifest(hot_tier, manifest.name)
+    if present is not None and present.attempt != manifest.attempt:
+        raise CheckpointExists("the hot tier holds another attempt of this checkpoint",
+                               checkpoint=manifest.name, tier=hot_tier.label)
     done, total = 0, manifest.total_size
 
     def advance(n: int) -> None:
@@ -48,23 +85,62 @@ def restore(hot: TierURL, cold: TierURL, *, step: int | None = None, name: str |
         if progress is not None:
             progress(manifest.name, done, total)
 
+    copied: list[str] = []
+    repaired: list[Repair] = []
     for entry in manifest.files:
-        if has_verified_copy(hot_tier, manifest.name, manifest.attempt, entry):
+        problem = _problem(hot_tier, manifest, entry)
+        if problem is None:
             advance(entry.size)
             continue
-        key = hot_tier.file_key(manifest.name, manifest.attempt, entry.path)
+        if present is not None or torn is not None or problem != "missing":
+            log.warning("repairing %s of checkpoint %s in %s from %s: %s", entry.path,
+                        manifest.name, hot_tier.label, cold_tier.label, problem)
+            repaired.append(Repair(entry.path, problem))
 
-        def attempt(key: str = key, entry: FileEntry = entry) -> None:
-            hot_tier.backend.delete(key)  # a partial or damaged copy from an earlier try
+        def attempt(entry: FileEntry = entry) -> None:
+            # No delete first: the copy replaces a damaged file whole when it commits.
             copy_file(cold_tier, hot_tier, manifest.name, manifest.attempt, entry,
                       chunk_size=config.chunk_size, progress=advance)
 
         config.retry.call(attempt, what=f"restore of {entry.path} ({manifest.name})")
+        copied.append(entry.path)
+    if present is None:
+        _publish(hot_tier, manifest, torn)
+    log.info("restored %s from %s to %s (%d files copied, %d repaired)", manifest.name,
+             cold_tier.label, hot_tier.label, len(copied), len(repaired))
+    return RestoreReport(manifest, tuple(copied), tuple(repaired), manifest_repaired=torn is not None)
+
+
+def _hot_manifest(hot: Tier, name: str) -> tuple[Manifest | None, InvalidManifest | ObjectTooLarge | None]:
     try:
-        hot_tier.publish_manifest(manifest)
+        return hot.find_manifest(name), None
+    except (InvalidManifest, ObjectTooLarge) as err:
+        return None, err
+
+
+def _problem(hot: Tier, manifest: Manifest, entry: FileEntry) -> str | None:
+    """What is wrong with the hot copy of ``entry``, ``None`` if it is intact."""
+    try:
+        size = hot.backend.stat(hot.file_key(manifest.name, manifest.attempt, entry.path)).size
+        if size != entry.size:
+            return f"size mismatch: expected {entry.size} bytes, found {size} bytes"
+        if not has_verified_copy(hot, manifest.name, manifest.attempt, entry):
+            return "CRC32C mismatch"
+    except ObjectNotFound:
+        return "missing"
+    except StorageError as err:  # unreadable (a link, a directory, an I/O error): replace it
+        return str(err)
+    return None
+
+
+def _publish(hot: Tier, manifest: Manifest, torn: Exception | None) -> None:
+    if torn is not None:
+        # Every file is verified now; only then does the damaged manifest give way.
+        log.warning("replacing the damaged manifest of %s in %s: %s", manifest.name, hot.label, torn)
+        hot.backend.delete(layout.manifest_key(manifest.name))
+    try:
+        hot.publish_manifest(manifest)
     except CheckpointExists:
-        again = hot_tier.find_manifest(manifest.name)
+        again = hot.find_manifest(manifest.name)
         if again is None or again.attempt != manifest.attempt:
             raise
-    log.info("restored %s from %s to %s", manifest.name, cold_tier.label, hot_tier.label)
-    return manifest
