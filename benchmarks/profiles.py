@@ -32,6 +32,8 @@ class Profile:
     gpu_size: int  # item 8
     part_size: int = 16 * MiB  # tierstore's S3 default, used for both sides of item 4
     default_inflight: int = 4  # tierstore's S3 default max_concurrency
+    cold_down_size: int = 64 * MiB  # item 9: saves with the cold tier down, one process
+    cold_down_reps: int = 9  # best of these is compared (each save is a fraction of a second)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -60,7 +62,7 @@ FULL = Profile(
     migration_size=1 * GiB, migration_sweep=(1, 2, 4, 8, 16),
     migration_sizes=(256 * MiB, 1 * GiB, 2 * GiB), memory_reps=2,
     load_size=1 * GiB, scaling_size=1 * GiB, scaling_ranks=(1, 2, 4), scaling_reps=5,
-    cpu_size=1 * GiB, gpu_size=4 * GiB,
+    cpu_size=1 * GiB, gpu_size=4 * GiB, cold_down_size=256 * MiB,
 )
 
 PROFILES = {p.name: p for p in (QUICK, FULL)}

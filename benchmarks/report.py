@@ -8,6 +8,7 @@ from typing import Any
 
 from benchmarks import analysis as A
 from benchmarks import notes, sections
+from benchmarks.cold_down_report import cold_down_section
 from benchmarks.markdown import DOC, Lines, table
 from benchmarks.measure import GiB
 
@@ -87,9 +88,37 @@ def write(results: Mapping[str, Any]) -> Path:
     lines: Lines = [*header(results), *machine(results), *targets(results, found)]
     for section in (sections.save_section, sections.latency_section, sections.hot_section,
                     sections.migration_section, sections.load_section, sections.memory_section,
-                    sections.scaling_section, sections.gpu_section):
+                    sections.scaling_section, sections.gpu_section, cold_down_section):
         lines += section(results)
     lines += notes.findings(results)
     lines += notes.method(results)
     DOC.write_text("\n".join(lines).rstrip() + "\n")
     return DOC
+
+
+# Sections rendered from their own suite alone: a run of only those suites can update them in
+# the report without the rest (``--only cold-down --splice``).
+STANDALONE = {"cold-down": cold_down_section}
+
+
+def splice(results: Mapping[str, Any]) -> list[str]:
+    """Replace, in the existing report, the sections of the standalone suites in
+    ``results`` (inserted before the findings if absent); the rest stays as it was.
+    Returns the suites spliced."""
+    text = DOC.read_text()
+    done = []
+    for suite, render in STANDALONE.items():
+        if suite not in results["suites"]:
+            continue
+        lines = render(results)
+        heading = lines[0] + "\n"
+        start = text.find(heading)
+        if start < 0:
+            start = end = text.index("## Findings\n")
+        else:
+            following = text.find("\n## ", start + len(heading))
+            end = len(text) if following < 0 else following + 1
+        text = text[:start] + "\n".join(lines).rstrip() + "\n\n" + text[end:]
+        done.append(suite)
+    DOC.write_text(text)
+    return done

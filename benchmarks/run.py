@@ -2,6 +2,7 @@
 
 ``python -m benchmarks [--profile quick|full] [--only save,latency,...] [--scratch DIR]``
 ``python -m benchmarks --report-only benchmarks/results/quick.json``
+``python -m benchmarks --only cold-down --splice`` (re-measure one standalone section only)
 """
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ from typing import Any
 
 from benchmarks import machine
 from benchmarks.launch import ROOT, rank_env, run_ranks
+from benchmarks.markdown import DOC
 from benchmarks.measure import MiB, Record, merge_ranks
 from benchmarks.profiles import PROFILES, Profile, checkpoint_name
 from benchmarks.servers import S3Target, ServerProcess, create_bucket, reset_moto, start_moto, start_proxy
 
 RESULTS = ROOT / "benchmarks" / "results"
+STANDALONE_SUITES = ("cold-down",)  # report.STANDALONE's keys (report imports matplotlib)
 MAX_FIELDS = ("stall", "commit", "cold", "growth_save", "growth_total", "load", "fsync")
 SUM_FIELDS = ("bytes", "cpu", "cpu_total")
 
@@ -184,9 +187,21 @@ def suite_gpu(bench: Bench) -> dict[str, Any]:
     return dict(result)
 
 
+def suite_cold_down(bench: Bench) -> dict[str, Any]:
+    """Item 9: saves with the S3 cold tier healthy, refusing, stalled, denying writes."""
+    size = bench.profile.cold_down_size
+    print(f"  cold-down: {size // MiB} MiB, one process, cold tier healthy / refusing / "
+          "stalled / denying writes vs hot only", flush=True)
+    spec = {"bytes": size, "reps": bench.profile.cold_down_reps, "endpoint": bench.moto.url,
+            "bucket": bench.target.bucket, "scratch": str(bench.scratch / "cold-down")}
+    result = dict(bench.module("cold_down", spec))
+    bench.fresh_bucket()
+    return result
+
+
 SUITES: dict[str, Callable[[Bench], dict[str, Any]]] = {
     "cpu": suite_cpu, "save": suite_save, "latency": suite_latency, "migration": suite_migration,
-    "load": suite_load, "scaling": suite_scaling, "gpu": suite_gpu,
+    "load": suite_load, "scaling": suite_scaling, "gpu": suite_gpu, "cold-down": suite_cold_down,
 }
 
 
@@ -244,11 +259,19 @@ def main(argv: list[str] | None = None) -> None:
                         help="where checkpoints are written (the hot tier's disk); emptied after")
     parser.add_argument("--report-only", type=Path, help="render the report from a results JSON")
     parser.add_argument("--no-report", action="store_true")
+    parser.add_argument("--splice", action="store_true",
+                        help="update only the report sections of the suites run that stand "
+                             f"alone ({', '.join(STANDALONE_SUITES)}); the rest of "
+                             "docs/benchmarks.md stays as the last full run left it")
     args = parser.parse_args(argv)
     from benchmarks import report
 
     if args.report_only:
-        report.write(json.loads(args.report_only.read_text()))
+        results = json.loads(args.report_only.read_text())
+        if args.splice:
+            report.splice(results)
+        else:
+            report.write(results)
         return
     only = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = sorted(set(only) - set(SUITES))
@@ -258,7 +281,12 @@ def main(argv: list[str] | None = None) -> None:
     results = run_profile(PROFILES[args.profile], only, args.scratch)
     path = save_results(results)
     print(f"results: {path.relative_to(ROOT)} ({results['seconds']:.0f}s)", flush=True)
-    if not args.no_report:
+    if args.no_report:
+        return
+    if args.splice:
+        spliced = report.splice(results)
+        print(f"report: sections of {spliced} updated in {DOC.relative_to(ROOT)}", flush=True)
+    else:
         print(f"report: {report.write(results).relative_to(ROOT)}", flush=True)
 
 

@@ -1,6 +1,6 @@
 """The marks migration leaves in the tiers, and the cold tier's identity.
 
-Migration keeps no state of its own: the tiers hold it (docs/design.md, invariant 6).
+Migration keeps no state of its own: the tiers hold it (DESIGN.md invariant 6).
 
 * **Store identity** (cold tier): ``tierstore-store.json``, published once at the root by
   the first migrator that commits there. It tells one cold tier from another, so a hot
@@ -81,7 +81,7 @@ def _read_store_id(tier: Tier) -> str | None:
         return None
     try:
         return layout.check_store_id(json.loads(data)["store_id"])
-    except (ValueError, KeyError, TypeError) as err:
+    except (ValueError, KeyError, TypeError, RecursionError) as err:
         raise IntegrityError(f"the tier's identity object is damaged: {err}",
                              key=layout.STORE_ID_KEY, tier=tier.label) from err
 
@@ -117,7 +117,7 @@ def read_upload_mark(tier: Tier, name: str, attempt: str, rank: int) -> tuple[Fi
         files = _sorted(FileEntry(**f) for f in body["files"])
         if body["rank"] != rank or any(f.rank != rank for f in files):
             raise ValueError(f"it names rank {body['rank']!r}")
-    except (ValueError, KeyError, TypeError, AttributeError) as err:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
         raise IntegrityError(f"upload mark is damaged: {err}", key=key, tier=tier.label,
                              checkpoint=name, rank=rank) from err
     return files
@@ -153,7 +153,7 @@ def read_failure(tier: Tier, name: str, attempt: str, rank: int) -> dict[str, An
         body = json.loads(tier.backend.read_bytes(key, limit=_SMALL_LIMIT))
     except ObjectNotFound:
         return None
-    except (ValueError, TierstoreError):
+    except (ValueError, RecursionError, TierstoreError):
         return {"error": f"unreadable failure mark {key}"}
     return body if isinstance(body, dict) else {"error": f"unreadable failure mark {key}"}
 

@@ -20,6 +20,7 @@ retried (:mod:`tierstore.retry`), then recorded (status, log, and a failure mark
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import logging
 import os
@@ -27,7 +28,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -163,7 +163,6 @@ class Migrator:
         self._unfinished = 0
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
-        self._pool = ThreadPoolExecutor(self.config.concurrency, thread_name_prefix="tierstore-upload")
 
     # -- control ------------------------------------------------------------------------
 
@@ -215,7 +214,6 @@ class Migrator:
     def close(self, timeout: float | None = None) -> bool:
         drained = self.wait(timeout)
         self._queue.put(None)
-        self._pool.shutdown(wait=drained)
         return drained
 
     # -- work -----------------------------------------------------------------------------
@@ -268,8 +266,8 @@ class Migrator:
         if marked == files and all(self._in_place(e, job.name, job.attempt) for e in files):
             job.add_bytes(sum(f.size for f in job.files))
             return  # already done by an earlier migrator, and still there
-        futures = [self._pool.submit(self._upload_file, job, entry) for entry in job.files]
-        errors = [f.exception() for f in futures]
+        errors = _in_parallel([functools.partial(self._upload_file, job, entry) for entry in job.files],
+                              self.config.concurrency)
         for error in errors:
             if error is not None:
                 raise error if isinstance(error, _Failed) else _Failed(job.rank, None, error)
@@ -406,6 +404,37 @@ class Migrator:
                     manifest.name, self.cold.label, problem)
         marks.publish_upload_mark(self.cold, manifest.name, manifest.attempt, rank, expected)
         return True
+
+
+def _in_parallel(calls: Sequence[Callable[[], None]], width: int) -> list[BaseException | None]:
+    """Run ``calls`` on up to ``width`` *daemon* threads; each one's exception, or ``None``.
+
+    Not a ``ThreadPoolExecutor``: the interpreter joins its threads at exit, so an upload
+    stuck on a stalled cold tier would hold the training process's exit forever, whatever
+    ``TIERSTORE_EXIT_WAIT`` says. Daemon threads leave that bound to :func:`_drain_at_exit`.
+    """
+    errors: list[BaseException | None] = [None] * len(calls)
+    todo = iter(range(len(calls)))
+    lock = threading.Lock()
+
+    def work() -> None:
+        while True:
+            with lock:
+                index = next(todo, None)
+            if index is None:
+                return
+            try:
+                calls[index]()
+            except BaseException as err:  # reported to the job, never lost
+                errors[index] = err
+
+    threads = [threading.Thread(target=work, name="tierstore-upload", daemon=True)
+               for _ in range(min(width, len(calls)))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return errors
 
 
 def _status_of(job: _Job, now: float) -> MigrationStatus:

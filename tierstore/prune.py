@@ -83,7 +83,7 @@ def prune_tier(tier: Tier, policy: Policy, *, protect: Iterable[str] = (), dry_r
             faults.point("prune.before_unpublish")
             tier.backend.delete(layout.manifest_key(manifest.name))  # un-publish first
             faults.point("prune.after_unpublish")
-            if live_leases(tier, manifest.name, now=now):
+            if live_leases(tier, manifest.name):
                 log.info("pruned %s from %s; its data stays until the load using it ends (GC)",
                          manifest.name, tier.label)
                 deferred.append(manifest.name)
@@ -142,7 +142,7 @@ def prune_node_local(hot: Tier, cold: Tier, policy: Policy, *, dry_run: bool = F
             continue
         if here is not None and here.attempt == manifest.attempt:
             hot.backend.delete(layout.manifest_key(manifest.name))  # un-publish first
-        if not live_leases(hot, manifest.name, now=now):
+        if not live_leases(hot, manifest.name):
             delete_data(hot, manifest)
     return PruneReport(tier=hot.label, kept=tuple(sorted(kept)), deleted=tuple(deleted),
                        protected=tuple(sorted(protected)), bytes_freed=freed, dry_run=dry_run)
@@ -157,7 +157,7 @@ class ColdCheck:
 
 
 def check_cold_copies(hot: Tier, cold: Tier) -> ColdCheck:
-    """Hold each hot checkpoint against the *current* cold tier (docs/design.md inv. 5).
+    """Hold each hot checkpoint against the *current* cold tier (DESIGN.md invariant 5).
 
     A hot copy may go only if the cold tier holds a valid manifest of the same attempt, or
     the hot tier's migrated mark names this cold tier's identity (committed there once,

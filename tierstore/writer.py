@@ -3,8 +3,8 @@
 Call order (DCP's, across ranks) and what each step does here:
 
 1. all ranks  ``reset(checkpoint_id)``, ``set_up_storage_writer``, ``prepare_local_plan``
-2. coordinator ``prepare_global_plan``: refuses a checkpoint already committed in any tier,
-   picks a fresh attempt id and hands it to every rank through ``SavePlan.storage_data``
+2. coordinator ``prepare_global_plan``: refuses a checkpoint already committed in the hot
+   tier, picks a fresh attempt id and hands it to every rank through ``SavePlan.storage_data``
 3. all ranks  ``write_data``: each rank writes only its own files, under the attempt's
    directory, checksumming (CRC32C) as it writes and making each file durable
 4. coordinator ``finish``: writes DCP's ``.metadata``, then publishes the manifest naming
@@ -12,7 +12,11 @@ Call order (DCP's, across ranks) and what each step does here:
 
 With a cold tier, each rank hands the files it wrote to this process's background migrator
 as soon as they are durable, and the coordinator hands it the commit once the hot manifest
-is published (see :mod:`tierstore.migrator`). Nothing in migration can fail the save.
+is published (see :mod:`tierstore.migrator`). Nothing in migration can fail the save, and
+no step of a save sends a request to the cold tier: a cold tier that is slow, stalled,
+unreachable or denying writes never delays or fails a save (DESIGN.md invariant 7).
+The cold tier's own "never overwrite a committed checkpoint" check happens at the cold
+commit, in the migrator, where a different committed attempt is a reported conflict.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from tierstore import faults, layout
+from tierstore._redact import redact_url
 from tierstore._version import producer
 from tierstore.catalog import Tier, TierURL, make_tiers
 from tierstore.errors import CheckpointExists, ConfigError, NoSpaceLeft
@@ -106,6 +111,8 @@ class TieredWriter(StorageWriter):
         self.step = step
         self.name = layout.check_name(name) if name is not None else None
         self.tiers = make_tiers(hot, cold, hot_options=hot_options, cold_options=cold_options)
+        for tier in self.tiers:
+            tier.check_scheme()  # a typo or missing plugin fails here, once, not at each save
         self.thread_count = thread_count
         self.single_file_per_rank = single_file_per_rank
         self.migration = migration
@@ -165,13 +172,13 @@ class TieredWriter(StorageWriter):
         name = self.checkpoint_name
         if not self.node_local:
             self._check_space(sum(_plan_bytes(p) for p in plans), "this checkpoint")
-        for tier in self.tiers:
-            if tier.backend.exists(layout.manifest_key(name)):
-                raise CheckpointExists(
-                    "checkpoint is already committed; committed checkpoints are never "
-                    "overwritten (choose another step or name)",
-                    checkpoint=name, tier=tier.label,
-                )
+        # Hot only: a request to the cold tier here would make every save wait on it.
+        if self.hot.backend.exists(layout.manifest_key(name)):
+            raise CheckpointExists(
+                "checkpoint is already committed; committed checkpoints are never "
+                "overwritten (choose another step or name)",
+                checkpoint=name, tier=self.hot.label,
+            )
         attempt = layout.new_attempt()
         return [
             dataclasses.replace(plan, storage_data=_AttemptPlan(name, self.step, attempt, rank))
@@ -265,7 +272,7 @@ class TieredWriter(StorageWriter):
     @property
     def checkpoint_id(self) -> str:
         name = self.name or (layout.default_name(self.step) if self.step is not None else "?")
-        return f"{self.hot.url}#{name}"
+        return f"{redact_url(self.hot.url)}#{name}"
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

@@ -23,7 +23,7 @@ from tierstore.errors import (
     TransientStorageError,
 )
 from tierstore_gcs._errors import exception_error, response_error
-from tierstore_gcs._http import Buffer, ClientBuildError, Response, Transport
+from tierstore_gcs._http import CONNECT_TIMEOUT, READ_TIMEOUT, Buffer, ClientBuildError, Response, Transport
 from tierstore_gcs._reader import RangeReader
 from tierstore_gcs._wire import (
     PART_QUANTUM,
@@ -73,8 +73,10 @@ class GCSBackend(Backend):
     Options: ``endpoint_url`` (else ``STORAGE_EMULATOR_HOST``, else Google), ``token``
     (any form gcsfs accepts; ``"anon"`` by default when ``STORAGE_EMULATOR_HOST`` is
     set), ``project``, ``part_size`` (resumable-upload chunk and read block, a multiple
-    of 256 KiB), ``gcsfs_options`` (passed to ``gcsfs.GCSFileSystem``) and ``retry`` (a
-    :class:`tierstore.retry.RetryPolicy`; default :data:`tierstore.retry.DEFAULT`).
+    of 256 KiB), ``gcsfs_options`` (passed to ``gcsfs.GCSFileSystem``), ``retry`` (a
+    :class:`tierstore.retry.RetryPolicy`; default :data:`tierstore.retry.DEFAULT`), and
+    ``connect_timeout`` / ``read_timeout`` in seconds per request (default 30 / 120): how
+    long a stalled server can hold one request before it is retried.
 
     Writes stream: objects up to ``part_size`` go up in one request, larger ones as a
     resumable upload, one part in memory at a time. Every upload is verified against the
@@ -89,14 +91,19 @@ class GCSBackend(Backend):
     def __init__(self, url: str, *, endpoint_url: str | None = None, token: Any = None,
                  project: str | None = None, part_size: int = DEFAULT_PART_SIZE,
                  gcsfs_options: Mapping[str, Any] | None = None,
-                 retry: retry_mod.RetryPolicy | None = None, **options: Any) -> None:
+                 retry: retry_mod.RetryPolicy | None = None,
+                 connect_timeout: float = CONNECT_TIMEOUT, read_timeout: float = READ_TIMEOUT,
+                 **options: Any) -> None:
         super().__init__(url)
         if options:
             raise ConfigError(f"unknown options for a GCS tier: {sorted(options)}")
         self.bucket, self.prefix = parse_url(str(url))
         self.part_size = _check_part_size(part_size)
         self.retry = retry or retry_mod.DEFAULT
-        self._transport = Transport(_fs_options(endpoint_url, token, project, gcsfs_options))
+        if not (connect_timeout > 0 and read_timeout > 0):
+            raise ConfigError("connect_timeout and read_timeout must be positive seconds")
+        self._transport = Transport(_fs_options(endpoint_url, token, project, gcsfs_options),
+                                    connect_timeout=connect_timeout, read_timeout=read_timeout)
 
     # -- names and requests ------------------------------------------------------------
 

@@ -29,7 +29,9 @@ __all__ = ["Buffer", "ClientBuildError", "Response", "Transport"]
 Buffer = bytes | bytearray | memoryview
 
 _SEND_STEP = 256 << 10  # bodies go out in slices, so the event loop never blocks on one
-_TIMEOUT = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=120)
+# Defaults; GCSBackend(connect_timeout=, read_timeout=) sets them per tier. A stalled server
+# holds a request (and the migrator thread sending it) for up to read_timeout per attempt.
+CONNECT_TIMEOUT, READ_TIMEOUT = 30.0, 120.0
 
 
 class ClientBuildError(Exception):
@@ -50,8 +52,11 @@ class Response:
 class Transport:
     """Sends single requests; safe to share between threads and rebuilt after a fork."""
 
-    def __init__(self, fs_options: Mapping[str, Any]) -> None:
+    def __init__(self, fs_options: Mapping[str, Any], *, connect_timeout: float = CONNECT_TIMEOUT,
+                 read_timeout: float = READ_TIMEOUT) -> None:
         self._fs_options = dict(fs_options)
+        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout,
+                                              sock_read=read_timeout)
         self._fs: GCSFileSystem | None = None
         self._pid = 0
         self._lock = threading.Lock()
@@ -78,7 +83,7 @@ class Transport:
         if url.startswith("/"):
             url = str(fs._location).rstrip("/") + url
         response: Response = sync(fs.loop, _send, fs, method, url, dict(params or {}),
-                                  dict(headers or {}), body)
+                                  dict(headers or {}), body, self._timeout)
         return response
 
     def close(self) -> None:
@@ -90,7 +95,8 @@ class Transport:
 
 
 async def _send(fs: GCSFileSystem, method: str, url: str, params: dict[str, str],
-                headers: dict[str, str], body: Sequence[Buffer]) -> Response:
+                headers: dict[str, str], body: Sequence[Buffer],
+                timeout: aiohttp.ClientTimeout) -> Response:
     session = await fs._set_session()
     # identity: lengths we check are the bytes stored, never a compressed transfer.
     headers.setdefault("Accept-Encoding", "identity")
@@ -100,7 +106,7 @@ async def _send(fs: GCSFileSystem, method: str, url: str, params: dict[str, str]
         headers["Content-Length"] = str(size)
     data = _slices(body) if size else None
     async with session.request(method, url, params=params, headers=headers, data=data,
-                               timeout=_TIMEOUT, allow_redirects=False) as response:
+                               timeout=timeout, allow_redirects=False) as response:
         content = await _read_body(response)
         return Response(response.status, response.headers.copy(), content)
 

@@ -18,6 +18,20 @@ matching requests:
 * ``small_pages``: forward a listing asking for pages of 2 keys (exercises pagination).
 
 ``before`` runs when a rule fires, before its action (e.g. to let a rival write first).
+
+A whole-server ``mode`` (``proxy.mode = "stall"``, switchable at any time) stands for a
+cold tier that is down, and takes precedence over the rules:
+
+* ``healthy``: rules apply, everything else is forwarded;
+* ``refuse``: nothing listens on the port (connections are refused); the port stays held
+  by a bound, non-listening socket so that ``healthy`` can listen on it again, and open
+  keep-alive connections are dropped;
+* ``stall``: requests are read and never answered, until the mode changes or the proxy
+  closes; the connection is then dropped unanswered, so no client thread stays stuck;
+* ``deny_writes``: PUT, POST and DELETE get 403 AccessDenied, reads are forwarded.
+
+``python s3_fault_proxy.py UPSTREAM [MODE]`` serves in its own process (the benchmarks
+use it so): it prints its URL and runs until its standard input closes.
 """
 
 from __future__ import annotations
@@ -25,6 +39,7 @@ from __future__ import annotations
 import http.client
 import socket
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -32,7 +47,10 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlparse
 
-__all__ = ["FaultProxy", "Rule"]
+__all__ = ["FaultProxy", "Rule", "MODES"]
+
+MODES = ("healthy", "refuse", "stall", "deny_writes")
+_WRITES = ("PUT", "POST", "DELETE")
 
 _ERRORS = {
     "slowdown": (503, "SlowDown", "Please reduce your request rate."),
@@ -86,16 +104,71 @@ class _State:
 class FaultProxy:
     """Forwards to ``upstream`` (moto) on ``self.url``; see the module docstring."""
 
-    def __init__(self, upstream: str) -> None:
+    def __init__(self, upstream: str, mode: str = "healthy") -> None:
         parsed = urlparse(upstream)
         self._upstream = (parsed.hostname or "127.0.0.1", parsed.port or 80)
         self._state = _State()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._mode = "healthy"
+        self._mode_lock = threading.Lock()
+        self._released = threading.Event()  # set: stalled requests let go
+        self._connections: set[socket.socket] = set()
+        self._hold: socket.socket | None = None  # keeps the port while refusing
+        self._server: ThreadingHTTPServer | None = None
+        self._address = ("127.0.0.1", 0)
+        self._serve()
+        self.url = f"http://{self._address[0]}:{self._address[1]}"
+        self.mode = mode
+
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    @mode.setter
+    def mode(self, mode: str) -> None:
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; one of {MODES}")
+        with self._mode_lock:
+            previous, self._mode = self._mode, mode
+            if previous == mode:
+                return
+            self._released.set()  # stalled requests leave with the stall
+            self._released = threading.Event()
+            if mode == "refuse":
+                self._refuse()
+            elif previous == "refuse":
+                self._serve()
+
+    def _serve(self) -> None:
+        if self._hold is not None:
+            self._hold.close()
+            self._hold = None
+        # ThreadingHTTPServer binds with SO_REUSEADDR: the port just released is taken again.
+        self._server = ThreadingHTTPServer(self._address, self._handler())
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
-        host, port = self._server.server_address[:2]
-        self.url = f"http://{host}:{port}"
+        self._address = self._server.server_address[:2]  # type: ignore[assignment]
+        threading.Thread(target=self._server.serve_forever, args=(0.05,), daemon=True).start()
+
+    def _refuse(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        # Bound but not listening: a connect is answered RST (refused), and no one else
+        # can take the port before ``healthy`` listens on it again.
+        hold = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        hold.bind(self._address)
+        self._hold = hold
+        self._drop_connections()
+
+    def _drop_connections(self) -> None:
+        with self._state.lock:
+            connections = list(self._connections)
+        for conn in connections:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already gone
 
     def add(self, action: str, *, method: str | None = None, contains: tuple[str, ...] = (),
             excludes: tuple[str, ...] = (), times: int = 1, delay: float = 0.0,
@@ -121,8 +194,32 @@ class FaultProxy:
             self._state.peak.clear()
 
     def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        """Stop serving; stalled requests and open connections are dropped."""
+        with self._mode_lock:
+            self._released.set()
+            if self._server is not None:
+                self._server.shutdown()
+                self._server.server_close()
+                self._server = None
+            if self._hold is not None:
+                self._hold.close()
+                self._hold = None
+            self._drop_connections()
+
+    def _stall(self) -> None:
+        """Hold a request unanswered until the stall ends (mode change or close)."""
+        self._released.wait()
+
+    def _down(self, method: str, path: str) -> str | None:
+        """The whole-server fault this request meets, recorded as its action."""
+        mode = self._mode
+        fault = None
+        if mode in ("refuse", "stall") or (mode == "deny_writes" and method in _WRITES):
+            fault = mode
+        if fault is not None:
+            with self._state.lock:
+                self._state.seen.append(Seen(method, path, fault))
+        return fault
 
     def _match(self, method: str, path: str) -> tuple[Rule | None, Seen]:
         with self._state.lock:
@@ -148,9 +245,28 @@ class FaultProxy:
             def log_message(self, format: str, *args: object) -> None:
                 pass  # silence: one line per request on stderr otherwise
 
+            def setup(self) -> None:
+                super().setup()
+                with proxy._state.lock:
+                    proxy._connections.add(self.connection)
+
+            def finish(self) -> None:
+                with proxy._state.lock:
+                    proxy._connections.discard(self.connection)
+                super().finish()
+
             def _serve(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
+                fault = proxy._down(self.command, self.path)
+                if fault == "stall":
+                    proxy._stall()
+                if fault in ("refuse", "stall"):
+                    self._reset()  # a stall ends unanswered, as when the server is restarted
+                    return
+                if fault == "deny_writes":
+                    self._answer_error(*_ERRORS["deny"])
+                    return
                 rule, seen = proxy._match(self.command, self.path)
                 if rule is not None and rule.before is not None:
                     rule.before()
@@ -235,3 +351,14 @@ class FaultProxy:
                     self.wfile.write(data)
 
         return Handler
+
+
+def _serve_until_stdin_closes(upstream: str, mode: str) -> None:
+    proxy = FaultProxy(upstream, mode)
+    print(proxy.url, flush=True)
+    sys.stdin.read()  # until the parent closes our stdin (or exits)
+    proxy.close()
+
+
+if __name__ == "__main__":
+    _serve_until_stdin_closes(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "healthy")

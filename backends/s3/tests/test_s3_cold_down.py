@@ -1,0 +1,283 @@
+"""An S3 cold tier that is down never blocks or breaks a save (issue 11).
+
+The cold tier sits behind a fault proxy that is healthy, refuses connections, stalls
+(accepts, reads, never answers) or denies writes. In every mode a save commits on the hot
+tier and loads back from it bit-exact, the migration's failure is recorded where training
+can see it, and once the fault is lifted ``migrate_pending`` finishes the migration: the
+checkpoint then loads from the cold tier alone. Nothing is lost.
+
+Saves run on a thread joined with a generous timeout: a hang detector, not a timing
+assertion (before the fix, a stalled S3 held ``dcp.save`` for 92 s).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from s3_fault_proxy import MODES, FaultProxy
+
+from tierstore import TieredReader, TieredWriter, layout
+from tierstore.catalog import Tier, list_checkpoints
+from tierstore.manager import CheckpointManager
+from tierstore.migrator import MigrationConfig, MigrationState, Migrator, active_migrators
+from tierstore.pending import migrate_pending
+from tierstore.retry import RetryPolicy
+
+T = TypeVar("T")
+HANG = 60.0  # seconds: far beyond any hot save here; only a save blocked on S3 gets there
+FAULTS = tuple(m for m in MODES if m != "healthy")
+ONE_TRY = RetryPolicy(attempts=1, deadline=5.0, initial=0.01, maximum=0.05)
+FAST_MIGRATION = MigrationConfig(retry=ONE_TRY, commit_timeout=5.0, poll_interval=0.05)
+
+
+def state_for(step: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(128, 256, generator=gen), "b": torch.arange(step, step + 1000)}
+
+
+def blank() -> dict[str, torch.Tensor]:
+    return {"w": torch.zeros(128, 256), "b": torch.zeros(1000, dtype=torch.int64)}
+
+
+def in_background(fn: Callable[[], object]) -> tuple[threading.Thread, dict[str, Any]]:
+    """``fn()`` on a thread; the box gets its ``value`` or its ``error``."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as err:  # CheckpointException is no Exception
+            box["error"] = err
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, box
+
+
+def returns(fn: Callable[[], T], what: str) -> T:
+    """``fn()``, run on a thread; fails the test if it has not returned after ``HANG`` s."""
+    thread, box = in_background(fn)
+    thread.join(HANG)
+    if thread.is_alive():
+        pytest.fail(f"{what} did not return within {HANG:.0f}s: it is blocked on the cold tier")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")  # type: ignore[return-value]
+
+class ColdTier:
+    """The test's S3 cold tier: reached through ``proxy``, inspected directly on moto."""
+
+    def __init__(self, tmp_path: Path, proxy: FaultProxy, endpoint: str, bucket: str) -> None:
+        self.hot = str(tmp_path / "hot")  # fresh per test: migrators are cached by (hot, cold)
+        self.url = f"s3://{bucket}/run"
+        self.proxy = proxy
+        self._endpoint = endpoint
+
+    def options(self, *, through_proxy: bool = True) -> dict[str, Any]:
+        # Short client timeouts while stalled, so that a stalled request (not the save: it
+        # never waits on S3) fails in a second and the test's migrator moves on.
+        timeout = 1 if self.proxy.mode == "stall" else 30
+        return {"endpoint_url": self.proxy.url if through_proxy else self._endpoint,
+                "key": "testing", "secret": "testing", "region": "us-west-2", "retry": ONE_TRY,
+                "s3fs_options": {"config_kwargs": {"connect_timeout": timeout,
+                                                   "read_timeout": timeout}}}
+
+    def direct(self) -> Tier:
+        return Tier("cold", self.url, self.options(through_proxy=False))
+
+    def migrators(self) -> list[Migrator]:
+        return [m for m in active_migrators() if m.hot.url == self.hot]
+
+    def drain(self) -> None:
+        for migrator in self.migrators():
+            assert migrator.wait(HANG), "the background migrator did not finish its jobs"
+
+
+@pytest.fixture
+def cold(tmp_path: Path, s3_endpoint: str, s3_bucket: str,
+         monkeypatch: pytest.MonkeyPatch) -> Iterator[ColdTier]:
+    # A failing migration must not hold the test process at exit (atexit drain).
+    monkeypatch.setenv("TIERSTORE_EXIT_WAIT", "0")
+    proxy = FaultProxy(s3_endpoint)
+    tier = ColdTier(tmp_path, proxy, s3_endpoint, s3_bucket)
+    try:
+        yield tier
+    finally:
+        proxy.close()  # drops stalled requests; from now on connections are refused
+        for migrator in tier.migrators():
+            migrator.wait(HANG)
+
+
+def load_hot(hot: str, step: int) -> dict[str, torch.Tensor]:
+    target = blank()
+    dcp.load(target, storage_reader=TieredReader(hot, step=step))
+    return target
+
+
+def load_cold_alone(cold: ColdTier, step: int) -> dict[str, torch.Tensor]:
+    target = blank()
+    dcp.load(target, storage_reader=TieredReader(None, cold.url, step=step,
+                                                 cold_options=cold.options(through_proxy=False)))
+    return target
+
+
+def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == want.keys()
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+
+
+def assert_committed_hot(cold: ColdTier, steps: list[int], *, kept: list[int] | None = None
+                         ) -> None:
+    """``steps`` are committed on hot and load bit-exact from it; ``kept``: those that must
+    still be there (hot pruning may already have removed the others, once migrated)."""
+    on_hot = [c.step for c in list_checkpoints(cold.hot)]
+    assert set(kept if kept is not None else steps) <= set(on_hot) <= set(steps), on_hot
+    for step in on_hot:
+        assert step is not None
+        assert_same(load_hot(cold.hot, step), state_for(step))
+
+
+def assert_migration(cold: ColdTier, mode: str, steps: list[int]) -> None:
+    """Healthy: migrated. Down: failed, visibly; then lifted, migrate_pending finishes it."""
+    cold.drain()
+    statuses = [s for m in cold.migrators() for s in m.status()]
+    names = {layout.default_name(step) for step in steps}
+    assert {s.name for s in statuses} == names
+    direct = cold.direct()
+    if mode == "healthy":
+        assert all(s.state is MigrationState.COMMITTED for s in statuses), statuses
+    else:
+        assert all(s.state is MigrationState.FAILED and s.error for s in statuses), statuses
+        assert all(direct.find_manifest(name) is None for name in names)
+        cold.proxy.mode = "healthy"
+        finished = returns(lambda: migrate_pending(cold.hot, cold.url,
+                                                   cold_options=cold.options()),
+                           "migrate_pending")
+        assert sorted(s.name for s in finished) == sorted(names)
+        assert all(s.state is MigrationState.COMMITTED for s in finished), finished
+    for step in steps:
+        assert direct.find_manifest(layout.default_name(step)) is not None
+        assert_same(load_cold_alone(cold, step), state_for(step))
+
+
+def writer(cold: ColdTier, step: int) -> TieredWriter:
+    return TieredWriter(cold.hot, cold.url, step=step, cold_options=cold.options(),
+                        migration=FAST_MIGRATION)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_save_commits_on_hot_whatever_the_cold_tier_does(cold: ColdTier, mode: str) -> None:
+    cold.proxy.mode = mode
+    returns(lambda: dcp.save(state_for(1), storage_writer=writer(cold, 1)), "dcp.save")
+    assert Tier("hot", cold.hot).find_manifest(layout.default_name(1)) is not None
+    assert_committed_hot(cold, [1])
+    assert_migration(cold, mode, [1])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_async_save_commits_on_hot_whatever_the_cold_tier_does(cold: ColdTier, mode: str) -> None:
+    cold.proxy.mode = mode
+    returns(lambda: dcp.async_save(state_for(2), storage_writer=writer(cold, 2)).result(),
+            "dcp.async_save(...).result()")
+    assert_committed_hot(cold, [2])
+    assert_migration(cold, mode, [2])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_manager_saves_every_step_and_reports_the_cold_tier(cold: ColdTier, mode: str) -> None:
+    cold.proxy.mode = mode
+    manager = returns(lambda: CheckpointManager(cold.hot, cold.url, save_every=1,
+                                                cold_options=cold.options(),
+                                                migration=FAST_MIGRATION),
+                      "CheckpointManager()")
+
+    def train() -> None:
+        for step in (1, 2, 3):
+            manager.save(step, state_for(step))
+        manager.wait(migrations=False)
+
+    returns(train, "CheckpointManager.save x3 + wait(migrations=False)")
+    # The hot policy keeps the last 2; a checkpoint the cold tier never confirmed is kept
+    # too, so with the cold tier down all three stay.
+    assert_committed_hot(cold, [1, 2, 3], kept=[2, 3] if mode == "healthy" else [1, 2, 3])
+    cold.drain()
+    health = manager.health()  # where training looks: the failures are there, not silent
+    assert (health.saves_ok, health.saves_failed, health.last_saved_step) == (3, 0, 3), health
+    assert health.last_error is None and health.migrations_pending == 0, health
+    if mode == "healthy":
+        assert health.ok and not health.migrations_failed, health
+    else:
+        assert not health.ok, health
+        assert sorted(s.step or 0 for s in health.migrations_failed) == [1, 2, 3], health
+        assert all(s.error for s in health.migrations_failed), health
+    assert_migration(cold, mode, [1, 2, 3])
+    returns(manager.close, "CheckpointManager.close()")
+
+
+@pytest.mark.parametrize("mode", ("stall", "refuse"))
+def test_building_writer_and_manager_never_touches_the_cold_tier(cold: ColdTier, mode: str
+                                                                 ) -> None:
+    cold.proxy.mode = mode
+    built = returns(lambda: writer(cold, 1), "TieredWriter()")
+    assert built.cold is not None
+    returns(lambda: CheckpointManager(cold.hot, cold.url, cold_options=cold.options(),
+                                      migration=FAST_MIGRATION), "CheckpointManager()")
+    assert cold.proxy.seen() == []  # not a single request reached the cold tier
+
+
+
+def test_fault_proxy_modes_do_what_they_say(s3_endpoint: str, s3_bucket: str) -> None:
+    """The proxy itself: without this, a mode that silently forwarded would make the tests
+    above pass for the wrong reason."""
+    boto3 = pytest.importorskip("boto3")
+    from botocore.config import Config
+    from botocore.exceptions import ClientError, EndpointConnectionError, ReadTimeoutError
+
+    proxy = FaultProxy(s3_endpoint)
+
+    def client(read_timeout: float = 30.0) -> Any:
+        return boto3.client("s3", endpoint_url=proxy.url, region_name="us-west-2",
+                            aws_access_key_id="testing", aws_secret_access_key="testing",
+                            config=Config(retries={"total_max_attempts": 1},
+                                          connect_timeout=5, read_timeout=read_timeout))
+
+    def code(call: Callable[[], Any]) -> str:
+        with pytest.raises(ClientError) as info:
+            call()
+        return str(info.value.response["Error"]["Code"])
+
+    s3 = client()
+    try:
+        s3.put_object(Bucket=s3_bucket, Key="probe", Body=b"x")
+        proxy.mode = "deny_writes"
+        assert code(lambda: s3.put_object(Bucket=s3_bucket, Key="probe", Body=b"y")) == "AccessDenied"
+        assert code(lambda: s3.delete_object(Bucket=s3_bucket, Key="probe")) == "AccessDenied"
+        assert s3.get_object(Bucket=s3_bucket, Key="probe")["Body"].read() == b"x"  # reads pass
+        proxy.mode = "refuse"
+        with pytest.raises(EndpointConnectionError):
+            s3.head_object(Bucket=s3_bucket, Key="probe")
+        proxy.mode = "stall"
+        with pytest.raises(ReadTimeoutError):  # accepted, read, never answered
+            client(read_timeout=0.5).head_object(Bucket=s3_bucket, Key="probe")
+        waiter, box = in_background(lambda: s3.head_object(Bucket=s3_bucket, Key="probe"))
+        waiter.join(0.5)
+        assert waiter.is_alive()  # still stalled
+        proxy.mode = "healthy"  # the stall ends: the stalled request is dropped unanswered
+        waiter.join(HANG)
+        assert not waiter.is_alive() and "error" in box, box
+        assert s3.get_object(Bucket=s3_bucket, Key="probe")["Body"].read() == b"x"  # same URL
+        proxy.mode = "stall"
+        waiter, box = in_background(lambda: s3.head_object(Bucket=s3_bucket, Key="probe"))
+        waiter.join(0.5)
+        proxy.close()  # closing lets stalled requests go too
+        waiter.join(HANG)
+        assert not waiter.is_alive() and "error" in box, box
+    finally:
+        proxy.close()
