@@ -50,7 +50,6 @@ class GCSWriter(ObjectWriter):
         self._offset = 0  # object offset of _buf[0]
         self._persisted = 0  # bytes GCS confirmed
         self._session: str | None = None
-        self._finalizing = False  # a request that may create the object was sent
 
     # -- buffering -------------------------------------------------------------------
 
@@ -148,7 +147,6 @@ class GCSWriter(ObjectWriter):
     # -- commit and abort ------------------------------------------------------------
 
     def _upload(self) -> dict[str, Any]:
-        self._finalizing = True
         if self._session is not None:
             return self._finish()
         data = memoryview(self._buf)[: self._filled]
@@ -167,12 +165,12 @@ class GCSWriter(ObjectWriter):
         self._backend._verify(self.key, resource, self.size, self.crc32c)
 
     def _cleanup(self) -> None:
+        # Never delete the key here: the failed request may have created the object (our
+        # own bytes, CRC32C-checked by GCS), but another migrator of the same checkpoint may
+        # have stored its verified copy there too, and a delete cannot tell them apart.
+        # Nothing vouches for an object until it is checked in place (tierstore.migrator).
         if self._session is not None:
             self._backend._cancel_session(self.key, self._session)
-        if self._finalizing:
-            # The failed request may still have created the object; keys are unique to
-            # one attempt (DESIGN.md invariant 3), so removing it loses nothing.
-            self._backend._discard(self.key)
 
     def _abort(self) -> None:
         self._buf = bytearray()

@@ -281,3 +281,42 @@ def test_fault_proxy_modes_do_what_they_say(s3_endpoint: str, s3_bucket: str) ->
         assert not waiter.is_alive() and "error" in box, box
     finally:
         proxy.close()
+
+
+# -- issue 12: a second migrator never undoes the first ---------------------------------------
+
+
+def _upload_as_a_racing_migrator(migrator: Migrator, job: Any, entry: Any,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Upload ``entry`` as a second migrator that looked before the first one wrote (so it
+    found no verified copy) would."""
+    import tierstore.migrator as migrator_mod
+
+    with monkeypatch.context() as patch:
+        patch.setattr(migrator_mod, "has_verified_copy", lambda *a, **k: False)
+        migrator._upload_file(job, entry)
+
+
+def test_a_throttled_second_migrator_never_deletes_a_committed_object(
+        cold: ColdTier, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tierstore.migrator as migrator_mod
+    from tierstore.migrator import _Job
+
+    dcp.save(state_for(1), storage_writer=TieredWriter(cold.hot, step=1))
+    done = migrate_pending(cold.hot, cold.url, cold_options=cold.options(through_proxy=False),
+                           config=FAST_MIGRATION)
+    assert done[0].state is MigrationState.COMMITTED
+    manifest = Tier("hot", cold.hot).find_manifest("step-0000000001")
+    assert manifest is not None
+    cold.proxy.add("slowdown", method="PUT", times=10_000)  # every upload: 503 SlowDown
+    cold.proxy.add("slowdown", method="POST", times=10_000)
+    second = Migrator(Tier("hot", cold.hot), Tier("cold", cold.url, cold.options()), FAST_MIGRATION)
+    try:
+        for entry in manifest.files:
+            job = _Job(manifest.name, manifest.attempt, manifest.step, entry.rank, (entry,), 0.0)
+            # Before: each retry deleted the key first, so the committed object was gone.
+            with pytest.raises(migrator_mod._Failed):
+                _upload_as_a_racing_migrator(second, job, entry, monkeypatch)
+    finally:
+        second.close()
+    assert_same(load_cold_alone(cold, 1), state_for(1))

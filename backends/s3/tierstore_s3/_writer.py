@@ -155,7 +155,6 @@ class S3ObjectWriter(ObjectWriter):
         self._backend = backend
         self._part = _Part()  # the first part grows: most objects are small
         self._upload: _MultipartUpload | None = None
-        self._sent = False  # the final PUT or completion was sent: the object may exist
 
     def _write(self, view: memoryview) -> None:
         part_size = self._backend.part_size
@@ -179,13 +178,11 @@ class S3ObjectWriter(ObjectWriter):
         try:
             if self._upload is None:
                 part, self._part = self._part, _Part()
-                self._sent = True
                 self._backend.retrying("upload", self.key, lambda: self._backend.put(
                     self.key, part.body(), self.crc32c))
                 part_crcs: list[int] = []
             else:
                 self._ship_part(last=True)
-                self._sent = True
                 self._upload.complete(self.crc32c)
                 part_crcs = self._upload.part_crcs
             self._verify(part_crcs)
@@ -198,10 +195,22 @@ class S3ObjectWriter(ObjectWriter):
         head = self._backend.head(self.key)
         size = int(head["ContentLength"])
         if size != self.size:
+            self._remove_bad(head)
             raise self._mismatch("size", f"{self.size} bytes", f"{size} bytes")
         stored = head.get("ChecksumCRC32C")
         if stored and stored not in _checksum.accepted_values(self.crc32c, part_crcs):
+            self._remove_bad(head)
             raise self._mismatch("CRC32C", _checksum.encode(self.crc32c), stored)
+
+    def _remove_bad(self, head: dict[str, Any]) -> None:
+        """Delete the object S3 holds under our key with other bytes than we sent, but only
+        that object (``If-Match`` its ETag): no good copy of anything has its size or CRC32C,
+        and a good copy another migrator puts there meanwhile has another ETag and stays."""
+        try:
+            self._backend.call("delete_object", self.key, Key=self._backend.full_key(self.key),
+                               IfMatch=head["ETag"])
+        except Exception as err:  # best effort: the mismatch is raised all the same
+            log.warning("left a damaged upload %s in %s: %s", self.key, self._backend.label, err)
 
     def _mismatch(self, what: str, expected: str, actual: str) -> ChecksumMismatch:
         return ChecksumMismatch(
@@ -209,15 +218,16 @@ class S3ObjectWriter(ObjectWriter):
             key=self.key, tier=self._backend.label, expected=expected, actual=actual)
 
     def _discard(self) -> None:
-        """Leave nothing behind: abort the upload, delete a completed but bad object."""
+        """Abort our multipart upload; never delete the key.
+
+        An object under the key may be another migrator's verified copy of the same file
+        (several migrators may upload one checkpoint at once), or ours, landed despite the
+        error we got. S3 checks each PUT's CRC32C, so whatever is stored there holds these
+        very bytes, or is a damaged object that a later upload replaces; no manifest vouches
+        for it until it is checked in place (see tierstore.migrator). Deleting here is what
+        let a throttled second migrator remove a committed object.
+        """
         self._abort()
-        if not self._sent:
-            return
-        try:  # keys are unique to one attempt (DESIGN.md invariant 3): ours to delete
-            self._backend.delete(self.key)
-        except Exception as err:
-            log.warning("could not delete failed upload %s in %s: %s", self.key,
-                        self._backend.label, err)
 
     def _abort(self) -> None:
         self._part = _Part()
