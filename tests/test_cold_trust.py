@@ -281,3 +281,23 @@ def test_a_save_sends_nothing_to_the_cold_tier(store: tuple[str, str], mode: str
 def test_unknown_scheme_is_reported_when_the_writer_is_built(tmp_path: Path) -> None:
     with pytest.raises(BackendNotFound, match="nosuch"):
         TieredWriter(str(tmp_path / "hot"), "nosuch://bucket/run", step=1)
+
+
+def test_a_migrator_finds_its_checkpoint_committed_by_another(store: tuple[str, str]) -> None:
+    """Found by the multi-actor machine: the trainer's migrator was held after uploading;
+    `tierstore migrate` committed the checkpoint and removed every upload mark; the trainer's
+    migrator then waited the whole commit_timeout for marks that would never come, and
+    reported a failure for a checkpoint that was committed."""
+    hot, cold = store
+    save(hot, None, 1)
+    manifest = Tier("hot", hot).find_manifest("step-0000000001")
+    assert manifest is not None
+    trainer = Migrator(Tier("hot", hot), Tier("cold", cold), FAST)
+    job = _Job(manifest.name, manifest.attempt, manifest.step, 0, manifest.files_of_rank(0), 0.0,
+               manifest=manifest)
+    trainer._upload_rank(job)  # uploaded and marked; now held before waiting for the marks
+    assert migrate_pending(hot, cold, config=FAST)[0].state is MigrationState.COMMITTED
+    assert not list((Path(cold) / layout.UPLOAD_DIR).rglob("*.json"))  # marks cleared
+    trainer._commit(manifest)  # before: _Failed "no upload mark from ranks [0]" after 5 s
+    trainer.close()
+    assert states(hot, cold) == {1: "committed"}

@@ -321,7 +321,11 @@ class Migrator:
         return info.size == entry.size and info.crc32c in (None, entry.crc32c)
 
     def _commit(self, manifest: Manifest) -> None:
-        self._await_marks(manifest)
+        if self._await_marks(manifest):  # another migrator committed it meanwhile
+            cold_id = marks.store_id(self.cold, create=True)
+            assert cold_id is not None
+            marks.mark_migrated(self.hot, manifest, cold_id)
+            return
         cold_id = marks.store_id(self.cold, create=True)
         assert cold_id is not None  # created if it was missing
         faults.point("migrator.before_cold_publish")
@@ -360,7 +364,10 @@ class Migrator:
         except TierstoreError as err:
             log.info("left upload marks of %s for GC: %s", manifest.name, err)
 
-    def _await_marks(self, manifest: Manifest) -> None:
+    def _await_marks(self, manifest: Manifest) -> bool:
+        """Wait until every rank's mark is there (``False``), or until another migrator has
+        committed this very attempt (``True``: it also removed the marks, so waiting on would
+        only run into the timeout)."""
         ranks = sorted({f.rank for f in manifest.files})
         deadline = time.monotonic() + self.config.commit_timeout
         delay = self.config.poll_interval
@@ -369,7 +376,10 @@ class Migrator:
             missing = [r for r in ranks if r not in done and not self._rank_uploaded(manifest, r)]
             done.update(r for r in ranks if r not in missing)
             if not missing:
-                return
+                return False
+            if self._committed_by_another(manifest):
+                log.info("%s was committed in %s by another migrator", manifest.name, self.cold.label)
+                return True
             for rank in missing:
                 failure = marks.read_failure(self.cold, manifest.name, manifest.attempt, rank)
                 if failure is not None:
@@ -379,6 +389,12 @@ class Migrator:
                                                 f"{self.config.commit_timeout:.0f}s")
             self._sleep(delay)
             delay = min(delay * 2, 10.0)
+
+    def _committed_by_another(self, manifest: Manifest) -> bool:
+        try:
+            return self.cold.find_manifest(manifest.name) == manifest
+        except IntegrityError:
+            return False  # an invalid cold manifest commits nothing; the publish will say so
 
     def _rank_uploaded(self, manifest: Manifest, rank: int) -> bool:
         """Has ``rank`` uploaded its files? Its mark says so; a damaged or wrong mark is

@@ -90,7 +90,8 @@ def migrate_pending(hot: TierURL, cold: TierURL, *, hot_options: dict[str, Any] 
     """Finish every pending migration now, in this process, from a hot tier holding all files.
 
     Ranks whose upload mark exists and files already stored intact are skipped. Returns
-    each checkpoint's final status; failures are reported there, not raised.
+    each checkpoint's final status; a checkpoint's failure is reported there, not raised.
+    A tier that cannot be read at all (the cold tier down) raises its storage error.
     """
     hot_tier, cold_tier = make_tiers(hot, cold, hot_options=hot_options, cold_options=cold_options)
     migrator = Migrator(hot_tier, cold_tier, config)
