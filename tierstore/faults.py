@@ -2,10 +2,10 @@
 
 Code marks the moments a crash could matter with ``faults.point("writer.after_file_write")``.
 Tests arm points to raise :class:`~tierstore.errors.FaultInjected`, to ``SIGKILL`` the
-process (or its whole process group), to exit, to raise ``OSError(ENOSPC)`` (a full disk) or to sleep
-(``TIERSTORE_FAULT_SLEEP`` seconds, default 2: widens a race window), either in code
-(:func:`arm`) or, for subprocesses, through the ``TIERSTORE_FAULTS`` environment variable
-read at import::
+process (or its whole process group), to exit, to raise ``OSError(ENOSPC)`` (a full disk), to sleep
+(``TIERSTORE_FAULT_SLEEP`` seconds, default 2: widens a race window) or to block until a test
+releases it, either in code (:func:`arm`) or, for subprocesses, through the ``TIERSTORE_FAULTS``
+environment variable read at import::
 
     TIERSTORE_FAULTS="writer.after_file_write@2=kill"   # 2nd time this point is passed
     TIERSTORE_FAULTS="*@7=kill"                         # 7th point passed, whatever its name
@@ -14,6 +14,14 @@ A spec is ``pattern[@hit]=action`` (pattern in :mod:`fnmatch` syntax, ``hit`` co
 spec from 1, default 1), several separated by ``;``. With ``TIERSTORE_FAULT_TRACE=PATH``
 every point passed is appended to ``PATH`` (one name per line, with the pid), which is how
 the crash suite learns the points an operation passes and picks one by index.
+
+``block`` forces an interleaving across threads and processes (forked or spawned): the point
+creates ``<dir>/<point>.<pid>.reached`` in the directory named by ``TIERSTORE_FAULT_BLOCK_DIR``,
+then waits until ``<dir>/<point>.release`` or ``<dir>/release-all`` exists (polling every few
+milliseconds). A test starts operation A blocked at a point, runs operation B to its end,
+releases A and checks the outcome (``tests/crash/gates.py``). A point never released raises
+:class:`~tierstore.errors.FaultInjected` after ``TIERSTORE_FAULT_BLOCK_TIMEOUT`` seconds
+(default 60), so a broken test fails instead of hanging.
 """
 
 from __future__ import annotations
@@ -28,12 +36,17 @@ from dataclasses import dataclass
 
 from tierstore.errors import ConfigError, FaultInjected
 
-__all__ = ["point", "arm", "disarm", "armed", "parse_spec", "ENV", "TRACE_ENV", "ACTIONS"]
+__all__ = ["point", "arm", "disarm", "armed", "parse_spec", "ENV", "TRACE_ENV", "ACTIONS",
+           "BLOCK_DIR_ENV", "BLOCK_TIMEOUT_ENV", "RELEASE_ALL"]
 
 ENV = "TIERSTORE_FAULTS"
 TRACE_ENV = "TIERSTORE_FAULT_TRACE"
-ACTIONS = ("raise", "kill", "killgroup", "exit", "enospc", "sleep")
+ACTIONS = ("raise", "kill", "killgroup", "exit", "enospc", "sleep", "block")
 SLEEP_ENV = "TIERSTORE_FAULT_SLEEP"
+BLOCK_DIR_ENV = "TIERSTORE_FAULT_BLOCK_DIR"
+BLOCK_TIMEOUT_ENV = "TIERSTORE_FAULT_BLOCK_TIMEOUT"
+RELEASE_ALL = "release-all"
+_BLOCK_POLL = 0.005
 
 
 @dataclass
@@ -109,6 +122,26 @@ def _fire(name: str) -> None:
         raise OSError(errno.ENOSPC, f"No space left on device (injected at {name})")
     elif action == "sleep":
         time.sleep(float(os.environ.get(SLEEP_ENV, "2")))
+    elif action == "block":
+        _block(name)
+
+
+def _block(name: str) -> None:
+    """Wait, outside the lock (other threads pass their points meanwhile), for a release."""
+    directory = os.environ.get(BLOCK_DIR_ENV)
+    if not directory:
+        raise ConfigError(f"fault point {name} armed to block, but {BLOCK_DIR_ENV} is not set")
+    timeout = float(os.environ.get(BLOCK_TIMEOUT_ENV, "60"))
+    releases = (os.path.join(directory, f"{name}.release"), os.path.join(directory, RELEASE_ALL))
+    reached = os.path.join(directory, f"{name}.{os.getpid()}.reached")
+    with open(reached + ".tmp", "w"):
+        pass
+    os.replace(reached + ".tmp", reached)  # whoever sees it sees the process already waiting
+    deadline = time.monotonic() + timeout
+    while not any(os.path.exists(path) for path in releases):
+        if time.monotonic() > deadline:
+            raise FaultInjected(f"fault point {name} blocked for {timeout:.0f}s and was never released")
+        time.sleep(_BLOCK_POLL)
 
 
 def _arm_from_env() -> None:

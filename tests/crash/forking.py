@@ -48,7 +48,7 @@ class Outcome:
 
 
 def _child(fn: Callable[[int], Any], rank: int, world: int, store: str | None, crash_at: int | None,
-           action: str, trace: str, out: str, env: dict[str, str]) -> None:
+           action: str, trace: str, out: str, env: dict[str, str], block: str | None = None) -> None:
     code = 0
     try:
         os.environ.update(env)
@@ -57,6 +57,8 @@ def _child(fn: Callable[[int], Any], rank: int, world: int, store: str | None, c
         faults._trace_path = trace
         if crash_at is not None:
             faults.arm("*", action, hit=crash_at)
+        if block is not None:  # held there until the test releases it (gates.py)
+            faults.arm(block, "block")
         if world > 1:
             import torch.distributed as dist
 
@@ -86,22 +88,55 @@ def run(fn: Callable[[int], Any], *, world: int = 1, crash_at: int | None = None
     The children form a process group of their own, so the default action kills the whole
     job at the victim's point at once: no survivor makes timing-dependent progress.
     """
+    return start(fn, world=world, crash_at=crash_at, victim=victim, action=action,
+                 env=env).wait(timeout)
+
+
+@dataclass
+class Job:
+    """Forked children still running (see :func:`start`)."""
+
+    pids: list[int]
+    scratch: str
+    victim: int
+
+    def wait(self, timeout: float = 120.0) -> Outcome:
+        codes = _wait_all(self.pids, timeout)
+        return _collect(self.scratch, codes, self.victim)
+
+    def kill(self) -> None:
+        """SIGKILL the whole job at once, wherever it is (a node losing power)."""
+        try:
+            os.killpg(self.pids[0], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def start(fn: Callable[[int], Any], *, world: int = 1, crash_at: int | None = None, victim: int = 0,
+          action: str = "killgroup", env: dict[str, str] | None = None,
+          block: str | None = None) -> Job:
+    """Like :func:`run`, but return at once; rank ``victim`` may also ``block`` at a point."""
     scratch = tempfile.mkdtemp(prefix="tierstore-fork-")
     store = os.path.join(scratch, "pg-store") if world > 1 else None
     pids: list[int] = []
     for rank in range(world):
         trace, out = os.path.join(scratch, f"trace-{rank}"), os.path.join(scratch, f"out-{rank}")
         armed = crash_at if rank == victim else None
+        held = block if rank == victim else None
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the child never returns
             os.setpgid(0, pids[0] if pids else 0)
-            _child(fn, rank, world, store, armed, action, trace, out, env or {})
+            _child(fn, rank, world, store, armed, action, trace, out, env or {}, held)
         try:
             os.setpgid(pid, pids[0] if pids else pid)  # also from here: no race with the child
         except (PermissionError, ProcessLookupError):
             pass
         pids.append(pid)
-    codes = _wait_all(pids, timeout)
+    return Job(pids, scratch, victim)
+
+
+def _collect(scratch: str, codes: list[int], victim: int) -> Outcome:
+    world = len(codes)
     results, errors, types, points = [], [], [], []
     for rank in range(world):
         out, trace = os.path.join(scratch, f"out-{rank}"), os.path.join(scratch, f"trace-{rank}")

@@ -1,7 +1,8 @@
 """The crash-consistency state machine: random saves, migrations, prunes, loads, corruptions
 and recoveries, each possibly SIGKILLed at any fault point it passes.
 
-Each operation runs in forked children (see ``forking``). Before running it for real, the
+Each operation runs in forked children (see ``forking``); one rule saves while the cold tier
+is unreachable (its mount point replaced by a file) and migrates once it is back. Before running it for real, the
 machine runs it once on a scratch copy of the store with tracing on, learns the fault points
 it passes, and lets hypothesis pick one as the crash point (or none), so every crash lands
 on a real point and every example replays deterministically.
@@ -50,7 +51,8 @@ class CrashConsistency(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.root = Path(tempfile.mkdtemp(prefix="tierstore-crash-"))
-        self.hot, self.cold = str(self.root / "hot"), str(self.root / "cold")
+        # The cold tier sits under a "mount point" that save_while_cold_is_down takes away.
+        self.hot, self.cold = str(self.root / "hot"), str(self.root / "mnt" / "cold")
         self.next_step = 1
         # Copies the test damaged on purpose: only these may fail to load. (Whether a copy
         # is *actually* damaged is computed by _damaged: two flips of one byte cancel.)
@@ -199,6 +201,46 @@ class CrashConsistency(RuleBasedStateMachine):
         else:  # per-file fallback can succeed even with both copies damaged; failing needs one
             assert all((role, newest.name) in self.touched for role in holders), outcome.errors
             assert outcome.error_types[0] in ("ChecksumMismatch", "ObjectNotFound", "IntegrityError"), outcome.errors
+
+    @rule(world=st.sampled_from([1, 2]), mode=st.sampled_from(["sync", "thread"]))
+    def save_while_cold_is_down(self, world: int, mode: str) -> None:
+        """The cold tier unreachable while a job saves: the save commits on hot, migration
+        fails and says so (never into training), and `tierstore migrate` finishes it later."""
+        step, self.next_step = self.next_step, self.next_step + 1
+        mount = Path(self.cold).parent
+        mount.mkdir(parents=True, exist_ok=True)
+        away = mount.with_name("mnt.away")
+
+        def op(rank: int) -> list[str]:
+            writer = TieredWriter(self.hot, self.cold, step=step, migration=model.FAST)
+            if mode == "sync":
+                dcp.save(model.state_for(step), storage_writer=writer)
+            else:
+                dcp.async_save(model.state_for(step), storage_writer=writer).result()
+            assert writer.migrator is not None
+            writer.migrator.wait(60)
+            return [s.state.value for s in writer.migrator.status()]
+
+        # A regular file where the mount point was: every path under it fails (ENOTDIR), even
+        # for root, whom no permission bit stops; as an unmounted or vanished volume does.
+        mount.rename(away)
+        mount.write_bytes(b"")
+        try:
+            outcome = forking.run(op, world=world)
+        finally:
+            mount.unlink()
+            away.rename(mount)
+        STATS.steps += 1
+        STATS.faults += 1
+        assert outcome.ok, f"a save failed because the cold tier was down: {outcome.errors}"
+        assert layout.default_name(step) in self._listed("hot"), "a save that returned must be committed"
+        assert "committed" not in {s for states in outcome.results for s in states}, outcome.results
+        back = forking.run(lambda rank: [(s.name, s.state.value, s.error)
+                                         for s in migrate_pending(self.hot, self.cold, config=model.FAST)])
+        assert back.ok, back.errors
+        for status in migration_status(self.hot, self.cold):
+            if not self._damaged("hot", status.name):
+                assert status.state is MigrationState.COMMITTED, (status, back.results)
 
     # Every draw below comes from a fixed range and is mapped onto what the store holds, so
     # generation never depends on store state (two-rank crashes make that state racy).

@@ -1,48 +1,34 @@
 """Races between real processes: two writers on one step, and retention racing a save, a
-migration and a load. Fault points armed to sleep hold each operation inside its window."""
+migration and a load. Each race is forced, not hoped for: operation A blocks at a fault
+point inside its window (gates.py), B runs to its end, then A is released."""
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 
+import forking
 import model
 import torch.distributed.checkpoint as dcp
+from gates import Gate
 from stats import STATS
 
-from tierstore import TieredWriter, faults, layout, list_checkpoints
+from tierstore import TieredWriter, layout, list_checkpoints
 from tierstore.gc import collect_garbage
 from tierstore.pending import migrate_pending, migration_status
 from tierstore.prune import prune
 from tierstore.retention import keep_last
-
-HOLD = {"TIERSTORE_FAULT_SLEEP": "1.5"}
 
 
 def save(hot: str, step: int, cold: str | None = None) -> None:
     dcp.save(model.state_for(step), storage_writer=TieredWriter(hot, cold, step=step, migration=model.FAST))
 
 
-def background(fn, *, hold: str) -> int:
-    """Fork ``fn`` with fault point ``hold`` armed to sleep; return the child's pid."""
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child never returns
-        code = 0
-        try:
-            logging.disable(logging.CRITICAL)
-            os.environ.update(HOLD)
-            faults.disarm()
-            faults.arm(hold, "sleep")
-            fn()
-        except BaseException:
-            code = 1
-        os._exit(code)
-    return pid
-
-
-def wait(pid: int) -> int:
-    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+def held(gate: Gate, point: str, fn) -> forking.Job:  # type: ignore[no-untyped-def]
+    """Fork ``fn``, and return once it is blocked at ``point``."""
+    job = forking.start(lambda rank: fn(), block=point, env=gate.env)
+    assert gate.wait_reached(point, pid=job.pids[0]), f"the operation never reached {point}"
+    return job
 
 
 def test_two_writers_on_one_step_commit_exactly_once(tmp_path: Path) -> None:
@@ -51,15 +37,20 @@ def test_two_writers_on_one_step_commit_exactly_once(tmp_path: Path) -> None:
     def writer(seed: int) -> None:
         dcp.save(model.state_for(seed), storage_writer=TieredWriter(hot, step=7))
 
-    # Both pass the "not yet committed" check, then sleep after writing, then both publish.
-    pids = [background(lambda s=seed: writer(s), hold="writer.after_file_write") for seed in (100, 200)]
-    codes = [wait(pid) for pid in pids]
+    # Both pass the "not yet committed" check and write their files; A publishes first.
+    gate_a, gate_b = Gate(tmp_path / "gate-a"), Gate(tmp_path / "gate-b")
+    a = held(gate_a, "writer.after_file_write", lambda: writer(100))
+    b = held(gate_b, "writer.after_file_write", lambda: writer(200))
+    gate_a.release("writer.after_file_write")
+    first = a.wait()
+    gate_b.release("writer.after_file_write")
+    second = b.wait()
     STATS.faults += 1
-    assert sorted(codes) == [0, 1], codes  # one commit; the other got CheckpointExists
+    assert first.ok, first.errors
+    assert second.error_types == ["CheckpointExists"], second.errors  # one commit, A's
     assert [c.step for c in list_checkpoints(hot)] == [7]
     target, _ = model.load(hot, None)
-    winner = (100, 200)[codes.index(0)]
-    assert all(model.torch.equal(target[k], model.state_for(winner)[k]) for k in model.SHAPES)
+    assert all(model.torch.equal(target[k], model.state_for(100)[k]) for k in model.SHAPES)
     assert len(os.listdir(Path(hot, layout.checkpoint_prefix(layout.default_name(7))))) == 2
 
 
@@ -67,17 +58,20 @@ def test_prune_racing_a_load_never_deletes_its_files(tmp_path: Path) -> None:
     hot = str(tmp_path / "hot")
     save(hot, 1)
 
-    def load_step_1() -> None:
+    def load_step_1() -> bool:
         target, _ = model.load(hot, None, layout.default_name(1), lease=True)
-        assert model.matches(target, 1)
+        return model.matches(target, 1)
 
-    pid = background(load_step_1, hold="reader.before_file")  # holds between files
+    gate = Gate(tmp_path / "gate")
+    load = held(gate, "reader.before_file", load_step_1)  # leased, no file read yet
     save(hot, 2)
     save(hot, 3)
     [report] = prune(hot, hot_policy=keep_last(1))  # step 1 goes while it is being read
     STATS.faults += 1
     assert layout.default_name(1) in report.deferred
-    assert wait(pid) == 0  # the load finished, bit-exact
+    gate.release("reader.before_file")
+    outcome = load.wait()
+    assert outcome.ok and outcome.results == [True], outcome.errors  # finished, bit-exact
     assert [c.step for c in list_checkpoints(hot)] == [3]
     collect_garbage(hot, grace=0, dry_run=False)  # the lease is gone: now the data goes
     assert not Path(hot, layout.checkpoint_prefix(layout.default_name(1))).exists()
@@ -87,15 +81,15 @@ def test_prune_racing_a_migration_keeps_the_pending_checkpoint(tmp_path: Path) -
     hot, cold = str(tmp_path / "hot"), str(tmp_path / "cold")
     save(hot, 1)
     save(hot, 2)
-
-    def migrate() -> None:
-        migrate_pending(hot, cold, config=model.FAST)
-
-    pid = background(migrate, hold="transfer.after_chunk")
+    gate = Gate(tmp_path / "gate")
+    migration = held(gate, "transfer.after_chunk",  # step 1's first file half copied
+                     lambda: migrate_pending(hot, cold, config=model.FAST))
     report = prune(hot, cold, hot_policy=keep_last(1), cold_policy=keep_last(5))[0]
     STATS.faults += 1
     assert report.deleted == ()  # step 1 is still pending in cold: protected
-    assert wait(pid) == 0
+    gate.release("transfer.after_chunk")
+    outcome = migration.wait()
+    assert outcome.ok, outcome.errors
     assert {s.state.value for s in migration_status(hot, cold)} == {"committed"}
     for step in (1, 2):
         target, _ = model.load(None, cold, layout.default_name(step))
@@ -105,11 +99,14 @@ def test_prune_racing_a_migration_keeps_the_pending_checkpoint(tmp_path: Path) -
 def test_prune_and_gc_racing_a_save(tmp_path: Path) -> None:
     hot = str(tmp_path / "hot")
     save(hot, 1)
-    pid = background(lambda: save(hot, 2), hold="writer.before_manifest_publish")
+    gate = Gate(tmp_path / "gate")
+    saving = held(gate, "writer.before_manifest_publish", lambda: save(hot, 2))  # files written
     prune(hot, hot_policy=keep_last(1))
     collect_garbage(hot, dry_run=False)  # default grace: the young attempt is not garbage
     STATS.faults += 1
-    assert wait(pid) == 0
+    gate.release("writer.before_manifest_publish")
+    outcome = saving.wait()
+    assert outcome.ok, outcome.errors
     assert [c.step for c in list_checkpoints(hot)] == [1, 2]
     for step in (1, 2):
         target, _ = model.load(hot, None, layout.default_name(step))

@@ -1,0 +1,461 @@
+"""Many actors on one store at once: writers, two migrators of the same checkpoint (the
+trainer's background migrator and `tierstore migrate` in another process), a pruner, GC and
+loaders, interleaved at fault points hypothesis picks, with the object store throttling,
+resetting, stalling and refusing on the wire.
+
+One rule step of :class:`MultiActor` forces one interleaving (gates.py): actor A starts in a
+forked process and blocks at a fault point drawn for it; actor B runs to its end (with
+object-store faults drawn for it); then A is released (with faults of its own) or SIGKILLed.
+The cold tier is moto's S3 behind the fault proxy (s3_fault_proxy.py) for part of the
+examples and a local directory (cheaper, no wire faults) for the others.
+
+Invariants, after every step (checked through a direct, fault-free connection):
+
+1. every file a manifest names is present in its tier and matches its CRC32C (nothing
+   committed is lost or damaged in any tier: this machine damages nothing itself);
+2. every checkpoint committed in a tier loads bit-exact from that tier alone;
+3. a checkpoint leaves a tier only by a prune whose plan dropped it, and leaves the hot tier
+   only once committed in cold (nothing un-migrated is pruned from hot; a hot prune never
+   deletes the last copy);
+4. actors that returned did what they promised, and once the faults stop, `tierstore
+   migrate` commits every pending checkpoint (a damaged upload mark must not block it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import forking
+import model
+import pytest
+import torch.distributed.checkpoint as dcp
+from gates import Gate
+from hypothesis import Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
+from stats import STATS
+
+from tierstore import TieredReader, TieredWriter, layout, list_checkpoints
+from tierstore._transfer import has_verified_copy
+from tierstore.catalog import Tier
+from tierstore.gc import collect_garbage
+from tierstore.manifest import Manifest
+from tierstore.migrator import MigrationState
+from tierstore.pending import migrate_pending, migration_status
+from tierstore.prune import pending_in_cold, plan_prune, prune
+from tierstore.retention import keep_last
+from tierstore.retry import RetryPolicy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "backends" / "s3" / "tests"))
+
+PROFILE = os.environ.get("TIERSTORE_CRASH_PROFILE", "ci")
+# A coordinator whose peers' marks never come waits commit_timeout: short, or one wrong
+# wait costs the CI budget.
+CONFIG = replace(model.FAST, commit_timeout=5)
+
+# Where each actor may be held (gc has no fault points: it only ever runs to its end).
+POINTS: dict[str, tuple[str, ...]] = {
+    "save": ("writer.after_file_write", "writer.before_manifest_publish", "transfer.after_chunk",
+             "migrator.after_file_upload", "migrator.before_mark_publish",
+             "migrator.before_cold_publish", "migrator.after_cold_publish"),
+    "migrate": ("transfer.after_chunk", "migrator.after_file_upload", "migrator.before_mark_publish",
+                "migrator.before_cold_publish", "migrator.after_cold_publish"),
+    "prune": ("prune.before_unpublish", "prune.after_unpublish", "prune.after_file_delete"),
+    "load": ("reader.after_lease", "reader.before_file"),
+}
+ACTORS = ("save", "migrate", "prune", "load", "gc")
+# Wire faults, on the proxy between the actors and moto (S3 examples only). Writes only:
+# the invariants are about what is stored; reads fail the same way through the same code.
+WIRE = ("none", "slowdown", "slowdown-storm", "reset", "lose-answer", "delay", "stall", "refuse",
+        "deny-writes")
+# What two migrators meet (B's list runs the other way: hypothesis starts from the first).
+THROTTLED = ("slowdown-storm", "slowdown", "reset", "none")
+OUTAGE = 0.3  # seconds a stall or refusal lasts
+# What `tierstore migrate`, prune, GC or a load may raise while the cold tier misbehaves (a
+# save never fails for it: migration is never allowed to fail training).
+SURFACED = {None, "TransientStorageError", "StorageError"}
+
+
+@dataclass(frozen=True)
+class Store:
+    hot: str
+    cold: str
+    options: dict[str, Any]  # the actors' cold options (through the proxy)
+    direct: dict[str, Any]  # the checker's (straight to the server, no faults)
+
+
+@dataclass
+class Step:
+    """One actor's run, as the machine planned it."""
+
+    kind: str
+    fn: Callable[[int], Any]
+    world: int = 1
+    save_step: int | None = None
+    doomed: tuple[set[str], set[str]] = (set(), set())
+
+
+class MultiActor(RuleBasedStateMachine):
+    s3: dict[str, Any] | None = None  # set by the S3 test: endpoint, bucket, proxy
+    worlds: tuple[int, ...] = (1, 2)  # ranks a save may have
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.root = Path(tempfile.mkdtemp(prefix="tierstore-multi-"))
+        self.proxy = None
+        if self.s3 is None:
+            self.store = Store(str(self.root / "hot"), str(self.root / "cold"), {}, {})
+        else:
+            self.proxy = self.s3["proxy"]
+            retry = RetryPolicy(attempts=2, deadline=10, initial=0.001, maximum=0.01)
+            base = {"key": "testing", "secret": "testing", "region": "us-west-2", "retry": retry}
+            self.store = Store(str(self.root / "hot"), f"s3://{self.s3['bucket']}/m-{uuid.uuid4().hex[:10]}",
+                               {**base, "endpoint_url": self.proxy.url},
+                               {**base, "endpoint_url": self.s3["endpoint"]})
+        self.next_step = 1
+        self.seen: dict[str, set[str]] = {"hot": set(), "cold": set()}
+        self.ever_cold: set[str] = set()
+        self.may_vanish: dict[str, set[str]] = {"hot": set(), "cold": set()}
+        self.loaded: set[tuple[str, str, str]] = set()
+        self.tiers = {"hot": Tier("hot", self.store.hot), "cold": Tier("cold", self.store.cold, self.store.direct)}
+        self.gate_n = 0
+        STATS.examples += 1
+
+    def teardown(self) -> None:
+        if self.proxy is not None:
+            self.proxy.reset()
+            self.proxy.mode = "healthy"
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    # -- the store as the checker sees it --------------------------------------------------
+
+    def tier(self, role: str) -> Tier:
+        return self.tiers[role]  # one client each: building an S3 client costs ~0.1 s
+
+    def listed(self, role: str) -> dict[str, Manifest]:
+        """The checkpoints committed in ``role``: name -> manifest."""
+        return {m.name: m for m in self.tier(role).manifests()}
+
+    def plan_prune(self, hot_keep: int, cold_keep: int) -> tuple[set[str], set[str]]:
+        hot, cold = self.tier("hot"), self.tier("cold")
+        now = time.time()
+        doomed_hot = plan_prune(hot.manifests(), keep_last(hot_keep), protect=pending_in_cold(hot, cold), now=now)[0]
+        doomed_cold = plan_prune(cold.manifests(), keep_last(cold_keep), now=now)[0]
+        return {m.name for m in doomed_hot}, {m.name for m in doomed_cold}
+
+    # -- actors ----------------------------------------------------------------------------
+
+    def actor(self, kind: str, data: st.DataObject, *, a_in_flight: str | None = None,
+              migrate: bool | None = None) -> Step:
+        s = self.store
+        if kind == "save":
+            step, self.next_step = self.next_step, self.next_step + 1
+            world = data.draw(st.sampled_from(self.worlds), label="ranks")
+            if migrate is None:
+                migrate = data.draw(st.booleans(), label="the trainer migrates")
+            mode = data.draw(st.sampled_from(["sync", "thread"]), label="save mode")
+
+            def save(rank: int) -> list[tuple[str, str, str | None]]:
+                writer = TieredWriter(s.hot, s.cold if migrate else None, step=step,
+                                      cold_options=s.options, migration=CONFIG)
+                if mode == "sync":
+                    dcp.save(model.state_for(step), storage_writer=writer)
+                else:
+                    dcp.async_save(model.state_for(step), storage_writer=writer).result()
+                migrator = writer.migrator
+                if migrator is None:
+                    return []
+                migrator.wait(90)
+                return [(st_.name, st_.state.value, st_.error) for st_ in migrator.status()]
+
+            return Step("save", save, world, save_step=step)
+        if kind == "migrate":
+            def migrate(rank: int) -> list[tuple[str, str, str | None]]:
+                return [(st_.name, st_.state.value, st_.error)
+                        for st_ in migrate_pending(s.hot, s.cold, cold_options=s.options, config=CONFIG)]
+
+            return Step("migrate", migrate)
+        if kind == "prune":
+            hot_keep = data.draw(st.integers(1, 3), label="hot keeps")
+            cold_keep = data.draw(st.integers(1, 3), label="cold keeps")
+            doomed = self.plan_prune(hot_keep, cold_keep)
+
+            def prune_(rank: int) -> None:
+                prune(s.hot, s.cold, hot_policy=keep_last(hot_keep), cold_policy=keep_last(cold_keep),
+                      cold_options=s.options)
+
+            return Step("prune", prune_, doomed=doomed)
+        if kind == "load":
+            def load(rank: int) -> tuple[str, bool] | None:
+                if not list_checkpoints(s.hot, s.cold, cold_options=s.options):
+                    return None
+                target = model.blank()
+                reader = TieredReader(s.hot, s.cold, cold_options=s.options, lease=True)
+                dcp.load(target, storage_reader=reader)
+                assert reader.manifest is not None
+                return reader.manifest.name, model.matches(target, reader.manifest.step)
+
+            return Step("load", load)
+        # GC's grace protects attempts still being written and copies still being uploaded
+        # (by design they are no manifest's yet): zero only while no writer is in flight.
+        grace = 3600.0 if a_in_flight in ("save", "migrate") else 0.0
+
+        def gc(rank: int) -> None:
+            collect_garbage(s.hot, s.cold, grace=grace, dry_run=False, cold_options=s.options)
+
+        return Step("gc", gc)
+
+    # -- wire faults -----------------------------------------------------------------------
+
+    @contextmanager
+    def wire(self, fault: str) -> Iterator[None]:
+        """Object-store faults for the actors while the block runs (S3 examples only)."""
+        proxy = self.proxy
+        if proxy is None or fault == "none":
+            yield
+            return
+        timer = None
+        if fault == "slowdown":
+            proxy.add("slowdown", method="PUT", times=3)
+        elif fault == "slowdown-storm":  # outlasts every retry: uploads fail, are reported
+            proxy.add("slowdown", method="PUT", times=1000)
+        elif fault == "reset":
+            proxy.add("reset", method="PUT", times=3)
+        elif fault == "lose-answer":
+            proxy.add("lose_answer", method="PUT", contains=(layout.MANIFEST_DIR + "/",))
+        elif fault == "delay":
+            proxy.add("delay", delay=0.1, times=5)
+        else:  # the whole cold tier down for a moment: stalled, refusing, or read-only
+            proxy.mode = {"stall": "stall", "refuse": "refuse", "deny-writes": "deny_writes"}[fault]
+            if fault != "deny-writes":
+                timer = threading.Timer(OUTAGE, lambda: setattr(proxy, "mode", "healthy"))
+                timer.start()
+        STATS.faults += 1
+        try:
+            yield
+        finally:
+            if timer is not None:
+                timer.cancel()
+            proxy.mode = "healthy"
+            proxy.reset()
+
+    # -- rules -----------------------------------------------------------------------------
+
+    @rule(data=st.data())
+    def save_alone(self, data: st.DataObject) -> None:
+        step = self.actor("save", data)
+        self.check(step, forking.run(step.fn, world=step.world), faulted=False)
+
+    @rule(data=st.data(), a=st.sampled_from(tuple(POINTS)), pick=st.integers(0, 1 << 16),
+          b=st.sampled_from(ACTORS), wire_b=st.sampled_from(WIRE), wire_a=st.sampled_from(WIRE),
+          finish=st.sampled_from(["release", "release", "kill"]))
+    def interleave(self, data: st.DataObject, a: str, pick: int, b: str, wire_b: str, wire_a: str,
+                   finish: str) -> None:
+        """A blocks at a point; B runs to its end; A is released (or killed there)."""
+        self.force(data, a, POINTS[a][pick % len(POINTS[a])], b, wire_b, wire_a, finish)
+
+    @rule(data=st.data(), point=st.sampled_from(POINTS["migrate"]),
+          wire_b=st.sampled_from(THROTTLED[::-1]), wire_a=st.sampled_from(THROTTLED))
+    def two_migrators_of_one_checkpoint(self, data: st.DataObject, point: str, wire_b: str,
+                                        wire_a: str) -> None:
+        """The trainer's background migrator held mid-migration of its new checkpoint while
+        `tierstore migrate` in another process migrates the same checkpoint, both throttled."""
+        self.force(data, "save", point, "migrate", wire_b, wire_a, "release", migrate=True)
+
+    def force(self, data: st.DataObject, a: str, point: str, b: str, wire_b: str, wire_a: str,
+              finish: str, *, migrate: bool | None = None) -> None:
+        first = self.actor(a, data, migrate=migrate)
+        self.gate_n += 1
+        gate = Gate(self.root / f"gate-{self.gate_n}")
+        job = forking.start(first.fn, world=first.world, block=point, env=gate.env)
+        try:
+            held = gate.wait_reached(point, timeout=60, pid=job.pids[0])
+            second = self.actor(b, data, a_in_flight=a if held else None)
+            with self.wire(wire_b):
+                outcome_b = forking.run(second.fn, world=second.world)
+            self.check(second, outcome_b, faulted=wire_b != "none")
+            with self.wire(wire_a):
+                if finish == "kill" and held:
+                    job.kill()
+                    STATS.faults += 1
+                gate.release(point)
+                outcome_a = job.wait(120)
+        except BaseException:
+            job.kill()
+            job.wait(10)
+            raise
+        STATS.steps += 1
+        if held:
+            STATS.crash_points.add(point)
+        self.last = (a, point, b, wire_b, wire_a, finish)
+        self.check(first, outcome_a, faulted=wire_a != "none" or wire_b != "none")
+
+    @rule(kind=st.sampled_from(["truncated", "wrong-rank", "garbage", "other-files"]),
+          pick=st.integers(0, 1 << 16))
+    def damage_an_upload_mark(self, kind: str, pick: int) -> None:
+        """An upload mark torn or forged (a crash on a store without atomic writes, a
+        careless tool): a hint, never to be trusted, and never allowed to block migration."""
+        hot, cold = self.tier("hot"), self.tier("cold")
+        pending = sorted(pending_in_cold(hot, cold))
+        if not pending:
+            return
+        manifest = hot.find_manifest(pending[pick % len(pending)])
+        assert manifest is not None
+        rank = sorted({f.rank for f in manifest.files})[0]
+        files = [{"path": f.path, "size": f.size, "crc32c": f.crc32c, "rank": f.rank}
+                 for f in manifest.files_of_rank(rank)]
+        good = json.dumps({"rank": rank, "files": files}, sort_keys=True).encode()
+        body = {"truncated": good[: len(good) // 2], "garbage": b"\x00\xffnot json",
+                "wrong-rank": json.dumps({"rank": rank + 1, "files": files}).encode(),
+                "other-files": json.dumps({"rank": rank, "files": files[:-1]}).encode()}[kind]
+        key = layout.upload_mark_key(manifest.name, manifest.attempt, rank)
+        cold.backend.delete(key)
+        cold.backend.publish(key, body)
+        STATS.faults += 1
+
+    @rule()
+    def migrate_once_the_faults_stop(self) -> None:
+        """`tierstore migrate` on a healthy store commits every pending checkpoint."""
+        s = self.store
+        outcome = forking.run(lambda rank: [(x.name, x.state.value, x.error) for x in migrate_pending(
+            s.hot, s.cold, cold_options=s.options, config=CONFIG)])
+        STATS.steps += 1
+        assert outcome.ok, outcome.errors
+        stuck = [x for x in outcome.results[0] if x[1] != "committed"]
+        assert not stuck, f"migration blocked on a healthy store: {stuck}"
+        statuses = migration_status(s.hot, s.cold, cold_options=s.direct)
+        assert all(x.state is MigrationState.COMMITTED for x in statuses), statuses
+
+    # -- what each actor promised ------------------------------------------------------------
+
+    def check(self, step: Step, outcome: forking.Outcome, *, faulted: bool) -> None:
+        if step.kind == "prune":
+            self.may_vanish["hot"] |= step.doomed[0]
+            self.may_vanish["cold"] |= step.doomed[1]
+        if outcome.killed:
+            return
+        if faulted and step.kind != "save" and set(outcome.error_types) <= SURFACED:
+            return  # a tool may give up on an unreachable cold tier, clearly, losing nothing
+        assert outcome.ok, f"{step.kind}: {outcome.errors}"
+        if step.kind == "save":
+            assert step.save_step is not None
+            assert layout.default_name(step.save_step) in self.listed("hot"), "a returned save is committed"
+            states = [x for result in outcome.results for x in result]
+            if not faulted:
+                assert all(x[1] in ("uploaded", "committed") for x in states), states
+        elif step.kind == "migrate" and not faulted:
+            stuck = [x for x in outcome.results[0] if x[1] != "committed"]
+            assert not stuck, f"migration failed with no fault injected: {stuck}"
+        elif step.kind == "prune":
+            left = (step.doomed[0] & set(self.listed("hot"))) | (step.doomed[1] & set(self.listed("cold")))
+            assert not left, f"prune returned but left {sorted(left)}"
+        elif step.kind == "load" and outcome.results[0] is not None:
+            name, exact = outcome.results[0]
+            assert exact, f"load of {name} returned wrong bytes"
+
+    # -- invariants --------------------------------------------------------------------------
+
+    @invariant()
+    def every_file_a_manifest_names_is_stored_intact(self) -> None:
+        for role in ("hot", "cold"):
+            tier = self.tier(role)
+            for manifest in tier.manifests():
+                bad = [f.path for f in manifest.files
+                       if not has_verified_copy(tier, manifest.name, manifest.attempt, f)]
+                assert not bad, f"{role} manifest of {manifest.name} names missing or damaged files {bad}"
+
+    @invariant()
+    def every_committed_checkpoint_loads_from_its_tier(self) -> None:
+        s = self.store
+        for role in ("hot", "cold"):
+            for name, manifest in self.listed(role).items():
+                if (role, name, manifest.attempt) in self.loaded:
+                    continue  # loaded already: its files are re-checked every step above
+                target = model.blank()
+                reader = (TieredReader(s.hot, None, name=name, lease=False) if role == "hot" else
+                          TieredReader(None, s.cold, name=name, cold_options=s.direct, lease=False))
+                try:
+                    dcp.load(target, storage_reader=reader)
+                except BaseException as err:
+                    raise AssertionError(f"{role} copy of {name} does not load: {model.unwrap(err)!r}") from err
+                assert manifest.step is not None and model.matches(target, manifest.step), \
+                    f"{role} copy of {name} loaded wrong bytes"
+                self.loaded.add((role, name, manifest.attempt))
+
+    @invariant()
+    def nothing_leaves_a_tier_but_by_policy_and_hot_only_once_in_cold(self) -> None:
+        now = {role: set(self.listed(role)) for role in ("hot", "cold")}
+        self.ever_cold |= now["cold"]
+        for role in ("hot", "cold"):
+            gone = self.seen[role] - now[role]
+            assert gone <= self.may_vanish[role], f"{role}: {sorted(gone - self.may_vanish[role])} vanished"
+            self.seen[role] = now[role]
+            self.may_vanish[role] = set()
+        lost = (self.seen_ever_hot() - now["hot"]) - self.ever_cold
+        assert not lost, f"pruned from hot before it was ever committed in cold: {sorted(lost)}"
+
+    def seen_ever_hot(self) -> set[str]:
+        self._ever_hot = getattr(self, "_ever_hot", set()) | self.seen["hot"]
+        return self._ever_hot
+
+
+def _forget_the_proxy() -> None:
+    """A forked actor must not keep the proxy's listening socket open: the parent could not
+    refuse connections (or listen again) on that port while the child holds a copy."""
+    proxy = (MultiActor.s3 or {}).get("proxy")
+    for sock in (getattr(getattr(proxy, "_server", None), "socket", None), getattr(proxy, "_hold", None)):
+        if sock is not None:
+            sock.close()  # the child's copy only
+
+
+os.register_at_fork(after_in_child=_forget_the_proxy)
+
+
+def _settings(examples: int, steps: int, *, shrink: bool = True) -> settings:
+    base = settings.get_profile(PROFILE)
+    # Shrinking a failure over a real object store takes many minutes: the full failing
+    # example is printed instead (every step, every draw), and replays from the blob.
+    phases = tuple(p for p in Phase if shrink or p is not Phase.shrink)
+    if PROFILE == "ci":
+        return settings(base, max_examples=examples, stateful_step_count=steps, phases=phases)
+    return settings(base, max_examples=max(1, base.max_examples // 4), phases=phases)  # soak: 500
+
+
+def run_local(machine: type[MultiActor] = MultiActor, config: settings | None = None) -> None:
+    machine.s3 = None
+    run_state_machine_as_test(machine, settings=config or _settings(6, 6))
+
+
+@contextmanager
+def s3_cold(endpoint: str, bucket: str) -> Iterator[None]:
+    from s3_fault_proxy import FaultProxy
+
+    proxy = FaultProxy(endpoint)
+    MultiActor.s3 = {"endpoint": endpoint, "bucket": bucket, "proxy": proxy}
+    try:
+        yield
+    finally:
+        MultiActor.s3 = None
+        proxy.close()
+
+
+def test_multi_actor_local_cold() -> None:
+    run_local()
+
+
+def test_multi_actor_s3_cold_with_wire_faults(s3_endpoint: str, s3_bucket: str) -> None:
+    pytest.importorskip("tierstore_s3", reason="the S3 backend is installed by make test")
+    with s3_cold(s3_endpoint, s3_bucket):
+        run_state_machine_as_test(MultiActor, settings=_settings(4, 6, shrink=False))
