@@ -105,6 +105,8 @@ class Step:
     world: int = 1
     save_step: int | None = None
     doomed: tuple[set[str], set[str]] = (set(), set())
+    keeps: tuple[int, int] | None = None  # a prune's policies: keep_last(hot), keep_last(cold)
+    must_go: tuple[set[str], set[str]] | None = None  # what every plan it may follow deletes
 
 
 class MultiActor(RuleBasedStateMachine):
@@ -196,7 +198,7 @@ class MultiActor(RuleBasedStateMachine):
                 prune(s.hot, s.cold, hot_policy=keep_last(hot_keep), cold_policy=keep_last(cold_keep),
                       cold_options=s.options)
 
-            return Step("prune", prune_, doomed=doomed)
+            return Step("prune", prune_, doomed=doomed, keeps=(hot_keep, cold_keep))
         if kind == "load":
             def load(rank: int) -> tuple[str, bool] | None:
                 if not list_checkpoints(s.hot, s.cold, cold_options=s.options):
@@ -286,6 +288,12 @@ class MultiActor(RuleBasedStateMachine):
             with self.wire(wire_b):
                 outcome_b = forking.run(second.fn, world=second.world)
             self.check(second, outcome_b, faulted=wire_b != "none")
+            if first.keeps is not None:
+                # A prune held before it listed a tier plans from what B left there: both
+                # plans are its policy's (the soak found the model judging by the first alone).
+                later = self.plan_prune(*first.keeps)
+                first.must_go = (first.doomed[0] & later[0], first.doomed[1] & later[1])
+                first.doomed = (first.doomed[0] | later[0], first.doomed[1] | later[1])
             with self.wire(wire_a):
                 if finish == "kill" and held:
                     job.kill()
@@ -359,7 +367,8 @@ class MultiActor(RuleBasedStateMachine):
             stuck = [x for x in outcome.results[0] if x[1] != "committed"]
             assert not stuck, f"migration failed with no fault injected: {stuck}"
         elif step.kind == "prune":
-            left = (step.doomed[0] & set(self.listed("hot"))) | (step.doomed[1] & set(self.listed("cold")))
+            must = step.must_go or step.doomed
+            left = (must[0] & set(self.listed("hot"))) | (must[1] & set(self.listed("cold")))
             assert not left, f"prune returned but left {sorted(left)}"
         elif step.kind == "load" and outcome.results[0] is not None:
             name, exact = outcome.results[0]
