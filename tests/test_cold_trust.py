@@ -301,3 +301,33 @@ def test_a_migrator_finds_its_checkpoint_committed_by_another(store: tuple[str, 
     trainer._commit(manifest)  # before: _Failed "no upload mark from ranks [0]" after 5 s
     trainer.close()
     assert states(hot, cold) == {1: "committed"}
+
+
+def test_a_cold_tier_wiped_and_recreated_under_the_same_url_holds_nothing(store: tuple[str, str]) -> None:
+    """A name that is reused: the bucket emptied and re-created while the trainer runs. The
+    marks name the old tier's identity, which this process had already read once."""
+    import shutil
+    import warnings
+
+    from tierstore import CheckpointManager
+
+    hot, cold = store
+    manager = CheckpointManager(hot, cold, save_every=1, hot_policy=keep_last(1),
+                                cold_policy=keep_last(5), migration=FAST)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in (1, 2):
+            manager.save(step, state_for(step))
+        manager.wait()
+        manager.prune()  # reads (and keeps, for the pre-save check) the cold tier's identity
+        shutil.rmtree(cold)
+        Path(cold).mkdir()
+        manager.save(3, state_for(3), force=True)
+        manager.wait(migrations=False)
+        manager._migrators()[0].wait(30)
+        reports = manager.prune()
+    # Step 3 migrated into the new cold tier; steps 1 and 2 exist only in hot now, and the
+    # old marks (another identity) must not let them go.
+    assert "step-0000000002" not in reports[0].deleted
+    loads_from(hot, None, 2)
+    manager.close()

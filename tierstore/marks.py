@@ -58,9 +58,9 @@ def store_id(tier: Tier, *, create: bool = False) -> str | None:
     Raises :class:`~tierstore.errors.IntegrityError` if the identity object is damaged
     (nothing can then be proved about what the tier holds) and storage errors as they come.
     """
-    cached = getattr(tier, "_store_id", None)
-    if cached is not None:
-        return str(cached)
+    # Read every time (one small GET): a cold tier wiped and re-created under the same URL
+    # gets a new identity, and marks for the old one must stop counting at once. The value
+    # is kept on the Tier only for callers that may send no request (the manager before a save).
     found = _read_store_id(tier)
     if found is None and create:
         body = json.dumps({"store_id": layout.new_store_id(), "created": time.time()}).encode()
@@ -69,8 +69,7 @@ def store_id(tier: Tier, *, create: bool = False) -> str | None:
         except PublishConflict:
             pass  # another migrator named the tier first: theirs is the identity
         found = _read_store_id(tier)
-    if found is not None:
-        tier._store_id = found  # type: ignore[attr-defined]  # immutable once published
+    tier._store_id = found  # type: ignore[attr-defined]
     return found
 
 
