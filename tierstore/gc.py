@@ -202,7 +202,7 @@ def _mark_damaged(tier: Tier, name: str, attempt: str, rank: int, failed: bool) 
     if not failed:
         try:
             marks.read_upload_mark(tier, name, attempt, rank)
-        except (IntegrityError, RecursionError):
+        except IntegrityError:  # every damage, deep JSON included, comes out as this
             return True
         return False
     key = layout.failed_mark_key(name, attempt, rank)

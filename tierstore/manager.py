@@ -326,15 +326,17 @@ class CheckpointManager:
         free = hot.backend.free_bytes()
         if free is None:
             return
-        manifests = hot.manifests()
+        manifests = None  # listed only where needed: this runs before every save
         threshold = self.hot_min_free
         if threshold == "auto":
+            manifests = hot.manifests()
             newest = max(manifests, key=lambda m: (m.step or -1, m.created), default=None)
             threshold = int(newest.total_size * 1.1) if newest is not None else 0
         if free >= int(threshold):
             return
         protect = set()
         if cold is not None:
+            manifests = hot.manifests() if manifests is None else manifests
             cold_id = _known_store_id(cold)
             protect = {m.name for m in manifests if not marks.was_migrated(hot, m, cold_id)}
         report = prune_tier(hot, keep_none(), protect=protect)
