@@ -51,7 +51,7 @@ def zip_crc32(enabled: bool) -> Iterator[None]:
 
 
 def pieces(state: dict[str, torch.Tensor]) -> dict[str, Callable[[], None]]:
-    from tierstore.backend import crc32c_update
+    from tierstore.storage.backend import crc32c_update
 
     def save(crc: bool) -> Callable[[], None]:
         def run() -> None:

@@ -25,7 +25,7 @@ from benchmarks.saves import rotated, save_once
 @contextmanager
 def unverified_reads(enabled: bool) -> Iterator[None]:
     """TieredReader without CRC32C (size checks kept): only to price the verification."""
-    from tierstore import reader as reader_mod
+    from tierstore.commit import reader as reader_mod
 
     original = reader_mod._VerifiedStream
     if not enabled:
@@ -104,8 +104,8 @@ def load_once(ctx: Context, variant: str, target_state: dict[str, Any], local: d
 
 def crc_only(ctx: Context, hot: str) -> float:
     """Seconds to CRC32C this rank's files of the tierstore checkpoint, bytes in memory."""
-    from tierstore.backend import crc32c_update
-    from tierstore.catalog import Tier
+    from tierstore.storage.backend import crc32c_update
+    from tierstore.tiers.tier import Tier
 
     tier = Tier("hot", hot)
     manifest = tier.find_manifest(writers.CKPT)

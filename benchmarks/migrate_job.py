@@ -24,7 +24,7 @@ warnings.filterwarnings("ignore")
 
 def hot_files(hot: str, name: str) -> tuple[list[tuple[str, str]], int]:
     """(local path, relative path) of every file of checkpoint ``name``, and their bytes."""
-    from tierstore.catalog import Tier
+    from tierstore.tiers.tier import Tier
 
     tier = Tier("hot", hot)
     manifest = tier.find_manifest(name)
@@ -37,8 +37,8 @@ def hot_files(hot: str, name: str) -> tuple[list[tuple[str, str]], int]:
 def forget_migration(hot: str, name: str) -> None:
     """Make the hot checkpoint pending again: drop the hot tier's "migrated" mark, if this
     tierstore keeps one (benchmark only: every measurement migrates the same files)."""
-    from tierstore import layout
-    from tierstore.catalog import Tier
+    from tierstore.commit import layout
+    from tierstore.tiers.tier import Tier
 
     tier = Tier("hot", hot)
     for info in list(tier.backend.list(f"{layout.MIGRATED_DIR}/{name}/")):

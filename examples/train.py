@@ -275,7 +275,7 @@ def print_stalls(events: list[dict[str, Any]]) -> None:
     print("  " + ", ".join(f"step {s}: {v * 1000:.0f} ms" for s, v in sorted(stalls.items())))
     if stalls:
         plan = optimal_interval(nodes=64, mtbf_node=30 * 86400, stall=max(stalls.values()))
-        print("  cadence (tierstore.cadence): with this stall, a 64-node job whose nodes fail every "
+        print("  cadence (tierstore.resume.cadence): with this stall, a 64-node job whose nodes fail every "
               f"30 days on average should\n    {plan.describe()}")
 
 

@@ -8,7 +8,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/launch.py, tests/dist_job.py
 
-from tierstore import faults
+from tierstore.storage import faults
 
 
 @pytest.fixture(autouse=True)

@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from tierstore import TieredReader, TieredWriter
-from tierstore.pending import wait_for_migrations
+from tierstore.tiers.status import wait_for_migrations
 
 warnings.filterwarnings("ignore")
 
@@ -160,7 +160,7 @@ def load(spec: dict[str, Any]) -> None:
 
 
 def policy(text: str):  # "last:2|every:10" -> keep_last(2) | keep_every(10)
-    from tierstore import retention
+    from tierstore.lifecycle import retention
 
     parts = [getattr(retention, f"keep_{kind}")(int(arg)) for kind, arg in
              (p.split(":") for p in text.split("|"))]
@@ -211,8 +211,9 @@ def manager_load(spec: dict[str, Any]) -> None:
 def manager_fallback(spec: dict[str, Any]) -> None:
     """Save steps 1 and 2 with a CheckpointManager, flip a byte inside rank 1's shard of
     step 2, then ``load_latest`` on every rank: all must fall back to step 1 together."""
-    from tierstore import CheckpointManager, layout
-    from tierstore.catalog import Tier
+    from tierstore import CheckpointManager
+    from tierstore.commit import layout
+    from tierstore.tiers.tier import Tier
 
     world, rank = dist.get_world_size(), dist.get_rank()
     model, optim = build(0, world)

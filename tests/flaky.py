@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from typing import Any
 
-from tierstore._local import LocalBackend
-from tierstore.backend import ObjectWriter
 from tierstore.errors import StorageError, TransientStorageError
+from tierstore.storage.backend import ObjectWriter
+from tierstore.storage.local import LocalBackend
 
 FAILURES: dict[str, Counter[str]] = defaultdict(Counter)
 CALLS: dict[str, Counter[str]] = defaultdict(Counter)

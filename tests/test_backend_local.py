@@ -7,8 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from tierstore import faults
-from tierstore._local import LocalBackend
 from tierstore.errors import (
     ConfigError,
     FaultInjected,
@@ -17,6 +15,8 @@ from tierstore.errors import (
     StorageError,
     UnsafePath,
 )
+from tierstore.storage import faults
+from tierstore.storage.local import LocalBackend
 from tierstore.testing import BackendContract
 
 
@@ -157,7 +157,7 @@ class TestMemoryContract(BackendContract):
     def backend(self):
         import uuid
 
-        from tierstore._memory import MemoryBackend
+        from tierstore.storage.memory import MemoryBackend
 
         return MemoryBackend(f"memory://{uuid.uuid4().hex}")
 
@@ -167,13 +167,13 @@ class TestFsspecFileContract(BackendContract):
 
     @pytest.fixture
     def backend(self, tmp_path: Path):
-        from tierstore.registry import open_backend
+        from tierstore.storage.registry import open_backend
 
         return open_backend(f"fsspec+file://{tmp_path}/root")
 
 
 def test_memory_store_is_shared_by_name_and_survives_backends() -> None:
-    from tierstore._memory import MemoryBackend
+    from tierstore.storage.memory import MemoryBackend
 
     MemoryBackend("memory://shared-name").publish("k", b"v")
     assert MemoryBackend("memory://shared-name/").read_bytes("k") == b"v"

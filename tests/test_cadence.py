@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tierstore.cadence import TimeCadence, expected_waste, optimal_interval
 from tierstore.errors import ConfigError
+from tierstore.resume.cadence import TimeCadence, expected_waste, optimal_interval
 
 
 def test_young_interval_is_sqrt_of_twice_stall_times_job_mtbf() -> None:

@@ -14,8 +14,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tierstore import TieredWriter, layout, list_checkpoints
-from tierstore.catalog import Tier
+from tierstore import TieredWriter, list_checkpoints
+from tierstore.commit import layout
+from tierstore.tiers.tier import Tier
 
 pytest.importorskip("tierstore_s3", reason="the S3 backend is installed by make test")
 

@@ -24,16 +24,19 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tierstore import TieredReader, TieredWriter, layout, marks, registry
-from tierstore._local import LocalBackend
-from tierstore.catalog import Tier
+from tierstore import TieredReader, TieredWriter
+from tierstore.commit import layout
+from tierstore.commit.manifest import FileEntry
 from tierstore.errors import BackendNotFound
-from tierstore.manifest import FileEntry
-from tierstore.migrator import MigrationConfig, MigrationState, Migrator, _Job
-from tierstore.pending import migrate_pending, migration_status
-from tierstore.prune import prune
-from tierstore.retention import keep_last
+from tierstore.lifecycle.prune import prune
+from tierstore.lifecycle.retention import keep_last
 from tierstore.retry import RetryPolicy
+from tierstore.storage import registry
+from tierstore.storage.local import LocalBackend
+from tierstore.tiers import marks
+from tierstore.tiers.migrator import MigrationConfig, MigrationState, Migrator, _Job
+from tierstore.tiers.status import migrate_pending, migration_status
+from tierstore.tiers.tier import Tier
 
 FAST = MigrationConfig(chunk_size=4096, poll_interval=0.01, commit_timeout=5,
                        retry=RetryPolicy(attempts=3, initial=0.001, maximum=0.01))
@@ -150,7 +153,7 @@ def test_second_migrator_that_is_throttled_never_deletes_a_committed_object(stor
 
 
 def _upload_without_check(migrator: Migrator, job: _Job, entry: FileEntry) -> None:
-    import tierstore.migrator as mod
+    import tierstore.tiers.migrator as mod
 
     original = mod.has_verified_copy
     mod.has_verified_copy = lambda *a, **k: False  # type: ignore[assignment]

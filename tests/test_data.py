@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierstore.data import ResumableLoader, ResumableSampler, epoch_order
 from tierstore.errors import ConfigError
+from tierstore.resume.data import ResumableLoader, ResumableSampler, epoch_order
 
 
 def stream(sampler: ResumableSampler) -> Iterator[tuple[int, int]]:

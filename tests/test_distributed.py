@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from launch import run_job
 
-from tierstore import layout, list_checkpoints
+from tierstore import list_checkpoints
+from tierstore.commit import layout
 
 pytestmark = pytest.mark.dist
 

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 from launch import run_job
 
-from tierstore import layout, list_checkpoints
-from tierstore.catalog import Tier
+from tierstore import list_checkpoints
+from tierstore.commit import layout
+from tierstore.tiers.tier import Tier
 
 pytestmark = pytest.mark.dist
 

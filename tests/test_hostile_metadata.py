@@ -17,9 +17,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from helpers import unwrap
 
-from tierstore import IntegrityError, TieredReader, TieredWriter, layout
-from tierstore.backend import crc32c_update
-from tierstore.manifest import _checksum
+from tierstore import IntegrityError, TieredReader, TieredWriter
+from tierstore.commit import layout
+from tierstore.commit.manifest import _checksum
+from tierstore.storage.backend import crc32c_update
 
 NAME = layout.default_name(1)
 

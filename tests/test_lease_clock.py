@@ -16,11 +16,13 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tierstore import TieredWriter, layout, leases, list_checkpoints
-from tierstore.catalog import Tier
-from tierstore.gc import collect_garbage, find_garbage
-from tierstore.prune import prune
-from tierstore.retention import keep_last
+from tierstore import TieredWriter, list_checkpoints
+from tierstore.commit import layout
+from tierstore.lifecycle import leases
+from tierstore.lifecycle.gc import collect_garbage, find_garbage
+from tierstore.lifecycle.prune import prune
+from tierstore.lifecycle.retention import keep_last
+from tierstore.tiers.tier import Tier
 
 HOUR = 3600.0
 

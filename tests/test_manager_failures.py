@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierstore import CheckpointManager, faults, list_checkpoints
+from tierstore import CheckpointManager, list_checkpoints
 from tierstore.errors import BackendNotFound, CheckpointExists, NoSpaceLeft, SaveFailed
-from tierstore.migrator import MigrationConfig
 from tierstore.retry import RetryPolicy
+from tierstore.storage import faults
+from tierstore.tiers.migrator import MigrationConfig
 
 FAST = MigrationConfig(chunk_size=4096, poll_interval=0.01, commit_timeout=2,
                        retry=RetryPolicy(attempts=2, initial=0.001, maximum=0.01))

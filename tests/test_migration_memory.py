@@ -24,7 +24,7 @@ PART, PARTS_IN_FLIGHT = 16 * MiB, 4
 MIGRATE = """
 import json, sys
 from tierstore import MigrationConfig, migrate_pending
-from tierstore.registry import open_backend
+from tierstore.storage.registry import open_backend
 
 hot, cold, part, inflight = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 options = {"part_size": part, "max_concurrency": inflight}

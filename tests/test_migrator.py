@@ -17,14 +17,16 @@ import torch
 import torch.distributed.checkpoint as dcp
 from helpers import unwrap
 
-from tierstore import TieredReader, TieredWriter, layout, list_checkpoints, registry
-from tierstore._transfer import Throttle
-from tierstore.catalog import Tier
-from tierstore.manifest import FileEntry, Manifest
-from tierstore.migrator import MigrationConfig, MigrationState, Migrator
-from tierstore.pending import migrate_pending, migration_status, wait_for_migrations
-from tierstore.restore import restore
+from tierstore import TieredReader, TieredWriter, list_checkpoints
+from tierstore.commit import layout
+from tierstore.commit.manifest import FileEntry, Manifest
 from tierstore.retry import RetryPolicy
+from tierstore.storage import registry
+from tierstore.tiers.migrator import MigrationConfig, MigrationState, Migrator
+from tierstore.tiers.restore import restore
+from tierstore.tiers.status import migrate_pending, migration_status, wait_for_migrations
+from tierstore.tiers.tier import Tier
+from tierstore.tiers.transfer import Throttle
 
 FAST = MigrationConfig(chunk_size=4096, poll_interval=0.01, commit_timeout=5,
                        retry=RetryPolicy(attempts=5, initial=0.001, maximum=0.01))
@@ -200,7 +202,7 @@ SAVE_SCRIPT = """
 import sys, torch, torch.distributed.checkpoint as dcp, warnings
 warnings.filterwarnings("ignore")
 from tierstore import TieredWriter
-from tierstore.migrator import MigrationConfig
+from tierstore.tiers.migrator import MigrationConfig
 hot, cold = sys.argv[1], sys.argv[2]
 g = torch.Generator().manual_seed(1)
 state = {"w": torch.randn(200, 50, generator=g), "extra": {"step": 1}}

@@ -66,7 +66,7 @@ def test_installed_plugin_passes_the_backend_contract(plugin_site: Path) -> None
 def test_plugin_is_not_imported_until_used(plugin_site: Path) -> None:
     code = """
         import sys
-        from tierstore.registry import registered_backends
+        from tierstore.storage.registry import registered_backends
         assert registered_backends()["flatdir"] == "tierstore_flatdir:FlatDirBackend"
         assert "tierstore_flatdir" not in sys.modules
         print("lazy")
@@ -100,7 +100,7 @@ def test_core_runs_with_s3fs_and_gcsfs_absent(tmp_path: Path) -> None:
     code = BLOCKER + SAVE_AND_LOAD.format(url=str(tmp_path / "store")) + textwrap.dedent("""
         import sys
         assert not any(m.split(".")[0] in BLOCKED for m in sys.modules), "an object-store client was imported"
-        from tierstore.registry import open_backend
+        from tierstore.storage.registry import open_backend
         try:
             open_backend("s3://bucket/run")
         except Exception as err:

@@ -12,13 +12,15 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tierstore import TieredReader, TieredWriter, layout, leases, list_checkpoints
-from tierstore.catalog import Tier
-from tierstore.gc import collect_garbage, find_garbage
-from tierstore.migrator import MigrationConfig
-from tierstore.pending import migrate_pending, wait_for_migrations
-from tierstore.prune import prune, prune_tier
-from tierstore.retention import keep_last, keep_steps
+from tierstore import TieredReader, TieredWriter, list_checkpoints
+from tierstore.commit import layout
+from tierstore.lifecycle import leases
+from tierstore.lifecycle.gc import collect_garbage, find_garbage
+from tierstore.lifecycle.prune import prune, prune_tier
+from tierstore.lifecycle.retention import keep_last, keep_steps
+from tierstore.tiers.migrator import MigrationConfig
+from tierstore.tiers.status import migrate_pending, wait_for_migrations
+from tierstore.tiers.tier import Tier
 
 
 def state_for(step: int) -> dict:
@@ -110,8 +112,8 @@ def test_reader_leases_and_releases(tmp_path: Path) -> None:
 
 PRUNE_SCRIPT = """
 import sys
-from tierstore.prune import prune
-from tierstore.retention import keep_last
+from tierstore.lifecycle.prune import prune
+from tierstore.lifecycle.retention import keep_last
 prune(sys.argv[1], hot_policy=keep_last(1))
 print("pruned")
 """

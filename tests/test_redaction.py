@@ -13,9 +13,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from helpers import unwrap
 
-from tierstore import TieredReader, TieredWriter, layout
-from tierstore.catalog import Tier
+from tierstore import TieredReader, TieredWriter
+from tierstore.commit import layout
 from tierstore.errors import TierstoreError
+from tierstore.tiers.tier import Tier
 
 SECRET = "Sup3rS3cretPw"
 TOKEN = "tok-8f2e1c"

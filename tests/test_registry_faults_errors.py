@@ -6,8 +6,6 @@ import sys
 
 import pytest
 
-from tierstore import faults, registry
-from tierstore._local import LocalBackend
 from tierstore.errors import (
     BackendNotFound,
     CheckpointNotFound,
@@ -18,6 +16,8 @@ from tierstore.errors import (
     StorageError,
     TierstoreError,
 )
+from tierstore.storage import faults, registry
+from tierstore.storage.local import LocalBackend
 
 
 def test_plain_paths_and_file_urls_resolve_to_local(tmp_path) -> None:

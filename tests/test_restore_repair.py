@@ -12,11 +12,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tierstore import TieredReader, TieredWriter, layout
-from tierstore.catalog import Tier
+from tierstore import TieredReader, TieredWriter
+from tierstore.commit import layout
+from tierstore.commit.manifest import Manifest
 from tierstore.errors import ChecksumMismatch
-from tierstore.manifest import Manifest
-from tierstore.restore import restore
+from tierstore.tiers.restore import restore
+from tierstore.tiers.tier import Tier
 
 
 def state_for(step: int) -> dict:
@@ -68,7 +69,7 @@ def test_restore_repairs_a_committed_hot_copy(tiers, damage: str) -> None:
     assert path_of(hot, manifest, file).read_bytes() == path_of(cold, manifest, file).read_bytes()
     assert hot_alone_loads(hot)
 
-    from tierstore.restore import restore_checkpoint
+    from tierstore.tiers.restore import restore_checkpoint
 
     harm(path_of(hot, manifest, file))
     report = restore_checkpoint(hot, cold)

@@ -15,10 +15,11 @@ from helpers import unwrap
 from launch import run_job
 from torch.distributed.checkpoint.api import CheckpointException
 
-from tierstore import CheckpointManager, TieredReader, TieredWriter, layout
-from tierstore.catalog import Tier
+from tierstore import CheckpointManager, TieredReader, TieredWriter
+from tierstore.commit import layout
+from tierstore.commit.manifest import Manifest
 from tierstore.errors import ChecksumMismatch, InvalidManifest
-from tierstore.manifest import Manifest
+from tierstore.tiers.tier import Tier
 
 
 def state_for(step: int) -> dict:

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tierstore.prune import plan_prune
-from tierstore.retention import (
+from tierstore.lifecycle.prune import plan_prune
+from tierstore.lifecycle.retention import (
     keep_all,
     keep_every,
     keep_last,

@@ -25,10 +25,12 @@ from helpers import unwrap
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tierstore import IntegrityError, TieredReader, TieredWriter, _safe_pickle, layout
-from tierstore._safe_pickle import load_metadata
-from tierstore.backend import crc32c_update
-from tierstore.manifest import _checksum
+from tierstore import IntegrityError, TieredReader, TieredWriter
+from tierstore.commit import layout
+from tierstore.commit import safe_pickle as _safe_pickle
+from tierstore.commit.manifest import _checksum
+from tierstore.commit.safe_pickle import load_metadata
+from tierstore.storage.backend import crc32c_update
 
 DCP = "torch.distributed.checkpoint.metadata"
 FLAG = "TIERSTORE_PWNED"
@@ -293,8 +295,9 @@ FSDP_JOB = textwrap.dedent("""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    from tierstore import TieredReader, TieredWriter, layout
-    from tierstore._safe_pickle import ALLOWED, load_metadata
+    from tierstore import TieredReader, TieredWriter
+    from tierstore.commit import layout
+    from tierstore.commit.safe_pickle import ALLOWED, load_metadata
     dist.init_process_group("gloo", init_method="file://" + sys.argv[1] + ".store", rank=0, world_size=1)
     mesh = init_device_mesh("cpu", (1,))
     def build(seed):

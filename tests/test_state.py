@@ -15,7 +15,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from tierstore import ResumableSampler, TieredReader, TieredWriter
 from tierstore.errors import ConfigError
-from tierstore.state import ResumePlanner, TrainingState, capture_rng, is_per_rank_key, reseed, restore_rng
+from tierstore.resume.state import (
+    ResumePlanner,
+    TrainingState,
+    capture_rng,
+    is_per_rank_key,
+    reseed,
+    restore_rng,
+)
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 

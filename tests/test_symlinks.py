@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from tierstore import layout
-from tierstore._local import LocalBackend
-from tierstore.backend import crc32c_update
-from tierstore.catalog import Tier
+from tierstore.commit import layout
+from tierstore.commit.manifest import FileEntry, Manifest
 from tierstore.errors import UnsafePath
-from tierstore.leases import take
-from tierstore.manifest import FileEntry, Manifest
-from tierstore.prune import prune_tier
-from tierstore.retention import keep_last
+from tierstore.lifecycle.leases import take
+from tierstore.lifecycle.prune import prune_tier
+from tierstore.lifecycle.retention import keep_last
+from tierstore.storage.backend import crc32c_update
+from tierstore.storage.local import LocalBackend
+from tierstore.tiers.tier import Tier
 
 VICTIMS = {"__0_0.distcp": b"outside the store" * 64, ".metadata": b"not ours"}
 

@@ -12,8 +12,8 @@ import pytest
 from launch import run_job
 
 from tierstore.errors import ConfigError
-from tierstore.resume_report import compare, part_of
-from tierstore.verify import Probe, load_probe, probe_spec
+from tierstore.resume.check import Probe, load_probe, probe_spec
+from tierstore.resume.report import compare, part_of
 
 JOB = Path(__file__).with_name("resume_job.py")
 
@@ -68,13 +68,13 @@ def test_without_a_live_record_only_completeness_is_checked() -> None:
 
 def test_probe_specs_name_importable_functions(tmp_path: Path) -> None:
     script = tmp_path / "my_probe.py"
-    script.write_text("from tierstore.verify import Probe\n"
+    script.write_text("from tierstore.resume.check import Probe\n"
                       "def probe():\n    return Probe(build=dict, loss=lambda s: 1.5)\n"
                       "if __name__ == '__main__':\n    raise SystemExit('must not run')\n")
     factory = load_probe(f"{script}:probe")
     made = factory()
     assert isinstance(made, Probe) and made.loss({}) == 1.5
-    assert probe_spec(load_probe) == "tierstore.verify:load_probe"
+    assert probe_spec(load_probe) == "tierstore.resume.check:load_probe"
     with pytest.raises(ConfigError):
         probe_spec(lambda: made)
     with pytest.raises(ConfigError):
@@ -117,7 +117,7 @@ def test_verify_resume_passes_a_full_checkpoint_and_fails_one_without_optimizer(
 
 
 def test_the_command_starts_without_importing_torch() -> None:
-    code = ("import sys, tierstore, tierstore.cli, tierstore.verify, tierstore.cadence, tierstore.data; "
+    code = ("import sys, tierstore, tierstore.cli, tierstore.resume.check, tierstore.resume.cadence, tierstore.resume.data; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
     help_text = subprocess.run([sys.executable, "-m", "tierstore", "verify-resume", "--help"],

@@ -23,14 +23,14 @@ from tierstore import (
     InvalidManifest,
     TieredReader,
     TieredWriter,
-    faults,
     latest_checkpoint,
-    layout,
     list_checkpoints,
 )
-from tierstore.catalog import Tier
+from tierstore.commit import layout
+from tierstore.commit.manifest import Manifest, _checksum
 from tierstore.errors import FaultInjected, ObjectNotFound, UnsafePath
-from tierstore.manifest import Manifest, _checksum
+from tierstore.storage import faults
+from tierstore.tiers.tier import Tier
 
 
 def state_for(step: int) -> dict:
@@ -329,7 +329,7 @@ def test_forged_metadata_pickle_never_runs(store: str, tmp_path: Path) -> None:
 
     payload = pickle.dumps(Evil())
     data_file(store, manifest, ".metadata").write_bytes(payload)
-    from tierstore.backend import crc32c_update
+    from tierstore.storage.backend import crc32c_update
 
     def forge(body: dict) -> None:  # a forger who also fixes up sizes and checksums
         for entry in body["files"]:

@@ -16,12 +16,12 @@ importing torch.
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import TYPE_CHECKING, Any
 
+from tierstore import _compat
 from tierstore._version import __version__
-from tierstore.cadence import CadencePlan, TimeCadence, optimal_interval
-from tierstore.catalog import CheckpointInfo, latest_checkpoint, list_checkpoints
-from tierstore.data import ResumableLoader, ResumableSampler
+from tierstore.commit.manifest import FileEntry, Manifest
 from tierstore.errors import (
     BackendNotFound,
     CheckpointExists,
@@ -35,29 +35,32 @@ from tierstore.errors import (
     StorageError,
     TierstoreError,
 )
-from tierstore.gc import collect_garbage, find_garbage
-from tierstore.manifest import FileEntry, Manifest
-from tierstore.migrator import MigrationConfig, MigrationState, MigrationStatus
-from tierstore.pending import migrate_pending, migration_status, wait_for_migrations
-from tierstore.prune import prune
-from tierstore.registry import register_backend
-from tierstore.restore import RestoreReport, restore, restore_checkpoint
-from tierstore.retention import keep_all, keep_every, keep_last, keep_steps, keep_within
-from tierstore.verify import Probe, ResumeReport, verify_checkpoint, verify_resume
+from tierstore.lifecycle.gc import collect_garbage, find_garbage
+from tierstore.lifecycle.prune import prune
+from tierstore.lifecycle.retention import keep_all, keep_every, keep_last, keep_steps, keep_within
+from tierstore.resume.cadence import CadencePlan, TimeCadence, optimal_interval
+from tierstore.resume.check import Probe, ResumeReport, verify_checkpoint, verify_resume
+from tierstore.resume.data import ResumableLoader, ResumableSampler
+from tierstore.storage.registry import register_backend
+from tierstore.tiers.catalog import CheckpointInfo, latest_checkpoint, list_checkpoints
+from tierstore.tiers.migrator import MigrationConfig, MigrationState, MigrationStatus
+from tierstore.tiers.restore import RestoreReport, restore, restore_checkpoint
+from tierstore.tiers.status import migrate_pending, migration_status, wait_for_migrations
+from tierstore.tiers.tier import Store
 
 if TYPE_CHECKING:
+    from tierstore.commit.reader import TieredReader
+    from tierstore.commit.writer import TieredWriter
     from tierstore.manager import CheckpointManager, Health
-    from tierstore.reader import TieredReader
-    from tierstore.state import ResumePlanner, TrainingState
-    from tierstore.writer import TieredWriter
+    from tierstore.resume.state import ResumePlanner, TrainingState
 
 _LAZY = {
-    "TieredWriter": "tierstore.writer",
-    "TieredReader": "tierstore.reader",
+    "TieredWriter": "tierstore.commit.writer",
+    "TieredReader": "tierstore.commit.reader",
     "CheckpointManager": "tierstore.manager",
     "Health": "tierstore.manager",
-    "TrainingState": "tierstore.state",
-    "ResumePlanner": "tierstore.state",
+    "TrainingState": "tierstore.resume.state",
+    "ResumePlanner": "tierstore.resume.state",
 }
 
 
@@ -69,12 +72,15 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'tierstore' has no attribute {name!r}")
 
 
+_compat.install(sys.modules[__name__])
+
 __all__ = [
     "__version__",
     "TieredWriter",
     "TieredReader",
     "CheckpointManager",
     "Health",
+    "Store",
     "list_checkpoints",
     "latest_checkpoint",
     "CheckpointInfo",

@@ -14,21 +14,27 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from tierstore import layout
 from tierstore._redact import redact_url
-from tierstore.catalog import list_checkpoints, make_tiers, resolve
+from tierstore.commit import layout
 from tierstore.errors import TierstoreError
-from tierstore.gc import DEFAULT_GRACE, collect_garbage
-from tierstore.migrator import MigrationConfig, MigrationState
-from tierstore.pending import migrate_pending, migration_status
-from tierstore.prune import prune
-from tierstore.restore import restore_checkpoint
-from tierstore.retention import Policy, keep_all, keep_every, keep_last, keep_within
-from tierstore.scrub import verify_store
+from tierstore.lifecycle.gc import DEFAULT_GRACE, collect_garbage
+from tierstore.lifecycle.prune import prune
+from tierstore.lifecycle.retention import Policy, keep_all, keep_every, keep_last, keep_within
+from tierstore.lifecycle.scrub import verify_store
+from tierstore.tiers.catalog import list_checkpoints, resolve
+from tierstore.tiers.migrator import MigrationConfig, MigrationState
+from tierstore.tiers.restore import restore_checkpoint
+from tierstore.tiers.status import migrate_pending, migration_status
+from tierstore.tiers.tier import Store
 
 __all__ = ["main"]
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
+
+
+def _store(args: argparse.Namespace) -> Store:
+    return Store.of(args.hot, args.cold, hot_options=_options(args.hot_option),
+                    cold_options=_options(args.cold_option))
 
 
 def _options(pairs: Sequence[str] | None) -> dict[str, Any]:
@@ -61,12 +67,12 @@ def _age(seconds: float) -> str:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    hot_opts, cold_opts = _options(args.hot_option), _options(args.cold_option)
-    infos = list_checkpoints(args.hot, args.cold, hot_options=hot_opts, cold_options=cold_opts)
+    store = _store(args)
+    infos = list_checkpoints(store)
     states: dict[str, str] = {}
     if args.hot and args.cold:
         states = {s.name: s.state.value for s in
-                  migration_status(args.hot, args.cold, hot_options=hot_opts, cold_options=cold_opts)}
+                  migration_status(store)}
     now = time.time()
     rows = [{**asdict(i), "age_seconds": now - i.created,
              "migration": states.get(i.name, "committed" if "cold" in i.tiers else "-")} for i in infos]
@@ -86,8 +92,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     names = [args.name] if args.name else None
-    checks = verify_store(args.hot, args.cold, names=names, hot_options=_options(args.hot_option),
-                          cold_options=_options(args.cold_option),
+    checks = verify_store(_store(args), names=names,
                           progress=None if args.json else Progress())
     bad = [c for c in checks if not c.ok]
     if args.json:
@@ -100,8 +105,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    report = collect_garbage(args.hot, args.cold, grace=args.grace, dry_run=not args.yes,
-                             hot_options=_options(args.hot_option), cold_options=_options(args.cold_option))
+    report = collect_garbage(_store(args), grace=args.grace, dry_run=not args.yes)
     if args.json:
         print(json.dumps({"deleted": report.deleted, "bytes": report.bytes,
                           "garbage": [asdict(g) for g in report.garbage],
@@ -144,9 +148,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
     hot_policy, cold_policy = _policy(args, "hot"), _policy(args, "cold")
     if hot_policy is None and cold_policy is None:
         raise SystemExit("tierstore prune: give a policy, e.g. --hot-keep-last 2 --cold-keep-last 3")
-    reports = prune(args.hot, args.cold, hot_policy=hot_policy or keep_all(),
-                    cold_policy=cold_policy or keep_all(), hot_options=_options(args.hot_option),
-                    cold_options=_options(args.cold_option), dry_run=not args.yes)
+    reports = prune(_store(args), hot_policy=hot_policy or keep_all(),
+                    cold_policy=cold_policy or keep_all(), dry_run=not args.yes)
     if args.json:
         print(json.dumps([asdict(r) for r in reports], indent=1))
         return EXIT_OK
@@ -160,9 +163,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    tiers = make_tiers(args.hot, args.cold, hot_options=_options(args.hot_option),
-                       cold_options=_options(args.cold_option))
-    manifest, holders = resolve(tiers, step=args.step, name=args.name)
+    manifest, holders = resolve(_store(args).tiers, step=args.step, name=args.name)
     if args.json:
         body = json.loads(manifest.to_json())
         body["tiers"] = [t.role for t in holders]
@@ -209,8 +210,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     if not args.cold:
         raise SystemExit("tierstore migrate: --cold is required")
     names = [args.name] if args.name else None
-    results = migrate_pending(args.hot, args.cold, hot_options=_options(args.hot_option),
-                              cold_options=_options(args.cold_option), names=names,
+    results = migrate_pending(_store(args), names=names,
                               config=_config(args), progress=None if args.json else Progress())
     failed = [r for r in results if r.state is MigrationState.FAILED]
     if args.json:
@@ -227,9 +227,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 def cmd_restore(args: argparse.Namespace) -> int:
     if not (args.hot and args.cold):
         raise SystemExit("tierstore restore: --hot and --cold are required")
-    report = restore_checkpoint(args.hot, args.cold, step=args.step, name=args.name,
-                                hot_options=_options(args.hot_option),
-                                cold_options=_options(args.cold_option),
+    report = restore_checkpoint(_store(args), step=args.step, name=args.name,
                                 config=_config(args), progress=None if args.json else Progress())
     manifest = report.manifest
     if args.json:
@@ -257,8 +255,7 @@ def _status_json(status: Any) -> dict[str, Any]:
 def cmd_status(args: argparse.Namespace) -> int:
     if not (args.hot and args.cold):
         raise SystemExit("tierstore status: --hot and --cold are required")
-    statuses = migration_status(args.hot, args.cold, hot_options=_options(args.hot_option),
-                                cold_options=_options(args.cold_option))
+    statuses = migration_status(_store(args))
     failed = any(s.state.value == "failed" for s in statuses)
     if args.json:
         print(json.dumps([_status_json(s) for s in statuses], indent=1))
@@ -271,12 +268,11 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_verify_resume(args: argparse.Namespace) -> int:
-    from tierstore.verify import verify_checkpoint  # imports torch only in the fresh processes
+    from tierstore.resume.check import verify_checkpoint  # imports torch only in the fresh processes
 
-    report = verify_checkpoint(args.probe, args.hot, args.cold, name=args.name, step=args.step,
+    report = verify_checkpoint(args.probe, _store(args), name=args.name, step=args.step,
                                nproc=args.nproc, record=args.record, rtol=args.rtol, atol=args.atol,
-                               hot_options=_options(args.hot_option),
-                               cold_options=_options(args.cold_option), timeout=args.timeout)
+                               timeout=args.timeout)
     print(json.dumps(report.to_dict(), indent=1) if args.json else report.summary())
     return EXIT_OK if report.ok else EXIT_ERROR
 

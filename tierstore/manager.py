@@ -43,17 +43,24 @@ from torch.distributed.checkpoint.state_dict_saver import (
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from tierstore import marks
-from tierstore.catalog import CheckpointInfo, Tier, TierURL, list_checkpoints, make_tiers
+from tierstore.commit.reader import TieredReader, is_damage
+from tierstore.commit.writer import TieredWriter
 from tierstore.errors import ConfigError, SaveFailed, TierstoreError
-from tierstore.migrator import MigrationConfig, MigrationState, MigrationStatus, Migrator, active_migrators
-from tierstore.prune import PruneReport, check_cold_copies, prune_node_local, prune_tier
-from tierstore.reader import TieredReader, is_damage
-from tierstore.retention import DEFAULT_COLD, DEFAULT_HOT, Policy, keep_none
-from tierstore.writer import TieredWriter
+from tierstore.lifecycle.prune import PruneReport, prune, prune_tier
+from tierstore.lifecycle.retention import DEFAULT_COLD, DEFAULT_HOT, Policy, keep_none
+from tierstore.tiers import marks
+from tierstore.tiers.catalog import CheckpointInfo, list_checkpoints
+from tierstore.tiers.migrator import (
+    MigrationConfig,
+    MigrationState,
+    MigrationStatus,
+    Migrator,
+    active_migrators,
+)
+from tierstore.tiers.tier import Store, Tier, TierURL
 
 if TYPE_CHECKING:
-    from tierstore.verify import ResumeReport
+    from tierstore.resume.check import ResumeReport
 
 __all__ = ["CheckpointManager", "Health"]
 
@@ -89,11 +96,11 @@ class CheckpointManager:
     """Save every ``save_every`` steps, resume from the newest checkpoint, keep tiers pruned.
 
     Args:
-        hot, cold: the store's tiers.
+        hot, cold: the store's tiers (URLs), or a :class:`~tierstore.Store` as ``hot``.
         hot_policy / cold_policy: retention per tier (defaults: hot keeps the last 2, cold the
             last 3; add milestones with ``keep_last(3) | keep_every(1000)``).
         save_every: an int (every N steps), a callable ``step -> bool`` (e.g. a
-            :class:`tierstore.cadence.TimeCadence`), or ``None`` to save whenever asked.
+            :class:`tierstore.resume.cadence.TimeCadence`), or ``None`` to save whenever asked.
         async_save: save with ``dcp.async_save`` (default) or ``dcp.save``.
         async_mode: ``"thread"`` or ``"process"`` (DCP's checkpointer types).
         node_local: the hot tier is per node (see ``TieredReader``).
@@ -106,7 +113,7 @@ class CheckpointManager:
 
     def __init__(
         self,
-        hot: TierURL,
+        hot: TierURL | Store,
         cold: TierURL | None = None,
         *,
         hot_policy: Policy | None = None,
@@ -126,12 +133,14 @@ class CheckpointManager:
             raise ConfigError(f"async_mode must be 'thread' or 'process', got {async_mode!r}")
         if isinstance(save_every, int) and save_every <= 0:
             raise ConfigError(f"save_every must be positive, got {save_every}")
-        self.hot, self.cold = hot, cold
-        self.hot_options, self.cold_options = dict(hot_options or {}), dict(cold_options or {})
-        self.tiers = {t.role: t for t in make_tiers(hot, cold, hot_options=hot_options,
-                                                    cold_options=cold_options)}
-        for tier in self.tiers.values():
-            tier.check_scheme()  # a typo or missing plugin fails here, once, not at each save
+        self.store = Store.of(hot, cold, hot_options=hot_options, cold_options=cold_options)
+        if self.store.hot is None:
+            raise ConfigError("a CheckpointManager needs a hot tier")
+        if node_local and self.store.cold is None:
+            raise ConfigError("node_local=True needs both a hot and a cold tier")
+        self.store.check_schemes()  # a typo or missing plugin fails here, once, not at each save
+        # Node-local hot tiers each hold some ranks' files: the cold tier is the shared catalog.
+        self.catalog = Store.of_tiers(None, self.store.cold) if node_local else self.store
         self.hot_policy = hot_policy or DEFAULT_HOT
         self.cold_policy = cold_policy or DEFAULT_COLD
         self.save_every = save_every
@@ -181,8 +190,7 @@ class CheckpointManager:
         self._finish_previous()  # block the next save only until the previous flush is done
         self._raise_failure()
         self._relieve_disk_pressure()
-        writer = TieredWriter(self.hot, self.cold, step=step, hot_options=self.hot_options,
-                              cold_options=self.cold_options, migration=self.migration,
+        writer = TieredWriter(self.store, step=step, migration=self.migration,
                               node_local=self.node_local, **self.writer_options)
         if self.async_save:
             kind = (AsyncCheckpointerType.PROCESS if self.async_mode == "process"
@@ -288,27 +296,21 @@ class CheckpointManager:
                 prune_errors=tuple(self._prune_errors),
             )
 
+    @property
+    def _hot(self) -> Tier:
+        assert self.store.hot is not None  # checked in __init__
+        return self.store.hot
+
     def _migrators(self) -> list[Migrator]:
-        hot, cold = self.tiers["hot"], self.tiers.get("cold")
+        hot, cold = self._hot, self.store.cold
         if cold is None:
             return []
         return [m for m in active_migrators() if (m.hot.url, m.cold.url) == (hot.url, cold.url)]
 
     def prune(self) -> list[PruneReport]:
         """Apply the retention policies now (the coordinator does this after each commit)."""
-        hot, cold = self.tiers["hot"], self.tiers.get("cold")
-        reports = []
-        if self.node_local and cold is not None:
-            reports.append(prune_node_local(hot, cold, self.hot_policy))
-            if self.rank == 0:
-                reports.append(prune_tier(cold, self.cold_policy))
-        else:
-            check = check_cold_copies(hot, cold) if cold is not None else None
-            reports.append(prune_tier(hot, self.hot_policy,
-                                      protect=check.protect if check else (),
-                                      warnings=check.warnings if check else ()))
-            if cold is not None:
-                reports.append(prune_tier(cold, self.cold_policy))
+        reports = prune(self.store, hot_policy=self.hot_policy, cold_policy=self.cold_policy,
+                        node_local=self.node_local, prune_cold=not self.node_local or self.rank == 0)
         errors = [e for r in reports for e in r.errors]
         if errors:
             with self._lock:
@@ -322,7 +324,7 @@ class CheckpointManager:
         once any background prune reached the cold tier); the rest is kept."""
         if self.hot_min_free is None or (self.rank != 0 and not self.node_local):
             return
-        hot, cold = self.tiers["hot"], self.tiers.get("cold")
+        hot, cold = self._hot, self.store.cold
         free = hot.backend.free_bytes()
         if free is None:
             return
@@ -348,16 +350,11 @@ class CheckpointManager:
 
     def latest(self) -> CheckpointInfo | None:
         """The newest committed checkpoint (by cold manifest in node-local mode)."""
-        if self.node_local:
-            found = list_checkpoints(None, self.cold, cold_options=self.cold_options)
-        else:
-            found = list_checkpoints(self.hot, self.cold, hot_options=self.hot_options,
-                                     cold_options=self.cold_options)
+        found = list_checkpoints(self.catalog)
         return found[-1] if found else None
 
     def steps(self) -> list[int]:
-        found = list_checkpoints(None if self.node_local else self.hot, self.cold,
-                                 hot_options=self.hot_options, cold_options=self.cold_options)
+        found = list_checkpoints(self.catalog)
         return [c.step for c in found if c.step is not None]
 
     def load_latest(self, state: dict[str, Any]) -> int | None:
@@ -384,14 +381,13 @@ class CheckpointManager:
         the newest checkpoint (of ``step``, if given) that loads verified, skipping damaged
         ones as :meth:`load_latest` does.
 
-        ``planner=tierstore.state.ResumePlanner()`` resumes a ``TrainingState`` under a larger
+        ``planner=tierstore.resume.state.ResumePlanner()`` resumes a ``TrainingState`` under a larger
         world size, whose new ranks have no RNG entry of their own in the checkpoint.
         """
         coordinator = not self.distributed or dist.get_rank(self.group) == 0
         candidates = [name] if name is not None else []  # newest first; known to the coordinator
         if name is None and coordinator:
-            found = list_checkpoints(None if self.node_local else self.hot, self.cold,
-                                     hot_options=self.hot_options, cold_options=self.cold_options)
+            found = list_checkpoints(self.catalog)
             candidates = [c.name for c in reversed(found) if step is None or c.step == step]
         damaged: list[CheckpointException] = []
         while True:
@@ -403,8 +399,7 @@ class CheckpointManager:
                 chosen = box[0]
             if chosen is None:
                 break
-            reader = TieredReader(self.hot, self.cold, name=chosen, hot_options=self.hot_options,
-                                  cold_options=self.cold_options, node_local=self.node_local)
+            reader = TieredReader(self.store, name=chosen, node_local=self.node_local)
             try:
                 dcp_load(state, storage_reader=reader, process_group=self.group, planner=planner)
             except CheckpointException as err:  # the same on every rank: DCP gathers failures
@@ -423,18 +418,17 @@ class CheckpointManager:
     def verify_resume(self, probe: Any, state: dict[str, Any], *, name: str | None = None,
                       step: int | None = None, rtol: float = 0.0, atol: float = 0.0,
                       timeout: float = 600.0, record_dir: str | None = None) -> ResumeReport:
-        """Prove the newest (or a chosen) checkpoint restores ``state``: see :mod:`tierstore.verify`.
+        """Prove the newest (or a chosen) checkpoint restores ``state``: see :mod:`tierstore.resume.check`.
 
         Call on every rank right after :meth:`save`, before the next training step. Waits for
         the pending save to commit, then loads it in fresh processes (one per rank) built by
         ``probe`` (``"module:function"`` or the function) and returns a
-        :class:`tierstore.verify.ResumeReport`, the same on every rank.
+        :class:`tierstore.resume.check.ResumeReport`, the same on every rank.
         """
-        from tierstore.verify import verify_resume
+        from tierstore.resume.check import verify_resume
 
         self.wait(migrations=False)
-        return verify_resume(probe, state, hot=self.hot, cold=self.cold, name=name, step=step,
-                             hot_options=self.hot_options, cold_options=self.cold_options,
+        return verify_resume(probe, state, hot=self.store, name=name, step=step,
                              node_local=self.node_local, group=self.group, rtol=rtol, atol=atol,
                              timeout=timeout, record_dir=record_dir)
 

@@ -1,6 +1,6 @@
 """The backend contract as a reusable pytest suite.
 
-Every backend, built-in or plugin, proves the guarantees of :mod:`tierstore.backend` by
+Every backend, built-in or plugin, proves the guarantees of :mod:`tierstore.storage.backend` by
 subclassing :class:`BackendContract` and providing a fresh, empty backend::
 
     from tierstore.testing import BackendContract
@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
-from tierstore.backend import Backend, crc32c_update
 from tierstore.errors import ObjectNotFound, PublishConflict, StorageError, UnsafePath
+from tierstore.storage.backend import Backend, crc32c_update
 
 __all__ = ["BackendContract"]
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from helpers import unwrap
 
-from tierstore import faults
+from tierstore.storage import faults
 
 
 @dataclass

@@ -20,7 +20,7 @@ import os
 import time
 from pathlib import Path
 
-from tierstore import faults
+from tierstore.storage import faults
 
 __all__ = ["Gate", "GateNotReached", "exited"]
 

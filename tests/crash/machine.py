@@ -35,14 +35,15 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from stats import STATS
 
-from tierstore import TieredWriter, layout, list_checkpoints
-from tierstore._transfer import has_verified_copy
-from tierstore.catalog import Tier
-from tierstore.gc import collect_garbage, find_garbage
-from tierstore.migrator import MigrationState
-from tierstore.pending import migrate_pending, migration_status
-from tierstore.prune import pending_in_cold, plan_prune, prune
-from tierstore.retention import Policy, keep_every, keep_last
+from tierstore import TieredWriter, list_checkpoints
+from tierstore.commit import layout
+from tierstore.lifecycle.gc import collect_garbage, find_garbage
+from tierstore.lifecycle.prune import pending_in_cold, plan_prune, prune
+from tierstore.lifecycle.retention import Policy, keep_every, keep_last
+from tierstore.tiers.migrator import MigrationState
+from tierstore.tiers.status import migrate_pending, migration_status
+from tierstore.tiers.tier import Tier
+from tierstore.tiers.transfer import has_verified_copy
 
 Op = Callable[[str, str, int], Any]  # (hot, cold, rank) -> result
 

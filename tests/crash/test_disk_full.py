@@ -11,10 +11,12 @@ import pytest
 import torch.distributed.checkpoint as dcp
 from stats import STATS
 
-from tierstore import TieredWriter, faults, layout, list_checkpoints
-from tierstore._local import LocalBackend
+from tierstore import TieredWriter, list_checkpoints
+from tierstore.commit import layout
 from tierstore.errors import NoSpaceLeft
-from tierstore.gc import collect_garbage, find_garbage
+from tierstore.lifecycle.gc import collect_garbage, find_garbage
+from tierstore.storage import faults
+from tierstore.storage.local import LocalBackend
 
 
 def save(hot: str, step: int) -> None:

@@ -16,10 +16,11 @@ import pytest
 import torch.distributed.checkpoint as dcp
 from stats import STATS
 
-from tierstore import TieredWriter, layout
-from tierstore.backend import crc32c_update
+from tierstore import TieredWriter
+from tierstore.commit import layout
+from tierstore.commit.manifest import _checksum
 from tierstore.errors import ChecksumMismatch, IntegrityError, InvalidManifest, UnsafePath
-from tierstore.manifest import _checksum
+from tierstore.storage.backend import crc32c_update
 
 OPENED: list[str] = []
 AUDITING = [False]

@@ -43,17 +43,19 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 from stats import STATS
 
-from tierstore import TieredWriter, cli, layout, list_checkpoints, marks
-from tierstore._local import LocalBackend
-from tierstore.backend import crc32c_update
+from tierstore import TieredWriter, cli, list_checkpoints
+from tierstore.commit import layout
+from tierstore.commit.manifest import _checksum
 from tierstore.errors import CheckpointNotFound, ObjectNotFound, PublishConflict, TierstoreError
-from tierstore.gc import collect_garbage
-from tierstore.manifest import _checksum
-from tierstore.migrator import MigrationState
-from tierstore.pending import migrate_pending, migration_status
-from tierstore.prune import prune
-from tierstore.restore import restore
-from tierstore.retention import keep_last
+from tierstore.lifecycle.gc import collect_garbage
+from tierstore.lifecycle.prune import prune
+from tierstore.lifecycle.retention import keep_last
+from tierstore.storage.backend import crc32c_update
+from tierstore.storage.local import LocalBackend
+from tierstore.tiers import marks
+from tierstore.tiers.migrator import MigrationState
+from tierstore.tiers.restore import restore
+from tierstore.tiers.status import migrate_pending, migration_status
 
 PROFILE = settings.get_profile(os.environ.get("TIERSTORE_CRASH_PROFILE", "ci"))
 # Families share the profile's budget in CI (about a minute in all); soak runs each in full.
@@ -604,8 +606,8 @@ def test_fuzzer_catches_a_damaged_mark_that_wedges_migration(template: Path,
 
 def test_fuzzer_catches_an_oversize_lease_that_stops_pruning(template: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    # ``tierstore.prune`` the attribute is the function; the module is in sys.modules.
-    monkeypatch.setattr(sys.modules["tierstore.prune"], "live_leases", old_live_leases)
+    # ``tierstore.lifecycle.prune`` the attribute is the function; the module is in sys.modules.
+    monkeypatch.setattr(sys.modules["tierstore.lifecycle.prune"], "live_leases", old_live_leases)
     with fresh_store(template) as store:
         path = store.hot / layout.lease_key(NAMES[0], "f" * 32)
         path.parent.mkdir(parents=True, exist_ok=True)

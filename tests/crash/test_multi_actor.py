@@ -47,16 +47,17 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 from stats import STATS
 
-from tierstore import TieredReader, TieredWriter, layout, list_checkpoints
-from tierstore._transfer import has_verified_copy
-from tierstore.catalog import Tier
-from tierstore.gc import collect_garbage
-from tierstore.manifest import Manifest
-from tierstore.migrator import MigrationState
-from tierstore.pending import migrate_pending, migration_status
-from tierstore.prune import pending_in_cold, plan_prune, prune
-from tierstore.retention import keep_last
+from tierstore import TieredReader, TieredWriter, list_checkpoints
+from tierstore.commit import layout
+from tierstore.commit.manifest import Manifest
+from tierstore.lifecycle.gc import collect_garbage
+from tierstore.lifecycle.prune import pending_in_cold, plan_prune, prune
+from tierstore.lifecycle.retention import keep_last
 from tierstore.retry import RetryPolicy
+from tierstore.tiers.migrator import MigrationState
+from tierstore.tiers.status import migrate_pending, migration_status
+from tierstore.tiers.tier import Tier
+from tierstore.tiers.transfer import has_verified_copy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "backends" / "s3" / "tests"))
 

@@ -15,10 +15,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from stats import STATS
 
-from tierstore import TieredReader, TieredWriter, layout, list_checkpoints
-from tierstore.migrator import MigrationConfig, MigrationState
+from tierstore import TieredReader, TieredWriter, list_checkpoints
+from tierstore.commit import layout
+from tierstore.lifecycle.scrub import verify_store
 from tierstore.retry import RetryPolicy
-from tierstore.scrub import verify_store
+from tierstore.tiers.migrator import MigrationConfig, MigrationState
 
 pytest.importorskip("tierstore_s3", reason="the S3 backend is installed by make test")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "backends" / "s3" / "tests"))

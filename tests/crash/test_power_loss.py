@@ -19,8 +19,9 @@ import pytest
 import torch.distributed.checkpoint as dcp
 from stats import STATS
 
-import tierstore._local as local_module
-from tierstore import TieredWriter, layout, list_checkpoints
+import tierstore.storage.local as local_module
+from tierstore import TieredWriter, list_checkpoints
+from tierstore.commit import layout
 
 
 @dataclass

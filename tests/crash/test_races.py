@@ -13,11 +13,12 @@ import torch.distributed.checkpoint as dcp
 from gates import Gate
 from stats import STATS
 
-from tierstore import TieredWriter, layout, list_checkpoints
-from tierstore.gc import collect_garbage
-from tierstore.pending import migrate_pending, migration_status
-from tierstore.prune import prune
-from tierstore.retention import keep_last
+from tierstore import TieredWriter, list_checkpoints
+from tierstore.commit import layout
+from tierstore.lifecycle.gc import collect_garbage
+from tierstore.lifecycle.prune import prune
+from tierstore.lifecycle.retention import keep_last
+from tierstore.tiers.status import migrate_pending, migration_status
 
 
 def save(hot: str, step: int, cold: str | None = None) -> None:

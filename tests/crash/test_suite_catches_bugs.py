@@ -16,13 +16,14 @@ from machine import CrashConsistency
 from stats import STATS
 from test_multi_actor import MultiActor, s3_cold
 
-from tierstore import faults, layout
-from tierstore._transfer import copy_file, has_verified_copy
 from tierstore._version import producer
-from tierstore.backend import crc32c_update
-from tierstore.manifest import FileEntry, Manifest
-from tierstore.migrator import Migrator, _Failed
-from tierstore.writer import TieredWriter
+from tierstore.commit import layout
+from tierstore.commit.manifest import FileEntry, Manifest
+from tierstore.commit.writer import TieredWriter
+from tierstore.storage import faults
+from tierstore.storage.backend import crc32c_update
+from tierstore.tiers.migrator import Migrator, _Failed
+from tierstore.tiers.transfer import copy_file, has_verified_copy
 
 
 def finish_manifest_first(self: TieredWriter, metadata, results) -> None:  # type: ignore[no-untyped-def]

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from tierstore.errors import ConfigError, ObjectNotFound, StorageError
-from tierstore.registry import backend_class, open_backend
+from tierstore.storage.registry import backend_class, open_backend
 from tierstore_gcs import DEFAULT_PART_SIZE, GCSBackend
 
 
@@ -34,7 +34,7 @@ def test_environment_alone_is_a_complete_configuration(gcs_bucket: str) -> None:
 
 def test_environment_alone_in_a_fresh_process(gcs_bucket: str, gcs_endpoint: str) -> None:
     code = (
-        "import sys; from tierstore.registry import open_backend\n"
+        "import sys; from tierstore.storage.registry import open_backend\n"
         "b = open_backend(sys.argv[1]); b.publish('k', b'v'); print(b.read_bytes('k').decode())"
     )
     # One variable, nothing else: no options, no credentials, and no

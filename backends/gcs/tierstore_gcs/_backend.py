@@ -12,7 +12,6 @@ from typing import Any, BinaryIO, TypeVar, cast
 from urllib.parse import quote
 
 from tierstore import retry as retry_mod
-from tierstore.backend import Backend, ObjectInfo, ObjectWriter, check_key, crc32c_update
 from tierstore.errors import (
     ChecksumMismatch,
     ConfigError,
@@ -22,6 +21,7 @@ from tierstore.errors import (
     TierstoreError,
     TransientStorageError,
 )
+from tierstore.storage.backend import Backend, ObjectInfo, ObjectWriter, check_key, crc32c_update
 from tierstore_gcs._errors import exception_error, response_error
 from tierstore_gcs._http import CONNECT_TIMEOUT, READ_TIMEOUT, Buffer, ClientBuildError, Response, Transport
 from tierstore_gcs._reader import RangeReader

@@ -10,8 +10,8 @@ import uuid
 from datetime import datetime
 from typing import Any
 
-from tierstore.backend import check_key
 from tierstore.errors import ConfigError, StorageError
+from tierstore.storage.backend import check_key
 from tierstore_gcs._http import Buffer
 
 __all__ = ["PART_QUANTUM", "parse_url", "encode_crc32c", "decode_crc32c", "multipart_body",

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from tierstore.backend import ObjectWriter
 from tierstore.errors import StorageError, TransientStorageError
+from tierstore.storage.backend import ObjectWriter
 from tierstore_gcs._http import Response
 from tierstore_gcs._wire import PART_QUANTUM
 
@@ -168,7 +168,7 @@ class GCSWriter(ObjectWriter):
         # Never delete the key here: the failed request may have created the object (our
         # own bytes, CRC32C-checked by GCS), but another migrator of the same checkpoint may
         # have stored its verified copy there too, and a delete cannot tell them apart.
-        # Nothing vouches for an object until it is checked in place (tierstore.migrator).
+        # Nothing vouches for an object until it is checked in place (tierstore.tiers.migrator).
         if self._session is not None:
             self._backend._cancel_session(self.key, self._session)
 

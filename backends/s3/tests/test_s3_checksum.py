@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from tierstore.backend import crc32c_update
+from tierstore.storage.backend import crc32c_update
 from tierstore_s3 import _checksum
 
 

@@ -22,12 +22,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from s3_fault_proxy import MODES, FaultProxy
 
-from tierstore import TieredReader, TieredWriter, layout
-from tierstore.catalog import Tier, list_checkpoints
+from tierstore import TieredReader, TieredWriter
+from tierstore.commit import layout
 from tierstore.manager import CheckpointManager
-from tierstore.migrator import MigrationConfig, MigrationState, Migrator, active_migrators
-from tierstore.pending import migrate_pending
 from tierstore.retry import RetryPolicy
+from tierstore.tiers.catalog import list_checkpoints
+from tierstore.tiers.migrator import MigrationConfig, MigrationState, Migrator, active_migrators
+from tierstore.tiers.status import migrate_pending
+from tierstore.tiers.tier import Tier
 
 T = TypeVar("T")
 HANG = 60.0  # seconds: far beyond any hot save here; only a save blocked on S3 gets there
@@ -290,7 +292,7 @@ def _upload_as_a_racing_migrator(migrator: Migrator, job: Any, entry: Any,
                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Upload ``entry`` as a second migrator that looked before the first one wrote (so it
     found no verified copy) would."""
-    import tierstore.migrator as migrator_mod
+    import tierstore.tiers.migrator as migrator_mod
 
     with monkeypatch.context() as patch:
         patch.setattr(migrator_mod, "has_verified_copy", lambda *a, **k: False)
@@ -299,8 +301,8 @@ def _upload_as_a_racing_migrator(migrator: Migrator, job: Any, entry: Any,
 
 def test_a_throttled_second_migrator_never_deletes_a_committed_object(
         cold: ColdTier, monkeypatch: pytest.MonkeyPatch) -> None:
-    import tierstore.migrator as migrator_mod
-    from tierstore.migrator import _Job
+    import tierstore.tiers.migrator as migrator_mod
+    from tierstore.tiers.migrator import _Job
 
     dcp.save(state_for(1), storage_writer=TieredWriter(cold.hot, step=1))
     done = migrate_pending(cold.hot, cold.url, cold_options=cold.options(through_proxy=False),

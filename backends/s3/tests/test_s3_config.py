@@ -13,7 +13,6 @@ import pytest
 from s3_fault_proxy import FaultProxy
 from s3_test_support import PART
 
-from tierstore.backend import crc32c_update
 from tierstore.errors import (
     ConfigError,
     ObjectNotFound,
@@ -21,8 +20,9 @@ from tierstore.errors import (
     TierstoreError,
     TransientStorageError,
 )
-from tierstore.registry import open_backend
 from tierstore.retry import RetryPolicy
+from tierstore.storage.backend import crc32c_update
+from tierstore.storage.registry import open_backend
 from tierstore_s3 import S3Backend
 
 MakeBackend = Callable[..., S3Backend]

@@ -12,8 +12,8 @@ import pytest
 from s3_fault_proxy import FaultProxy
 from s3_test_support import PART
 
-from tierstore.backend import crc32c_update
 from tierstore.errors import ChecksumMismatch, PublishConflict, StorageError, TransientStorageError
+from tierstore.storage.backend import crc32c_update
 from tierstore_s3 import S3Backend
 
 MakeBackend = Callable[..., S3Backend]

@@ -14,7 +14,6 @@ from urllib.parse import urlparse
 import s3fs
 from botocore.exceptions import BotoCoreError
 
-from tierstore.backend import Backend, ObjectInfo, ObjectWriter, check_key, crc32c_update
 from tierstore.errors import (
     ConfigError,
     ObjectNotFound,
@@ -24,6 +23,7 @@ from tierstore.errors import (
     UnsafePath,
 )
 from tierstore.retry import DEFAULT, RetryPolicy
+from tierstore.storage.backend import Backend, ObjectInfo, ObjectWriter, check_key, crc32c_update
 from tierstore_s3 import _checksum
 from tierstore_s3._errors import client_error_code, translate
 

@@ -13,7 +13,7 @@ import struct
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tierstore.backend import crc32c_update
+from tierstore.storage.backend import crc32c_update
 
 __all__ = ["encode", "decode", "composite", "accepted_values", "full_object_crc32c"]
 

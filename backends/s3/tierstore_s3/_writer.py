@@ -13,8 +13,8 @@ import logging
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
-from tierstore.backend import ObjectWriter, crc32c_update
 from tierstore.errors import ChecksumMismatch, StorageError, TierstoreError
+from tierstore.storage.backend import ObjectWriter, crc32c_update
 from tierstore_s3 import _checksum
 from tierstore_s3._errors import client_error_code
 

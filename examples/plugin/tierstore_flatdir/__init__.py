@@ -1,7 +1,7 @@
 """``flatdir:///path``: every object is one file directly in ``/path``, its key escaped.
 
 A complete, deliberately small tierstore backend plugin. It implements the contract of
-:mod:`tierstore.backend` (write with CRC32C, exclusive atomic publish, read, stat, list,
+:mod:`tierstore.storage.backend` (write with CRC32C, exclusive atomic publish, read, stat, list,
 delete) and proves it with :class:`tierstore.testing.BackendContract`.
 """
 
@@ -13,8 +13,8 @@ import uuid
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
-from tierstore.backend import Backend, ObjectInfo, ObjectWriter, check_key, translate_os_errors
 from tierstore.errors import ConfigError, PublishConflict
+from tierstore.storage.backend import Backend, ObjectInfo, ObjectWriter, check_key, translate_os_errors
 
 __all__ = ["FlatDirBackend"]
 

@@ -1,6 +1,6 @@
-"""The torch side of :mod:`tierstore.verify`: state digests, the probe loss, the fresh process.
+"""The torch side of :mod:`tierstore.resume.check`: state digests, the probe loss, the fresh process.
 
-``python -m tierstore._probe SPEC.json`` is one rank of the fresh job: it joins the job's own
+``python -m tierstore.resume.probe SPEC.json`` is one rank of the fresh job: it joins the job's own
 process group (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``), builds the probe's
 objects, loads the checkpoint through ``TieredReader`` with every key optional (so a key the
 checkpoint lacks is reported, not fatal), and writes the missing keys, the digest of every key
@@ -26,8 +26,8 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from tierstore.state import ResumePlanner, capture_rng, restore_rng
-from tierstore.verify import Probe, load_probe
+from tierstore.resume.check import Probe, load_probe
+from tierstore.resume.state import ResumePlanner, capture_rng, restore_rng
 
 __all__ = ["capture", "digest_state", "probe_loss", "rank_world", "main"]
 
@@ -102,7 +102,7 @@ def capture(probe: Probe, state: dict[str, Any]) -> dict[str, Any]:
 
 
 def _fresh(spec: dict[str, Any]) -> dict[str, Any]:
-    from tierstore.reader import TieredReader
+    from tierstore.commit.reader import TieredReader
 
     probe = load_probe(spec["probe"])()
     state = probe.build()

@@ -21,8 +21,8 @@ import logging
 import time
 from typing import Any
 
-from tierstore import layout
-from tierstore.catalog import Tier
+from tierstore.commit import layout
+from tierstore.commit.manifest import FileEntry, Manifest
 from tierstore.errors import (
     IntegrityError,
     ObjectNotFound,
@@ -30,7 +30,7 @@ from tierstore.errors import (
     PublishConflict,
     TierstoreError,
 )
-from tierstore.manifest import FileEntry, Manifest
+from tierstore.tiers.tier import Tier
 
 __all__ = [
     "store_id",

@@ -7,11 +7,11 @@ import time
 from collections.abc import Callable
 from typing import BinaryIO
 
-from tierstore import faults
-from tierstore.backend import crc32c_update
-from tierstore.catalog import Tier
+from tierstore.commit.manifest import FileEntry
 from tierstore.errors import ChecksumMismatch, ObjectNotFound
-from tierstore.manifest import FileEntry
+from tierstore.storage import faults
+from tierstore.storage.backend import crc32c_update
+from tierstore.tiers.tier import Tier
 
 __all__ = ["Throttle", "copy_file", "has_verified_copy"]
 

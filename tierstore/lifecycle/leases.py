@@ -37,10 +37,10 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from tierstore import layout
-from tierstore.backend import ObjectInfo
-from tierstore.catalog import Tier
+from tierstore.commit import layout
 from tierstore.errors import ObjectNotFound, TierstoreError
+from tierstore.storage.backend import ObjectInfo
+from tierstore.tiers.tier import Tier
 
 __all__ = ["Lease", "take", "live_leases", "expired_leases", "store_time", "DEFAULT_TTL", "MAX_TTL"]
 

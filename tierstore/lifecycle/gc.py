@@ -10,7 +10,7 @@ Garbage is, per tier:
   and damaged upload marks (a key no mark has, unreadable JSON, another rank) once old;
 * "migrated" marks of attempts not committed in the (hot) tier;
 * leftover publish temporaries, clock probes and expired leases, older than ``grace``
-  (lease expiry is judged by the store's clock: :mod:`tierstore.leases`);
+  (lease expiry is judged by the store's clock: :mod:`tierstore.lifecycle.leases`);
 * backend debris such as S3 incomplete multipart uploads older than ``grace``.
 
 Manifests of other tiers count: cold uploads of a checkpoint still pending (only its hot
@@ -36,12 +36,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tierstore import layout, marks
-from tierstore.backend import ObjectInfo
-from tierstore.catalog import Tier, TierURL, make_tiers
+from tierstore.commit import layout
+from tierstore.commit.manifest import Manifest
 from tierstore.errors import IntegrityError, ObjectNotFound, ObjectTooLarge, TierstoreError
-from tierstore.leases import expired_leases, live_leases
-from tierstore.manifest import Manifest
+from tierstore.lifecycle.leases import expired_leases, live_leases
+from tierstore.storage.backend import ObjectInfo
+from tierstore.tiers import marks
+from tierstore.tiers.tier import Store, Tier, TierURL
 
 __all__ = ["Garbage", "Problem", "GCReport", "find_garbage", "collect_garbage", "DEFAULT_GRACE"]
 
@@ -225,17 +226,17 @@ def _migrated_garbage(tier: Tier, info: ObjectInfo, scan: _Scan,
         scan.add(tier, info, "migrated mark of a pruned checkpoint")
 
 
-def find_garbage(hot: TierURL | None, cold: TierURL | None = None, *, grace: float = DEFAULT_GRACE,
+def find_garbage(hot: TierURL | Store | None, cold: TierURL | None = None, *, grace: float = DEFAULT_GRACE,
                  hot_options: dict[str, Any] | None = None,
                  cold_options: dict[str, Any] | None = None,
                  now: float | None = None) -> list[Garbage]:
     """Everything :func:`collect_garbage` would delete (nothing is touched)."""
     now = time.time() if now is None else now
-    tiers = make_tiers(hot, cold, hot_options=hot_options, cold_options=cold_options)
+    tiers = Store.of(hot, cold, hot_options=hot_options, cold_options=cold_options).tiers
     return _scan(tiers, now, grace)[0].garbage
 
 
-def collect_garbage(hot: TierURL | None, cold: TierURL | None = None, *,
+def collect_garbage(hot: TierURL | Store | None, cold: TierURL | None = None, *,
                     grace: float = DEFAULT_GRACE, dry_run: bool = True,
                     hot_options: dict[str, Any] | None = None,
                     cold_options: dict[str, Any] | None = None,
@@ -243,7 +244,7 @@ def collect_garbage(hot: TierURL | None, cold: TierURL | None = None, *,
     """Find garbage in every tier and, unless ``dry_run``, delete it (see the module docstring
     for what is kept and what the report lists)."""
     now = time.time() if now is None else now
-    tiers = make_tiers(hot, cold, hot_options=hot_options, cold_options=cold_options)
+    tiers = Store.of(hot, cold, hot_options=hot_options, cold_options=cold_options).tiers
     scan, damaged = _scan(tiers, now, grace)
     by_label = {t.label: t for t in tiers}
     aborted: list[str] = []

@@ -30,11 +30,10 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from tierstore import faults, layout, leases
 from tierstore._redact import redact_url
-from tierstore._safe_pickle import load_metadata, safe_byte_io
-from tierstore.backend import crc32c_update
-from tierstore.catalog import Tier, TierURL, make_tiers, resolve
+from tierstore.commit import layout
+from tierstore.commit.manifest import FileEntry, Manifest
+from tierstore.commit.safe_pickle import load_metadata, safe_byte_io
 from tierstore.errors import (
     CheckpointNotFound,
     ChecksumMismatch,
@@ -47,7 +46,11 @@ from tierstore.errors import (
     TierstoreError,
     UnsafePath,
 )
-from tierstore.manifest import FileEntry, Manifest
+from tierstore.lifecycle import leases
+from tierstore.storage import faults
+from tierstore.storage.backend import crc32c_update
+from tierstore.tiers.catalog import resolve
+from tierstore.tiers.tier import Store, Tier, TierURL
 
 __all__ = ["TieredReader", "is_damage"]
 
@@ -74,7 +77,8 @@ class TieredReader(StorageReader):
     """Load a DCP checkpoint from a tiered store.
 
     Args:
-        hot, cold: the store's tiers (either may be omitted, not both).
+        hot, cold: the store's tiers (either may be omitted, not both), or a
+            :class:`~tierstore.Store` as ``hot``.
         step: load the newest checkpoint of this step.
         name: load the checkpoint of this name (a ``checkpoint_id`` given to ``dcp.load``
             does the same). With neither, the newest committed checkpoint in any tier
@@ -87,7 +91,7 @@ class TieredReader(StorageReader):
             node's files and the cold manifest is the global commit: pick checkpoints by cold
             manifest, read each file from the local hot tier when it is there and intact,
             else from cold.
-        lease: announce the load with a lease in each tier read (see :mod:`tierstore.leases`)
+        lease: announce the load with a lease in each tier read (see :mod:`tierstore.lifecycle.leases`)
             so a concurrent prune leaves the files alone; needs write access to the tiers.
 
     After a load, ``reader.manifest`` is the checkpoint that was read and ``reader.sources``
@@ -96,7 +100,7 @@ class TieredReader(StorageReader):
 
     def __init__(
         self,
-        hot: TierURL | None,
+        hot: TierURL | Store | None,
         cold: TierURL | None = None,
         *,
         step: int | None = None,
@@ -107,8 +111,9 @@ class TieredReader(StorageReader):
         lease: bool = True,
     ) -> None:
         super().__init__()
-        self.tiers = make_tiers(hot, cold, hot_options=hot_options, cold_options=cold_options)
-        if node_local and (hot is None or cold is None):
+        self.store = Store.of(hot, cold, hot_options=hot_options, cold_options=cold_options)
+        self.tiers = self.store.tiers
+        if node_local and (self.store.hot is None or self.store.cold is None):
             raise ConfigError("node_local=True needs both a hot and a cold tier")
         self.node_local = node_local
         self.lease = lease
@@ -174,7 +179,7 @@ class TieredReader(StorageReader):
         its ``.metadata`` is missing, damaged or unloadable in every tier holding it, or one
         of its data files is missing or of the wrong size in every tier (one ``stat`` per
         file; bytes are checked only while streaming, in :meth:`read_data`). Candidates with
-        a manifest invalid in every tier are never picked (:func:`tierstore.catalog.resolve`).
+        a manifest invalid in every tier are never picked (:func:`tierstore.tiers.catalog.resolve`).
         If every candidate is damaged, the newest one's error is raised.
         """
         skipped: dict[tuple[str, str], TierstoreError] = {}

@@ -18,9 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tierstore import layout
-from tierstore._transfer import copy_file, has_verified_copy
-from tierstore.catalog import Tier, TierURL, make_tiers, resolve
+from tierstore.commit import layout
+from tierstore.commit.manifest import FileEntry, Manifest
 from tierstore.errors import (
     CheckpointExists,
     InvalidManifest,
@@ -28,8 +27,10 @@ from tierstore.errors import (
     ObjectTooLarge,
     StorageError,
 )
-from tierstore.manifest import FileEntry, Manifest
-from tierstore.migrator import MigrationConfig
+from tierstore.tiers.catalog import resolve
+from tierstore.tiers.migrator import MigrationConfig
+from tierstore.tiers.tier import Store, Tier, TierURL
+from tierstore.tiers.transfer import copy_file, has_verified_copy
 
 __all__ = ["restore", "restore_checkpoint", "RestoreReport", "Repair"]
 
@@ -52,7 +53,8 @@ class RestoreReport:
     manifest_repaired: bool = False  # the hot manifest was damaged and has been replaced
 
 
-def restore(hot: TierURL, cold: TierURL, *, step: int | None = None, name: str | None = None,
+def restore(hot: TierURL | Store, cold: TierURL | None = None, *, step: int | None = None,
+            name: str | None = None,
             hot_options: dict[str, Any] | None = None, cold_options: dict[str, Any] | None = None,
             config: MigrationConfig | None = None,
             progress: Callable[[str, int, int], None] | None = None) -> Manifest:
@@ -62,7 +64,7 @@ def restore(hot: TierURL, cold: TierURL, *, step: int | None = None, name: str |
                               cold_options=cold_options, config=config, progress=progress).manifest
 
 
-def restore_checkpoint(hot: TierURL, cold: TierURL, *, step: int | None = None,
+def restore_checkpoint(hot: TierURL | Store, cold: TierURL | None = None, *, step: int | None = None,
                        name: str | None = None, hot_options: dict[str, Any] | None = None,
                        cold_options: dict[str, Any] | None = None,
                        config: MigrationConfig | None = None,
@@ -71,7 +73,8 @@ def restore_checkpoint(hot: TierURL, cold: TierURL, *, step: int | None = None,
     hot tier holds of it (module docstring); raise :class:`CheckpointExists` if the hot tier
     commits another attempt under that name."""
     config = config or MigrationConfig()
-    hot_tier, cold_tier = make_tiers(hot, cold, hot_options=hot_options, cold_options=cold_options)
+    store = Store.of(hot, cold, hot_options=hot_options, cold_options=cold_options)
+    hot_tier, cold_tier = store.migration_pair()
     manifest, _ = resolve([cold_tier], step=step, name=name)
     present, torn = _hot_manifest(hot_tier, manifest.name)
     if present is not None and present.attempt != manifest.attempt:

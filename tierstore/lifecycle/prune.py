@@ -10,7 +10,7 @@ For each checkpoint a tier's policy does not keep (DESIGN.md invariant 5):
    hot copy, and the report says why;
 2. **un-publish first**: delete the manifest, so the checkpoint stops existing;
 3. then, unless a load holds a live lease on it, delete its data and upload marks. A crash
-   anywhere leaves at worst unreferenced data, which :mod:`tierstore.gc` removes later.
+   anywhere leaves at worst unreferenced data, which :mod:`tierstore.lifecycle.gc` removes later.
 
 A failure on one checkpoint is reported (``PruneReport.errors``) and pruning goes on with
 the others: one damaged object never stops the rest.
@@ -24,12 +24,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tierstore import faults, layout, marks
-from tierstore.catalog import Tier, TierURL, make_tiers
+from tierstore.commit import layout
+from tierstore.commit.manifest import Manifest
 from tierstore.errors import InvalidManifest, TierstoreError
-from tierstore.leases import live_leases
-from tierstore.manifest import Manifest
-from tierstore.retention import DEFAULT_COLD, DEFAULT_HOT, Policy
+from tierstore.lifecycle.leases import live_leases
+from tierstore.lifecycle.retention import DEFAULT_COLD, DEFAULT_HOT, Policy
+from tierstore.storage import faults
+from tierstore.tiers import marks
+from tierstore.tiers.tier import Store, Tier, TierURL
 
 __all__ = ["PruneReport", "ColdCheck", "prune", "prune_tier", "prune_node_local", "plan_prune",
            "pending_in_cold", "check_cold_copies"]
@@ -204,22 +206,31 @@ def pending_in_cold(hot: Tier, cold: Tier) -> set[str]:
     return set(check_cold_copies(hot, cold).protect)
 
 
-def prune(hot: TierURL | None, cold: TierURL | None = None, *, hot_policy: Policy = DEFAULT_HOT,
+def prune(hot: TierURL | Store | None, cold: TierURL | None = None, *, hot_policy: Policy = DEFAULT_HOT,
           cold_policy: Policy = DEFAULT_COLD, hot_options: dict[str, Any] | None = None,
           cold_options: dict[str, Any] | None = None, dry_run: bool = False,
-          now: float | None = None) -> list[PruneReport]:
+          now: float | None = None, node_local: bool = False,
+          prune_cold: bool = True) -> list[PruneReport]:
     """Prune every tier of a store by its policy; hot checkpoints not provably in cold are
-    kept. A tier that cannot be pruned at all is reported in its report's ``errors``."""
-    tiers = {t.role: t for t in make_tiers(hot, cold, hot_options=hot_options, cold_options=cold_options)}
+    kept. A tier that cannot be pruned at all is reported in its report's ``errors``.
+
+    ``node_local``: ``hot`` is this node's own hot root (:func:`prune_node_local`).
+    ``prune_cold=False`` leaves the cold tier alone (a job prunes it from one rank only).
+    """
+    store = Store.of(hot, cold, hot_options=hot_options, cold_options=cold_options)
+    hot_tier, cold_tier = store.hot, store.cold
     reports = []
-    if "hot" in tiers:
-        check = check_cold_copies(tiers["hot"], tiers["cold"]) if "cold" in tiers else ColdCheck(frozenset())
-        reports.append(_guarded(tiers["hot"], lambda: prune_tier(
-            tiers["hot"], hot_policy, protect=check.protect, dry_run=dry_run, now=now,
+    if hot_tier is not None and node_local and cold_tier is not None:
+        reports.append(_guarded(hot_tier, lambda: prune_node_local(
+            hot_tier, cold_tier, hot_policy, dry_run=dry_run, now=now)))
+    elif hot_tier is not None:
+        check = check_cold_copies(hot_tier, cold_tier) if cold_tier is not None else ColdCheck(frozenset())
+        reports.append(_guarded(hot_tier, lambda: prune_tier(
+            hot_tier, hot_policy, protect=check.protect, dry_run=dry_run, now=now,
             warnings=check.warnings)))
-    if "cold" in tiers:
-        reports.append(_guarded(tiers["cold"], lambda: prune_tier(
-            tiers["cold"], cold_policy, dry_run=dry_run, now=now)))
+    if cold_tier is not None and prune_cold:
+        reports.append(_guarded(cold_tier, lambda: prune_tier(
+            cold_tier, cold_policy, dry_run=dry_run, now=now)))
     return reports
 
 

@@ -12,7 +12,7 @@ Call order (DCP's, across ranks) and what each step does here:
 
 With a cold tier, each rank hands the files it wrote to this process's background migrator
 as soon as they are durable, and the coordinator hands it the commit once the hot manifest
-is published (see :mod:`tierstore.migrator`). Nothing in migration can fail the save, and
+is published (see :mod:`tierstore.tiers.migrator`). Nothing in migration can fail the save, and
 no step of a save sends a request to the cold tier: a cold tier that is slow, stalled,
 unreachable or denying writes never delays or fails a save (DESIGN.md invariant 7).
 The cold tier's own "never overwrite a committed checkpoint" check happens at the cold
@@ -40,13 +40,14 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from tierstore import faults, layout
 from tierstore._redact import redact_url
 from tierstore._version import producer
-from tierstore.catalog import Tier, TierURL, make_tiers
+from tierstore.commit import layout
+from tierstore.commit.manifest import FileEntry, Manifest
 from tierstore.errors import CheckpointExists, ConfigError, NoSpaceLeft
-from tierstore.manifest import FileEntry, Manifest
-from tierstore.migrator import MigrationConfig, Migrator, migrator_for
+from tierstore.storage import faults
+from tierstore.tiers.migrator import MigrationConfig, Migrator, migrator_for
+from tierstore.tiers.tier import Store, Tier, TierURL
 
 __all__ = ["TieredWriter"]
 
@@ -75,7 +76,8 @@ class TieredWriter(StorageWriter):
     """Save a DCP checkpoint into a tiered store (see the module docstring for the protocol).
 
     Args:
-        hot: local path or URL of the hot tier, where every rank writes its shards.
+        hot: local path or URL of the hot tier, where every rank writes its shards; or a
+            :class:`~tierstore.Store` (then without ``cold`` and the options).
         cold: optional URL of the cold tier (the migrator copies committed checkpoints there).
         step: training step; names the checkpoint ``step-<step>`` unless ``name`` is given.
         name: checkpoint name; a ``checkpoint_id`` given to ``dcp.save`` overrides it.
@@ -91,7 +93,7 @@ class TieredWriter(StorageWriter):
 
     def __init__(
         self,
-        hot: TierURL,
+        hot: TierURL | Store,
         cold: TierURL | None = None,
         *,
         step: int | None = None,
@@ -110,9 +112,11 @@ class TieredWriter(StorageWriter):
             raise ConfigError(f"thread_count must be >= 1, got {thread_count!r}")
         self.step = step
         self.name = layout.check_name(name) if name is not None else None
-        self.tiers = make_tiers(hot, cold, hot_options=hot_options, cold_options=cold_options)
-        for tier in self.tiers:
-            tier.check_scheme()  # a typo or missing plugin fails here, once, not at each save
+        self.store = Store.of(hot, cold, hot_options=hot_options, cold_options=cold_options)
+        if self.store.hot is None:
+            raise ConfigError("TieredWriter needs a hot tier: saves are written there first")
+        self.store.check_schemes()  # a typo or missing plugin fails here, once, not at each save
+        self.tiers = self.store.tiers
         self.thread_count = thread_count
         self.single_file_per_rank = single_file_per_rank
         self.migration = migration

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tierstore import layout
+from tierstore.commit import layout
 from tierstore.errors import ConfigError, InvalidManifest
 
 __all__ = ["FORMAT", "VERSION", "FileEntry", "Manifest", "check_relpath"]

@@ -6,10 +6,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from tierstore.backend import crc32c_update
-from tierstore.catalog import Tier, TierURL, make_tiers
+from tierstore.commit.manifest import FileEntry, Manifest
 from tierstore.errors import TierstoreError
-from tierstore.manifest import FileEntry, Manifest
+from tierstore.storage.backend import crc32c_update
+from tierstore.tiers.tier import Store, Tier, TierURL
 
 __all__ = ["FileCheck", "verify_store"]
 
@@ -59,7 +59,7 @@ class _Ticker:
             self.progress(self.label, self.done, self.total)
 
 
-def verify_store(hot: TierURL | None, cold: TierURL | None = None, *,
+def verify_store(hot: TierURL | Store | None, cold: TierURL | None = None, *,
                  names: Iterable[str] | None = None, hot_options: dict[str, Any] | None = None,
                  cold_options: dict[str, Any] | None = None,
                  progress: Callable[[str, int, int], None] | None = None) -> list[FileCheck]:
@@ -69,7 +69,7 @@ def verify_store(hot: TierURL | None, cold: TierURL | None = None, *,
     """
     wanted = set(names) if names is not None else None
     results: list[FileCheck] = []
-    for tier in make_tiers(hot, cold, hot_options=hot_options, cold_options=cold_options):
+    for tier in Store.of(hot, cold, hot_options=hot_options, cold_options=cold_options).tiers:
         manifests, invalid = tier.scan_manifests()
         for err in invalid:
             if wanted is None or err.checkpoint in wanted:

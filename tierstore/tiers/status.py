@@ -3,7 +3,7 @@ cold, finishing them now (``tierstore migrate``), and waiting until none is left
 
 Everything here reads the state the tiers hold (manifests, upload marks, failure marks,
 "migrated" marks), so it works from a monitoring job or another node as well as from the
-process that saved. The background copying itself is :mod:`tierstore.migrator`.
+process that saved. The background copying itself is :mod:`tierstore.tiers.migrator`.
 """
 
 from __future__ import annotations
@@ -13,11 +13,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
-from tierstore import marks
-from tierstore.catalog import Tier, TierURL, make_tiers
+from tierstore.commit.manifest import Manifest
 from tierstore.errors import IntegrityError, InvalidManifest
-from tierstore.manifest import Manifest
-from tierstore.migrator import (
+from tierstore.tiers import marks
+from tierstore.tiers.migrator import (
     MigrationConfig,
     MigrationState,
     MigrationStatus,
@@ -26,16 +25,19 @@ from tierstore.migrator import (
     _status_of,
     active_migrators,
 )
+from tierstore.tiers.tier import Store, Tier, TierURL
 
 __all__ = ["migration_status", "migrate_pending", "wait_for_migrations"]
 
-def migration_status(hot: TierURL, cold: TierURL, *, hot_options: dict[str, Any] | None = None,
+def migration_status(hot: TierURL | Store, cold: TierURL | None = None, *,
+                     hot_options: dict[str, Any] | None = None,
                      cold_options: dict[str, Any] | None = None) -> list[MigrationStatus]:
     """Every hot-committed checkpoint's migration state as the tiers record it (any process).
 
     Raises the storage error if the cold tier cannot be read at all.
     """
-    hot_tier, cold_tier = make_tiers(hot, cold, hot_options=hot_options, cold_options=cold_options)
+    hot_tier, cold_tier = Store.of(hot, cold, hot_options=hot_options,
+                                   cold_options=cold_options).migration_pair()
     cold_id = marks.store_id(cold_tier)
     return [_tier_status(hot_tier, cold_tier, m, time.time(), cold_id)
             for m in _hot_manifests(hot_tier)]
@@ -83,7 +85,8 @@ def _tier_status(hot: Tier, cold: Tier, manifest: Manifest, now: float,
     return replace(base, state=state, bytes_done=done)
 
 
-def migrate_pending(hot: TierURL, cold: TierURL, *, hot_options: dict[str, Any] | None = None,
+def migrate_pending(hot: TierURL | Store, cold: TierURL | None = None, *,
+                    hot_options: dict[str, Any] | None = None,
                     cold_options: dict[str, Any] | None = None, names: Iterable[str] | None = None,
                     config: MigrationConfig | None = None,
                     progress: Callable[[str, int, int], None] | None = None) -> list[MigrationStatus]:
@@ -93,7 +96,8 @@ def migrate_pending(hot: TierURL, cold: TierURL, *, hot_options: dict[str, Any] 
     each checkpoint's final status; a checkpoint's failure is reported there, not raised.
     A tier that cannot be read at all (the cold tier down) raises its storage error.
     """
-    hot_tier, cold_tier = make_tiers(hot, cold, hot_options=hot_options, cold_options=cold_options)
+    hot_tier, cold_tier = Store.of(hot, cold, hot_options=hot_options,
+                                   cold_options=cold_options).migration_pair()
     migrator = Migrator(hot_tier, cold_tier, config)
     wanted = set(names) if names is not None else None
     results = []
@@ -134,8 +138,9 @@ def _migrate_whole(migrator: Migrator, manifest: Manifest,
     return replace(_status_of(jobs[-1], time.time()), rank=None, bytes_total=total, bytes_done=total)
 
 
-def wait_for_migrations(hot: TierURL, cold: TierURL, *, timeout: float | None = None,
-                        poll: float = 1.0, hot_options: dict[str, Any] | None = None,
+def wait_for_migrations(hot: TierURL | Store, cold: TierURL | None = None, *,
+                        timeout: float | None = None, poll: float = 1.0,
+                        hot_options: dict[str, Any] | None = None,
                         cold_options: dict[str, Any] | None = None) -> list[MigrationStatus]:
     """Wait until no hot-committed checkpoint is still pending or uploading (any process).
 
@@ -145,8 +150,9 @@ def wait_for_migrations(hot: TierURL, cold: TierURL, *, timeout: float | None = 
     deadline = None if timeout is None else time.monotonic() + timeout
     for migrator in active_migrators():
         migrator.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    store = Store.of(hot, cold, hot_options=hot_options, cold_options=cold_options)
     while True:
-        statuses = migration_status(hot, cold, hot_options=hot_options, cold_options=cold_options)
+        statuses = migration_status(store)
         busy = [s for s in statuses if s.state in (MigrationState.PENDING, MigrationState.UPLOADING)]
         if not busy or (deadline is not None and time.monotonic() >= deadline):
             return statuses

@@ -5,7 +5,7 @@ Compose with ``|`` (keep what either keeps)::
     hot_policy = keep_last(2)
     cold_policy = keep_last(3) | keep_every(1000) | keep_steps(0)
 
-A policy only says what it *wants*; :mod:`tierstore.prune` adds what must never be deleted
+A policy only says what it *wants*; :mod:`tierstore.lifecycle.prune` adds what must never be deleted
 (the newest checkpoint of a tier, hot checkpoints whose cold commit is pending, checkpoints
 in use) and deletes in the safe order. Policies never look at storage and never change.
 """

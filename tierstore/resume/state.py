@@ -84,8 +84,8 @@ class TrainingState:
         model: the (possibly FSDP2-sharded) model.
         optimizer: its optimizer, or ``None``.
         scheduler: an LR scheduler (anything with ``state_dict``/``load_state_dict``).
-        sampler: the data position: a :class:`tierstore.data.ResumableSampler` or
-            :class:`~tierstore.data.ResumableLoader`, or any ``Stateful`` whose state is the
+        sampler: the data position: a :class:`tierstore.resume.data.ResumableSampler` or
+            :class:`~tierstore.resume.data.ResumableLoader`, or any ``Stateful`` whose state is the
             same on every rank.
         step: the step counter; set ``state.step`` after each step.
         seed: base seed for reseeding the RNG after a change of world size.

@@ -14,8 +14,8 @@ from types import MappingProxyType
 from typing import Any
 
 from tierstore._redact import redact_url
-from tierstore.backend import Backend
 from tierstore.errors import BackendNotFound, ConfigError
+from tierstore.storage.backend import Backend
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -29,8 +29,8 @@ __all__ = [
 ENTRY_POINT_GROUP = "tierstore.backends"
 
 _BUILTINS: dict[str, str] = {
-    "file": "tierstore._local:LocalBackend",
-    "memory": "tierstore._memory:MemoryBackend",
+    "file": "tierstore.storage.local:LocalBackend",
+    "memory": "tierstore.storage.memory:MemoryBackend",
 }
 # Schemes whose backend ships as its own distribution: named in the "not found" error.
 _KNOWN_PLUGINS: dict[str, str] = {
@@ -103,7 +103,7 @@ def backend_class(scheme: str) -> type[Backend]:
     """The backend class for ``scheme``, importing it on first use."""
     scheme = scheme.lower()
     if scheme.startswith("fsspec+"):  # any fsspec filesystem, asked for explicitly
-        from tierstore._fsspec import FsspecBackend
+        from tierstore.storage.fsspec_backend import FsspecBackend
 
         return FsspecBackend
     _load_entry_points()

@@ -20,9 +20,9 @@ from collections.abc import Iterator
 from typing import Any, BinaryIO
 from urllib.parse import unquote, urlparse
 
-from tierstore import faults
-from tierstore.backend import Backend, ObjectInfo, ObjectWriter, check_key, translate_os_errors
 from tierstore.errors import ConfigError, PublishConflict, UnsafePath
+from tierstore.storage import faults
+from tierstore.storage.backend import Backend, ObjectInfo, ObjectWriter, check_key, translate_os_errors
 
 __all__ = ["LocalBackend"]
 

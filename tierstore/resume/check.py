@@ -49,9 +49,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tierstore.catalog import TierURL, make_tiers, resolve
 from tierstore.errors import ConfigError, TierstoreError
-from tierstore.resume_report import Mismatch, ResumeReport, assemble, compare, rank_outcome
+from tierstore.resume.report import Mismatch, ResumeReport, assemble, compare, rank_outcome
+from tierstore.tiers.catalog import resolve
+from tierstore.tiers.tier import Store, TierURL
 
 __all__ = ["Probe", "ResumeReport", "Mismatch", "verify_resume", "verify_checkpoint", "load_probe",
            "probe_spec", "compare"]
@@ -146,7 +147,7 @@ def spawn_fresh(spec: Mapping[str, Any], workdir: Path, rank: int, world: int, a
     spec_path.write_text(json.dumps({**spec, "out": str(workdir / f"result-{rank}.json")}))
     env = _child_env(rank, world, addr, port, rank if local_rank is None else local_rank)
     with open(workdir / f"log-{rank}.txt", "wb") as log_file:  # the child keeps its own handle
-        return subprocess.Popen([sys.executable, "-m", "tierstore._probe", str(spec_path)], env=env,
+        return subprocess.Popen([sys.executable, "-m", "tierstore.resume.probe", str(spec_path)], env=env,
                                 stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -172,18 +173,19 @@ def _log_tail(workdir: Path, rank: int, lines: int = 6) -> str:
     return (": " + " | ".join(text)) if text else ""
 
 
-def _fresh_spec(probe: str, name: str, hot: TierURL | None, cold: TierURL | None,
-                hot_options: Mapping[str, Any] | None, cold_options: Mapping[str, Any] | None,
-                node_local: bool, timeout: float) -> dict[str, Any]:
-    return {"probe": probe, "name": name, "hot": None if hot is None else os.fspath(hot),
-            "cold": None if cold is None else os.fspath(cold), "hot_options": dict(hot_options or {}),
-            "cold_options": dict(cold_options or {}), "node_local": node_local, "timeout": timeout}
+def _fresh_spec(probe: str, name: str, store: Store, node_local: bool, timeout: float) -> dict[str, Any]:
+    hot, cold = store.hot, store.cold
+    return {"probe": probe, "name": name, "hot": None if hot is None else hot.url,
+            "cold": None if cold is None else cold.url,
+            "hot_options": {} if hot is None else hot.options,
+            "cold_options": {} if cold is None else cold.options,
+            "node_local": node_local, "timeout": timeout}
 
 
 # -- from the command line: a checkpoint, no live process ------------------------------------
 
 
-def verify_checkpoint(probe: str, hot: TierURL | None, cold: TierURL | None = None, *,
+def verify_checkpoint(probe: str, hot: TierURL | Store | None, cold: TierURL | None = None, *,
                       name: str | None = None, step: int | None = None, nproc: int | None = None,
                       record: str | os.PathLike[str] | None = None, rtol: float = 0.0, atol: float = 0.0,
                       hot_options: Mapping[str, Any] | None = None,
@@ -200,14 +202,14 @@ def verify_checkpoint(probe: str, hot: TierURL | None, cold: TierURL | None = No
         live = _read_record(Path(record))
         name = name or (live[0] or {}).get("checkpoint")
         nproc = nproc or len(live)
-    manifest, _ = resolve(make_tiers(hot, cold, hot_options=hot_options, cold_options=cold_options),
-                          step=step, name=name)
+    store = Store.of(hot, cold, hot_options=hot_options, cold_options=cold_options)
+    manifest, _ = resolve(store.tiers, step=step, name=name)
     nproc = nproc or manifest.world_size
     if record is None:
         live = [None] * nproc
     elif len(live) != nproc:
         raise ConfigError(f"the record holds {len(live)} ranks; verify with --nproc {len(live)}")
-    spec = _fresh_spec(probe, manifest.name, hot, cold, hot_options, cold_options, False, timeout)
+    spec = _fresh_spec(probe, manifest.name, store, False, timeout)
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tierstore-verify-") as tmp:
         workdir, port = Path(tmp), free_port()
@@ -226,7 +228,7 @@ def _read_record(directory: Path) -> list[dict[str, Any] | None]:
 # -- from the training run: every rank, right after a save -----------------------------------
 
 
-def verify_resume(probe: str | ProbeFactory, state: dict[str, Any], *, hot: TierURL | None,
+def verify_resume(probe: str | ProbeFactory, state: dict[str, Any], *, hot: TierURL | Store | None,
                   cold: TierURL | None = None, name: str | None = None, step: int | None = None,
                   hot_options: Mapping[str, Any] | None = None,
                   cold_options: Mapping[str, Any] | None = None, node_local: bool = False,
@@ -239,8 +241,9 @@ def verify_resume(probe: str | ProbeFactory, state: dict[str, Any], *, hot: Tier
     (default the world), which must be idle: wait for pending saves first
     (``CheckpointManager.verify_resume`` does). Returns the same report on every rank.
     """
-    from tierstore import _probe
+    from tierstore.resume import probe as _probe
 
+    store = Store.of(hot, cold, hot_options=hot_options, cold_options=cold_options)
     spec_name = probe_spec(probe)
     factory = probe if callable(probe) else load_probe(probe)
     start = time.monotonic()
@@ -248,8 +251,7 @@ def verify_resume(probe: str | ProbeFactory, state: dict[str, Any], *, hot: Tier
     picked: tuple[str, int] | TierstoreError | None = None
     if rank == 0:
         # Node-local hot tiers each hold some ranks' files: the cold manifest is the commit.
-        tiers = make_tiers(None if node_local else hot, cold, hot_options=hot_options,
-                           cold_options=cold_options)
+        tiers = [t for t in store.tiers if not (node_local and t.role == "hot")]
         try:
             picked = resolve(tiers, step=step, name=name)[0].name, free_port()
         except TierstoreError as err:  # every rank raises it, none waits for a partner
@@ -264,7 +266,7 @@ def verify_resume(probe: str | ProbeFactory, state: dict[str, Any], *, hot: Tier
     if record_dir is not None:
         Path(record_dir).mkdir(parents=True, exist_ok=True)
         Path(record_dir, f"rank-{rank}.json").write_text(json.dumps(live))
-    spec = _fresh_spec(spec_name, chosen, hot, cold, hot_options, cold_options, node_local, timeout)
+    spec = _fresh_spec(spec_name, chosen, store, node_local, timeout)
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
     with tempfile.TemporaryDirectory(prefix="tierstore-verify-") as tmp:
         local_rank = int(os.environ.get("LOCAL_RANK", rank))  # the same device as this rank

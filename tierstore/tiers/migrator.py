@@ -11,7 +11,7 @@ Protocol for one checkpoint attempt (DESIGN.md invariants 2, 6, 7):
    them against the manifest and publishes the cold manifest, exclusively: the cold commit.
 
 The tiers are the only durable state. A checkpoint with a hot manifest and no cold manifest
-is *pending*; :func:`tierstore.pending.migrate_pending` (``tierstore migrate``) finishes it
+is *pending*; :func:`tierstore.tiers.status.migrate_pending` (``tierstore migrate``) finishes it
 from any process, later, skipping ranks whose mark exists and files already stored intact. Failures are
 retried (:mod:`tierstore.retry`), then recorded (status, log, and a failure mark
 ``rank-<r>.failed.json`` that stops the coordinator waiting) and never raised into training.
@@ -31,9 +31,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
-from tierstore import faults, layout, marks
-from tierstore._transfer import Throttle, copy_file, has_verified_copy
-from tierstore.catalog import Tier
+from tierstore.commit import layout
+from tierstore.commit.manifest import FileEntry, Manifest
 from tierstore.errors import (
     CheckpointExists,
     ChecksumMismatch,
@@ -42,8 +41,11 @@ from tierstore.errors import (
     ObjectNotFound,
     TierstoreError,
 )
-from tierstore.manifest import FileEntry, Manifest
 from tierstore.retry import RetryPolicy
+from tierstore.storage import faults
+from tierstore.tiers import marks
+from tierstore.tiers.tier import Tier
+from tierstore.tiers.transfer import Throttle, copy_file, has_verified_copy
 
 __all__ = [
     "MigrationConfig",

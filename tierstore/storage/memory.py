@@ -13,8 +13,8 @@ import time
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
-from tierstore.backend import Backend, ObjectInfo, ObjectWriter, check_key
 from tierstore.errors import ConfigError, ObjectNotFound, PublishConflict
+from tierstore.storage.backend import Backend, ObjectInfo, ObjectWriter, check_key
 
 __all__ = ["MemoryBackend"]
 

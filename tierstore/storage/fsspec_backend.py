@@ -29,8 +29,8 @@ from typing import Any, BinaryIO
 import fsspec
 
 from tierstore._redact import redact_url, scrub, url_secrets
-from tierstore.backend import Backend, ObjectInfo, ObjectWriter, check_key, translate_os_errors
 from tierstore.errors import ConfigError, ObjectNotFound, PublishConflict, StorageError, TierstoreError
+from tierstore.storage.backend import Backend, ObjectInfo, ObjectWriter, check_key, translate_os_errors
 
 __all__ = ["FsspecBackend"]
 

@@ -1,0 +1,143 @@
+"""What a store holds: the committed checkpoints its tiers' manifests make up.
+
+A checkpoint exists in a tier if and only if the tier holds its valid manifest (DESIGN.md
+invariant 1): nothing here looks at data files, DCP's ``.metadata`` or directory names.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tierstore.commit.manifest import Manifest
+from tierstore.errors import (
+    CheckpointNotFound,
+    InvalidManifest,
+)
+from tierstore.tiers.tier import Store, Tier, TierURL
+
+__all__ = ["CheckpointInfo", "list_checkpoints", "latest_checkpoint", "resolve"]
+
+log = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A committed checkpoint and the tiers that hold it (nearest first)."""
+
+    name: str
+    step: int | None
+    attempt: str
+    created: float
+    world_size: int
+    size: int
+    num_files: int
+    tiers: tuple[str, ...]
+
+    @classmethod
+    def of(cls, manifest: Manifest, tiers: Iterable[str]) -> CheckpointInfo:
+        return cls(
+            name=manifest.name,
+            step=manifest.step,
+            attempt=manifest.attempt,
+            created=manifest.created,
+            world_size=manifest.world_size,
+            size=manifest.total_size,
+            num_files=len(manifest.files),
+            tiers=tuple(tiers),
+        )
+
+
+def _order(manifest: Manifest) -> tuple[int, float, str]:
+    return (-1 if manifest.step is None else manifest.step, manifest.created, manifest.name)
+
+
+def _collect(tiers: Sequence[Tier]) -> list[tuple[Manifest, list[Tier]]]:
+    """Committed checkpoints across tiers, oldest first, each with the tiers that hold it.
+
+    A manifest invalid in one tier does not hide a valid one of the same name in another.
+    """
+    merged: dict[tuple[str, str], tuple[Manifest, list[Tier]]] = {}
+    invalid: list[tuple[InvalidManifest, Tier]] = []
+    for tier in tiers:
+        found, bad = tier.scan_manifests()
+        invalid += [(err, tier) for err in bad]
+        for manifest in found:
+            entry = merged.setdefault((manifest.name, manifest.attempt), (manifest, []))
+            entry[1].append(tier)
+    valid = {name: holders for (name, _), (_, holders) in merged.items()}
+    for err, tier in invalid:
+        elsewhere = valid.get(err.checkpoint or "")
+        if elsewhere:
+            log.warning("ignoring the invalid manifest of checkpoint %s in %s, %s holds a valid "
+                        "one: %s", err.checkpoint, tier.label, elsewhere[0].label, err)
+        else:
+            log.warning("skipping checkpoint %s: its manifest is invalid in %s and no other tier "
+                        "holds a valid one: %s", err.checkpoint, tier.label, err)
+    return sorted(merged.values(), key=lambda item: _order(item[0]))
+
+
+def list_checkpoints(hot: TierURL | Store | None, cold: TierURL | None = None, *,
+                     hot_options: Mapping[str, Any] | None = None,
+                     cold_options: Mapping[str, Any] | None = None) -> list[CheckpointInfo]:
+    """Committed checkpoints in any tier, sorted by step (then creation time).
+
+    ``hot`` is the hot tier's URL or a :class:`~tierstore.Store` (see :meth:`Store.of`).
+    """
+    store = Store.of(hot, cold, hot_options=hot_options, cold_options=cold_options)
+    return [CheckpointInfo.of(m, (t.role for t in holders)) for m, holders in _collect(store.tiers)]
+
+
+def latest_checkpoint(hot: TierURL | Store | None, cold: TierURL | None = None, *,
+                      hot_options: Mapping[str, Any] | None = None,
+                      cold_options: Mapping[str, Any] | None = None) -> CheckpointInfo | None:
+    """The newest committed checkpoint in any tier, or ``None`` for an empty store."""
+    found = list_checkpoints(hot, cold, hot_options=hot_options, cold_options=cold_options)
+    return found[-1] if found else None
+
+
+def resolve(tiers: Sequence[Tier], *, step: int | None = None, name: str | None = None,
+            exclude: Collection[tuple[str, str]] = ()) -> tuple[Manifest, list[Tier]]:
+    """The checkpoint to read and the tiers holding it, nearest first.
+
+    ``name`` picks that checkpoint; ``step`` the newest one of that step; neither, the
+    newest committed checkpoint in any tier. Without ``name``, ``(name, attempt)`` pairs in
+    ``exclude`` are passed over (a reader skipping damaged checkpoints). A manifest invalid
+    in one tier is skipped (logged) when another tier holds a valid one; an explicitly named
+    checkpoint whose manifest is invalid in every tier raises that tier's
+    :class:`~tierstore.errors.InvalidManifest`.
+    """
+    where = ", ".join(t.label for t in tiers)
+    if name is not None:
+        return _resolve_name(tiers, name, where)
+    candidates = [(m, ts) for m, ts in _collect(tiers)
+                  if (step is None or m.step == step) and (m.name, m.attempt) not in exclude]
+    if not candidates:
+        what = "no committed checkpoint" if step is None else f"no committed checkpoint of step {step}"
+        if exclude:
+            what += " besides the damaged ones skipped"
+        raise CheckpointNotFound(what, tier=where)
+    return candidates[-1]
+
+
+def _resolve_name(tiers: Sequence[Tier], name: str, where: str) -> tuple[Manifest, list[Tier]]:
+    holders: list[tuple[Manifest, Tier]] = []
+    invalid: list[InvalidManifest] = []
+    for tier in tiers:
+        try:
+            manifest = tier._find_valid(name)
+        except InvalidManifest as err:
+            invalid.append(err)
+            continue
+        if manifest is not None:
+            holders.append((manifest, tier))
+    if not holders:
+        if invalid:
+            raise invalid[0]
+        raise CheckpointNotFound("no committed checkpoint of that name", checkpoint=name, tier=where)
+    for bad in invalid:
+        log.warning("ignoring an invalid manifest of checkpoint %s, reading the valid one in %s: %s",
+                    name, holders[0][1].label, bad)
+    first = holders[0][0]
+    return first, [t for m, t in holders if m.attempt == first.attempt]

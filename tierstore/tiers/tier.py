@@ -1,0 +1,196 @@
+"""A tier (a backend in a role) and a store (the tiers of one checkpoint directory).
+
+A :class:`Store` is the one value every store-wide call takes, as fsspec calls take an
+``fs``: build it once from URLs and options, and pass it to :func:`~tierstore.list_checkpoints`,
+:func:`~tierstore.prune`, :class:`~tierstore.TieredWriter` and the rest. Each of those still
+accepts the URLs themselves (``hot``, ``cold``, ``hot_options``, ``cold_options``) and builds
+the store with :meth:`Store.of`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from tierstore._redact import redact_url
+from tierstore.commit import layout
+from tierstore.commit.manifest import MAX_MANIFEST_BYTES, Manifest
+from tierstore.errors import (
+    CheckpointExists,
+    ConfigError,
+    InvalidManifest,
+    ObjectNotFound,
+    ObjectTooLarge,
+    PublishConflict,
+)
+from tierstore.storage.backend import Backend
+from tierstore.storage.registry import backend_class, open_backend, split_scheme
+
+__all__ = ["Tier", "Store", "TierURL"]
+
+log = logging.getLogger(__name__)
+
+TierURL = str | os.PathLike[str]
+
+
+class Tier:
+    """A backend in a role (``"hot"`` or ``"cold"``), built lazily and never pickled."""
+
+    def __init__(self, role: str, url: TierURL, options: Mapping[str, Any] | None = None) -> None:
+        self.role = role
+        self.url = os.fspath(url)
+        self.options = dict(options or {})
+        self._backend: Backend | None = None
+
+    def __repr__(self) -> str:
+        return f"Tier({self.role!r}, {redact_url(self.url)!r})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_backend": None}
+
+    @property
+    def label(self) -> str:
+        return f"{self.role} {redact_url(self.url)}"
+
+    @property
+    def backend(self) -> Backend:
+        if self._backend is None:
+            self._backend = open_backend(self.url, self.options, label=self.role)
+        return self._backend
+
+    def check_scheme(self) -> None:
+        """Raise :class:`~tierstore.errors.BackendNotFound` now if no backend serves this URL.
+
+        Imports the plugin but builds no backend: nothing is sent to the tier, so a cold
+        tier that is down cannot make this block.
+        """
+        backend_class(split_scheme(self.url)[0])
+
+    def file_key(self, name: str, attempt: str, path: str) -> str:
+        """Where this tier keeps file ``path`` of an attempt."""
+        return layout.file_key(name, attempt, path, spread=self.backend.spread_keys)
+
+    def find_manifest(self, name: str) -> Manifest | None:
+        """The valid manifest of ``name``, ``None`` if absent; raises if present but invalid."""
+        key = layout.manifest_key(name)
+        try:
+            data = self.backend.read_bytes(key, limit=MAX_MANIFEST_BYTES)
+        except ObjectNotFound:
+            return None
+        return Manifest.from_json(data, key=key, tier=self.label, expect_name=name)
+
+    def manifests(self) -> list[Manifest]:
+        """Every valid manifest; invalid ones do not count as checkpoints and are logged."""
+        found, invalid = self.scan_manifests()
+        for err in invalid:
+            log.warning("ignoring checkpoint with an invalid manifest: %s", err)
+        return found
+
+    def scan_manifests(self) -> tuple[list[Manifest], list[InvalidManifest]]:
+        """Valid manifests, and the errors of invalid ones (torn, corrupt, oversized).
+
+        Other storage errors propagate: a manifest that could not be read is not known to
+        be damaged, and callers such as GC must not act as if it were absent.
+        """
+        found, invalid = [], []
+        for info in self.backend.list(layout.MANIFEST_DIR + "/"):
+            name = layout.parse_manifest_key(info.key)
+            if name is None:
+                continue
+            try:
+                manifest = self._find_valid(name)
+            except InvalidManifest as err:
+                invalid.append(err)
+                continue
+            if manifest is not None:
+                found.append(manifest)
+        return found, invalid
+
+    def _find_valid(self, name: str) -> Manifest | None:
+        """:meth:`find_manifest`, with an oversized manifest reported as invalid."""
+        try:
+            return self.find_manifest(name)
+        except ObjectTooLarge as err:
+            raise InvalidManifest(f"invalid manifest: {err.message}", key=err.key,
+                                  tier=self.label, checkpoint=name) from err
+
+    def publish_manifest(self, manifest: Manifest) -> None:
+        """The commit point of ``manifest`` in this tier; never overwrites."""
+        key = layout.manifest_key(manifest.name)
+        try:
+            self.backend.publish(key, manifest.to_json())
+        except PublishConflict as err:
+            raise CheckpointExists(
+                "checkpoint is already committed (by another attempt); committed "
+                "checkpoints are never overwritten",
+                checkpoint=manifest.name, tier=self.label,
+            ) from err
+
+
+class Store:
+    """The tiers of one store, nearest first: a hot tier, a cold tier, or both.
+
+    ``Store("/nvme/run1", "s3://bucket/run1", cold_options={...})``. Building one sends no
+    request; each tier's backend is opened on first use. A store pickles without its open
+    backends, so it can travel to DCP's background saver and to worker processes.
+    """
+
+    def __init__(self, hot: TierURL | None = None, cold: TierURL | None = None, *,
+                 hot_options: Mapping[str, Any] | None = None,
+                 cold_options: Mapping[str, Any] | None = None) -> None:
+        if hot is None and cold is None:
+            raise ConfigError("a store needs at least one tier: pass hot= (and optionally cold=)")
+        self.hot = Tier("hot", hot, hot_options) if hot is not None else None
+        self.cold = Tier("cold", cold, cold_options) if cold is not None else None
+
+    @classmethod
+    def of(cls, hot: TierURL | Store | None, cold: TierURL | None = None, *,
+           hot_options: Mapping[str, Any] | None = None,
+           cold_options: Mapping[str, Any] | None = None) -> Store:
+        """``hot`` itself if it is a :class:`Store`, else a store built from the URLs.
+
+        A store given with ``cold`` or options as well is a :class:`~tierstore.errors.ConfigError`:
+        the store already says what they would.
+        """
+        if isinstance(hot, Store):
+            if cold is not None or hot_options or cold_options:
+                raise ConfigError("pass either a Store or tier URLs and options, not both")
+            return hot
+        return cls(hot, cold, hot_options=hot_options, cold_options=cold_options)
+
+    @classmethod
+    def of_tiers(cls, hot: Tier | None, cold: Tier | None) -> Store:
+        """A store of tiers already built (sharing their open backends)."""
+        if hot is None and cold is None:
+            raise ConfigError("a store needs at least one tier")
+        store = cls.__new__(cls)
+        store.hot, store.cold = hot, cold
+        return store
+
+    @property
+    def tiers(self) -> list[Tier]:
+        """The tiers, nearest first."""
+        return [t for t in (self.hot, self.cold) if t is not None]
+
+    @property
+    def label(self) -> str:
+        """The tiers as error messages name them (credentials redacted)."""
+        return ", ".join(t.label for t in self.tiers)
+
+    def migration_pair(self) -> tuple[Tier, Tier]:
+        """The hot and the cold tier; a :class:`~tierstore.errors.ConfigError` if one is missing."""
+        if self.hot is None or self.cold is None:
+            raise ConfigError(f"migration needs both a hot and a cold tier; {self!r} has "
+                              f"only the {self.tiers[0].role} tier")
+        return self.hot, self.cold
+
+    def check_schemes(self) -> None:
+        """Raise :class:`~tierstore.errors.BackendNotFound` now for a URL no backend serves."""
+        for tier in self.tiers:
+            tier.check_scheme()
+
+    def __repr__(self) -> str:
+        urls = ", ".join(f"{t.role}={redact_url(t.url)!r}" for t in self.tiers)
+        return f"Store({urls})"
