@@ -7,7 +7,7 @@ TORCH  := torch==2.13.0
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test bench bench-full soak lint clean venv
+.PHONY: demo test bench bench-full bench-smoke soak lint clean venv
 
 venv: $(STAMP)
 
@@ -38,6 +38,12 @@ bench: $(STAMP)
 bench-full: $(STAMP)
 	$(bench_deps)
 	$(BIN)/python -m benchmarks --profile full
+
+# Every suite end to end at tiny sizes (a few minutes): proves the jobs run. Its report goes
+# to bench-scratch/, never over docs/benchmarks.md.
+bench-smoke: $(STAMP)
+	$(bench_deps)
+	$(BIN)/python -m benchmarks --profile smoke --doc bench-scratch/smoke/benchmarks.md
 
 # The crash-consistency soak: thousands of fresh hypothesis examples, with every crash,
 # power-loss and fault test (docs/crash-consistency.md). TIERSTORE_CRASH_EXAMPLES sets how many.

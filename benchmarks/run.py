@@ -15,202 +15,23 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks import machine
-from benchmarks.launch import ROOT, rank_env, run_ranks
-from benchmarks.markdown import DOC
-from benchmarks.measure import MiB, Record, merge_ranks
-from benchmarks.profiles import PROFILES, Profile, checkpoint_name
-from benchmarks.servers import S3Target, ServerProcess, create_bucket, reset_moto, start_moto, start_proxy
+from benchmarks.infra import machine
+from benchmarks.infra.launch import ROOT, rank_env
+from benchmarks.infra.servers import S3Target, create_bucket, start_moto
+from benchmarks.jobs.suites import SUITES, Bench
+from benchmarks.profiles import PROFILES, Profile
+from benchmarks.report.tables import DOC
 
 RESULTS = ROOT / "benchmarks" / "results"
-STANDALONE_SUITES = ("cold-down",)  # report.STANDALONE's keys (report imports matplotlib)
-MAX_FIELDS = ("stall", "commit", "cold", "growth_save", "growth_total", "load", "fsync")
-SUM_FIELDS = ("bytes", "cpu", "cpu_total")
-
-
-@dataclass
-class Bench:
-    profile: Profile
-    scratch: Path
-    moto: ServerProcess
-    target: S3Target
-    s3torch: dict[str, Any] = field(default_factory=dict)
-    jobs: int = 0
-
-    def fresh_bucket(self) -> None:
-        """Empty moto between suites (it keeps objects in memory and temp files)."""
-        reset_moto(self.moto.url)
-        self.target = create_bucket(self.moto.url, self.target.bucket)
-
-    def ranks(self, op: str, world: int, **spec: Any) -> list[Record]:
-        """Run one multi-rank job; return its records merged over ranks (slowest wins)."""
-        self.jobs += 1
-        job = f"{op}{self.jobs}"
-        spec = {"op": op, "job": job, "scratch": str(self.scratch / job), "reps": self.profile.reps,
-                "s3": {"direct": self.target.to_json()}, **spec}
-        try:
-            per_rank = run_ranks(spec, world, self.scratch / f"{job}-out")
-        finally:
-            shutil.rmtree(self.scratch / job, ignore_errors=True)
-        flat = [r for records in per_rank for r in records]
-        merged = merge_ranks(flat, ("variant", "rep"), MAX_FIELDS, SUM_FIELDS)
-        for record in merged:
-            record["world"] = world
-        return merged
-
-    def module(self, name: str, spec: dict[str, Any], timeout: float = 3600) -> Any:
-        """Run ``python -m benchmarks.<name> SPEC OUT`` in its own process; return OUT."""
-        work = self.scratch / f"{name}-{uuid.uuid4().hex[:6]}"
-        work.mkdir(parents=True)
-        (work / "spec.json").write_text(json.dumps(spec))
-        subprocess.run([sys.executable, "-m", f"benchmarks.{name}", str(work / "spec.json"),
-                        str(work / "out.json")], cwd=ROOT, env=rank_env(0, 1, 0), check=True,
-                       timeout=timeout)
-        return json.loads((work / "out.json").read_text())
-
-
-# -- suites --------------------------------------------------------------------------------
-
-SAVE_VARIANTS = ("disk_sync", "fsw_sync", "fsw_async", "tiered_sync", "tiered_async",
-                 "fsspec_sync", "fsspec_async", "s3torch_sync", "s3torch_async")
-LOCAL_VARIANTS = ("disk_sync", "fsw_sync", "fsw_async", "tiered_sync", "tiered_async")
-LOAD_VARIANTS = ("fsr_hot", "tiered_hot", "fsr_hot_warm", "tiered_hot_warm", "tiered_hot_nocrc_warm",
-                 "fsspec_cold", "tiered_cold", "s3torch_cold")
-
-
-def _available(bench: Bench, names: tuple[str, ...]) -> list[str]:
-    return [n for n in names if not n.startswith("s3torch") or bench.s3torch.get("available")]
-
-
-def suite_save(bench: Bench) -> dict[str, Any]:
-    """Items 1, 3, 6 (save memory) and 7 (time vs bytes): 2 ranks, every writer."""
-    out: dict[str, Any] = {}
-    for size in (*bench.profile.save_sizes, *bench.profile.hot_only_sizes):
-        with_s3 = size in bench.profile.save_sizes
-        variants = [v for v in _available(bench, SAVE_VARIANTS if with_s3 else LOCAL_VARIANTS)
-                    if v not in bench.profile.skip_variants]
-        print(f"  save, 2 ranks, {size // MiB} MiB: {', '.join(variants)}", flush=True)
-        cases = [{"label": v, "variant": v} for v in variants]
-        reps = {"local_reps": bench.profile.local_reps} if with_s3 else {
-            "s3": {}, "reps": bench.profile.hot_only_reps, "local_reps": bench.profile.hot_only_reps}
-        out[str(size)] = bench.ranks("save", 2, bytes=size, cases=cases, **reps)
-        bench.fresh_bucket()
-    return out
-
-
-def suite_latency(bench: Bench) -> dict[str, Any]:
-    """Item 2: the same saves through proxies adding 0 / 50 / 200 ms to every S3 request."""
-    proxies = {ms: start_proxy(bench.moto.url, ms / 1000) for ms in bench.profile.latency_ms}
-    try:
-        s3 = {"direct": bench.target.to_json()}
-        s3.update({f"{ms}ms": {"endpoint": p.url, "bucket": bench.target.bucket}
-                   for ms, p in proxies.items()})
-        cases = [{"label": f"{v}@{ms}ms", "variant": v, "endpoint": f"{ms}ms"}
-                 for ms in bench.profile.latency_ms
-                 for v in _available(bench, bench.profile.latency_variants)]
-        size = bench.profile.latency_size
-        print(f"  latency, 2 ranks, {size // MiB} MiB, +{bench.profile.latency_ms} ms per request",
-              flush=True)
-        records = bench.ranks("save", 2, bytes=size, cases=cases, s3=s3)
-    finally:
-        for proxy in proxies.values():
-            proxy.stop()
-    bench.fresh_bucket()
-    return {"bytes": size, "records": records}
-
-
-def suite_migration(bench: Bench) -> dict[str, Any]:
-    """Items 4 and 6 (migration memory): migrate_pending vs s3fs put_file, same files."""
-    profile = bench.profile
-    hot = bench.scratch / "migration-hot"
-    sizes = sorted({profile.migration_size, *profile.migration_sizes})
-    print(f"  migration: writing hot checkpoints of {[s // MiB for s in sizes]} MiB", flush=True)
-    bench.ranks("prepare", 2, sizes=sizes, hot=str(hot))
-    spec = {"hot": str(hot), "sweep_name": checkpoint_name(profile.migration_size),
-            "memory_names": [checkpoint_name(s) for s in profile.migration_sizes],
-            "target": bench.target.to_json(), "sweep": list(profile.migration_sweep),
-            "reps": profile.reps, "memory_reps": profile.memory_reps,
-            "part_size": profile.part_size, "chunk_size": 8 * MiB,
-            "default_inflight": profile.default_inflight}
-    try:
-        records = bench.module("migrate_job", spec)
-    finally:
-        shutil.rmtree(hot, ignore_errors=True)
-    bench.fresh_bucket()
-    return {"records": records, "part_size": profile.part_size,
-            "default_inflight": profile.default_inflight}
-
-
-def suite_load(bench: Bench) -> dict[str, Any]:
-    """Item 5: loads from the hot tier and from S3 alone, with and without CRC32C."""
-    size = bench.profile.load_size
-    variants = _available(bench, LOAD_VARIANTS)
-    print(f"  load, 2 ranks, {size // MiB} MiB: {', '.join(variants)}", flush=True)
-    records = bench.ranks("load", 2, bytes=size, cases=variants, drop_caches=True)
-    bench.fresh_bucket()
-    return {"bytes": size, "records": records}
-
-
-def suite_scaling(bench: Bench) -> dict[str, Any]:
-    """Item 7: the same total bytes saved by 1, 2 and 4 ranks (local tiers)."""
-    size = bench.profile.scaling_size
-    out: dict[str, Any] = {"bytes": size, "by_ranks": {}}
-    cases = [{"label": v, "variant": v} for v in ("disk_sync", "fsw_sync", "tiered_sync",
-                                                  "tiered_async")]
-    for world in bench.profile.scaling_ranks:
-        print(f"  scaling: {size // MiB} MiB on {world} rank(s)", flush=True)
-        out["by_ranks"][str(world)] = bench.ranks("save", world, bytes=size, cases=cases, s3={},
-                                                  reps=bench.profile.scaling_reps)
-    return out
-
-
-def suite_cpu(bench: Bench) -> dict[str, Any]:
-    """Item 3's CPU side: the pieces of a save per GiB, and saves into tmpfs."""
-    size = bench.profile.cpu_size
-    print(f"  cpu: torch.save, CRC32C and dcp.save into tmpfs, {size // MiB} MiB, one process",
-          flush=True)
-    return dict(bench.module("cpu_costs", {"bytes": size, "reps": bench.profile.hot_only_reps + 2}))
-
-
-def suite_gpu(bench: Bench) -> dict[str, Any]:
-    """Item 8: pinned-memory staging vs DCP's default stager; skipped without CUDA."""
-    result = bench.module("gpu", {"bytes": bench.profile.gpu_size, "reps": bench.profile.reps,
-                                  "scratch": str(bench.scratch)})
-    if result.get("skipped"):
-        print(f"  gpu: skipped ({result['reason']})", flush=True)
-    return dict(result)
-
-
-def suite_cold_down(bench: Bench) -> dict[str, Any]:
-    """Item 9: saves with the S3 cold tier healthy, refusing, stalled, denying writes."""
-    size = bench.profile.cold_down_size
-    print(f"  cold-down: {size // MiB} MiB, one process, cold tier healthy / refusing / "
-          "stalled / denying writes vs hot only", flush=True)
-    spec = {"bytes": size, "reps": bench.profile.cold_down_reps, "endpoint": bench.moto.url,
-            "bucket": bench.target.bucket, "scratch": str(bench.scratch / "cold-down")}
-    result = dict(bench.module("cold_down", spec))
-    bench.fresh_bucket()
-    return result
-
-
-SUITES: dict[str, Callable[[Bench], dict[str, Any]]] = {
-    "cpu": suite_cpu, "save": suite_save, "latency": suite_latency, "migration": suite_migration,
-    "load": suite_load, "scaling": suite_scaling, "gpu": suite_gpu, "cold-down": suite_cold_down,
-}
-
-
-# -- driver --------------------------------------------------------------------------------
+STANDALONE_SUITES = ("cold-down",)  # render.STANDALONE's keys (render imports matplotlib)
 
 
 def probe_s3torch(target: S3Target) -> dict[str, Any]:
     answer = subprocess.run(
-        [sys.executable, "-m", "benchmarks.probe_s3torch", target.endpoint, target.bucket],
+        [sys.executable, "-m", "benchmarks.jobs.probe_s3torch", target.endpoint, target.bucket],
         cwd=ROOT, env=rank_env(0, 1, 0), capture_output=True, text=True, timeout=300)
     try:
         return dict(json.loads(answer.stdout.strip().splitlines()[-1]))
@@ -259,19 +80,21 @@ def main(argv: list[str] | None = None) -> None:
                         help="where checkpoints are written (the hot tier's disk); emptied after")
     parser.add_argument("--report-only", type=Path, help="render the report from a results JSON")
     parser.add_argument("--no-report", action="store_true")
+    parser.add_argument("--doc", type=Path, default=DOC,
+                        help="where the report goes (its figures: img/benchmarks/ beside it)")
     parser.add_argument("--splice", action="store_true",
                         help="update only the report sections of the suites run that stand "
                              f"alone ({', '.join(STANDALONE_SUITES)}); the rest of "
                              "docs/benchmarks.md stays as the last full run left it")
     args = parser.parse_args(argv)
-    from benchmarks import report
+    from benchmarks.report import render
 
     if args.report_only:
         results = json.loads(args.report_only.read_text())
         if args.splice:
-            report.splice(results)
+            render.splice(results, args.doc)
         else:
-            report.write(results)
+            render.write(results, args.doc)
         return
     only = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = sorted(set(only) - set(SUITES))
@@ -284,10 +107,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.no_report:
         return
     if args.splice:
-        spliced = report.splice(results)
-        print(f"report: sections of {spliced} updated in {DOC.relative_to(ROOT)}", flush=True)
+        spliced = render.splice(results, args.doc)
+        print(f"report: sections of {spliced} updated in {args.doc}", flush=True)
     else:
-        print(f"report: {report.write(results).relative_to(ROOT)}", flush=True)
+        print(f"report: {render.write(results, args.doc)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""From raw records to the numbers the report states: medians, ratios, and targets."""
+"""From raw records to the numbers the report states: medians, ratios, best-ofs, targets."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.measure import GiB, MiB, Record, by_variant, paired_ratios
+from benchmarks.infra.measure import GiB, MiB, Record
+from benchmarks.infra.stats import by_variant, paired_ratios
 
 Summaries = dict[str, dict[str, float]]
 Results = Mapping[str, Any]
@@ -17,7 +18,7 @@ class Target:
     """One stated target: ``value`` compared with ``bound`` (``>=`` or ``<=``)."""
 
     key: str  # stable name, for the notes on a miss
-    item: str
+    section: str  # the number of the report section that measures it
     what: str
     value: float | None
     op: str
@@ -78,7 +79,7 @@ def errors(records: Iterable[Record]) -> dict[str, str]:
     return {str(r["variant"]): str(r["error"]) for r in records if r.get("error")}
 
 
-# -- item 1, 3, 6: the save suite ------------------------------------------------------------
+# -- the save suite: stall, hot throughput, save memory ----------------------------------------
 
 
 def save_sizes(results: Results) -> list[int]:
@@ -165,7 +166,7 @@ def cpu_targets(results: Results) -> list[Target]:
                    1.0, "issue", detail=band(records, "cpu", "fsw_tmpfs", "tiered_tmpfs"))]
 
 
-# -- item 2: latency ---------------------------------------------------------------------------
+# -- stall vs cold-tier latency ----------------------------------------------------------------
 
 
 def latency_summary(results: Results, field: str = "stall") -> dict[str, dict[int, float]]:
@@ -193,7 +194,7 @@ def latency_targets(results: Results) -> list[Target]:
     return out
 
 
-# -- item 4, 6: migration ------------------------------------------------------------------
+# -- migration: throughput and memory ----------------------------------------------------------
 
 
 def migration_rates(results: Results) -> dict[str, dict[int, dict[str, float]]]:
@@ -257,7 +258,7 @@ def migration_targets(results: Results) -> list[Target]:
     return out
 
 
-# -- item 5: loads ---------------------------------------------------------------------------
+# -- loads -------------------------------------------------------------------------------------
 
 
 def load_summary(results: Results) -> Summaries:
@@ -295,7 +296,7 @@ def load_targets(results: Results) -> list[Target]:
     return out
 
 
-# -- item 7: scaling, item 8: GPU --------------------------------------------------------------
+# -- scaling, GPU staging ----------------------------------------------------------------------
 
 
 def scaling_table(results: Results, field: str = "commit") -> dict[int, Summaries]:
@@ -336,7 +337,57 @@ def all_targets(results: Results) -> list[Target]:
     return found
 
 
-# -- formatting ------------------------------------------------------------------------------
+def fsync_share(records: Iterable[Record]) -> dict[str, float] | None:
+    """The share of the disk baseline's time spent in fsync (``median``, ``min``, ``max``):
+    near 0, the page cache absorbed the writes and the baseline ran at memory speed. The
+    median of an even count is the upper middle value."""
+    shares = sorted(r["fsync"] / r["commit"] for r in records
+                    if r.get("variant") == "disk_sync" and r.get("fsync") and r.get("commit"))
+    if not shares:
+        return None
+    return {"median": shares[len(shares) // 2], "min": shares[0], "max": shares[-1]}
+
+
+def all_save_records(results: Results) -> list[Record]:
+    return [r for size in save_sizes(results) for r in save_records(results, size)]
+
+
+# -- saves with the cold tier down -------------------------------------------------------------
+
+
+def best_of(records: Iterable[Record], field: str) -> dict[str, float]:
+    """The smallest value of ``field`` per variant over its reps (errors left out)."""
+    out: dict[str, float] = {}
+    for record in records:
+        value = record.get(field)
+        if value is not None and not record.get("error"):
+            name = str(record["variant"])
+            out[name] = min(out.get(name, value), value)
+    return out
+
+
+def paired_medians(records: Iterable[Record], mode: str) -> list[float | None]:
+    """Median over reps of each save's ratio to its paired hot-only save (same rep), for
+    the ``dcp.save`` wall time, the async stall and the async commit."""
+    records = list(records)
+    medians: list[float | None] = []
+    for kind, field in (("sync", "commit"), ("async", "stall"), ("async", "commit")):
+        pair = paired_ratios([r for r in records if r.get("against") == mode and r["kind"] == kind],
+                             field, f"{kind}@{mode}", f"{kind}@hot_only/{mode}")
+        medians.append(None if pair is None else pair["median"])
+    return medians
+
+
+def migration_states(suite: Mapping[str, Any], mode: str) -> dict[str, int]:
+    """How many migrations of each state the mode's migrators recorded (sync and async)."""
+    states: dict[str, int] = {}
+    for kind in ("sync", "async"):
+        for state, count in suite.get("migrations", {}).get(f"{kind}@{mode}", {}).items():
+            states[state] = states.get(state, 0) + count
+    return dict(sorted(states.items()))
+
+
+# -- formatting --------------------------------------------------------------------------------
 
 
 def fmt_value(target: Target) -> str:

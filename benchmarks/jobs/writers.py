@@ -17,7 +17,7 @@ from typing import Any
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
-from benchmarks.servers import REGION, S3Target
+from benchmarks.infra.servers import REGION, S3Target
 
 CKPT = "ckpt"  # the checkpoint name inside each tierstore store
 SAVERS = ("disk", "fsw", "tiered", "fsspec", "s3torch")

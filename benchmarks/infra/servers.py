@@ -1,7 +1,7 @@
 """Storage servers for the benchmarks, each in its own process so that its Python threads
 never share a GIL with the code being measured: moto's S3 server, and delaying proxies.
 
-``python -m benchmarks.servers`` starts moto on 127.0.0.1, prints its URL and serves until
+``python -m benchmarks.infra.servers`` starts moto on 127.0.0.1, prints its URL and serves until
 its standard input closes (the parent's exit closes it, so no server outlives a run).
 """
 
@@ -74,11 +74,11 @@ class ServerProcess:
 
 
 def start_moto() -> ServerProcess:
-    return ServerProcess(["-m", "benchmarks.servers"])
+    return ServerProcess(["-m", "benchmarks.infra.servers"])
 
 
 def start_proxy(upstream: str, delay: float) -> ServerProcess:
-    return ServerProcess(["-m", "benchmarks.latency_proxy", upstream, str(delay)])
+    return ServerProcess(["-m", "benchmarks.infra.latency_proxy", upstream, str(delay)])
 
 
 def create_bucket(endpoint: str, bucket: str) -> S3Target:
@@ -108,15 +108,20 @@ def remove_prefix(target: S3Target, url: str) -> None:
         pass
 
 
+def serve_until_stdin_closes(host: str, port: int) -> None:
+    """The server child's side of :class:`ServerProcess`: announce the URL, then serve
+    until the parent closes our stdin (or exits)."""
+    print(f"http://{host}:{port}", flush=True)
+    sys.stdin.read()
+
+
 def _serve_moto() -> None:
     from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
-    host, port = server.get_host_and_port()
-    print(f"http://{host}:{port}", flush=True)
-    sys.stdin.read()  # until the parent closes our stdin (or exits)
+    serve_until_stdin_closes(*server.get_host_and_port())
     server.stop()
 
 

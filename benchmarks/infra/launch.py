@@ -1,4 +1,5 @@
-"""Launch a multi-rank benchmark job (gloo, CPU): one subprocess per rank, like torchrun.
+"""Run benchmark jobs in processes of their own, on the launcher the tests use
+(``tests/launch.py``): a multi-rank job (gloo, CPU) or a one-process job module.
 
 Rank 0 prints its progress to this process's output; other ranks' output goes to a log
 kept for errors. When a rank fails, the others are stopped after a short grace period.
@@ -8,35 +9,25 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from benchmarks.servers import CREDENTIALS
+from benchmarks.infra.servers import CREDENTIALS
+from tests.launch import free_port, kill_group, start_rank, torchrun_env, wait_ranks
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class JobFailed(RuntimeError):
     pass
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
     return {
-        **os.environ, **CREDENTIALS,
-        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-        "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+        **os.environ, **CREDENTIALS, **torchrun_env(rank, world, port),
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
         "TIERSTORE_EXIT_WAIT": "30",
     }
@@ -44,7 +35,7 @@ def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
 
 def run_ranks(spec: dict[str, Any], world: int, workdir: Path, *, timeout: float = 3600,
               grace: float = 5.0) -> list[list[dict[str, Any]]]:
-    """Run ``benchmarks.rank_job`` on ``world`` ranks; return each rank's records."""
+    """Run ``benchmarks.jobs.rank_job`` on ``world`` ranks; return each rank's records."""
     workdir.mkdir(parents=True, exist_ok=True)
     spec = {**spec, "out": str(workdir)}
     spec_file = workdir / "spec.json"
@@ -57,16 +48,13 @@ def run_ranks(spec: dict[str, Any], world: int, workdir: Path, *, timeout: float
         if rank:
             log = open(workdir / f"rank{rank}.log", "wb")  # noqa: SIM115
             logs.append(log)
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.rank_job", str(spec_file)], cwd=ROOT,
-            env=rank_env(rank, world, port), stdout=log, stderr=subprocess.STDOUT if log else None,
-            start_new_session=True,
-        ))
+        procs.append(start_rank([sys.executable, "-m", "benchmarks.jobs.rank_job", str(spec_file)],
+                                rank_env(rank, world, port), cwd=ROOT, output=log))
     try:
-        _wait(procs, timeout, grace)
+        wait_ranks(procs, timeout, grace)
     finally:
         for proc in procs:
-            _kill_group(proc)
+            kill_group(proc)
         for stream in logs:
             stream.close()
     failed = [r for r, p in enumerate(procs) if p.returncode != 0]
@@ -77,16 +65,20 @@ def run_ranks(spec: dict[str, Any], world: int, workdir: Path, *, timeout: float
     return [json.loads((workdir / f"rank{r}.json").read_text()) for r in range(world)]
 
 
-def _wait(procs: list[subprocess.Popen[bytes]], timeout: float, grace: float) -> None:
-    deadline = time.monotonic() + timeout
-    first_failure: float | None = None
-    while any(p.poll() is None for p in procs):
-        moment = time.monotonic()
-        if first_failure is None and any(p.poll() not in (None, 0) for p in procs):
-            first_failure = moment
-        if moment > deadline or (first_failure is not None and moment - first_failure > grace):
-            return
-        time.sleep(0.05)
+def run_module(name: str, spec: dict[str, Any], work: Path, timeout: float = 3600) -> Any:
+    """Run ``python -m benchmarks.jobs.<name> SPEC OUT`` in its own process; return OUT."""
+    work.mkdir(parents=True)
+    (work / "spec.json").write_text(json.dumps(spec))
+    subprocess.run([sys.executable, "-m", f"benchmarks.jobs.{name}", str(work / "spec.json"),
+                    str(work / "out.json")], cwd=ROOT, env=rank_env(0, 1, 0), check=True,
+                   timeout=timeout)
+    return json.loads((work / "out.json").read_text())
+
+
+def module_main(run: Callable[[dict[str, Any]], Any]) -> None:
+    """The job module's end of :func:`run_module`: ``run(SPEC)`` written to OUT as JSON."""
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    Path(sys.argv[2]).write_text(json.dumps(run(spec)))
 
 
 def _tail(path: Path) -> str:
@@ -94,12 +86,3 @@ def _tail(path: Path) -> str:
         return f"\n--- {path.name}\n" + path.read_text(errors="replace")[-3000:]
     except OSError:
         return ""
-
-
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    proc.wait()

@@ -1,6 +1,6 @@
 """An HTTP proxy that adds a fixed delay to every request before forwarding it (to moto).
 
-It stands for a distant object store: ``python -m benchmarks.latency_proxy UPSTREAM DELAY``
+It stands for a distant object store: ``python -m benchmarks.infra.latency_proxy UPSTREAM DELAY``
 listens on 127.0.0.1, prints its URL and forwards each request to ``UPSTREAM`` after
 ``DELAY`` seconds, over one kept-alive upstream connection per client connection.
 Request and answer bodies pass through unchanged; it exits when its stdin closes.
@@ -13,17 +13,19 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import BinaryIO
+from io import BufferedIOBase
 from urllib.parse import urlparse
+
+from benchmarks.infra.servers import serve_until_stdin_closes
 
 _HOP_BY_HOP = {"connection", "keep-alive", "expect", "transfer-encoding", "proxy-connection",
                "te", "trailer", "upgrade"}
 _CHUNK = 1 << 20
 
 
-def _read_chunked(rfile: BinaryIO) -> bytes:
+def _read_chunked(rfile: BufferedIOBase) -> bytes:
     """The body of a ``Transfer-Encoding: chunked`` request, decoded."""
-    pieces = []
+    pieces: list[bytes] = []
     while True:
         size = int(rfile.readline().split(b";")[0].strip() or b"0", 16)
         if size == 0:
@@ -106,8 +108,7 @@ def serve(upstream_url: str, delay: float) -> None:
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     host, port = server.server_address[:2]
-    print(f"http://{host}:{port}", flush=True)
-    sys.stdin.read()  # until the parent closes our stdin (or exits)
+    serve_until_stdin_closes(str(host), int(port))
     server.shutdown()
 
 

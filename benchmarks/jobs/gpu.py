@@ -1,4 +1,4 @@
-"""Item 8, GPU staging: ``python -m benchmarks.gpu SPEC.json OUT.json``.
+"""GPU staging: ``python -m benchmarks.jobs.gpu SPEC.json OUT.json``.
 
 Where CUDA is present: the stall of ``dcp.async_save`` (TieredWriter, hot tier) with DCP's
 default stager for async_save (a blocking copy into pageable memory) against pinned-memory
@@ -8,15 +8,14 @@ writes ``{"skipped": true, "reason": ...}`` and measures nothing.
 
 from __future__ import annotations
 
-import json
 import shutil
-import sys
 import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
 
-from benchmarks.measure import MiB, Record, now
+from benchmarks.infra.launch import module_main
+from benchmarks.infra.measure import MiB, Record, now
 
 warnings.filterwarnings("ignore")
 
@@ -92,10 +91,5 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             "records": records}
 
 
-def main() -> None:
-    spec = json.loads(Path(sys.argv[1]).read_text())
-    Path(sys.argv[2]).write_text(json.dumps(run(spec)))
-
-
 if __name__ == "__main__":
-    main()
+    module_main(run)

@@ -16,37 +16,50 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.tensor import DTensor, Shard
 
-from benchmarks import writers
-from benchmarks.measure import Record, cpu_seconds, now
-from benchmarks.rank_context import Context, local_bytes, make_state, where
-from benchmarks.saves import rotated, save_once
+from benchmarks.infra.measure import Record, cpu_seconds, now
+from benchmarks.jobs import writers
+from benchmarks.jobs.rank_context import Context, local_bytes, make_state, where
+from benchmarks.jobs.saves import rotated, save_once
 
 
 @contextmanager
 def unverified_reads(enabled: bool) -> Iterator[None]:
     """TieredReader without CRC32C (size checks kept): only to price the verification."""
     from tierstore.commit import reader as reader_mod
+    from tierstore.commit.verified import VerifiedStream
 
-    original = reader_mod._VerifiedStream
-    if not enabled:
-        yield
-        return
-
-    class Unchecked(original):  # type: ignore[misc, valid-type]
-        def _read(self, n: int) -> bytes:
+    class Unchecked(VerifiedStream):
+        def read(self, n: int) -> bytes:
             data: bytes = self._raw.read(n)
             self.pos += len(data)
             return data
 
-        def finish(self) -> None:
-            self.skip_to(self._entry.size)
-            self._drain()
+        def readinto(self, buffer: memoryview) -> int:
+            chunk = self.read(len(buffer))
+            buffer[: len(chunk)] = chunk
+            return len(chunk)
 
-    reader_mod._VerifiedStream = Unchecked  # type: ignore[misc]
+        def finish(self) -> None:
+            self._drain()
+            if self.pos != self.entry.size:
+                raise self.size_mismatch()
+
+    original = reader_mod.open_verified
+
+    @contextmanager
+    def open_unchecked(*args: Any, **kwargs: Any) -> Iterator[VerifiedStream]:
+        with original(*args, **kwargs) as stream:
+            stream.__class__ = Unchecked  # the same stream, its CRC32C left out
+            yield stream
+
+    if not enabled:
+        yield
+        return
+    reader_mod.open_verified = open_unchecked
     try:
         yield
     finally:
-        reader_mod._VerifiedStream = original  # type: ignore[misc]
+        reader_mod.open_verified = original
 
 
 def drop_caches(ctx: Context) -> None:

@@ -1,4 +1,4 @@
-"""What a save costs in CPU alone: ``python -m benchmarks.cpu_costs SPEC.json OUT.json``.
+"""What a save costs in CPU alone: ``python -m benchmarks.jobs.cpu_costs SPEC.json OUT.json``.
 
 One process, no disk, timed in CPU seconds of the process (steady where wall time on a
 shared VM is not): the pieces of a tensor save priced per GiB (``torch.save`` with and
@@ -10,9 +10,7 @@ finding F1 of the report).
 
 from __future__ import annotations
 
-import json
 import shutil
-import sys
 import tempfile
 import warnings
 from collections.abc import Callable, Iterator
@@ -24,7 +22,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from benchmarks.measure import MiB, Record, cpu_seconds, now
+from benchmarks.infra.launch import module_main
+from benchmarks.infra.measure import MiB, Record, cpu_seconds, now
 
 warnings.filterwarnings("ignore")
 TMPFS = Path("/dev/shm")
@@ -115,10 +114,5 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     return {"bytes": size, "tmpfs": tmpfs, "records": records}
 
 
-def main() -> None:
-    spec = json.loads(Path(sys.argv[1]).read_text())
-    Path(sys.argv[2]).write_text(json.dumps(run(spec)))
-
-
 if __name__ == "__main__":
-    main()
+    module_main(run)

@@ -1,4 +1,4 @@
-"""Saves with the cold tier down: ``python -m benchmarks.cold_down SPEC.json OUT.json``.
+"""Saves with the cold tier down: ``python -m benchmarks.jobs.cold_down SPEC.json OUT.json``.
 
 One process (no process group), a state of ``bytes`` saved by ``TieredWriter`` with an S3
 cold tier behind the test suite's fault proxy (``backends/s3/tests/s3_fault_proxy.py``,
@@ -18,7 +18,6 @@ Once every measurement is written out the process ends without waiting for those
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -32,9 +31,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from benchmarks.launch import ROOT
-from benchmarks.measure import MiB, Record, cpu_seconds, now
-from benchmarks.servers import REGION, ServerProcess
+from benchmarks.infra.launch import ROOT, module_main
+from benchmarks.infra.measure import MiB, Record, cpu_seconds, now
+from benchmarks.infra.servers import REGION, ServerProcess
 
 PROXY = ROOT / "backends" / "s3" / "tests" / "s3_fault_proxy.py"
 MODES = ("healthy", "refuse", "stall", "deny_writes")
@@ -165,8 +164,7 @@ def _say(record: Record, reps: int) -> None:
 
 
 def main() -> None:
-    spec = json.loads(Path(sys.argv[1]).read_text())
-    Path(sys.argv[2]).write_text(json.dumps(run(spec)))
+    module_main(run)
     sys.stdout.flush()
     # Uploads to the down tiers are still retrying on pool threads that interpreter exit
     # would join (concurrent.futures); the results are written, so leave now.

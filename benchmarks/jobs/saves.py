@@ -11,8 +11,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-from benchmarks import writers
-from benchmarks.measure import (
+from benchmarks.infra.measure import (
     MiB,
     Record,
     cpu_seconds,
@@ -20,8 +19,8 @@ from benchmarks.measure import (
     peak_growth,
     reset_peak_rss,
 )
-from benchmarks.profiles import checkpoint_name
-from benchmarks.rank_context import (
+from benchmarks.jobs import writers
+from benchmarks.jobs.rank_context import (
     Context,
     cleanup,
     local_bytes,
@@ -29,6 +28,7 @@ from benchmarks.rank_context import (
     make_state,
     where,
 )
+from benchmarks.profiles import checkpoint_name
 
 
 def save_once(ctx: Context, variant: str, state: dict[str, Any], place: writers.Where,

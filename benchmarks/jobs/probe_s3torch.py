@@ -1,5 +1,5 @@
 """Can s3torchconnector's DCP writer reach the local S3 server? ``python -m
-benchmarks.probe_s3torch ENDPOINT BUCKET`` prints ``{"available": ..., "reason": ...}``."""
+benchmarks.jobs.probe_s3torch ENDPOINT BUCKET`` prints ``{"available": ..., "reason": ...}``."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ def probe(endpoint: str, bucket: str) -> dict[str, object]:
         import torch
         import torch.distributed.checkpoint as dcp
 
-        from benchmarks.servers import S3Target
-        from benchmarks.writers import s3torch_reader, s3torch_writer
+        from benchmarks.infra.servers import S3Target
+        from benchmarks.jobs.writers import s3torch_reader, s3torch_writer
 
         target = S3Target(endpoint, bucket)
         state = {"w": torch.arange(1024.0)}

@@ -1,15 +1,14 @@
-"""Markdown building blocks and the report's paths."""
+"""Markdown pieces of the report: tables, figure links, sizes and ranges, row orders."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
 
-from benchmarks.measure import GiB, MiB
+from benchmarks.infra.measure import GiB, MiB
 
-ROOT = Path(__file__).resolve().parent.parent
-DOC = ROOT / "docs" / "benchmarks.md"
-IMG = ROOT / "docs" / "img" / "benchmarks"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
+FIGURES = "img/benchmarks"  # the figures' folder, relative to the report's
 
 SAVE_ORDER = ("disk_sync", "fsw_sync", "fsw_async", "tiered_sync", "tiered_async", "fsspec_sync",
               "fsspec_async", "s3torch_sync", "s3torch_async")
@@ -24,14 +23,14 @@ def size_label(n: int) -> str:
     return f"{n // GiB} GiB" if n >= GiB and n % GiB == 0 else f"{n // MiB} MiB"
 
 
-def table(header: list[str], rows: list[list[str]]) -> Lines:
+def table(header: list[str], rows: list[list[str]]) -> str:
     out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     out += ["| " + " | ".join(row) + " |" for row in rows]
-    return [*out, ""]
+    return "\n".join(out)
 
 
 def image(path: Path, alt: str) -> str:
-    return f"![{alt}]({path.relative_to(DOC.parent).as_posix()})\n"
+    return f"![{alt}]({FIGURES}/{path.name})"
 
 
 def spread(summary: Mapping[str, float] | None, scale: float = 1.0, fmt: str = "{:.2f}") -> str:
@@ -41,4 +40,6 @@ def spread(summary: Mapping[str, float] | None, scale: float = 1.0, fmt: str = "
             f"-{fmt.format(summary['max'] * scale)})")
 
 
-# -- header, machine, targets --------------------------------------------------------------
+def share(summary: Mapping[str, float]) -> str:
+    """A share of time: ``61% (median; 11%-64%)``."""
+    return f"{summary['median']:.0%} (median; {summary['min']:.0%}-{summary['max']:.0%})"

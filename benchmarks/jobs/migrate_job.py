@@ -1,4 +1,4 @@
-"""Migration throughput and memory: ``python -m benchmarks.migrate_job SPEC.json OUT.json``.
+"""Migration throughput and memory: ``python -m benchmarks.jobs.migrate_job SPEC.json OUT.json``.
 
 Compares ``tierstore.migrate_pending`` (hot -> S3, verified, with upload marks and the cold
 manifest) with plain ``s3fs`` ``put_file`` of the very same files to the same server, at the
@@ -9,15 +9,13 @@ one process of its own, so the peak-RSS growth of each transfer is measured clea
 
 from __future__ import annotations
 
-import json
-import sys
 import uuid
 import warnings
-from pathlib import Path
 from typing import Any
 
-from benchmarks.measure import MiB, Record, cpu_seconds, now, peak_growth, reset_peak_rss
-from benchmarks.servers import S3Target, remove_prefix
+from benchmarks.infra.launch import module_main
+from benchmarks.infra.measure import MiB, Record, cpu_seconds, now, peak_growth, reset_peak_rss
+from benchmarks.infra.servers import S3Target, remove_prefix
 
 warnings.filterwarnings("ignore")
 
@@ -115,7 +113,7 @@ def run(spec: dict[str, Any]) -> list[Record]:
         for i, inflight in enumerate(spec["sweep"]):
             for kind in kinds[(rep + i) % 2:] + kinds[: (rep + i) % 2]:
                 records.append(measure(spec, target, kind, sweep_name, inflight, rep, "sweep"))
-    # Item 6: the migrator's memory by checkpoint size (the sweep's size is measured already).
+    # The migrator's memory by checkpoint size (the sweep's size is measured already).
     for rep in range(spec["memory_reps"]):
         for name in spec["memory_names"]:
             if name != sweep_name:
@@ -124,10 +122,5 @@ def run(spec: dict[str, Any]) -> list[Record]:
     return records
 
 
-def main() -> None:
-    spec = json.loads(Path(sys.argv[1]).read_text())
-    Path(sys.argv[2]).write_text(json.dumps(run(spec)))
-
-
 if __name__ == "__main__":
-    main()
+    module_main(run)

@@ -4,23 +4,26 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
+from matplotlib.figure import Figure
 
 COLORS = {"tiered": "#1b7837", "fsw": "#2166ac", "fsspec": "#b2182b", "s3torch": "#e08214",
           "disk": "#555555", "fsr": "#2166ac", "s3fs": "#b2182b", "crc": "#999999"}
 DPI = 80
+Points = Mapping[Any, float]  # x (int or float) -> y
 
 
 def color(name: str) -> str:
     return COLORS.get(name.split("_")[0], "#666666")
 
 
-def _save(fig: plt.Figure, path: Path) -> Path:
+def _save(fig: Figure, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
@@ -45,7 +48,7 @@ def bars(path: Path, title: str, ylabel: str, groups: Mapping[str, Mapping[str, 
 
 
 def lines(path: Path, title: str, xlabel: str, ylabel: str,
-          series: Mapping[str, Mapping[float, float]], *, log: bool = False,
+          series: Mapping[str, Points], *, log: bool = False,
           reference: float | None = None, xticks: Sequence[float] | None = None) -> Path:
     fig, ax = plt.subplots(figsize=(6.4, 3.4))
     for name, points in series.items():

@@ -13,9 +13,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from benchmarks import writers
-from benchmarks.measure import MiB
-from benchmarks.servers import S3Target, remove_prefix
+from benchmarks.infra.measure import MiB
+from benchmarks.infra.servers import S3Target, remove_prefix
+from benchmarks.jobs import writers
 
 TENSOR_BYTES = 16 * MiB  # per tensor and rank: many mid-sized tensors, like a model
 MAX_TENSORS = 128

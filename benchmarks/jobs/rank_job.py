@@ -1,4 +1,4 @@
-"""One rank of a benchmark job: ``python -m benchmarks.rank_job SPEC.json`` (see launch.py).
+"""One rank of a benchmark job: ``python -m benchmarks.jobs.rank_job SPEC.json`` (see launch.py).
 
 Operations (``spec["op"]``):
 
@@ -26,11 +26,11 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from benchmarks.loads import run_loads
-from benchmarks.measure import Record
-from benchmarks.rank_context import Context
-from benchmarks.saves import run_prepare, run_saves
-from benchmarks.servers import S3Target
+from benchmarks.infra.measure import Record
+from benchmarks.infra.servers import S3Target
+from benchmarks.jobs.loads import run_loads
+from benchmarks.jobs.rank_context import Context
+from benchmarks.jobs.saves import run_prepare, run_saves
 
 warnings.filterwarnings("ignore")
 
