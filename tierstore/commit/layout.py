@@ -17,7 +17,7 @@ On object stores (backends with ``spread_keys``) data files live under
 rest: thousands of ranks uploading at once then spread over 256 key prefixes rather than
 hammering one, which is what triggers S3's per-prefix throttling (503 SlowDown).
 
-``<attempt>`` is unique to one save attempt (DESIGN.md invariant 3), so a rerun of a step
+``<attempt>`` is unique to one save attempt (docs/design.md invariant 3), so a rerun of a step
 never touches a committed attempt's files. An attempt directory is a plain DCP checkpoint:
 ``FileSystemReader`` can read it directly, tierstore not needed.
 """
@@ -29,6 +29,7 @@ import os
 import re
 import time
 import uuid
+from enum import Enum
 
 from tierstore.errors import ConfigError
 
@@ -54,7 +55,11 @@ __all__ = [
     "parse_upload_key",
     "upload_prefix",
     "migrated_key",
+    "migrated_prefix",
     "parse_migrated_key",
+    "KeyKind",
+    "kind_of",
+    "is_temporary",
     "STORE_ID_KEY",
     "new_store_id",
     "check_store_id",
@@ -113,13 +118,18 @@ def check_attempt(attempt: str) -> str:
     return attempt
 
 
+def manifests_prefix() -> str:
+    """Where a tier's manifests are listed from."""
+    return MANIFEST_DIR + "/"
+
+
 def manifest_key(name: str) -> str:
     return f"{MANIFEST_DIR}/{check_name(name)}{MANIFEST_SUFFIX}"
 
 
 def parse_manifest_key(key: str) -> str | None:
     """The checkpoint name a manifest key stands for, or ``None`` for any other key."""
-    prefix = MANIFEST_DIR + "/"
+    prefix = manifests_prefix()
     if not (key.startswith(prefix) and key.endswith(MANIFEST_SUFFIX)):
         return None
     name = key[len(prefix) : -len(MANIFEST_SUFFIX)]
@@ -208,10 +218,15 @@ def check_store_id(store_id: str) -> str:
     return store_id
 
 
+def migrated_prefix(name: str, attempt: str) -> str:
+    """Where the migrated marks of one attempt live, whichever cold tier they name."""
+    return f"{MIGRATED_DIR}/{check_name(name)}/{check_attempt(attempt)}/"
+
+
 def migrated_key(name: str, attempt: str, store_id: str) -> str:
     """Hot-tier mark: the attempt was committed in the cold tier ``store_id``, even if that
     tier pruned it since."""
-    return f"{MIGRATED_DIR}/{check_name(name)}/{check_attempt(attempt)}/{check_store_id(store_id)}.json"
+    return f"{migrated_prefix(name, attempt)}{check_store_id(store_id)}.json"
 
 
 def parse_migrated_key(key: str) -> tuple[str, str, str | None] | None:
@@ -231,3 +246,46 @@ def parse_migrated_key(key: str) -> tuple[str, str, str | None] | None:
     if _NAME.fullmatch(name) and _ATTEMPT.fullmatch(attempt):
         return name, attempt, store_id
     return None
+
+
+class KeyKind(str, Enum):
+    """What a key in a store root is, by where it lives (see the module docstring)."""
+
+    DATA = "data"  # a file of an attempt, in either layout (publish temporaries included)
+    MANIFEST = "manifest"
+    STORE_ID = "store-id"
+    TEMPORARY = "temporary"  # a publish's temporary outside any attempt's data
+    UPLOAD_MARK = "upload-mark"  # under uploads/: a mark, or damage where a mark would be
+    MIGRATED_MARK = "migrated-mark"
+    LEASE = "lease"
+    CLOCK_PROBE = "clock-probe"
+    OTHER = "other"  # not a key tierstore writes
+
+
+def is_temporary(key: str) -> bool:
+    """A backend's publish temporary (``.<name>.tmp-<hex>``), left behind if the publish died."""
+    return ".tmp-" in key.rsplit("/", 1)[-1]
+
+
+def kind_of(key: str) -> KeyKind:
+    """Classify ``key``; the order matters: a temporary inside an attempt's data is data (it
+    goes with its attempt), the identity object is never a temporary or a mark."""
+    if spread_attempt_of(key) is not None:
+        return KeyKind.DATA
+    if key == STORE_ID_KEY:
+        return KeyKind.STORE_ID
+    if is_temporary(key):
+        return KeyKind.TEMPORARY
+    top, sep, rest = key.partition("/")
+    if not sep:
+        return KeyKind.OTHER
+    if top == UPLOAD_DIR:
+        return KeyKind.UPLOAD_MARK
+    if top == MIGRATED_DIR:
+        return KeyKind.MIGRATED_MARK
+    if top == LEASE_DIR:
+        # One level under leases/: not in any checkpoint's lease prefix (clock_probe_key).
+        return KeyKind.LEASE if "/" in rest else KeyKind.CLOCK_PROBE
+    if parse_manifest_key(key) is not None:
+        return KeyKind.MANIFEST
+    return KeyKind.OTHER

@@ -28,7 +28,6 @@ GC raises before deleting anything. Any other error on one object or one tier is
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections import defaultdict
@@ -37,8 +36,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierstore.commit import layout
+from tierstore.commit.layout import KeyKind
 from tierstore.commit.manifest import Manifest
-from tierstore.errors import IntegrityError, ObjectNotFound, ObjectTooLarge, TierstoreError
+from tierstore.errors import TierstoreError
 from tierstore.lifecycle.leases import expired_leases, live_leases
 from tierstore.storage.backend import ObjectInfo
 from tierstore.tiers import marks
@@ -49,7 +49,6 @@ __all__ = ["Garbage", "Problem", "GCReport", "find_garbage", "collect_garbage", 
 log = logging.getLogger(__name__)
 
 DEFAULT_GRACE = 24 * 3600.0
-_SMALL_LIMIT = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -126,25 +125,23 @@ def _tier_garbage(tier: Tier, scan: _Scan, committed_here: set[tuple[str, str]])
     attempts: dict[tuple[str, str], list[ObjectInfo]] = defaultdict(list)
     lease_infos: list[ObjectInfo] = []
     for info in tier.backend.list(""):
-        key = info.key
-        where = layout.spread_attempt_of(key)
-        if where is not None:
+        kind = layout.kind_of(info.key)  # the tier's identity object is never garbage
+        if kind is KeyKind.DATA:
+            where = layout.spread_attempt_of(info.key)
+            assert where is not None
             attempts[where].append(info)
-        elif key == layout.STORE_ID_KEY:
-            continue  # the tier's identity: never garbage
-        elif ".tmp-" in key.rsplit("/", 1)[-1]:
+        elif kind is KeyKind.TEMPORARY:
             if scan.old(info):
                 scan.add(tier, info, "leftover publish temporary")
-        elif key.startswith(layout.UPLOAD_DIR + "/"):
+        elif kind is KeyKind.UPLOAD_MARK:
             _mark_garbage(tier, info, scan, committed_here)
-        elif key.startswith(layout.MIGRATED_DIR + "/"):
+        elif kind is KeyKind.MIGRATED_MARK:
             _migrated_garbage(tier, info, scan, committed_here)
-        elif key.startswith(layout.LEASE_DIR + "/"):
-            if key.count("/") == 1:  # not in any checkpoint's lease prefix: a clock probe
-                if scan.old(info):
-                    scan.add(tier, info, "leftover clock probe")
-            else:
-                lease_infos.append(info)
+        elif kind is KeyKind.CLOCK_PROBE:
+            if scan.old(info):
+                scan.add(tier, info, "leftover clock probe")
+        elif kind is KeyKind.LEASE:
+            lease_infos.append(info)
     for info in expired_leases(tier, lease_infos, grace=scan.grace):
         scan.add(tier, info, "expired lease")
     for (name, attempt), infos in attempts.items():
@@ -190,30 +187,12 @@ def _mark_garbage(tier: Tier, info: ObjectInfo, scan: _Scan, committed_here: set
             scan.add(tier, info, "upload mark of a dead attempt")
     elif scan.old(info):
         try:
-            damaged = _mark_damaged(tier, name, attempt, rank, failed)
+            damaged = marks.is_damaged(tier, name, attempt, rank, failed=failed)
         except TierstoreError as err:
             scan.fail(tier, info.key, err)
             return
         if damaged:
             scan.add(tier, info, "damaged upload mark")
-
-
-def _mark_damaged(tier: Tier, name: str, attempt: str, rank: int, failed: bool) -> bool:
-    # RecursionError: json.loads of deeply nested (valid) JSON, a hostile mark.
-    if not failed:
-        try:
-            marks.read_upload_mark(tier, name, attempt, rank)
-        except IntegrityError:  # every damage, deep JSON included, comes out as this
-            return True
-        return False
-    key = layout.failed_mark_key(name, attempt, rank)
-    try:
-        body = json.loads(tier.backend.read_bytes(key, limit=_SMALL_LIMIT))
-    except ObjectNotFound:
-        return False
-    except (ObjectTooLarge, ValueError, RecursionError):
-        return True
-    return not (isinstance(body, dict) and body.get("rank") == rank)
 
 
 def _migrated_garbage(tier: Tier, info: ObjectInfo, scan: _Scan,

@@ -109,7 +109,7 @@ def live_leases(tier: Tier, name: str, *, now: float | None = None,
     list, nothing can be known to be unleased.
     """
     infos = [info for info in tier.backend.list(layout.lease_prefix(name))
-             if ".tmp-" not in info.key]  # a publish that never completed leased nothing
+             if not layout.is_temporary(info.key)]  # a publish that never completed leased nothing
     if not infos:
         return []
     clock = _Clock(tier, store_now)

@@ -1,6 +1,6 @@
 """Pruning by retention policy, in the order that never leaves a trusted checkpoint broken.
 
-For each checkpoint a tier's policy does not keep (DESIGN.md invariant 5):
+For each checkpoint a tier's policy does not keep (docs/design.md invariants 14-16):
 
 1. never the newest committed checkpoint of the tier, and (when a cold tier is configured)
    never a hot checkpoint unless the *current* cold tier holds a valid manifest of the same
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierstore.commit import layout
-from tierstore.commit.manifest import Manifest
+from tierstore.commit.manifest import Manifest, checkpoint_order
 from tierstore.errors import InvalidManifest, TierstoreError
 from tierstore.lifecycle.leases import live_leases
 from tierstore.lifecycle.retention import DEFAULT_COLD, DEFAULT_HOT, Policy
@@ -53,14 +53,10 @@ class PruneReport:
     errors: tuple[str, ...] = ()  # checkpoints (or the whole tier) that could not be pruned
 
 
-def _order(m: Manifest) -> tuple[int, float, str]:
-    return (-1 if m.step is None else m.step, m.created, m.name)
-
-
 def plan_prune(manifests: Iterable[Manifest], policy: Policy, *, protect: Iterable[str] = (),
                now: float) -> tuple[list[Manifest], set[str], set[str]]:
     """``(to_delete oldest first, kept, protected)``: pure, no storage touched."""
-    manifests = sorted(manifests, key=_order)
+    manifests = sorted(manifests, key=checkpoint_order)
     if not manifests:
         return [], set(), set()
     wanted = set(policy.keep(manifests, now=now))
@@ -112,10 +108,8 @@ def delete_data(tier: Tier, manifest: Manifest) -> int:
         tier.backend.delete(tier.file_key(manifest.name, manifest.attempt, entry.path))
         freed += entry.size
         faults.point("prune.after_file_delete")
-    for info in list(tier.backend.list(layout.upload_prefix(manifest.name, manifest.attempt))):
-        tier.backend.delete(info.key)
-    for info in list(tier.backend.list(f"{layout.MIGRATED_DIR}/{manifest.name}/{manifest.attempt}/")):
-        tier.backend.delete(info.key)
+    marks.clear_upload_marks(tier, manifest.name, manifest.attempt)
+    marks.clear_migrated_marks(tier, manifest.name, manifest.attempt)
     return freed
 
 
@@ -159,7 +153,7 @@ class ColdCheck:
 
 
 def check_cold_copies(hot: Tier, cold: Tier) -> ColdCheck:
-    """Hold each hot checkpoint against the *current* cold tier (DESIGN.md invariant 5).
+    """Hold each hot checkpoint against the *current* cold tier (docs/design.md invariant 15).
 
     A hot copy may go only if the cold tier holds a valid manifest of the same attempt, or
     the hot tier's migrated mark names this cold tier's identity (committed there once,

@@ -1,6 +1,6 @@
 """The marks migration leaves in the tiers, and the cold tier's identity.
 
-Migration keeps no state of its own: the tiers hold it (DESIGN.md invariant 6).
+Migration keeps no state of its own: the tiers hold it (docs/design.md invariant 12).
 
 * **Store identity** (cold tier): ``tierstore-store.json``, published once at the root by
   the first migrator that commits there. It tells one cold tier from another, so a hot
@@ -9,7 +9,8 @@ Migration keeps no state of its own: the tiers hold it (DESIGN.md invariant 6).
 * **Upload marks** (cold tier): ``rank-<r>.json`` says rank ``r`` uploaded and verified its
   files of one attempt; ``rank-<r>.failed.json`` says its upload failed (so the coordinator
   stops waiting). Marks are hints: a damaged or wrong mark is repaired, never trusted, and
-  the cold commit checks every file in place whatever the marks say.
+  the cold commit checks every file in place whatever the marks say. Once the cold manifest
+  is published the marks of that attempt are cleared (what a crash leaves, GC removes).
 * **Migrated marks** (hot tier): ``migrated/<name>/<attempt>/<store-id>.json`` says the
   attempt was committed in that cold tier, even if its policy pruned it there since.
 """
@@ -34,13 +35,19 @@ from tierstore.tiers.tier import Tier
 
 __all__ = [
     "store_id",
+    "in_place",
     "read_upload_mark",
     "publish_upload_mark",
+    "already_uploaded",
+    "rank_uploaded",
+    "clear_upload_marks",
     "read_failure",
     "publish_failure",
     "clear_failure",
+    "is_damaged",
     "mark_migrated",
     "was_migrated",
+    "clear_migrated_marks",
 ]
 
 log = logging.getLogger(__name__)
@@ -86,6 +93,15 @@ def _read_store_id(tier: Tier) -> str | None:
 
 
 # -- upload marks (cold tier) ----------------------------------------------------------------
+
+
+def in_place(tier: Tier, name: str, attempt: str, entry: FileEntry) -> bool:
+    """Is ``entry`` stored in ``tier`` with its size (and CRC32C, where the store keeps one)?"""
+    try:
+        info = tier.backend.stat(tier.file_key(name, attempt, entry.path))
+    except ObjectNotFound:
+        return False
+    return info.size == entry.size and info.crc32c in (None, entry.crc32c)
 
 
 def _mark_body(rank: int, files: tuple[FileEntry, ...]) -> bytes:
@@ -145,16 +161,75 @@ def publish_upload_mark(tier: Tier, name: str, attempt: str, rank: int,
     raise PublishConflict("upload mark keeps changing under us", key=key, tier=tier.label)
 
 
+def already_uploaded(tier: Tier, name: str, attempt: str, rank: int, files: tuple[FileEntry, ...]) -> bool:
+    """Did an earlier migrator upload exactly ``files`` for ``rank``, and are they still there?
+    A damaged mark is no proof: the rank uploads again (and publishes a good one)."""
+    try:
+        marked = read_upload_mark(tier, name, attempt, rank)
+    except IntegrityError as err:
+        log.warning("re-uploading rank %d of %s: %s", rank, name, err)
+        return False
+    return marked == _sorted(files) and all(in_place(tier, name, attempt, e) for e in files)
+
+
+def rank_uploaded(tier: Tier, manifest: Manifest, rank: int) -> bool:
+    """Has ``rank`` uploaded its files of ``manifest``? Its mark says so; a damaged or wrong
+    mark is repaired when every file it should vouch for is in place, and raises
+    :class:`~tierstore.errors.IntegrityError` naming the rank (for ``tierstore migrate`` to
+    upload again) when not."""
+    expected = manifest.files_of_rank(rank)
+    try:
+        marked = read_upload_mark(tier, manifest.name, manifest.attempt, rank)
+    except IntegrityError as err:
+        problem = str(err)
+    else:
+        if marked is None:
+            return False
+        if marked == expected:
+            return True
+        problem = "it lists other files than the manifest"
+    if not all(in_place(tier, manifest.name, manifest.attempt, e) for e in expected):
+        raise IntegrityError(
+            f"upload mark is wrong ({problem}) and the rank's files are not all in the "
+            "cold tier; `tierstore migrate` uploads them again",
+            checkpoint=manifest.name, rank=rank, tier=tier.label)
+    log.warning("repairing the upload mark of rank %d of %s in %s: %s", rank,
+                manifest.name, tier.label, problem)
+    publish_upload_mark(tier, manifest.name, manifest.attempt, rank, expected)
+    return True
+
+
+def clear_upload_marks(tier: Tier, name: str, attempt: str) -> None:
+    """Delete every upload and failure mark of an attempt (they did their job: the cold
+    manifest commits it now, or the attempt is gone)."""
+    for info in list(tier.backend.list(layout.upload_prefix(name, attempt))):
+        tier.backend.delete(info.key)
+
+
+def _failure_body(tier: Tier, key: str) -> dict[str, Any] | None:
+    """A failure mark's body, ``None`` if there is none; :class:`IntegrityError` if damaged."""
+    try:
+        data = tier.backend.read_bytes(key, limit=_SMALL_LIMIT)
+    except ObjectNotFound:
+        return None
+    except ObjectTooLarge as err:
+        raise IntegrityError(f"failure mark is damaged: {err}", key=key, tier=tier.label) from err
+    try:
+        body = json.loads(data)  # RecursionError: deeply nested (valid) JSON, a hostile mark
+    except (ValueError, RecursionError) as err:
+        raise IntegrityError(f"failure mark is damaged: {err}", key=key, tier=tier.label) from err
+    if not isinstance(body, dict):
+        raise IntegrityError("failure mark is damaged: not a JSON object", key=key, tier=tier.label)
+    return body
+
+
 def read_failure(tier: Tier, name: str, attempt: str, rank: int) -> dict[str, Any] | None:
     """Rank ``rank``'s failure mark, ``None`` if there is none."""
     key = layout.failed_mark_key(name, attempt, rank)
     try:
-        body = json.loads(tier.backend.read_bytes(key, limit=_SMALL_LIMIT))
-    except ObjectNotFound:
-        return None
-    except (ValueError, RecursionError, TierstoreError):
+        return _failure_body(tier, key)
+    except TierstoreError:  # damaged or unreadable: still a failure, the coordinator stops waiting
         return {"error": f"unreadable failure mark {key}"}
-    return body if isinstance(body, dict) else {"error": f"unreadable failure mark {key}"}
 
 
 def publish_failure(tier: Tier, name: str, attempt: str, rank: int, file: str | None,
@@ -171,6 +246,23 @@ def publish_failure(tier: Tier, name: str, attempt: str, rank: int, file: str | 
 
 def clear_failure(tier: Tier, name: str, attempt: str, rank: int) -> None:
     tier.backend.delete(layout.failed_mark_key(name, attempt, rank))
+
+
+def is_damaged(tier: Tier, name: str, attempt: str, rank: int, *, failed: bool) -> bool:
+    """Whether rank ``rank``'s upload mark (``failed``: its failure mark) is there and damaged:
+    unreadable, oversized, not what a mark holds, or naming another rank. Storage errors
+    other than those propagate (nothing is known then)."""
+    if not failed:
+        try:
+            read_upload_mark(tier, name, attempt, rank)
+        except IntegrityError:  # every damage, deep JSON included, comes out as this
+            return True
+        return False
+    try:
+        body = _failure_body(tier, layout.failed_mark_key(name, attempt, rank))
+    except IntegrityError:
+        return True
+    return body is not None and body.get("rank") != rank
 
 
 # -- migrated marks (hot tier) ---------------------------------------------------------------
@@ -200,3 +292,9 @@ def was_migrated(hot: Tier, manifest: Manifest, cold_id: str | None) -> bool:
     if cold_id is None:
         return False
     return hot.backend.exists(layout.migrated_key(manifest.name, manifest.attempt, cold_id))
+
+
+def clear_migrated_marks(hot: Tier, name: str, attempt: str) -> None:
+    """Delete the migrated marks of an attempt, for every cold tier they name."""
+    for info in list(hot.backend.list(layout.migrated_prefix(name, attempt))):
+        hot.backend.delete(info.key)

@@ -1,6 +1,6 @@
 """Background, resumable, idempotent migration from the hot tier to the cold tier.
 
-Protocol for one checkpoint attempt (DESIGN.md invariants 2, 6, 7):
+Protocol for one checkpoint attempt (docs/design.md invariants 9, 10, 12):
 
 1. **Each rank** uploads the files it wrote, in the background of whatever process finished
    its part of the save. Every upload is verified: the source bytes against the manifest's
@@ -15,33 +15,33 @@ is *pending*; :func:`tierstore.tiers.status.migrate_pending` (``tierstore migrat
 from any process, later, skipping ranks whose mark exists and files already stored intact. Failures are
 retried (:mod:`tierstore.retry`), then recorded (status, log, and a failure mark
 ``rank-<r>.failed.json`` that stops the coordinator waiting) and never raised into training.
+
+This module is the worker. What the marks are and when one counts is :mod:`tierstore.tiers.marks`;
+which migrator a process uses, and draining it at exit, :mod:`tierstore.tiers.workers`.
 """
 
 from __future__ import annotations
 
-import atexit
 import functools
-import json
 import logging
-import os
 import queue
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
+from typing import Any
 
-from tierstore.commit import layout
 from tierstore.commit.manifest import FileEntry, Manifest
 from tierstore.errors import (
     CheckpointExists,
     ChecksumMismatch,
     ConfigError,
     IntegrityError,
-    ObjectNotFound,
     TierstoreError,
 )
-from tierstore.retry import RetryPolicy
+from tierstore.retry import RetryPolicy, polling
 from tierstore.storage import faults
 from tierstore.tiers import marks
 from tierstore.tiers.tier import Tier
@@ -52,8 +52,7 @@ __all__ = [
     "MigrationState",
     "MigrationStatus",
     "Migrator",
-    "migrator_for",
-    "active_migrators",
+    "Job",
 ]
 
 log = logging.getLogger(__name__)
@@ -78,6 +77,12 @@ class MigrationConfig:
     def __post_init__(self) -> None:
         if self.concurrency < 1 or self.chunk_size < 1:
             raise ConfigError("concurrency and chunk_size must be positive")
+
+    @property
+    def mark_polling(self) -> RetryPolicy:
+        """How the coordinator polls for the other ranks' marks: from ``poll_interval``,
+        doubling up to 10 s, for ``commit_timeout`` seconds."""
+        return polling(self.poll_interval, self.commit_timeout, maximum=10.0)
 
 
 class MigrationState(str, Enum):
@@ -112,7 +117,10 @@ class MigrationStatus:
 
 
 @dataclass
-class _Job:
+class Job:
+    """One rank's share of one checkpoint attempt, and where it stands (the worker updates
+    it as it runs); with ``manifest``, also the coordinator's cold commit."""
+
     name: str
     attempt: str
     step: int | None
@@ -134,6 +142,16 @@ class _Job:
             self.bytes_done += n
         if self.listener is not None:
             self.listener(n)
+
+    def status(self, now: float) -> MigrationStatus:
+        total = sum(f.size for f in self.files)
+        done = total if self.state in (MigrationState.UPLOADED, MigrationState.COMMITTED) else self.bytes_done
+        return MigrationStatus(
+            name=self.name, attempt=self.attempt, step=self.step, state=self.state, rank=self.rank,
+            bytes_total=total, bytes_done=done, created=self.created, finished=self.finished,
+            error=self.error, failed_rank=self.failed_rank, failed_file=self.failed_file,
+            lag_seconds=(self.finished or now) - self.created,
+        )
 
 
 class _Failed(Exception):
@@ -160,8 +178,8 @@ class Migrator:
         self.config = config or MigrationConfig()
         self._clock, self._sleep = clock, sleep
         self._throttle = Throttle(self.config.bandwidth, sleep=sleep)
-        self._jobs: dict[tuple[str, str, int], _Job] = {}
-        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._jobs: dict[tuple[str, str, int], Job] = {}
+        self._queue: queue.Queue[Job | None] = queue.Queue()
         self._unfinished = 0
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -171,14 +189,14 @@ class Migrator:
     def submit_rank(self, name: str, attempt: str, step: int | None, rank: int,
                     files: Sequence[FileEntry]) -> None:
         """Upload ``rank``'s ``files`` of an attempt and publish its upload mark."""
-        self._enqueue(_Job(name, attempt, step, rank, tuple(files), self._clock()))
+        self._enqueue(Job(name, attempt, step, rank, tuple(files), self._clock()))
 
     def submit_commit(self, manifest: Manifest, rank: int) -> None:
         """Coordinator: upload own files, wait for every rank's mark, publish cold manifest."""
-        self._enqueue(_Job(manifest.name, manifest.attempt, manifest.step, rank,
-                           manifest.files_of_rank(rank), manifest.created, manifest=manifest))
+        self._enqueue(Job(manifest.name, manifest.attempt, manifest.step, rank,
+                          manifest.files_of_rank(rank), manifest.created, manifest=manifest))
 
-    def _enqueue(self, job: _Job) -> None:
+    def _enqueue(self, job: Job) -> None:
         with self._cond:
             self._jobs[(job.name, job.attempt, job.rank)] = job
             self._unfinished += 1
@@ -192,7 +210,7 @@ class Migrator:
         now = self._clock()
         with self._cond:
             jobs = list(self._jobs.values())
-        return [_status_of(job, now) for job in jobs]
+        return [job.status(now) for job in jobs]
 
     def pending(self) -> list[MigrationStatus]:
         """Jobs not yet finished (queued or uploading)."""
@@ -229,7 +247,32 @@ class Migrator:
                     self._unfinished -= 1
                     self._cond.notify_all()
 
-    def run(self, job: _Job) -> None:
+    def migrate_checkpoint(self, manifest: Manifest,
+                           progress: Callable[[str, int, int], None] | None = None) -> MigrationStatus:
+        """Migrate every rank's files of ``manifest`` and commit it, here and now (this
+        thread): how ``tierstore migrate`` finishes a checkpoint a crash left pending.
+        ``progress(name, bytes_done, bytes_total)``; failure is in the status, not raised."""
+        total = manifest.total_size
+        jobs = [Job(manifest.name, manifest.attempt, manifest.step, rank,
+                    manifest.files_of_rank(rank), manifest.created)
+                for rank in sorted({f.rank for f in manifest.files})]
+        jobs[-1].manifest = manifest  # the last rank's job also commits
+        done = 0
+
+        def advance(n: int) -> None:
+            nonlocal done
+            done += n
+            if progress is not None:
+                progress(manifest.name, done, total)
+
+        for job in jobs:
+            job.listener = advance
+            self.run(job)
+            if job.state is MigrationState.FAILED:
+                return replace(job.status(self._clock()), rank=None, bytes_total=total, bytes_done=done)
+        return replace(jobs[-1].status(self._clock()), rank=None, bytes_total=total, bytes_done=total)
+
+    def run(self, job: Job) -> None:
         """Run one job to its end state, recording (never raising) failure."""
         job.state = MigrationState.UPLOADING
         try:
@@ -247,7 +290,7 @@ class Migrator:
         finally:
             job.finished = self._clock()
 
-    def _record_failure(self, job: _Job, failure: _Failed) -> None:
+    def _record_failure(self, job: Job, failure: _Failed) -> None:
         job.state = MigrationState.FAILED
         job.error = f"{type(failure.error).__name__}: {failure.error}" \
             if isinstance(failure.error, BaseException) else str(failure.error)
@@ -258,14 +301,8 @@ class Migrator:
             marks.publish_failure(self.cold, job.name, job.attempt, job.rank, failure.file,
                                   job.error)
 
-    def _upload_rank(self, job: _Job) -> None:
-        try:
-            marked = marks.read_upload_mark(self.cold, job.name, job.attempt, job.rank)
-        except IntegrityError as err:
-            log.warning("re-uploading rank %d of %s: %s", job.rank, job.name, err)
-            marked = None
-        files = tuple(sorted(job.files, key=lambda f: (f.rank, f.path)))
-        if marked == files and all(self._in_place(e, job.name, job.attempt) for e in files):
+    def _upload_rank(self, job: Job) -> None:
+        if marks.already_uploaded(self.cold, job.name, job.attempt, job.rank, job.files):
             job.add_bytes(sum(f.size for f in job.files))
             return  # already done by an earlier migrator, and still there
         errors = _in_parallel([functools.partial(self._upload_file, job, entry) for entry in job.files],
@@ -276,7 +313,7 @@ class Migrator:
         faults.point("migrator.before_mark_publish")
 
         def publish() -> None:
-            marks.publish_upload_mark(self.cold, job.name, job.attempt, job.rank, files)
+            marks.publish_upload_mark(self.cold, job.name, job.attempt, job.rank, job.files)
 
         try:
             self.config.retry.call(publish, what=f"upload mark of rank {job.rank} ({job.name})",
@@ -285,7 +322,7 @@ class Migrator:
             raise _Failed(job.rank, None, err) from err
         marks.clear_failure(self.cold, job.name, job.attempt, job.rank)  # resolved, if any
 
-    def _upload_file(self, job: _Job, entry: FileEntry) -> None:
+    def _upload_file(self, job: Job, entry: FileEntry) -> None:
         try:
             if has_verified_copy(self.cold, job.name, job.attempt, entry,
                                  chunk_size=self.config.chunk_size):
@@ -314,14 +351,6 @@ class Migrator:
         except Exception as err:
             raise _Failed(job.rank, entry.path, err) from err
 
-    def _in_place(self, entry: FileEntry, name: str, attempt: str) -> bool:
-        """Is ``entry`` stored in cold with its size (and CRC32C, where the store keeps one)?"""
-        try:
-            info = self.cold.backend.stat(self.cold.file_key(name, attempt, entry.path))
-        except ObjectNotFound:
-            return False
-        return info.size == entry.size and info.crc32c in (None, entry.crc32c)
-
     def _commit(self, manifest: Manifest) -> None:
         if self._await_marks(manifest):  # another migrator committed it meanwhile
             cold_id = marks.store_id(self.cold, create=True)
@@ -334,7 +363,7 @@ class Migrator:
         # The marks say every rank uploaded; the manifest may only vouch for what is there
         # now (another actor may have removed or damaged an object since).
         for entry in manifest.files:
-            if not self._in_place(entry, manifest.name, manifest.attempt):
+            if not marks.in_place(self.cold, manifest.name, manifest.attempt, entry):
                 raise _Failed(entry.rank, entry.path, ChecksumMismatch(
                     "not in the cold tier as uploaded (missing, or its size or CRC32C "
                     "differ) at the cold commit; `tierstore migrate` uploads it again",
@@ -361,8 +390,7 @@ class Migrator:
         marks.mark_migrated(self.hot, manifest, cold_id)
         # The marks did their job; a crash before this leaves them to GC.
         try:
-            for info in list(self.cold.backend.list(layout.upload_prefix(manifest.name, manifest.attempt))):
-                self.cold.backend.delete(info.key)
+            marks.clear_upload_marks(self.cold, manifest.name, manifest.attempt)
         except TierstoreError as err:
             log.info("left upload marks of %s for GC: %s", manifest.name, err)
 
@@ -371,26 +399,28 @@ class Migrator:
         committed this very attempt (``True``: it also removed the marks, so waiting on would
         only run into the timeout)."""
         ranks = sorted({f.rank for f in manifest.files})
-        deadline = time.monotonic() + self.config.commit_timeout
-        delay = self.config.poll_interval
-        done: set[int] = set()  # a mark stays until the commit: read each one only until seen
-        while True:
-            missing = [r for r in ranks if r not in done and not self._rank_uploaded(manifest, r)]
-            done.update(r for r in ranks if r not in missing)
-            if not missing:
-                return False
+        seen: set[int] = set()  # a mark stays until the commit: read each one only until seen
+
+        def missing() -> list[int] | None:
+            """Ranks still to mark; ``None`` once another migrator committed the attempt."""
+            left = [r for r in ranks if r not in seen and not self._rank_uploaded(manifest, r)]
+            seen.update(r for r in ranks if r not in left)
+            if not left:
+                return left
             if self._committed_by_another(manifest):
                 log.info("%s was committed in %s by another migrator", manifest.name, self.cold.label)
-                return True
-            for rank in missing:
+                return None
+            for rank in left:
                 failure = marks.read_failure(self.cold, manifest.name, manifest.attempt, rank)
                 if failure is not None:
                     raise _Failed(rank, failure.get("file"), failure.get("error", "failed"))
-            if time.monotonic() > deadline:
-                raise _Failed(missing[0], None, f"no upload mark from ranks {missing} after "
-                                                f"{self.config.commit_timeout:.0f}s")
-            self._sleep(delay)
-            delay = min(delay * 2, 10.0)
+            return left
+
+        left = self.config.mark_polling.poll(missing, until=lambda left: not left, sleep=self._sleep)
+        if left:
+            raise _Failed(left[0], None, f"no upload mark from ranks {left} after "
+                                         f"{self.config.commit_timeout:.0f}s")
+        return left is None
 
     def _committed_by_another(self, manifest: Manifest) -> bool:
         try:
@@ -399,29 +429,10 @@ class Migrator:
             return False  # an invalid cold manifest commits nothing; the publish will say so
 
     def _rank_uploaded(self, manifest: Manifest, rank: int) -> bool:
-        """Has ``rank`` uploaded its files? Its mark says so; a damaged or wrong mark is
-        repaired when every file it should vouch for is in place, and fails the commit
-        (for ``tierstore migrate`` to upload again) when not."""
-        expected = manifest.files_of_rank(rank)
         try:
-            marked = marks.read_upload_mark(self.cold, manifest.name, manifest.attempt, rank)
+            return marks.rank_uploaded(self.cold, manifest, rank)
         except IntegrityError as err:
-            problem = str(err)
-        else:
-            if marked is None:
-                return False
-            if marked == expected:
-                return True
-            problem = "it lists other files than the manifest"
-        if not all(self._in_place(e, manifest.name, manifest.attempt) for e in expected):
-            raise _Failed(rank, None, IntegrityError(
-                f"upload mark is wrong ({problem}) and the rank's files are not all in the "
-                "cold tier; `tierstore migrate` uploads them again",
-                checkpoint=manifest.name, rank=rank, tier=self.cold.label))
-        log.warning("repairing the upload mark of rank %d of %s in %s: %s", rank,
-                    manifest.name, self.cold.label, problem)
-        marks.publish_upload_mark(self.cold, manifest.name, manifest.attempt, rank, expected)
-        return True
+            raise _Failed(rank, None, err) from err
 
 
 def _in_parallel(calls: Sequence[Callable[[], None]], width: int) -> list[BaseException | None]:
@@ -429,7 +440,7 @@ def _in_parallel(calls: Sequence[Callable[[], None]], width: int) -> list[BaseEx
 
     Not a ``ThreadPoolExecutor``: the interpreter joins its threads at exit, so an upload
     stuck on a stalled cold tier would hold the training process's exit forever, whatever
-    ``TIERSTORE_EXIT_WAIT`` says. Daemon threads leave that bound to :func:`_drain_at_exit`.
+    ``TIERSTORE_EXIT_WAIT`` says. Daemon threads leave that bound to :mod:`tierstore.tiers.workers`.
     """
     errors: list[BaseException | None] = [None] * len(calls)
     todo = iter(range(len(calls)))
@@ -455,69 +466,15 @@ def _in_parallel(calls: Sequence[Callable[[], None]], width: int) -> list[BaseEx
     return errors
 
 
-def _status_of(job: _Job, now: float) -> MigrationStatus:
-    total = sum(f.size for f in job.files)
-    done = total if job.state in (MigrationState.UPLOADED, MigrationState.COMMITTED) else job.bytes_done
-    return MigrationStatus(
-        name=job.name, attempt=job.attempt, step=job.step, state=job.state, rank=job.rank,
-        bytes_total=total, bytes_done=done, created=job.created, finished=job.finished,
-        error=job.error, failed_rank=job.failed_rank, failed_file=job.failed_file,
-        lag_seconds=(job.finished or now) - job.created,
-    )
+_MOVED = {"migrator_for", "active_migrators", "EXIT_WAIT_ENV"}
 
 
-# -- one migrator per (hot, cold) in a process ---------------------------------------------
+def __getattr__(name: str) -> Any:
+    # The per-process registry moved to tierstore.tiers.workers in 0.3; old imports still work.
+    if name in _MOVED:
+        warnings.warn(f"tierstore.tiers.migrator.{name} moved to tierstore.tiers.workers; import it "
+                      "from there (the old path goes in 0.4)", DeprecationWarning, stacklevel=2)
+        from tierstore.tiers import workers
 
-_MIGRATORS: dict[tuple[str, str, str], Migrator] = {}
-_MIGRATORS_LOCK = threading.Lock()
-
-
-def _tier_id(tier: Tier) -> str:
-    return json.dumps([tier.url, tier.options], sort_keys=True, default=repr)
-
-
-def migrator_for(hot: Tier, cold: Tier, config: MigrationConfig | None = None) -> Migrator:
-    """This process's migrator for ``hot`` -> ``cold``, created on first use.
-
-    Writers are built per save; the migrator outlives them, so it is kept per process.
-    The first caller's ``config`` wins.
-    """
-    key = (_tier_id(hot), _tier_id(cold), "")
-    with _MIGRATORS_LOCK:
-        migrator = _MIGRATORS.get(key)
-        if migrator is None:
-            migrator = _MIGRATORS[key] = Migrator(hot, cold, config)
-        return migrator
-
-
-def active_migrators() -> list[Migrator]:
-    with _MIGRATORS_LOCK:
-        return list(_MIGRATORS.values())
-
-
-def _forget_after_fork() -> None:
-    # Threads do not survive fork: a child starts with no migrators (and no stale locks).
-    global _MIGRATORS_LOCK
-    _MIGRATORS.clear()
-    _MIGRATORS_LOCK = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_after_fork)
-
-EXIT_WAIT_ENV = "TIERSTORE_EXIT_WAIT"
-
-
-def _drain_at_exit() -> None:
-    """Give uploads a bounded chance to finish when the process exits (default 600 s)."""
-    migrators = active_migrators()
-    if not any(m.pending() for m in migrators):
-        return
-    timeout = float(os.environ.get(EXIT_WAIT_ENV, "600"))
-    log.warning("waiting up to %.0fs for checkpoint migrations before exit", timeout)
-    deadline = time.monotonic() + timeout
-    for migrator in migrators:
-        if not migrator.wait(max(0.0, deadline - time.monotonic())):
-            log.error("exiting with migrations pending; `tierstore migrate` will finish them")
-
-
-atexit.register(_drain_at_exit)
+        return getattr(workers, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,19 +13,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
-from tierstore.commit.manifest import Manifest
+from tierstore.commit.manifest import Manifest, checkpoint_order
 from tierstore.errors import IntegrityError, InvalidManifest
+from tierstore.retry import polling
 from tierstore.tiers import marks
-from tierstore.tiers.migrator import (
-    MigrationConfig,
-    MigrationState,
-    MigrationStatus,
-    Migrator,
-    _Job,
-    _status_of,
-    active_migrators,
-)
+from tierstore.tiers.migrator import MigrationConfig, MigrationState, MigrationStatus, Migrator
 from tierstore.tiers.tier import Store, Tier, TierURL
+from tierstore.tiers.workers import drain
 
 __all__ = ["migration_status", "migrate_pending", "wait_for_migrations"]
 
@@ -44,7 +38,7 @@ def migration_status(hot: TierURL | Store, cold: TierURL | None = None, *,
 
 
 def _hot_manifests(hot: Tier) -> list[Manifest]:
-    return sorted(hot.manifests(), key=lambda m: (-1 if m.step is None else m.step, m.created))
+    return sorted(hot.manifests(), key=checkpoint_order)
 
 
 def _tier_status(hot: Tier, cold: Tier, manifest: Manifest, now: float,
@@ -109,33 +103,10 @@ def migrate_pending(hot: TierURL | Store, cold: TierURL | None = None, *,
             status = _tier_status(hot_tier, cold_tier, manifest, time.time(), cold_id)
             if status.state is MigrationState.COMMITTED:
                 continue
-            results.append(_migrate_whole(migrator, manifest, progress))
+            results.append(migrator.migrate_checkpoint(manifest, progress))
     finally:
         migrator.close()
     return results
-
-
-def _migrate_whole(migrator: Migrator, manifest: Manifest,
-                   progress: Callable[[str, int, int], None] | None) -> MigrationStatus:
-    total = manifest.total_size
-    jobs = [_Job(manifest.name, manifest.attempt, manifest.step, rank,
-                 manifest.files_of_rank(rank), manifest.created)
-            for rank in sorted({f.rank for f in manifest.files})]
-    jobs[-1].manifest = manifest  # the last rank's job also commits
-    done = 0
-
-    def advance(n: int) -> None:
-        nonlocal done
-        done += n
-        if progress is not None:
-            progress(manifest.name, done, total)
-
-    for job in jobs:
-        job.listener = advance
-        migrator.run(job)
-        if job.state is MigrationState.FAILED:
-            return replace(_status_of(job, time.time()), rank=None, bytes_total=total, bytes_done=done)
-    return replace(_status_of(jobs[-1], time.time()), rank=None, bytes_total=total, bytes_done=total)
 
 
 def wait_for_migrations(hot: TierURL | Store, cold: TierURL | None = None, *,
@@ -148,12 +119,11 @@ def wait_for_migrations(hot: TierURL | Store, cold: TierURL | None = None, *,
     in flight are returned as they are. Also drains this process's migrators first.
     """
     deadline = None if timeout is None else time.monotonic() + timeout
-    for migrator in active_migrators():
-        migrator.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    drain(timeout)
+    left = None if deadline is None else max(0.0, deadline - time.monotonic())
     store = Store.of(hot, cold, hot_options=hot_options, cold_options=cold_options)
-    while True:
-        statuses = migration_status(store)
-        busy = [s for s in statuses if s.state in (MigrationState.PENDING, MigrationState.UPLOADING)]
-        if not busy or (deadline is not None and time.monotonic() >= deadline):
-            return statuses
-        time.sleep(poll)
+    return polling(poll, left).poll(lambda: migration_status(store), until=_settled)
+
+
+def _settled(statuses: list[MigrationStatus]) -> bool:
+    return not any(s.state in (MigrationState.PENDING, MigrationState.UPLOADING) for s in statuses)

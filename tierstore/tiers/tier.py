@@ -14,17 +14,11 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from tierstore import errors
 from tierstore._redact import redact_url
 from tierstore.commit import layout
 from tierstore.commit.manifest import MAX_MANIFEST_BYTES, Manifest
-from tierstore.errors import (
-    CheckpointExists,
-    ConfigError,
-    InvalidManifest,
-    ObjectNotFound,
-    ObjectTooLarge,
-    PublishConflict,
-)
+from tierstore.errors import ConfigError
 from tierstore.storage.backend import Backend
 from tierstore.storage.registry import backend_class, open_backend, split_scheme
 
@@ -77,7 +71,7 @@ class Tier:
         key = layout.manifest_key(name)
         try:
             data = self.backend.read_bytes(key, limit=MAX_MANIFEST_BYTES)
-        except ObjectNotFound:
+        except errors.ObjectNotFound:
             return None
         return Manifest.from_json(data, key=key, tier=self.label, expect_name=name)
 
@@ -88,20 +82,20 @@ class Tier:
             log.warning("ignoring checkpoint with an invalid manifest: %s", err)
         return found
 
-    def scan_manifests(self) -> tuple[list[Manifest], list[InvalidManifest]]:
+    def scan_manifests(self) -> tuple[list[Manifest], list[errors.InvalidManifest]]:
         """Valid manifests, and the errors of invalid ones (torn, corrupt, oversized).
 
         Other storage errors propagate: a manifest that could not be read is not known to
         be damaged, and callers such as GC must not act as if it were absent.
         """
         found, invalid = [], []
-        for info in self.backend.list(layout.MANIFEST_DIR + "/"):
+        for info in self.backend.list(layout.manifests_prefix()):
             name = layout.parse_manifest_key(info.key)
             if name is None:
                 continue
             try:
                 manifest = self._find_valid(name)
-            except InvalidManifest as err:
+            except errors.InvalidManifest as err:
                 invalid.append(err)
                 continue
             if manifest is not None:
@@ -112,8 +106,8 @@ class Tier:
         """:meth:`find_manifest`, with an oversized manifest reported as invalid."""
         try:
             return self.find_manifest(name)
-        except ObjectTooLarge as err:
-            raise InvalidManifest(f"invalid manifest: {err.message}", key=err.key,
+        except errors.ObjectTooLarge as err:
+            raise errors.InvalidManifest(f"invalid manifest: {err.message}", key=err.key,
                                   tier=self.label, checkpoint=name) from err
 
     def publish_manifest(self, manifest: Manifest) -> None:
@@ -121,8 +115,8 @@ class Tier:
         key = layout.manifest_key(manifest.name)
         try:
             self.backend.publish(key, manifest.to_json())
-        except PublishConflict as err:
-            raise CheckpointExists(
+        except errors.PublishConflict as err:
+            raise errors.CheckpointExists(
                 "checkpoint is already committed (by another attempt); committed "
                 "checkpoints are never overwritten",
                 checkpoint=manifest.name, tier=self.label,

@@ -31,9 +31,10 @@ from tierstore.commit import layout
 from tierstore.manager import CheckpointManager
 from tierstore.retry import RetryPolicy
 from tierstore.tiers.catalog import list_checkpoints
-from tierstore.tiers.migrator import MigrationConfig, MigrationState, Migrator, active_migrators
+from tierstore.tiers.migrator import Job, MigrationConfig, MigrationState, Migrator
 from tierstore.tiers.status import migrate_pending
 from tierstore.tiers.tier import Tier
+from tierstore.tiers.workers import active_migrators
 
 T = TypeVar("T")
 HANG = 60.0  # seconds: far beyond any hot save here; only a save blocked on GCS gets there
@@ -308,7 +309,6 @@ def _upload_as_a_racing_migrator(migrator: Migrator, job: Any, entry: Any,
 def test_a_throttled_second_migrator_never_deletes_a_committed_object(
         cold: ColdTier, monkeypatch: pytest.MonkeyPatch) -> None:
     import tierstore.tiers.migrator as migrator_mod
-    from tierstore.tiers.migrator import _Job
 
     dcp.save(state_for(1), storage_writer=TieredWriter(cold.hot, step=1))
     done = migrate_pending(cold.hot, cold.url, cold_options=cold.options(through_proxy=False),
@@ -321,7 +321,7 @@ def test_a_throttled_second_migrator_never_deletes_a_committed_object(
     second = Migrator(Tier("hot", cold.hot), Tier("cold", cold.url, cold.options()), FAST_MIGRATION)
     try:
         for entry in manifest.files:
-            job = _Job(manifest.name, manifest.attempt, manifest.step, entry.rank, (entry,), 0.0)
+            job = Job(manifest.name, manifest.attempt, manifest.step, entry.rank, (entry,), 0.0)
             # Before: each retry deleted the key first, so the committed object was gone.
             with pytest.raises(migrator_mod._Failed):
                 _upload_as_a_racing_migrator(second, job, entry, monkeypatch)

@@ -1,0 +1,82 @@
+"""This process's migrators: one per (hot, cold) pair, forgotten in a forked child, drained
+at exit.
+
+Writers are built per save, but the uploads they hand over outlive them, so the migrator a
+writer uses is kept here, per process. Nothing else is global: a forked child starts with none
+(threads do not survive fork), and an exit hook gives uploads still in flight a bounded chance
+to finish (``TIERSTORE_EXIT_WAIT`` seconds, default 600) before the process goes; whatever
+is left is pending in the tiers, for ``tierstore migrate``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import threading
+import time
+
+from tierstore.tiers.migrator import MigrationConfig, Migrator
+from tierstore.tiers.tier import Tier
+
+__all__ = ["migrator_for", "active_migrators", "drain", "EXIT_WAIT_ENV"]
+
+log = logging.getLogger(__name__)
+
+EXIT_WAIT_ENV = "TIERSTORE_EXIT_WAIT"
+
+_MIGRATORS: dict[tuple[str, str, str], Migrator] = {}
+_MIGRATORS_LOCK = threading.Lock()
+
+
+def _tier_id(tier: Tier) -> str:
+    return json.dumps([tier.url, tier.options], sort_keys=True, default=repr)
+
+
+def migrator_for(hot: Tier, cold: Tier, config: MigrationConfig | None = None) -> Migrator:
+    """This process's migrator for ``hot`` -> ``cold``, created on first use.
+
+    The first caller's ``config`` wins.
+    """
+    key = (_tier_id(hot), _tier_id(cold), "")
+    with _MIGRATORS_LOCK:
+        migrator = _MIGRATORS.get(key)
+        if migrator is None:
+            migrator = _MIGRATORS[key] = Migrator(hot, cold, config)
+        return migrator
+
+
+def active_migrators() -> list[Migrator]:
+    with _MIGRATORS_LOCK:
+        return list(_MIGRATORS.values())
+
+
+def drain(timeout: float | None) -> bool:
+    """Wait for every migrator of this process, ``timeout`` seconds in all (``None``: as
+    long as it takes); ``False`` if work was still in flight when it ran out."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    drained = True
+    for migrator in active_migrators():
+        drained &= migrator.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+    return drained
+
+
+def _forget_after_fork() -> None:
+    # Threads do not survive fork: a child starts with no migrators (and no stale locks).
+    global _MIGRATORS_LOCK
+    _MIGRATORS.clear()
+    _MIGRATORS_LOCK = threading.Lock()
+
+
+def _drain_at_exit() -> None:
+    if not any(m.pending() for m in active_migrators()):
+        return
+    timeout = float(os.environ.get(EXIT_WAIT_ENV, "600"))
+    log.warning("waiting up to %.0fs for checkpoint migrations before exit", timeout)
+    if not drain(timeout):
+        log.error("exiting with migrations pending; `tierstore migrate` will finish them")
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+atexit.register(_drain_at_exit)
