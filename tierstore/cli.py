@@ -288,36 +288,30 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--cold-option", action="append", metavar="KEY=VALUE", help="cold backend option")
         p.add_argument("--json", action="store_true", help="machine-readable output")
 
-    ls = sub.add_parser("ls", help="list committed checkpoints")
-    store_args(ls)
-    ls.set_defaults(func=cmd_ls)
-    show = sub.add_parser("show", help="show a checkpoint's manifest")
-    store_args(show)
-    show.add_argument("--step", type=int)
-    show.add_argument("--name")
-    show.set_defaults(func=cmd_show)
-
     def transfer_args(p: argparse.ArgumentParser) -> None:
         store_args(p)
         p.add_argument("--concurrency", type=int, default=2, help="files copied at once")
         p.add_argument("--bandwidth", type=float, help="cap in MiB/s")
 
-    migrate = sub.add_parser("migrate", help="finish pending hot -> cold migrations")
-    transfer_args(migrate)
+    def command(name: str, about: str, func: Any, *, args: Any = store_args,
+                pick: bool = False) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=about)
+        args(p)
+        if pick:  # one checkpoint, by step or name
+            p.add_argument("--step", type=int)
+            p.add_argument("--name")
+        p.set_defaults(func=func)
+        return p
+
+    command("ls", "list committed checkpoints", cmd_ls)
+    command("show", "show a checkpoint's manifest", cmd_show, pick=True)
+    migrate = command("migrate", "finish pending hot -> cold migrations", cmd_migrate, args=transfer_args)
     migrate.add_argument("--name", help="only this checkpoint")
-    migrate.set_defaults(func=cmd_migrate)
-    restore_p = sub.add_parser("restore", help="copy a cold checkpoint back to the hot tier")
-    transfer_args(restore_p)
-    restore_p.add_argument("--step", type=int)
-    restore_p.add_argument("--name")
-    restore_p.set_defaults(func=cmd_restore)
-    status = sub.add_parser("status", help="migration state of every hot checkpoint")
-    store_args(status)
-    status.set_defaults(func=cmd_status)
-    verify = sub.add_parser("verify", help="re-read every file and check size and CRC32C")
-    store_args(verify)
+    command("restore", "copy a cold checkpoint back to the hot tier", cmd_restore, args=transfer_args,
+            pick=True)
+    command("status", "migration state of every hot checkpoint", cmd_status)
+    verify = command("verify", "re-read every file and check size and CRC32C", cmd_verify)
     verify.add_argument("--name", help="only this checkpoint")
-    verify.set_defaults(func=cmd_verify)
     gc = sub.add_parser("gc", help="delete what no manifest names (dry run unless --yes)")
     store_args(gc)
     gc.add_argument("--grace", type=float, default=DEFAULT_GRACE,

@@ -124,10 +124,31 @@ class InvalidManifest(IntegrityError):
 
 
 class ChecksumMismatch(IntegrityError):
-    """A file's size or CRC32C differs from what its manifest records."""
+    """A file's size or CRC32C differs from what its manifest records.
+
+    Build it with :meth:`size` or :meth:`crc32c`: every verified read reports damage in
+    one format (``"CRC32C mismatch: expected 0a1b2c3d, found 00000000 [checkpoint ...,
+    file ..., tier ...]"``), whichever caller found it.
+    """
 
     expected: Any
     actual: Any
+
+    @classmethod
+    def size(cls, expected: int, actual: int, *, checkpoint: str | None, file: str,
+             tier: str | None) -> ChecksumMismatch:
+        return cls._of("size", f"{expected} bytes", f"{actual} bytes", checkpoint, file, tier)
+
+    @classmethod
+    def crc32c(cls, expected: int, actual: int, *, checkpoint: str | None, file: str,
+               tier: str | None) -> ChecksumMismatch:
+        return cls._of("CRC32C", f"{expected:08x}", f"{actual:08x}", checkpoint, file, tier)
+
+    @classmethod
+    def _of(cls, what: str, expected: str, actual: str, checkpoint: str | None, file: str,
+            tier: str | None) -> ChecksumMismatch:
+        return cls(f"{what} mismatch: expected {expected}, found {actual}", checkpoint=checkpoint,
+                   file=file, tier=tier, expected=expected, actual=actual)
 
 
 class SaveFailed(TierstoreError, RuntimeError):

@@ -43,8 +43,10 @@ from torch.distributed.checkpoint.state_dict_saver import (
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from tierstore import _dist
+from tierstore.commit.manifest import checkpoint_order
 from tierstore.commit.reader import TieredReader, is_damage
-from tierstore.commit.writer import TieredWriter
+from tierstore.commit.writer import TieredWriter, store_to_save
 from tierstore.errors import ConfigError, SaveFailed, TierstoreError
 from tierstore.lifecycle.prune import PruneReport, prune, prune_tier
 from tierstore.lifecycle.retention import DEFAULT_COLD, DEFAULT_HOT, Policy, keep_none
@@ -55,9 +57,9 @@ from tierstore.tiers.migrator import (
     MigrationState,
     MigrationStatus,
     Migrator,
-    active_migrators,
 )
 from tierstore.tiers.tier import Store, Tier, TierURL
+from tierstore.tiers.workers import active_migrators
 
 if TYPE_CHECKING:
     from tierstore.resume.check import ResumeReport
@@ -111,50 +113,34 @@ class CheckpointManager:
         writer_options: extra ``TieredWriter`` arguments (``thread_count``, ...).
     """
 
-    def __init__(
-        self,
-        hot: TierURL | Store,
-        cold: TierURL | None = None,
-        *,
-        hot_policy: Policy | None = None,
-        cold_policy: Policy | None = None,
-        save_every: int | Cadence | None = None,
-        async_save: bool = True,
-        async_mode: str = "thread",
-        hot_options: Mapping[str, Any] | None = None,
-        cold_options: Mapping[str, Any] | None = None,
-        node_local: bool = False,
-        migration: MigrationConfig | None = None,
-        hot_min_free: int | str | None = "auto",
-        process_group: Any = None,
-        writer_options: Mapping[str, Any] | None = None,
-    ) -> None:
+    def __init__(self, hot: TierURL | Store, cold: TierURL | None = None, *,
+                 hot_policy: Policy | None = None, cold_policy: Policy | None = None,
+                 save_every: int | Cadence | None = None, async_save: bool = True,
+                 async_mode: str = "thread", hot_options: Mapping[str, Any] | None = None,
+                 cold_options: Mapping[str, Any] | None = None, node_local: bool = False,
+                 migration: MigrationConfig | None = None, hot_min_free: int | str | None = "auto",
+                 process_group: Any = None, writer_options: Mapping[str, Any] | None = None) -> None:
         if async_mode not in ("thread", "process"):
             raise ConfigError(f"async_mode must be 'thread' or 'process', got {async_mode!r}")
         if isinstance(save_every, int) and save_every <= 0:
             raise ConfigError(f"save_every must be positive, got {save_every}")
-        self.store = Store.of(hot, cold, hot_options=hot_options, cold_options=cold_options)
-        if self.store.hot is None:
-            raise ConfigError("a CheckpointManager needs a hot tier")
+        self.store = store_to_save(hot, cold, hot_options=hot_options, cold_options=cold_options,
+                                   owner="CheckpointManager")
         if node_local and self.store.cold is None:
             raise ConfigError("node_local=True needs both a hot and a cold tier")
-        self.store.check_schemes()  # a typo or missing plugin fails here, once, not at each save
         # Node-local hot tiers each hold some ranks' files: the cold tier is the shared catalog.
         self.catalog = Store.of_tiers(None, self.store.cold) if node_local else self.store
         self.hot_policy = hot_policy or DEFAULT_HOT
         self.cold_policy = cold_policy or DEFAULT_COLD
-        self.save_every = save_every
-        self.async_save = async_save
-        self.async_mode = async_mode
-        self.node_local = node_local
-        self.migration = migration
-        self.hot_min_free = hot_min_free
+        self.save_every, self.hot_min_free = save_every, hot_min_free
+        self.async_save, self.async_mode = async_save, async_mode
+        self.node_local, self.migration = node_local, migration
         self.writer_options = dict(writer_options or {})
-        self.distributed = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank() if self.distributed else 0
+        self.distributed = _dist.initialized()
+        self.rank = _dist.rank_world()[0]
         self._owns_group = process_group is None and self.distributed
         self.group = dist.new_group(backend="gloo") if self._owns_group else process_group
-        self._pending: Future[Any] | None = None
+        self._pending: Future[None] | None = None  # settles once the save is recorded
         self._pruning: Future[None] | None = None  # the background prune, if one runs
         self._prune_again = False  # a commit landed while it ran: prune once more
         self._lock = threading.Lock()
@@ -203,8 +189,18 @@ class CheckpointManager:
                 self._raise_failure()
                 raise
             future = response.upload_completion if isinstance(response, AsyncSaveResponse) else response
-            self._pending = future
-            future.add_done_callback(lambda f: self._committed(step, f))
+            # A waiter on DCP's future can wake before its done callbacks ran; waiting on this
+            # one instead sees the save recorded (its failure raised by wait/close/next save).
+            settled: Future[None] = Future()
+            self._pending = settled
+
+            def settle(done: Future[Any]) -> None:
+                try:
+                    self._committed(step, done)
+                finally:
+                    settled.set_result(None)
+
+            future.add_done_callback(settle)
         else:
             try:
                 dcp_save(state, storage_writer=writer, process_group=self.group)
@@ -332,7 +328,7 @@ class CheckpointManager:
         threshold = self.hot_min_free
         if threshold == "auto":
             manifests = hot.manifests()
-            newest = max(manifests, key=lambda m: (m.step or -1, m.created), default=None)
+            newest = max(manifests, key=checkpoint_order, default=None)
             threshold = int(newest.total_size * 1.1) if newest is not None else 0
         if free >= int(threshold):
             return
@@ -393,10 +389,7 @@ class CheckpointManager:
         while True:
             chosen = candidates[len(damaged)] if len(damaged) < len(candidates) else None
             if self.distributed:  # every rank loads what the coordinator picked
-                box = [chosen]
-                dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0) if self.group else 0,
-                                           group=self.group)
-                chosen = box[0]
+                chosen = _dist.broadcast(chosen, self.group)
             if chosen is None:
                 break
             reader = TieredReader(self.store, name=chosen, node_local=self.node_local)

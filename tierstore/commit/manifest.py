@@ -1,4 +1,4 @@
-"""The manifest: the one mark of a complete checkpoint in a tier (DESIGN.md invariant 1).
+"""The manifest: the one mark of a complete checkpoint in a tier (docs/design.md invariant 1).
 
 Frozen data types, their versioned JSON form, strict validation and the manifest's own
 checksum. No I/O here. A manifest names every file of one attempt with its size, CRC32C
@@ -13,12 +13,13 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from tierstore.commit import layout
 from tierstore.errors import ConfigError, InvalidManifest
 
-__all__ = ["FORMAT", "VERSION", "FileEntry", "Manifest", "check_relpath"]
+__all__ = ["FORMAT", "VERSION", "Checkpoint", "FileEntry", "Manifest", "check_relpath",
+           "checkpoint_order"]
 
 FORMAT = "tierstore.manifest"
 VERSION = 1
@@ -42,6 +43,26 @@ def check_relpath(path: object) -> str:
     ):
         raise ValueError(f"unsafe file path {path!r}: must be relative and stay inside the checkpoint")
     return path
+
+
+class Checkpoint(Protocol):
+    """What ordering and retention see of a checkpoint (``CheckpointInfo`` and ``Manifest`` both fit)."""
+
+    @property
+    def step(self) -> int | None: ...
+    @property
+    def created(self) -> float: ...
+    @property
+    def name(self) -> str: ...
+
+
+def checkpoint_order(checkpoint: Checkpoint) -> tuple[int, float, str]:
+    """The one sort key of checkpoints, oldest first.
+
+    By step, a checkpoint without one before step 0 (``step or -1`` would tie step 0 with
+    them); then by creation time, then by name so that the order is total.
+    """
+    return (-1 if checkpoint.step is None else checkpoint.step, checkpoint.created, checkpoint.name)
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ reads DCP's ``.metadata`` only after checking its size and CRC32C against the ma
 and verifies every data file's size and CRC32C as it streams it. A file that fails in one
 tier is read again from the next tier holding the checkpoint, with a warning; when no tier
 has a good copy the load stops with an error naming checkpoint, file, tier, expected and
-actual values (DESIGN.md invariant 8).
+actual values (docs/design.md invariant 5).
 
 Verification is per file and happens as bytes stream by, so a corrupt file is detected
 after some of its items may already have been copied into the target state. The load then
@@ -21,7 +21,7 @@ import os
 import pickle
 import uuid
 from collections.abc import Collection, Mapping, Sequence
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -34,6 +34,7 @@ from tierstore._redact import redact_url
 from tierstore.commit import layout
 from tierstore.commit.manifest import FileEntry, Manifest
 from tierstore.commit.safe_pickle import load_metadata, safe_byte_io
+from tierstore.commit.verified import VerifiedStream, open_verified
 from tierstore.errors import (
     CheckpointNotFound,
     ChecksumMismatch,
@@ -48,7 +49,6 @@ from tierstore.errors import (
 )
 from tierstore.lifecycle import leases
 from tierstore.storage import faults
-from tierstore.storage.backend import crc32c_update
 from tierstore.tiers.catalog import resolve
 from tierstore.tiers.tier import Store, Tier, TierURL
 
@@ -56,7 +56,6 @@ __all__ = ["TieredReader", "is_damage"]
 
 log = logging.getLogger(__name__)
 
-_CHUNK = 8 << 20
 # Errors that mean "this checkpoint's bytes are bad or gone", never "try again later".
 _DAMAGE = (IntegrityError, ObjectNotFound, ObjectTooLarge, UnsafePath)
 
@@ -226,10 +225,8 @@ class TieredReader(StorageReader):
                 if size == entry.size:
                     break
                 if i + 1 == len(holders):
-                    raise ChecksumMismatch(
-                        f"size mismatch: expected {entry.size} bytes, found {size} bytes",
-                        checkpoint=manifest.name, file=entry.path, tier=tier.label,
-                        expected=f"{entry.size} bytes", actual=f"{size} bytes")
+                    raise ChecksumMismatch.size(entry.size, size, checkpoint=manifest.name,
+                                                file=entry.path, tier=tier.label)
 
     def _open(self, manifest: Manifest, holders: list[Tier]) -> Metadata:
         if self.node_local:
@@ -320,7 +317,7 @@ class TieredReader(StorageReader):
         """Read a whole file (``.metadata``) from the nearest tier with a verified copy."""
         chunks: list[bytes] = []
 
-        def collect(stream: _VerifiedStream) -> None:
+        def collect(stream: _ItemStream) -> None:
             data = stream.read_exactly(entry.size)
             stream.finish()  # verified before anyone unpickles it
             chunks[:] = [data]
@@ -335,7 +332,7 @@ class TieredReader(StorageReader):
             spans.setdefault(item.storage_index, []).append(item)
         ordered = sorted(spans.items(), key=lambda kv: self._storage_data[kv[0]].offset)
 
-        def deliver_all(stream: _VerifiedStream) -> None:
+        def deliver_all(stream: _ItemStream) -> None:
             failure: Exception | None = None
             for index, reqs in ordered:
                 info = self._storage_data[index]
@@ -363,12 +360,11 @@ class TieredReader(StorageReader):
                 # a forged manifest or metadata can make a read allocate more than is stored.
                 stored = tier.backend.stat(key).size
                 if stored != entry.size:
-                    raise ChecksumMismatch(
-                        f"size mismatch: expected {entry.size} bytes, found {stored} bytes",
-                        checkpoint=self.manifest.name, file=entry.path, tier=tier.label,
-                        expected=f"{entry.size} bytes", actual=f"{stored} bytes")
-                with tier.backend.open_read(key) as raw:
-                    consume(_VerifiedStream(raw, entry, self.manifest.name, tier.label))
+                    raise ChecksumMismatch.size(entry.size, stored, checkpoint=self.manifest.name,
+                                                file=entry.path, tier=tier.label)
+                with open_verified(tier.backend, key, entry, checkpoint=self.manifest.name,
+                                   tier=tier.label) as verified:
+                    consume(_ItemStream(verified))
                 self.sources[entry.path] = tier.role
                 if errors:
                     log.info("read %s of checkpoint %s from %s", entry.path,
@@ -384,7 +380,7 @@ class TieredReader(StorageReader):
                         entry.path, self.manifest.name, err)
 
 
-def _deliver(req: ReadItem, payload: bytes, planner: LoadPlanner, stream: _VerifiedStream) -> None:
+def _deliver(req: ReadItem, payload: bytes, planner: LoadPlanner, stream: _ItemStream) -> None:
     # Nothing stored reaches a code-running unpickler: tensors load weights_only, and a
     # BYTE_IO item reaches the planner (whose torch.load has weights_only=False) re-encoded.
     try:
@@ -406,69 +402,36 @@ def _deliver(req: ReadItem, payload: bytes, planner: LoadPlanner, stream: _Verif
     planner.commit_tensor(req, target)
 
 
-class _VerifiedStream:
-    """Reads one file sequentially, checksumming every byte, skipped ones included."""
+class _ItemStream:
+    """A verified file read item by item, at the offsets DCP metadata gives (checked: it is input too)."""
 
-    def __init__(self, raw: BinaryIO, entry: FileEntry, checkpoint: str, tier: str) -> None:
-        self._raw = raw
-        self._entry = entry
-        self._checkpoint = checkpoint
-        self._tier = tier
-        self.pos = 0
-        self.crc = 0
+    def __init__(self, verified: VerifiedStream) -> None:
+        self._file = verified
 
     def corrupt(self, message: str) -> IntegrityError:
         """An error about this file's contents or the metadata describing them."""
-        return IntegrityError(message, checkpoint=self._checkpoint, file=self._entry.path,
-                              tier=self._tier)
+        f = self._file
+        return IntegrityError(message, checkpoint=f.checkpoint, file=f.entry.path, tier=f.tier)
 
     def _check_span(self, what: str, value: Any, end: int) -> None:
         # DCP metadata is input: a negative, non-integer or too large span must not reach
         # read() (read(-1) reads everything) nor be reported as a size mismatch.
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise self.corrupt(f"DCP metadata gives item {what} {value!r}: not a byte count")
-        if end > self._entry.size:
+        if end > self._file.entry.size:
             raise self.corrupt(f"DCP metadata points past the end of the file: item {what} "
-                               f"{value} ends at byte {end}, the file has {self._entry.size}")
-
-    def _mismatch(self, what: str, expected: Any, actual: Any) -> ChecksumMismatch:
-        return ChecksumMismatch(
-            f"{what} mismatch: expected {expected}, found {actual}",
-            checkpoint=self._checkpoint, file=self._entry.path, tier=self._tier,
-            expected=expected, actual=actual,
-        )
-
-    def _read(self, n: int) -> bytes:
-        data = self._raw.read(n)
-        self.crc = crc32c_update(self.crc, data)
-        self.pos += len(data)
-        return data
+                               f"{value} ends at byte {end}, the file has {self._file.entry.size}")
 
     def read_exactly(self, n: int) -> bytes:
-        self._check_span("length", n, self.pos + n if isinstance(n, int) else 0)
-        data = self._read(n)
-        if len(data) != n:
-            self._drain()
-            raise self._mismatch("size", f"{self._entry.size} bytes", f"{self.pos} bytes")
-        return data
+        self._check_span("length", n, self._file.pos + n if isinstance(n, int) else 0)
+        return self._file.read_exactly(n)
 
     def skip_to(self, offset: int) -> None:
         self._check_span("offset", offset, offset if isinstance(offset, int) else 0)
-        if offset < self.pos:
+        if offset < self._file.pos:
             raise self.corrupt(f"DCP metadata has overlapping items: one starts at byte {offset}, "
-                               f"inside the previous one (which ends at byte {self.pos})")
-        while self.pos < offset:
-            if not self._read(min(_CHUNK, offset - self.pos)):
-                raise self._mismatch("size", f"{self._entry.size} bytes", f"{self.pos} bytes")
-
-    def _drain(self) -> None:
-        while self._read(_CHUNK):
-            pass
+                               f"inside the previous one (which ends at byte {self._file.pos})")
+        self._file.skip_to(offset)
 
     def finish(self) -> None:
-        self.skip_to(self._entry.size)
-        self._drain()
-        if self.pos != self._entry.size:
-            raise self._mismatch("size", f"{self._entry.size} bytes", f"{self.pos} bytes")
-        if self.crc != self._entry.crc32c:
-            raise self._mismatch("CRC32C", f"{self._entry.crc32c:08x}", f"{self.crc:08x}")
+        self._file.finish()

@@ -8,13 +8,13 @@ Call order (DCP's, across ranks) and what each step does here:
 3. all ranks  ``write_data``: each rank writes only its own files, under the attempt's
    directory, checksumming (CRC32C) as it writes and making each file durable
 4. coordinator ``finish``: writes DCP's ``.metadata``, then publishes the manifest naming
-   every file with size, CRC32C and rank. That publish is the commit (DESIGN.md inv. 1-3).
+   every file with size, CRC32C and rank. That publish is the commit (design.md invariants 1-3).
 
 With a cold tier, each rank hands the files it wrote to this process's background migrator
 as soon as they are durable, and the coordinator hands it the commit once the hot manifest
 is published (see :mod:`tierstore.tiers.migrator`). Nothing in migration can fail the save, and
 no step of a save sends a request to the cold tier: a cold tier that is slow, stalled,
-unreachable or denying writes never delays or fails a save (DESIGN.md invariant 7).
+unreachable or denying writes never delays or fails a save (docs/design.md invariant 9).
 The cold tier's own "never overwrite a committed checkpoint" check happens at the cold
 commit, in the migrator, where a different committed attempt is a reported conflict.
 """
@@ -46,12 +46,26 @@ from tierstore.commit import layout
 from tierstore.commit.manifest import FileEntry, Manifest
 from tierstore.errors import CheckpointExists, ConfigError, NoSpaceLeft
 from tierstore.storage import faults
-from tierstore.tiers.migrator import MigrationConfig, Migrator, migrator_for
+from tierstore.tiers.migrator import MigrationConfig, Migrator
 from tierstore.tiers.tier import Store, Tier, TierURL
+from tierstore.tiers.workers import migrator_for
 
-__all__ = ["TieredWriter"]
+__all__ = ["TieredWriter", "store_to_save"]
 
 _DCP_FORMAT_VERSION = "1.0.0"  # what FileSystemWriter stamps; keeps attempts plain DCP
+
+
+def store_to_save(hot: TierURL | Store, cold: TierURL | None = None, *,
+                  hot_options: Mapping[str, Any] | None, cold_options: Mapping[str, Any] | None,
+                  owner: str) -> Store:
+    """The store ``owner`` saves to: it needs a hot tier (saves are written there first), and
+    every tier's scheme is looked up now, so a typo or missing plugin fails here, once, not at
+    each save."""
+    store = Store.of(hot, cold, hot_options=hot_options, cold_options=cold_options)
+    if store.hot is None:
+        raise ConfigError(f"{owner} needs a hot tier: saves are written there first")
+    store.check_schemes()
+    return store
 
 
 @dataclass(frozen=True)
@@ -112,10 +126,8 @@ class TieredWriter(StorageWriter):
             raise ConfigError(f"thread_count must be >= 1, got {thread_count!r}")
         self.step = step
         self.name = layout.check_name(name) if name is not None else None
-        self.store = Store.of(hot, cold, hot_options=hot_options, cold_options=cold_options)
-        if self.store.hot is None:
-            raise ConfigError("TieredWriter needs a hot tier: saves are written there first")
-        self.store.check_schemes()  # a typo or missing plugin fails here, once, not at each save
+        self.store = store_to_save(hot, cold, hot_options=hot_options, cold_options=cold_options,
+                                   owner="TieredWriter")
         self.tiers = self.store.tiers
         self.thread_count = thread_count
         self.single_file_per_rank = single_file_per_rank
@@ -324,7 +336,7 @@ def _write_file(
 # torch.save computes a zip CRC32 of every record, in software: about 3x the CPU of the
 # CRC32C tierstore computes over the same bytes as it writes them, which every read verifies
 # (torch.load never checks the zip CRC32). So it is off while TieredWriters write: measured in
-# benchmarks/cpu_costs.py, it is the largest CPU item of a save. The switch is process-wide
+# benchmarks/jobs/cpu_costs.py, it is the largest CPU item of a save. The switch is process-wide
 # (torch.serialization.set_crc32_options): the first writer in turns it off, the last one
 # out restores it; a torch.save of another thread in that window skips it too, and its file
 # loads as usual.

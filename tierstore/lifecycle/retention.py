@@ -16,7 +16,8 @@ import abc
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Protocol
+
+from tierstore.commit.manifest import Checkpoint, checkpoint_order
 
 __all__ = [
     "Policy",
@@ -32,20 +33,8 @@ __all__ = [
 ]
 
 
-class Checkpoint(Protocol):
-    """What a policy sees of a checkpoint (``CheckpointInfo`` and ``Manifest`` both fit)."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def step(self) -> int | None: ...
-    @property
-    def created(self) -> float: ...
-
-
 def _newest_first(checkpoints: Iterable[Checkpoint]) -> list[Checkpoint]:
-    return sorted(checkpoints, key=lambda c: (-1 if c.step is None else c.step, c.created, c.name),
-                  reverse=True)
+    return sorted(checkpoints, key=checkpoint_order, reverse=True)
 
 
 class Policy(abc.ABC):

@@ -6,14 +6,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from tierstore.commit.manifest import FileEntry, Manifest
+from tierstore.commit.manifest import FileEntry, Manifest, checkpoint_order
+from tierstore.commit.verified import verify_file
 from tierstore.errors import TierstoreError
-from tierstore.storage.backend import crc32c_update
 from tierstore.tiers.tier import Store, Tier, TierURL
 
 __all__ = ["FileCheck", "verify_store"]
-
-_CHUNK = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -29,23 +27,12 @@ class FileCheck:
 def _check(tier: Tier, manifest: Manifest, entry: FileEntry,
            progress: Callable[[int], None] | None) -> FileCheck:
     key = tier.file_key(manifest.name, manifest.attempt, entry.path)
-    crc, size = 0, 0
     try:
-        with tier.backend.open_read(key) as stream:
-            while chunk := stream.read(_CHUNK):
-                crc = crc32c_update(crc, chunk)
-                size += len(chunk)
-                if progress is not None:
-                    progress(len(chunk))
-    except TierstoreError as err:
+        verify_file(tier.backend, key, entry, checkpoint=manifest.name, tier=tier.label,
+                    progress=progress)
+    except TierstoreError as err:  # damaged, missing or unreadable: all reported, none fatal
         return FileCheck(tier.label, manifest.name, entry.path, False, str(err), entry.size)
-    if size != entry.size:
-        problem = f"size mismatch: expected {entry.size} bytes, found {size}"
-    elif crc != entry.crc32c:
-        problem = f"CRC32C mismatch: expected {entry.crc32c:08x}, found {crc:08x}"
-    else:
-        return FileCheck(tier.label, manifest.name, entry.path, True, None, entry.size)
-    return FileCheck(tier.label, manifest.name, entry.path, False, problem, entry.size)
+    return FileCheck(tier.label, manifest.name, entry.path, True, None, entry.size)
 
 
 class _Ticker:
@@ -74,7 +61,7 @@ def verify_store(hot: TierURL | Store | None, cold: TierURL | None = None, *,
         for err in invalid:
             if wanted is None or err.checkpoint in wanted:
                 results.append(FileCheck(tier.label, err.checkpoint or "?", "<manifest>", False, str(err)))
-        for manifest in sorted(manifests, key=lambda m: (m.step or -1, m.name)):
+        for manifest in sorted(manifests, key=checkpoint_order):
             if wanted is not None and manifest.name not in wanted:
                 continue
             tick = _Ticker(f"{tier.role} {manifest.name}", manifest.total_size, progress)

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from tierstore._dist import initialized as _dist_ready
 from tierstore.errors import ConfigError
 
 __all__ = ["CadencePlan", "optimal_interval", "expected_waste", "TimeCadence"]
@@ -204,12 +205,3 @@ class TimeCadence:
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         return bool(flag.item())
 
-
-def _dist_ready() -> bool:
-    import sys
-
-    if "torch.distributed" not in sys.modules:  # nobody set up distributed: do not import torch
-        return False
-    import torch.distributed as dist
-
-    return bool(dist.is_available() and dist.is_initialized())

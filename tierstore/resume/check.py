@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tierstore import _dist
 from tierstore.errors import ConfigError, TierstoreError
 from tierstore.resume.report import Mismatch, ResumeReport, assemble, compare, rank_outcome
 from tierstore.tiers.catalog import resolve
@@ -102,7 +103,11 @@ def load_probe(spec: str) -> ProbeFactory:
     if not sep or not target or not name:
         raise ConfigError(f"probe {spec!r} is not 'module:function' or 'path/to/file.py:function'")
     if target.endswith(".py"):
-        # Imported under a private name, so the script's `if __name__ == "__main__"` does not run.
+        # Imported under a private name, so the script's `if __name__ == "__main__"` does not run;
+        # its own directory goes on the path, as `python file.py` puts it, for its sibling imports.
+        here = str(Path(target).resolve().parent)
+        if here not in sys.path:
+            sys.path.insert(0, here)
         module_spec = importlib.util.spec_from_file_location("_tierstore_probe", target)
         if module_spec is None or module_spec.loader is None:
             raise ConfigError(f"cannot import probe file {target!r}")
@@ -247,7 +252,7 @@ def verify_resume(probe: str | ProbeFactory, state: dict[str, Any], *, hot: Tier
     spec_name = probe_spec(probe)
     factory = probe if callable(probe) else load_probe(probe)
     start = time.monotonic()
-    rank, world = _probe.rank_world()
+    rank, world = _dist.rank_world()
     picked: tuple[str, int] | TierstoreError | None = None
     if rank == 0:
         # Node-local hot tiers each hold some ranks' files: the cold manifest is the commit.
@@ -256,7 +261,7 @@ def verify_resume(probe: str | ProbeFactory, state: dict[str, Any], *, hot: Tier
             picked = resolve(tiers, step=step, name=name)[0].name, free_port()
         except TierstoreError as err:  # every rank raises it, none waits for a partner
             picked = err
-    picked = _probe.broadcast(picked, group)
+    picked = _dist.broadcast(picked, group)
     if isinstance(picked, TierstoreError):
         raise picked
     assert picked is not None
@@ -272,7 +277,7 @@ def verify_resume(probe: str | ProbeFactory, state: dict[str, Any], *, hot: Tier
         local_rank = int(os.environ.get("LOCAL_RANK", rank))  # the same device as this rank
         proc = spawn_fresh(spec, Path(tmp), rank, world, addr, port, local_rank)
         fresh = collect_fresh(proc, Path(tmp), rank, timeout)
-    outcomes = _probe.all_gather(rank_outcome(live, fresh), group)  # problems only, not digests
+    outcomes = _dist.all_gather(rank_outcome(live, fresh), group)  # problems only, not digests
     report = assemble(chosen, outcomes, rtol=rtol, atol=atol, seconds=time.monotonic() - start)
     (log.info if report.ok else log.error)("%s", report.summary())
     return report

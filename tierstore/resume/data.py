@@ -30,6 +30,7 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from tierstore._dist import rank_world
 from tierstore.errors import ConfigError
 
 __all__ = ["ResumableSampler", "ResumableLoader", "epoch_order", "rank_indices"]
@@ -61,17 +62,6 @@ def rank_indices(order: Sequence[int], position: int, rank: int, world: int) -> 
     return [order[position + k * world + rank] for k in range(rounds)]
 
 
-def _dist_rank_world() -> tuple[int, int]:
-    import sys
-
-    if "torch.distributed" in sys.modules:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 class ResumableSampler:
     """This rank's share of a seeded, sharded epoch order, resumable mid-epoch (a DCP ``Stateful``).
 
@@ -95,7 +85,7 @@ class ResumableSampler:
                  seed: int = 0, shuffle: bool = True) -> None:
         if size < 0:
             raise ConfigError(f"size must not be negative, got {size}")
-        dist_rank, dist_world = _dist_rank_world()
+        dist_rank, dist_world = rank_world()
         self.size = size
         self.rank = dist_rank if rank is None else rank
         self.world_size = dist_world if world_size is None else world_size

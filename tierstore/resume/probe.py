@@ -26,35 +26,13 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from tierstore._dist import rank_world
 from tierstore.resume.check import Probe, load_probe
 from tierstore.resume.state import ResumePlanner, capture_rng, restore_rng
 
 __all__ = ["capture", "digest_state", "probe_loss", "rank_world", "main"]
 
 log = logging.getLogger(__name__)
-
-
-def rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def broadcast(value: Any, group: Any) -> Any:
-    if not (dist.is_available() and dist.is_initialized()):
-        return value
-    box = [value]
-    src = dist.get_global_rank(group, 0) if group is not None else 0
-    dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
-
-
-def all_gather(value: Any, group: Any) -> list[Any]:
-    if not (dist.is_available() and dist.is_initialized()):
-        return [value]
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, value, group=group)
-    return out
 
 
 def _plain(state: dict[str, Any]) -> dict[str, Any]:

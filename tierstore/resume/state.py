@@ -40,7 +40,6 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadPlan
@@ -54,6 +53,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from tierstore._dist import rank_world
 from tierstore.errors import ConfigError
 
 __all__ = ["TrainingState", "ResumePlanner", "PARTS", "capture_rng", "restore_rng", "reseed",
@@ -69,12 +69,6 @@ _PER_RANK = re.compile(r"(^|\.)rng\.rank\d+(\.|$)")
 class StatefulLike(Protocol):
     def state_dict(self) -> Any: ...
     def load_state_dict(self, state_dict: Any) -> Any: ...
-
-
-def _rank_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 class TrainingState:
@@ -128,7 +122,7 @@ class TrainingState:
         if self._has("step"):
             state["step"] = self.step
         if self._has("rng"):
-            rank, world = _rank_world()
+            rank, world = rank_world()
             state["rng"] = {"world_size": world, f"rank{rank}": capture_rng()}
         if self._has("data"):
             assert self.sampler is not None
@@ -178,7 +172,7 @@ class TrainingState:
             set_optimizer_state_dict(self.model, self.optimizer, state["optim"], options=self.options)
 
     def _load_rng(self, rng: dict[str, Any]) -> None:
-        rank, world = _rank_world()
+        rank, world = rank_world()
         saved_world = int(rng["world_size"])
         if saved_world == world:
             restore_rng(rng[f"rank{rank}"])

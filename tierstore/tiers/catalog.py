@@ -1,6 +1,6 @@
 """What a store holds: the committed checkpoints its tiers' manifests make up.
 
-A checkpoint exists in a tier if and only if the tier holds its valid manifest (DESIGN.md
+A checkpoint exists in a tier if and only if the tier holds its valid manifest (docs/design.md
 invariant 1): nothing here looks at data files, DCP's ``.metadata`` or directory names.
 """
 
@@ -11,11 +11,8 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tierstore.commit.manifest import Manifest
-from tierstore.errors import (
-    CheckpointNotFound,
-    InvalidManifest,
-)
+from tierstore.commit.manifest import Manifest, checkpoint_order
+from tierstore.errors import CheckpointNotFound, InvalidManifest
 from tierstore.tiers.tier import Store, Tier, TierURL
 
 __all__ = ["CheckpointInfo", "list_checkpoints", "latest_checkpoint", "resolve"]
@@ -49,10 +46,6 @@ class CheckpointInfo:
         )
 
 
-def _order(manifest: Manifest) -> tuple[int, float, str]:
-    return (-1 if manifest.step is None else manifest.step, manifest.created, manifest.name)
-
-
 def _collect(tiers: Sequence[Tier]) -> list[tuple[Manifest, list[Tier]]]:
     """Committed checkpoints across tiers, oldest first, each with the tiers that hold it.
 
@@ -75,7 +68,7 @@ def _collect(tiers: Sequence[Tier]) -> list[tuple[Manifest, list[Tier]]]:
         else:
             log.warning("skipping checkpoint %s: its manifest is invalid in %s and no other tier "
                         "holds a valid one: %s", err.checkpoint, tier.label, err)
-    return sorted(merged.values(), key=lambda item: _order(item[0]))
+    return sorted(merged.values(), key=lambda item: checkpoint_order(item[0]))
 
 
 def list_checkpoints(hot: TierURL | Store | None, cold: TierURL | None = None, *,
@@ -121,17 +114,18 @@ def resolve(tiers: Sequence[Tier], *, step: int | None = None, name: str | None 
     return candidates[-1]
 
 
+def _find(tier: Tier, name: str) -> Manifest | InvalidManifest | None:
+    """The tier's valid manifest of ``name``, the error of an invalid one, or ``None``."""
+    try:
+        return tier._find_valid(name)
+    except InvalidManifest as err:
+        return err
+
+
 def _resolve_name(tiers: Sequence[Tier], name: str, where: str) -> tuple[Manifest, list[Tier]]:
-    holders: list[tuple[Manifest, Tier]] = []
-    invalid: list[InvalidManifest] = []
-    for tier in tiers:
-        try:
-            manifest = tier._find_valid(name)
-        except InvalidManifest as err:
-            invalid.append(err)
-            continue
-        if manifest is not None:
-            holders.append((manifest, tier))
+    found = [(_find(tier, name), tier) for tier in tiers]
+    holders = [(m, tier) for m, tier in found if isinstance(m, Manifest)]
+    invalid = [m for m, _ in found if isinstance(m, InvalidManifest)]
     if not holders:
         if invalid:
             raise invalid[0]

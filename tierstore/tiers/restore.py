@@ -22,6 +22,7 @@ from tierstore.commit import layout
 from tierstore.commit.manifest import FileEntry, Manifest
 from tierstore.errors import (
     CheckpointExists,
+    ChecksumMismatch,
     InvalidManifest,
     ObjectNotFound,
     ObjectTooLarge,
@@ -30,7 +31,7 @@ from tierstore.errors import (
 from tierstore.tiers.catalog import resolve
 from tierstore.tiers.migrator import MigrationConfig
 from tierstore.tiers.tier import Store, Tier, TierURL
-from tierstore.tiers.transfer import copy_file, has_verified_copy
+from tierstore.tiers.transfer import check_copy, copy_file
 
 __all__ = ["restore", "restore_checkpoint", "RestoreReport", "Repair"]
 
@@ -124,13 +125,11 @@ def _hot_manifest(hot: Tier, name: str) -> tuple[Manifest | None, InvalidManifes
 def _problem(hot: Tier, manifest: Manifest, entry: FileEntry) -> str | None:
     """What is wrong with the hot copy of ``entry``, ``None`` if it is intact."""
     try:
-        size = hot.backend.stat(hot.file_key(manifest.name, manifest.attempt, entry.path)).size
-        if size != entry.size:
-            return f"size mismatch: expected {entry.size} bytes, found {size} bytes"
-        if not has_verified_copy(hot, manifest.name, manifest.attempt, entry):
-            return "CRC32C mismatch"
+        check_copy(hot, manifest.name, manifest.attempt, entry)
     except ObjectNotFound:
         return "missing"
+    except ChecksumMismatch as err:
+        return err.message
     except StorageError as err:  # unreadable (a link, a directory, an I/O error): replace it
         return str(err)
     return None

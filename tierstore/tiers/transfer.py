@@ -5,15 +5,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import BinaryIO
 
 from tierstore.commit.manifest import FileEntry
+from tierstore.commit.verified import open_verified, verify_file
 from tierstore.errors import ChecksumMismatch, ObjectNotFound
 from tierstore.storage import faults
-from tierstore.storage.backend import crc32c_update
 from tierstore.tiers.tier import Tier
 
-__all__ = ["Throttle", "copy_file", "has_verified_copy"]
+__all__ = ["Throttle", "copy_file", "check_copy", "has_verified_copy"]
 
 Progress = Callable[[int], None]
 
@@ -46,58 +45,52 @@ def copy_file(src: Tier, dst: Tier, name: str, attempt: str, entry: FileEntry, *
     """Stream ``entry`` from ``src`` to ``dst``; durable and verified when it returns.
 
     The source bytes are checked against the manifest (size, CRC32C) as they stream, so a
-    file damaged in the source tier is never copied as if it were good; the destination
-    writer's ``close()`` makes the copy durable and checks what the destination stored.
+    file damaged in the source tier is never copied as if it were good (the write is aborted
+    with the :class:`ChecksumMismatch` naming the source tier); the destination writer's
+    ``close()`` makes the copy durable and checks what the destination stored.
     """
     src_key = src.file_key(name, attempt, entry.path)
     dst_key = dst.file_key(name, attempt, entry.path)
     buffer = memoryview(bytearray(chunk_size))  # reused: no allocation per chunk
-    with src.backend.open_read(src_key) as stream:
+    with open_verified(src.backend, src_key, entry, checkpoint=name, tier=src.label) as stream:
         writer = dst.backend.open_write(dst_key)
         try:
-            while n := _read_into(stream, buffer):
+            while n := stream.readinto(buffer):
                 if throttle is not None:
                     throttle.consume(n)
                 writer.write(buffer[:n])  # writers copy what they keep
                 if progress is not None:
                     progress(n)
                 faults.point("transfer.after_chunk")
-            if (writer.size, writer.crc32c) != (entry.size, entry.crc32c):
-                raise ChecksumMismatch(
-                    f"source copy does not match the manifest (size {writer.size}, crc32c "
-                    f"{writer.crc32c:08x}; expected {entry.size}, {entry.crc32c:08x})",
-                    checkpoint=name, file=entry.path, tier=src.label,
-                    expected=f"{entry.crc32c:08x}", actual=f"{writer.crc32c:08x}",
-                )
+            stream.finish()
         except BaseException:
             writer.abort()
             raise
         writer.close()
 
 
-def _read_into(stream: BinaryIO, buffer: memoryview) -> int:
-    readinto = getattr(stream, "readinto", None)
-    if readinto is not None:
-        return int(readinto(buffer) or 0)
-    chunk = stream.read(len(buffer))
-    buffer[: len(chunk)] = chunk
-    return len(chunk)
-
-
 def has_verified_copy(tier: Tier, name: str, attempt: str, entry: FileEntry, *,
                       chunk_size: int = 8 << 20) -> bool:
     """Does ``tier`` already hold ``entry`` intact? Trusts a server CRC32C, else reads back."""
-    key = tier.file_key(name, attempt, entry.path)
     try:
-        info = tier.backend.stat(key)
-    except ObjectNotFound:
+        check_copy(tier, name, attempt, entry, chunk_size=chunk_size)
+    except (ObjectNotFound, ChecksumMismatch):
         return False
+    return True
+
+
+def check_copy(tier: Tier, name: str, attempt: str, entry: FileEntry, *,
+               chunk_size: int = 8 << 20) -> None:
+    """Raise unless ``tier`` holds ``entry`` intact: :class:`ObjectNotFound`, or the
+    :class:`ChecksumMismatch` of the one verified read. Trusts a server CRC32C, else reads back."""
+    key = tier.file_key(name, attempt, entry.path)
+    info = tier.backend.stat(key)
     if info.size != entry.size:
-        return False
+        raise ChecksumMismatch.size(entry.size, info.size, checkpoint=name, file=entry.path,
+                                    tier=tier.label)
     if info.crc32c is not None:
-        return info.crc32c == entry.crc32c
-    crc = 0
-    with tier.backend.open_read(key) as stream:
-        while chunk := stream.read(chunk_size):
-            crc = crc32c_update(crc, chunk)
-    return crc == entry.crc32c
+        if info.crc32c != entry.crc32c:
+            raise ChecksumMismatch.crc32c(entry.crc32c, info.crc32c, checkpoint=name,
+                                          file=entry.path, tier=tier.label)
+        return
+    verify_file(tier.backend, key, entry, checkpoint=name, tier=tier.label, chunk_size=chunk_size)
