@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from helpers import shard_per_block
 from launch import leave_cleanly
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -32,8 +33,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 from tierstore import TieredReader, TieredWriter
 from tierstore.tiers.status import wait_for_migrations
@@ -61,10 +60,7 @@ class Net(nn.Module):
 def build(seed: int, world: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     model = Net()
-    mesh = init_device_mesh("cpu", (world,))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    shard_per_block(model, world)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     return model, optim
 

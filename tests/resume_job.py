@@ -35,9 +35,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from helpers import shard_per_block
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 from tierstore import (
     CheckpointManager,
@@ -81,10 +80,7 @@ def build(exclude: list[str] | tuple[str, ...] = ()) -> TrainingState:
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)  # the same init on every rank: fully_shard shards the full model
     model = Net()
-    mesh = init_device_mesh("cpu", (world,))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    shard_per_block(model, world)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(optim, step_size=5, gamma=0.5)
     loader = ResumableLoader(dataset(), BATCH, ResumableSampler(SAMPLES, seed=7))

@@ -144,9 +144,20 @@ def test_bad_options_and_urls() -> None:
         LocalBackend("file://otherhost/x")
 
 
-def test_free_bytes_of_missing_root_uses_parent(tmp_path: Path) -> None:
+def test_free_bytes_of_missing_root_uses_parent(tmp_path: Path, monkeypatch) -> None:
+    asked: list[tuple[str, os.statvfs_result]] = []
+    real_statvfs = os.statvfs
+
+    def statvfs(path: str) -> os.statvfs_result:  # records what the real call answered
+        asked.append((str(path), real_statvfs(path)))
+        return asked[-1][1]
+
+    monkeypatch.setattr(os, "statvfs", statvfs)
     free = LocalBackend(str(tmp_path / "not" / "yet")).free_bytes()
-    assert free is not None and free > 0
+    [(directory, answer)] = asked  # the nearest directory that exists, and nothing else
+    assert directory == str(tmp_path)
+    assert free == answer.f_bavail * answer.f_frsize and free > 0
+    assert not (tmp_path / "not").exists()  # asking creates nothing
 
 
 class TestMemoryContract(BackendContract):

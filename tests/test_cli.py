@@ -11,14 +11,14 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-import torch.distributed.checkpoint as dcp
+from helpers import committed, file_path, flip, load, matches, save
 
-from tierstore import TieredWriter, list_checkpoints
+from tierstore import list_checkpoints
 from tierstore.commit import layout
-from tierstore.tiers.tier import Tier
 
 pytest.importorskip("tierstore_s3", reason="the S3 backend is installed by make test")
+
+SHAPE = (256, 256)  # a data file over 256 KiB: `ls` sizes are checked against it
 
 
 @pytest.fixture
@@ -27,7 +27,7 @@ def store(tmp_path: Path, s3_bucket: str, s3_env: dict[str, str], monkeypatch) -
         monkeypatch.setenv(key, value)
     hot, cold = str(tmp_path / "hot"), f"s3://{s3_bucket}/run"
     for step in (1, 2, 3):  # saved without a cold tier: all three pending migration
-        dcp.save({"w": torch.full((256, 256), float(step))}, storage_writer=TieredWriter(hot, step=step))
+        save(hot, step, shape=SHAPE)
     return hot, cold
 
 
@@ -74,11 +74,8 @@ def test_every_command(store: tuple[str, str]) -> None:
     # verify: clean, then a flipped byte in the hot copy of step 3
     checks = ok_json("verify", store=store)
     assert len(checks) == 12 and all(c["ok"] for c in checks)
-    manifest = Tier("hot", hot).find_manifest(names[2])
-    path = Path(hot, layout.file_key(manifest.name, manifest.attempt, "__0_0.distcp"))
-    data = bytearray(path.read_bytes())
-    data[1000] ^= 1
-    path.write_bytes(bytes(data))
+    path = file_path(hot, committed(hot, 3))
+    flip(path, 1000)
     proc = cli("verify", store=store)
     assert proc.returncode == 1
     assert f"DAMAGED  hot {hot}  {names[2]}  __0_0.distcp: CRC32C mismatch" in proc.stdout
@@ -100,6 +97,8 @@ def test_every_command(store: tuple[str, str]) -> None:
     assert proc.returncode == 0 and "restored step-0000000001" in proc.stdout
     assert ok_json("restore", "--step", "2", store=store)["name"] == names[1]
     assert [c.step for c in list_checkpoints(hot)] == [1, 2, 3]
+    for step in (1, 2):  # restored means the hot copy alone loads the saved bytes
+        assert matches(load(hot, shape=SHAPE, step=step, lease=False)[0], step, SHAPE)
 
     # gc: the hot copy of step 3 is missing a file; make an old dead attempt as debris
     dead = Path(hot, layout.attempt_prefix("step-0000000007", "20260101T000000Z-0badf00d"))
@@ -110,7 +109,9 @@ def test_every_command(store: tuple[str, str]) -> None:
     proc = cli("gc", store=store)
     assert proc.returncode == 0 and "would delete" in proc.stdout and "0badf00d" in proc.stdout
     report = ok_json("gc", "--yes", store=store)
-    assert report["deleted"] and [g["reason"] for g in report["garbage"]] == ["attempt named by no manifest"]
+    assert report["deleted"] is True and [(g["key"], g["reason"]) for g in report["garbage"]] == [
+        (f"{layout.attempt_prefix('step-0000000007', '20260101T000000Z-0badf00d')}__0_0.distcp",
+         "attempt named by no manifest")]
     assert not dead.exists()
 
 

@@ -21,10 +21,10 @@ from typing import Any, ClassVar
 
 import flaky
 import pytest
-import torch
 import torch.distributed.checkpoint as dcp
+from helpers import load, matches, save, state_for
 
-from tierstore import TieredReader, TieredWriter
+from tierstore import TieredWriter
 from tierstore.commit import layout
 from tierstore.commit.manifest import FileEntry
 from tierstore.errors import BackendNotFound
@@ -34,31 +34,13 @@ from tierstore.retry import RetryPolicy
 from tierstore.storage import registry
 from tierstore.storage.local import LocalBackend
 from tierstore.tiers import marks
-from tierstore.tiers.migrator import MigrationConfig, MigrationState, Migrator, _Job
+from tierstore.tiers.migrator import Job as _Job
+from tierstore.tiers.migrator import MigrationConfig, MigrationState, Migrator
 from tierstore.tiers.status import migrate_pending, migration_status
 from tierstore.tiers.tier import Tier
 
 FAST = MigrationConfig(chunk_size=4096, poll_interval=0.01, commit_timeout=5,
                        retry=RetryPolicy(attempts=3, initial=0.001, maximum=0.01))
-
-
-def state_for(step: int) -> dict:
-    g = torch.Generator().manual_seed(step)
-    return {"w": torch.randn(64, 32, generator=g), "extra": {"step": step}}
-
-
-def save(hot: str, cold: str | None, step: int) -> TieredWriter:
-    writer = TieredWriter(hot, cold, step=step, migration=FAST)
-    dcp.save(state_for(step), storage_writer=writer)
-    if writer.migrator is not None:
-        assert writer.migrator.wait(30)
-    return writer
-
-
-def loads_from(hot: str | None, cold: str | None, step: int) -> None:
-    target = {"w": torch.zeros(64, 32), "extra": {"step": -1}}
-    dcp.load(target, storage_reader=TieredReader(hot, cold, step=step))
-    assert torch.equal(target["w"], state_for(step)["w"])
 
 
 def states(hot: str, cold: str) -> dict[int | None, str]:
@@ -73,7 +55,7 @@ def store(tmp_path: Path) -> tuple[str, str]:
 def test_repointed_hot_tier_is_pending_for_the_new_cold_tier(store: tuple[str, str], tmp_path: Path) -> None:
     hot, cold_a = store
     for step in (1, 2):
-        save(hot, cold_a, step)
+        save(hot, step, cold_a, migration=FAST, migrated=True)
     assert states(hot, cold_a) == {1: "committed", 2: "committed"}
     cold_b = str(tmp_path / "new-bucket")  # re-pointed (or mistyped): holds nothing
     # Before: the hot tier's marks said "migrated" whatever the cold tier: status said
@@ -85,7 +67,7 @@ def test_repointed_hot_tier_is_pending_for_the_new_cold_tier(store: tuple[str, s
     done = migrate_pending(hot, cold_b, config=FAST)
     assert [s.state for s in done] == [MigrationState.COMMITTED] * 2
     assert states(hot, cold_b) == {1: "committed", 2: "committed"}
-    loads_from(None, cold_b, 1)
+    assert matches(load(None, cold_b, step=1)[0], 1)
     # Cold A is still known for what it holds: its identity differs from B's.
     assert states(hot, cold_a) == {1: "committed", 2: "committed"}
     ids = {json.loads((Path(c) / layout.STORE_ID_KEY).read_text())["store_id"] for c in (cold_a, cold_b)}
@@ -95,7 +77,7 @@ def test_repointed_hot_tier_is_pending_for_the_new_cold_tier(store: tuple[str, s
 def test_a_checkpoint_pruned_from_cold_by_policy_may_leave_hot(store: tuple[str, str]) -> None:
     hot, cold = store
     for step in (1, 2, 3):
-        save(hot, cold, step)
+        save(hot, step, cold, migration=FAST, migrated=True)
     prune(None, cold, cold_policy=keep_last(1))  # cold keeps only step 3
     assert states(hot, cold) == {1: "committed", 2: "committed", 3: "committed"}
     reports = prune(hot, cold, hot_policy=keep_last(1), cold_policy=keep_last(1))
@@ -105,13 +87,13 @@ def test_a_checkpoint_pruned_from_cold_by_policy_may_leave_hot(store: tuple[str,
 def test_prune_keeps_the_hot_copy_when_the_cold_manifest_is_torn(store: tuple[str, str]) -> None:
     hot, cold = store
     for step in (1, 2):
-        save(hot, cold, step)
+        save(hot, step, cold, migration=FAST, migrated=True)
     torn = Path(cold) / layout.manifest_key("step-0000000001")
     torn.write_bytes(torn.read_bytes()[:40])
     reports = prune(hot, cold, hot_policy=keep_last(1), cold_policy=keep_last(5))
     assert reports[0].deleted == ()
     assert any("step-0000000001" in w and "invalid" in w for w in reports[0].warnings)
-    loads_from(hot, None, 1)  # the only good copy is still there
+    assert matches(load(hot, None, step=1)[0], 1)  # the only good copy is still there
     status = {s.step: s for s in migration_status(hot, cold)}
     assert status[1].state is MigrationState.FAILED and "invalid" in (status[1].error or "")
 
@@ -120,7 +102,7 @@ def test_prune_keeps_every_hot_copy_when_the_cold_tier_cannot_be_read(store: tup
                                                                       tmp_path: Path) -> None:
     hot, cold = store
     for step in (1, 2):
-        save(hot, cold, step)
+        save(hot, step, cold, migration=FAST, migrated=True)
     identity = Path(cold) / layout.STORE_ID_KEY
     identity.write_text("{not json")  # nothing can be proved about this cold tier now
     reports = prune(hot, cold, hot_policy=keep_last(1), cold_policy=keep_last(5))
@@ -131,7 +113,7 @@ def test_prune_keeps_every_hot_copy_when_the_cold_tier_cannot_be_read(store: tup
 def test_second_migrator_that_is_throttled_never_deletes_a_committed_object(store: tuple[str, str]) -> None:
     hot, cold = store
     registry.register_backend("flaky", flaky.FlakyBackend, replace=True)
-    save(hot, None, 1)
+    save(hot, 1, migration=FAST)
     manifest = Tier("hot", hot).find_manifest("step-0000000001")
     assert manifest is not None
     assert migrate_pending(hot, cold, config=FAST)[0].state is MigrationState.COMMITTED
@@ -149,7 +131,7 @@ def test_second_migrator_that_is_throttled_never_deletes_a_committed_object(stor
     finally:
         flaky.FAILURES.clear()
         second.close()
-    loads_from(None, cold, 1)
+    assert matches(load(None, cold, step=1)[0], 1)
 
 
 def _upload_without_check(migrator: Migrator, job: _Job, entry: FileEntry) -> None:
@@ -166,7 +148,7 @@ def _upload_without_check(migrator: Migrator, job: _Job, entry: FileEntry) -> No
 def test_cold_commit_refuses_when_a_named_object_is_gone(store: tuple[str, str],
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     hot, cold = store
-    save(hot, None, 1)
+    save(hot, 1, migration=FAST)
     manifest = Tier("hot", hot).find_manifest("step-0000000001")
     assert manifest is not None
     migrator = Migrator(Tier("hot", hot), Tier("cold", cold), FAST)
@@ -193,13 +175,13 @@ def test_cold_commit_refuses_when_a_named_object_is_gone(store: tuple[str, str],
     assert Tier("cold", cold).find_manifest(manifest.name) is None  # never vouched for a hole
     # `tierstore migrate` uploads it again (the rank's mark is there, the file is not).
     assert migrate_pending(hot, cold, config=FAST)[0].state is MigrationState.COMMITTED
-    loads_from(None, cold, 1)
+    assert matches(load(None, cold, step=1)[0], 1)
 
 
 @pytest.mark.parametrize("damage", ["truncated", "wrong rank", "oversize", "other files"])
 def test_damaged_upload_mark_does_not_wedge_migration(store: tuple[str, str], damage: str) -> None:
     hot, cold = store
-    save(hot, None, 1)
+    save(hot, 1, migration=FAST)
     manifest = Tier("hot", hot).find_manifest("step-0000000001")
     assert manifest is not None
     mark = Path(cold) / layout.upload_mark_key(manifest.name, manifest.attempt, 0)
@@ -220,19 +202,20 @@ def test_damaged_upload_mark_does_not_wedge_migration(store: tuple[str, str], da
         if status and status[0].state is MigrationState.COMMITTED:
             break
     assert states(hot, cold) == {1: "committed"}
-    loads_from(None, cold, 1)
+    assert matches(load(None, cold, step=1)[0], 1)
 
 
 def test_a_different_committed_cold_attempt_is_a_reported_conflict(store: tuple[str, str],
                                                                    tmp_path: Path) -> None:
     hot, cold = store
-    save(hot, cold, 1)
+    save(hot, 1, cold, migration=FAST, migrated=True)
     other_hot = str(tmp_path / "other-hot")
-    save(other_hot, cold, 1)  # same name, another attempt; the cold tier keeps the first
+    # same name, another attempt; the cold tier keeps the first
+    save(other_hot, 1, cold, migration=FAST, migrated=True)
     status = {s.step: s for s in migration_status(other_hot, cold)}
     assert status[1].state is MigrationState.FAILED
     assert "another attempt" in (status[1].error or "")
-    loads_from(hot, None, 1)
+    assert matches(load(hot, None, step=1)[0], 1)
     reports = prune(other_hot, cold, hot_policy=keep_last(0), cold_policy=keep_last(5))
     assert reports[0].deleted == ()  # the only copy of that attempt stays
     run = subprocess.run([sys.executable, "-m", "tierstore", "status", "--hot", other_hot,
@@ -278,7 +261,7 @@ def test_a_save_sends_nothing_to_the_cold_tier(store: tuple[str, str], mode: str
     save_path = [(op, who) for op, who in SpyBackend.CALLERS if not who.startswith("tierstore-")]
     assert save_path == []
     assert SpyBackend.CALLERS  # the background migrator did reach it
-    loads_from(None, f"spy://{cold}", 1)
+    assert matches(load(None, f"spy://{cold}", step=1)[0], 1)
 
 
 def test_unknown_scheme_is_reported_when_the_writer_is_built(tmp_path: Path) -> None:
@@ -292,7 +275,7 @@ def test_a_migrator_finds_its_checkpoint_committed_by_another(store: tuple[str, 
     migrator then waited the whole commit_timeout for marks that would never come, and
     reported a failure for a checkpoint that was committed."""
     hot, cold = store
-    save(hot, None, 1)
+    save(hot, 1, migration=FAST)
     manifest = Tier("hot", hot).find_manifest("step-0000000001")
     assert manifest is not None
     trainer = Migrator(Tier("hot", hot), Tier("cold", cold), FAST)
@@ -332,5 +315,5 @@ def test_a_cold_tier_wiped_and_recreated_under_the_same_url_holds_nothing(store:
     # Step 3 migrated into the new cold tier; steps 1 and 2 exist only in hot now, and the
     # old marks (another identity) must not let them go.
     assert "step-0000000002" not in reports[0].deleted
-    loads_from(hot, None, 2)
+    assert matches(load(hot, None, step=2)[0], 2)
     manager.close()

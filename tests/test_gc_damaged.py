@@ -12,25 +12,15 @@ import time
 import uuid
 from pathlib import Path
 
-import torch
-import torch.distributed.checkpoint as dcp
+from helpers import saved
 
-from tierstore import TieredWriter, list_checkpoints
+from tierstore import list_checkpoints
 from tierstore.commit import layout
-from tierstore.commit.manifest import Manifest
 from tierstore.lifecycle.gc import collect_garbage, find_garbage
 from tierstore.lifecycle.prune import prune
 from tierstore.lifecycle.retention import keep_last
-from tierstore.tiers.tier import Tier
 
 OLD = time.time() - 7 * 3600  # older than a lease's default TTL (6 h)
-
-
-def save(hot: str, step: int) -> Manifest:
-    dcp.save({"w": torch.full((32, 32), float(step))}, storage_writer=TieredWriter(hot, step=step))
-    manifest = Tier("hot", hot).find_manifest(layout.default_name(step))
-    assert manifest is not None
-    return manifest
 
 
 def put(root: str, key: str, data: bytes, *, mtime: float | None = None) -> Path:
@@ -44,8 +34,8 @@ def put(root: str, key: str, data: bytes, *, mtime: float | None = None) -> Path
 
 def test_a_torn_manifest_is_damage_not_garbage(tmp_path: Path) -> None:
     hot = str(tmp_path / "hot")
-    torn = save(hot, 1)
-    save(hot, 2)
+    torn = saved(hot, 1)
+    saved(hot, 2)
     # A second, dead attempt of the torn checkpoint: the torn manifest may name either.
     other = layout.attempt_prefix(torn.name, layout.new_attempt())
     shutil.copytree(Path(hot, layout.attempt_prefix(torn.name, torn.attempt)), Path(hot, other))
@@ -65,8 +55,8 @@ def test_a_torn_manifest_is_damage_not_garbage(tmp_path: Path) -> None:
 
 def test_an_oversized_manifest_is_damage_too(tmp_path: Path) -> None:
     hot = str(tmp_path / "hot")
-    big = save(hot, 1)
-    save(hot, 2)
+    big = saved(hot, 1)
+    saved(hot, 2)
     os.truncate(Path(hot, layout.manifest_key(big.name)), 65 << 20)  # sparse: over the 64 MiB limit
     report = collect_garbage(hot, grace=0, dry_run=False)
     assert report.garbage == () and [d.key for d in report.damaged] == [layout.manifest_key(big.name)]
@@ -77,7 +67,7 @@ def test_an_oversized_manifest_is_damage_too(tmp_path: Path) -> None:
 def test_oversized_and_unreadable_leases_never_wedge_prune_or_gc(tmp_path: Path, caplog) -> None:
     hot = str(tmp_path / "hot")
     for step in (1, 2, 3):
-        save(hot, step)
+        saved(hot, step)
     name1, name2 = layout.default_name(1), layout.default_name(2)
     unreadable = put(hot, layout.lease_key(name1, uuid.uuid4().hex), b"not json", mtime=OLD)
     oversized = put(hot, layout.lease_key(name2, uuid.uuid4().hex), b" " * (1 << 20))
@@ -105,7 +95,7 @@ def test_oversized_and_unreadable_leases_never_wedge_prune_or_gc(tmp_path: Path,
 
 def test_damaged_upload_marks_are_cleared_once_old(tmp_path: Path) -> None:
     hot, cold = str(tmp_path / "hot"), str(tmp_path / "cold")
-    pending = save(hot, 1)  # committed in hot only: its cold uploads are live
+    pending = saved(hot, 1)  # committed in hot only: its cold uploads are live
     prefix = layout.upload_prefix(pending.name, pending.attempt)
     good = put(cold, layout.upload_mark_key(pending.name, pending.attempt, 2),
                json.dumps({"rank": 2, "files": []}).encode())
@@ -128,7 +118,7 @@ def test_damaged_upload_marks_are_cleared_once_old(tmp_path: Path) -> None:
 
 def test_migrated_marks_of_both_layouts_go_with_their_checkpoint(tmp_path: Path) -> None:
     hot = str(tmp_path / "hot")
-    kept = save(hot, 1)
+    kept = saved(hot, 1)
     store_id, gone = uuid.uuid4().hex, layout.new_attempt()
     # Keys spelled out: migrated/<name>/<attempt>/<store-id>.json, and the legacy
     # migrated/<name>/<attempt>.json of tierstore <= 0.1.

@@ -77,7 +77,11 @@ def test_wait_raises_a_failed_save(tmp_path: Path) -> None:
     with pytest.raises(SaveFailed, match="FaultInjected"):
         manager.wait()
     manager.wait()  # raised once
-    manager.close()
+    manager.close()  # and not again at close
+    assert list_checkpoints(str(tmp_path / "hot")) == []  # the failed save committed nothing
+    health = manager.health()
+    assert (health.saves_ok, health.saves_failed, health.last_saved_step) == (0, 1, None)
+    assert "FaultInjected" in (health.last_error or "")
 
 
 def test_unknown_scheme_fails_when_the_manager_is_built(tmp_path: Path) -> None:
@@ -100,5 +104,5 @@ def test_failed_migrations_show_in_health_and_saves_still_commit(tmp_path: Path)
     assert [c.step for c in list_checkpoints(hot)] == [1, 2, 3]  # every save committed hot
     health = manager.health()
     assert health.saves_ok == 3 and health.saves_failed == 0
-    assert health.migrations_failed and not health.ok
-    assert all(s.error for s in health.migrations_failed)
+    assert sorted(s.step for s in health.migrations_failed) == [1, 2, 3] and not health.ok
+    assert all(s.error and "not-a-dir" in s.error for s in health.migrations_failed)

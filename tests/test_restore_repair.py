@@ -9,46 +9,26 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-import torch.distributed.checkpoint as dcp
+from helpers import file_path, flip, load, matches, saved
 
-from tierstore import TieredReader, TieredWriter
 from tierstore.commit import layout
 from tierstore.commit.manifest import Manifest
 from tierstore.errors import ChecksumMismatch
-from tierstore.tiers.restore import restore
+from tierstore.tiers.restore import restore, restore_checkpoint
 from tierstore.tiers.tier import Tier
-
-
-def state_for(step: int) -> dict:
-    return {"w": torch.full((128, 64), float(step)), "extra": {"step": step}}
 
 
 @pytest.fixture
 def tiers(tmp_path: Path) -> tuple[str, str, Manifest]:
     """Hot and cold tiers holding the same committed checkpoint of step 1."""
     hot, cold = str(tmp_path / "hot"), str(tmp_path / "cold")
-    dcp.save(state_for(1), storage_writer=TieredWriter(hot, step=1))
+    manifest = saved(hot, 1)
     shutil.copytree(hot, cold)  # a local cold tier: the same layout, committed by its manifest
-    manifest = Tier("hot", hot).find_manifest(layout.default_name(1))
-    assert manifest is not None
     return hot, cold, manifest
 
 
-def path_of(root: str, manifest: Manifest, file: str) -> Path:
-    return Path(root, layout.file_key(manifest.name, manifest.attempt, file))
-
-
-def flip(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    path.write_bytes(bytes(data))
-
-
 def hot_alone_loads(hot: str) -> bool:
-    target = {"w": torch.zeros(128, 64), "extra": {"step": -1}}
-    dcp.load(target, storage_reader=TieredReader(hot, lease=False))
-    return torch.equal(target["w"], state_for(1)["w"]) and target["extra"]["step"] == 1
+    return matches(load(hot, lease=False)[0], 1)
 
 
 DAMAGES = {
@@ -64,14 +44,12 @@ DAMAGES = {
 def test_restore_repairs_a_committed_hot_copy(tiers, damage: str) -> None:
     hot, cold, manifest = tiers
     file, harm, problem = DAMAGES[damage]
-    harm(path_of(hot, manifest, file))
+    harm(file_path(hot, manifest, file))
     assert restore(hot, cold) == manifest
-    assert path_of(hot, manifest, file).read_bytes() == path_of(cold, manifest, file).read_bytes()
+    assert file_path(hot, manifest, file).read_bytes() == file_path(cold, manifest, file).read_bytes()
     assert hot_alone_loads(hot)
 
-    from tierstore.tiers.restore import restore_checkpoint
-
-    harm(path_of(hot, manifest, file))
+    harm(file_path(hot, manifest, file))
     report = restore_checkpoint(hot, cold)
     assert [(r.path, problem in r.problem) for r in report.repaired] == [(file, True)]
     assert report.copied == (file,) and not report.manifest_repaired
@@ -83,7 +61,7 @@ def test_restore_replaces_a_torn_hot_manifest(tiers) -> None:
     hot, cold, manifest = tiers
     key = Path(hot, layout.manifest_key(manifest.name))
     key.write_bytes(key.read_bytes()[:50])
-    flip(path_of(hot, manifest, "__0_0.distcp"))
+    flip(file_path(hot, manifest, "__0_0.distcp"))
     restore(hot, cold)
     assert Tier("hot", hot).find_manifest(manifest.name) == manifest
     assert hot_alone_loads(hot)
@@ -91,18 +69,18 @@ def test_restore_replaces_a_torn_hot_manifest(tiers) -> None:
 
 def test_a_damaged_cold_copy_never_replaces_the_hot_file(tiers) -> None:
     hot, cold, manifest = tiers
-    shard = path_of(hot, manifest, "__0_0.distcp")
+    shard = file_path(hot, manifest, "__0_0.distcp")
     flip(shard)
     damaged = shard.read_bytes()
-    path_of(cold, manifest, "__0_0.distcp").write_bytes(b"x" + damaged[1:])  # bad there too
-    with pytest.raises(ChecksumMismatch, match="source copy does not match"):
+    file_path(cold, manifest, "__0_0.distcp").write_bytes(b"x" + damaged[1:])  # bad there too
+    with pytest.raises(ChecksumMismatch, match=r"CRC32C mismatch: .* tier 'cold "):
         restore(hot, cold)
     assert shard.read_bytes() == damaged  # no delete before a verified copy
 
 
 def test_cli_restore_prints_what_it_repaired(tiers) -> None:
     hot, cold, manifest = tiers
-    os.remove(path_of(hot, manifest, "__0_0.distcp"))
+    os.remove(file_path(hot, manifest, "__0_0.distcp"))
     proc = subprocess.run([sys.executable, "-m", "tierstore", "restore", "--hot", hot, "--cold", cold],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

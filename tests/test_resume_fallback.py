@@ -11,70 +11,34 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import unwrap
+from helpers import blank, file_path, flip, matches, saved, unwrap
 from launch import run_job
 from torch.distributed.checkpoint.api import CheckpointException
 
-from tierstore import CheckpointManager, TieredReader, TieredWriter
+from tierstore import CheckpointManager, TieredReader
 from tierstore.commit import layout
-from tierstore.commit.manifest import Manifest
 from tierstore.errors import ChecksumMismatch, InvalidManifest
-from tierstore.tiers.tier import Tier
-
-
-def state_for(step: int) -> dict:
-    return {"w": torch.full((64, 64), float(step)), "b": torch.arange(300.0) * step,
-            "extra": {"step": step}}
-
-
-def blank() -> dict:
-    return {"w": torch.zeros(64, 64), "b": torch.zeros(300), "extra": {"step": -1}}
-
-
-def save(hot: str, step: int) -> Manifest:
-    writer = TieredWriter(hot, step=step)
-    dcp.save(state_for(step), storage_writer=writer)
-    manifest = Tier("hot", hot).find_manifest(layout.default_name(step))
-    assert manifest is not None
-    return manifest
-
-
-def path_of(root: str, manifest: Manifest, file: str) -> Path:
-    return Path(root, layout.file_key(manifest.name, manifest.attempt, file))
-
-
-def flip(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    path.write_bytes(bytes(data))
-
-
-def loaded_step(target: dict, step: int) -> bool:
-    expected = state_for(step)
-    return (torch.equal(target["w"], expected["w"]) and torch.equal(target["b"], expected["b"])
-            and target["extra"]["step"] == step)
-
 
 DAMAGES = {
-    "metadata flipped": lambda root, m: flip(path_of(root, m, ".metadata")),
-    "metadata missing": lambda root, m: path_of(root, m, ".metadata").unlink(),
-    "shard truncated": lambda root, m: path_of(root, m, "__0_0.distcp").write_bytes(
-        path_of(root, m, "__0_0.distcp").read_bytes()[:-7]),
-    "shard missing": lambda root, m: path_of(root, m, "__0_0.distcp").unlink(),
+    "metadata flipped": lambda root, m: flip(file_path(root, m, ".metadata")),
+    "metadata missing": lambda root, m: file_path(root, m, ".metadata").unlink(),
+    "shard truncated": lambda root, m: file_path(root, m, "__0_0.distcp").write_bytes(
+        file_path(root, m, "__0_0.distcp").read_bytes()[:-7]),
+    "shard missing": lambda root, m: file_path(root, m, "__0_0.distcp").unlink(),
 }
 
 
 @pytest.mark.parametrize("damage", list(DAMAGES))
 def test_reader_without_name_skips_a_damaged_newest(store: str, damage: str, caplog) -> None:
-    save(store, 1)
-    newest = save(store, 2)
+    saved(store, 1)
+    newest = saved(store, 2)
     DAMAGES[damage](store, newest)
     target = blank()
     reader = TieredReader(store, lease=False)
     with caplog.at_level(logging.WARNING, logger="tierstore"):
         dcp.load(target, storage_reader=reader)
     assert reader.manifest is not None and reader.manifest.step == 1
-    assert loaded_step(target, 1)
+    assert matches(target, 1)
     warned = [r.getMessage() for r in caplog.records if "skipping damaged checkpoint" in r.getMessage()]
     assert len(warned) == 1 and newest.name in warned[0] and "hot" in warned[0]
     file = ".metadata" if "metadata" in damage else "__0_0.distcp"
@@ -82,9 +46,9 @@ def test_reader_without_name_skips_a_damaged_newest(store: str, damage: str, cap
 
 
 def test_reader_with_a_name_never_falls_back(store: str) -> None:
-    save(store, 1)
-    newest = save(store, 2)
-    flip(path_of(store, newest, ".metadata"))
+    saved(store, 1)
+    newest = saved(store, 2)
+    flip(file_path(store, newest, ".metadata"))
     with pytest.raises(CheckpointException) as info:
         dcp.load(blank(), storage_reader=TieredReader(store, name=newest.name, lease=False))
     err = unwrap(info.value)
@@ -93,7 +57,7 @@ def test_reader_with_a_name_never_falls_back(store: str) -> None:
 
 def test_every_checkpoint_damaged_raises_the_newest_error(store: str) -> None:
     for step in (1, 2):
-        path_of(store, save(store, step), "__0_0.distcp").unlink()
+        file_path(store, saved(store, step), "__0_0.distcp").unlink()
     with pytest.raises(CheckpointException) as info:
         dcp.load(blank(), storage_reader=TieredReader(store, lease=False))
     assert layout.default_name(2) in str(unwrap(info.value))
@@ -101,7 +65,7 @@ def test_every_checkpoint_damaged_raises_the_newest_error(store: str) -> None:
 
 def test_invalid_manifest_in_one_tier_does_not_hide_the_valid_one(tmp_path: Path, caplog) -> None:
     hot, cold = str(tmp_path / "hot"), str(tmp_path / "cold")
-    manifest = save(hot, 1)
+    manifest = saved(hot, 1)
     shutil.copytree(hot, cold)  # a local cold tier: the same layout, committed by its manifest
     key = Path(hot, layout.manifest_key(manifest.name))
     key.write_bytes(key.read_bytes()[:40])  # torn in hot only
@@ -110,7 +74,7 @@ def test_invalid_manifest_in_one_tier_does_not_hide_the_valid_one(tmp_path: Path
         reader = TieredReader(hot, cold, name=name, lease=False)
         with caplog.at_level(logging.WARNING, logger="tierstore"):
             dcp.load(target, storage_reader=reader)
-        assert loaded_step(target, 1) and set(reader.sources.values()) == {"cold"}
+        assert matches(target, 1) and set(reader.sources.values()) == {"cold"}
     assert "invalid manifest" in caplog.text and "cold" in caplog.text
     Path(cold, layout.manifest_key(manifest.name)).write_bytes(b"{")  # now invalid everywhere
     with pytest.raises(CheckpointException) as info:
@@ -120,29 +84,29 @@ def test_invalid_manifest_in_one_tier_does_not_hide_the_valid_one(tmp_path: Path
 
 def test_a_damaged_copy_in_one_tier_falls_back_to_the_other_not_to_an_older_one(tmp_path: Path) -> None:
     hot, cold = str(tmp_path / "hot"), str(tmp_path / "cold")
-    save(hot, 1)
-    newest = save(hot, 2)
+    saved(hot, 1)
+    newest = saved(hot, 2)
     shutil.copytree(hot, cold)
-    path_of(hot, newest, "__0_0.distcp").unlink()
-    flip(path_of(hot, newest, ".metadata"))
+    file_path(hot, newest, "__0_0.distcp").unlink()
+    flip(file_path(hot, newest, ".metadata"))
     target = blank()
     reader = TieredReader(hot, cold, lease=False)
     dcp.load(target, storage_reader=reader)
-    assert reader.manifest is not None and reader.manifest.step == 2 and loaded_step(target, 2)
+    assert reader.manifest is not None and reader.manifest.step == 2 and matches(target, 2)
     assert reader.sources["__0_0.distcp"] == "cold"
 
 
 def test_manager_falls_back_past_a_flipped_byte_inside_a_shard(store: str, caplog) -> None:
-    save(store, 1)
-    newest = save(store, 2)
-    flip(path_of(store, newest, "__0_0.distcp"))  # same size: found only while streaming
+    saved(store, 1)
+    newest = saved(store, 2)
+    flip(file_path(store, newest, "__0_0.distcp"))  # same size: found only while streaming
     target = blank()
     with CheckpointManager(store, hot_min_free=None) as manager, \
             caplog.at_level(logging.WARNING, logger="tierstore"):
         assert manager.load_latest(target) == 1
-        assert loaded_step(target, 1)  # what the failed try copied in is overwritten
+        assert matches(target, 1)  # what the failed try copied in is overwritten
         again = blank()
-        assert manager.load(again) == 1 and loaded_step(again, 1)
+        assert manager.load(again) == 1 and matches(again, 1)
         with pytest.raises(CheckpointException) as info:  # named: never another checkpoint
             manager.load(blank(), name=newest.name)
     assert isinstance(unwrap(info.value), ChecksumMismatch)
@@ -152,15 +116,15 @@ def test_manager_falls_back_past_a_flipped_byte_inside_a_shard(store: str, caplo
 
 def test_manager_raises_when_nothing_loads_and_on_other_failures(store: str, caplog) -> None:
     for step in (1, 2):
-        flip(path_of(store, save(store, step), "__0_0.distcp"))
+        flip(file_path(store, saved(store, step), "__0_0.distcp"))
     with CheckpointManager(store, hot_min_free=None) as manager:
         with pytest.raises(CheckpointException) as info:
             manager.load_latest(blank())
         err = unwrap(info.value)
         assert isinstance(err, ChecksumMismatch) and err.checkpoint == layout.default_name(2)
     good = str(Path(store).parent / "good")
-    save(good, 1)
-    save(good, 2)
+    saved(good, 1)
+    saved(good, 2)
     caplog.clear()
     with CheckpointManager(good, hot_min_free=None) as manager, \
             caplog.at_level(logging.WARNING, logger="tierstore"):

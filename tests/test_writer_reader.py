@@ -12,70 +12,24 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import unwrap
+from helpers import assert_same, blank, file_path, flip, load, load_error, save, state_for, unwrap
 
-from tierstore import (
+from tierstore import TieredReader, TieredWriter, latest_checkpoint, list_checkpoints
+from tierstore.commit import layout
+from tierstore.commit.manifest import Manifest, _checksum
+from tierstore.errors import (
     CheckpointExists,
     CheckpointNotFound,
     ChecksumMismatch,
     ConfigError,
+    FaultInjected,
     IntegrityError,
     InvalidManifest,
-    TieredReader,
-    TieredWriter,
-    latest_checkpoint,
-    list_checkpoints,
+    ObjectNotFound,
+    UnsafePath,
 )
-from tierstore.commit import layout
-from tierstore.commit.manifest import Manifest, _checksum
-from tierstore.errors import FaultInjected, ObjectNotFound, UnsafePath
 from tierstore.storage import faults
 from tierstore.tiers.tier import Tier
-
-
-def state_for(step: int) -> dict:
-    g = torch.Generator().manual_seed(step)
-    return {
-        "w": torch.randn(64, 33, generator=g),
-        "b": torch.randn(7, generator=g).to(torch.bfloat16),
-        "i": torch.arange(10) * step,
-        "extra": {"step": step, "note": f"at {step}"},
-    }
-
-
-def blank() -> dict:
-    return {"w": torch.zeros(64, 33), "b": torch.zeros(7, dtype=torch.bfloat16),
-            "i": torch.zeros(10, dtype=torch.long), "extra": {"step": -1, "note": ""}}
-
-
-def assert_same(a: dict, b: dict) -> None:
-    assert a["extra"] == b["extra"]
-    for key in ("w", "b", "i"):
-        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
-
-
-def save(store: str, step: int, **kw) -> TieredWriter:
-    writer = TieredWriter(store, step=step, **kw)
-    dcp.save(state_for(step), storage_writer=writer)
-    return writer
-
-
-def load(store: str, **kw) -> tuple[dict, TieredReader]:
-    target = blank()
-    reader = TieredReader(store, **kw)
-    dcp.load(target, storage_reader=reader)
-    return target, reader
-
-
-def load_error(store: str, **kw) -> BaseException:
-    with pytest.raises(BaseException) as info:
-        load(store, **kw)
-    return unwrap(info.value)
-
-
-def data_file(store: str, manifest: Manifest, path: str = "__0_0.distcp") -> Path:
-    return Path(store, layout.file_key(manifest.name, manifest.attempt, path))
-
 
 # -- the happy paths -------------------------------------------------------------------
 
@@ -86,7 +40,7 @@ def test_save_load_round_trip_and_manifest(store: str) -> None:
     assert manifest is not None and manifest.step == 10 and manifest.world_size == 1
     assert {f.path for f in manifest.files} == {".metadata", "__0_0.distcp"}
     for entry in manifest.files:  # every size in the manifest is the real one
-        assert data_file(store, manifest, entry.path).stat().st_size == entry.size
+        assert file_path(store, manifest, entry.path).stat().st_size == entry.size
     target, reader = load(store)
     assert_same(target, state_for(10))
     assert reader.manifest == manifest
@@ -229,16 +183,10 @@ def test_empty_or_missing_store_names_the_tier(tmp_path: Path) -> None:
     assert isinstance(err, CheckpointNotFound) and err.checkpoint == "other"
 
 
-def flip(path: Path, offset: int) -> None:
-    data = bytearray(path.read_bytes())
-    data[offset] ^= 0x01
-    path.write_bytes(bytes(data))
-
-
 @pytest.mark.parametrize("offset", [0, 700, -1])
 def test_flipped_byte_in_data_file_is_caught(store: str, offset: int) -> None:
     manifest = save(store, 3).manifest
-    path = data_file(store, manifest)
+    path = file_path(store, manifest)
     flip(path, offset if offset >= 0 else path.stat().st_size - 1)
     err = load_error(store)
     assert isinstance(err, ChecksumMismatch), err
@@ -250,7 +198,7 @@ def test_flipped_byte_in_data_file_is_caught(store: str, offset: int) -> None:
 
 def test_flipped_byte_in_dcp_metadata_is_caught_before_unpickling(store: str) -> None:
     manifest = save(store, 3).manifest
-    flip(data_file(store, manifest, ".metadata"), 40)
+    flip(file_path(store, manifest, ".metadata"), 40)
     err = load_error(store)
     assert isinstance(err, ChecksumMismatch) and err.file == ".metadata"
 
@@ -258,7 +206,7 @@ def test_flipped_byte_in_dcp_metadata_is_caught_before_unpickling(store: str) ->
 @pytest.mark.parametrize("change", ["truncate", "extend", "delete"])
 def test_wrong_size_or_missing_file(store: str, change: str) -> None:
     manifest = save(store, 3).manifest
-    path = data_file(store, manifest)
+    path = file_path(store, manifest)
     if change == "truncate":
         path.write_bytes(path.read_bytes()[:-10])
     elif change == "extend":
@@ -310,7 +258,7 @@ def test_manifest_with_wrong_self_checksum_or_truncated(store: str) -> None:
 
 def test_symlinked_data_file_is_refused_even_with_right_bytes(store: str, tmp_path: Path) -> None:
     manifest = save(store, 1).manifest
-    path = data_file(store, manifest)
+    path = file_path(store, manifest)
     copy = tmp_path / "elsewhere.distcp"
     shutil.copy(path, copy)
     path.unlink()
@@ -328,7 +276,7 @@ def test_forged_metadata_pickle_never_runs(store: str, tmp_path: Path) -> None:
             return (os.system, (f"touch {marker}",))
 
     payload = pickle.dumps(Evil())
-    data_file(store, manifest, ".metadata").write_bytes(payload)
+    file_path(store, manifest, ".metadata").write_bytes(payload)
     from tierstore.storage.backend import crc32c_update
 
     def forge(body: dict) -> None:  # a forger who also fixes up sizes and checksums

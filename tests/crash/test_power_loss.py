@@ -1,5 +1,5 @@
 """Power loss on the local tier: at a crash, every write not fsynced and every directory
-entry not made durable by a directory fsync is lost. The fsync order of DESIGN.md
+entry not made durable by a directory fsync is lost. The fsync order of design.md
 invariant 2 must leave every listed checkpoint loadable and every returned save committed
 at every point of the syscall log, and removing any one fsync must break that."""
 

@@ -1,95 +1,87 @@
-"""The suite can fail: with the commit order broken on purpose (the manifest published
-before DCP's metadata file is written), the state machine must find a checkpoint that is
-listed as committed but does not load; with the migrator's old delete-then-write retry put
-back, the multi-actor machine must find a cold manifest naming a missing object. (Missing
-fsyncs: see test_power_loss.py.)"""
+"""The suite can fail: each test puts a real bug class back and the crash machines must
+report it through their invariant checks. The bugs are injected at the storage boundary, by
+wrapping one public method, never by copying product code:
+
+* the commit order broken (the manifest published before DCP's metadata file is in place):
+  the state machine must find a checkpoint listed as committed that does not load;
+* the migrator's old delete-then-write upload (7cc5efe) put back: the multi-actor machine
+  must find a cold manifest naming a missing object.
+
+(Missing fsyncs: see test_power_loss.py.)"""
 
 from __future__ import annotations
 
-import pickle
-import time
+import inspect
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, Phase, settings
-from hypothesis.stateful import run_state_machine_as_test
+from hypothesis.stateful import INVARIANT_MARKER, run_state_machine_as_test
 from machine import CrashConsistency
 from stats import STATS
 from test_multi_actor import MultiActor, s3_cold
 
-from tierstore._version import producer
 from tierstore.commit import layout
-from tierstore.commit.manifest import FileEntry, Manifest
-from tierstore.commit.writer import TieredWriter
+from tierstore.commit.manifest import Manifest
 from tierstore.storage import faults
-from tierstore.storage.backend import crc32c_update
-from tierstore.tiers.migrator import Migrator, _Failed
-from tierstore.tiers.transfer import copy_file, has_verified_copy
+from tierstore.storage.backend import Backend, ObjectWriter
+from tierstore.tiers.tier import Tier
+
+# Where the injected bug leaves its window open: a crash point the machine's trace finds.
+BUG_WINDOW = "bug.manifest_published_metadata_not_yet_written"
 
 
-def finish_manifest_first(self: TieredWriter, metadata, results) -> None:  # type: ignore[no-untyped-def]
-    """TieredWriter.finish with the bug: commit first, write the metadata it names after."""
-    attempt = self._plan
-    files, storage_data = {}, {}
-    for rank_results in results:
-        for result in rank_results:
-            storage_data[result.index] = result.storage_data.info
-            if result.storage_data.file is not None:
-                files[result.storage_data.file.path] = result.storage_data.file
-    metadata.storage_data = storage_data
-    data = pickle.dumps(metadata)
-    files[layout.METADATA_FILE] = FileEntry(layout.METADATA_FILE, len(data), crc32c_update(0, data), self._rank)
-    manifest = Manifest(name=attempt.name, step=attempt.step, attempt=attempt.attempt,
-                        world_size=len(results), created=time.time(),
-                        files=tuple(sorted(files.values(), key=lambda f: (f.rank, f.path))),
-                        producer=producer())
-    self.hot.publish_manifest(manifest)  # BUG: the manifest is published before...
-    faults.point("writer.after_manifest_publish")
-    with self.hot.backend.open_write(self.hot.file_key(attempt.name, attempt.attempt,
-                                                       layout.METADATA_FILE)) as out:
-        out.write(data)  # ...the file it vouches for exists
-    self.manifest = manifest
-    if self.migrator is not None:
-        self.migrator.submit_commit(manifest, self._rank)
+def publishing_manifest_before_metadata(
+        publish: Callable[[Tier, Manifest], None]) -> Callable[[Tier, Manifest], None]:
+    """``Tier.publish_manifest`` with the bug: the metadata file it vouches for is taken out
+    of the store before the commit and written back only after it."""
+
+    def buggy(tier: Tier, manifest: Manifest) -> None:
+        key = tier.file_key(manifest.name, manifest.attempt, layout.METADATA_FILE)
+        with tier.backend.open_read(key) as stream:
+            data = stream.read()
+        tier.backend.delete(key)
+        publish(tier, manifest)  # BUG: the manifest is published before...
+        faults.point(BUG_WINDOW)
+        with tier.backend.open_write(key) as out:
+            out.write(data)  # ...the file it vouches for exists
+
+    return buggy
+
+
+def deleting_before_every_write(
+        open_write: Callable[[Backend, str], ObjectWriter]) -> Callable[[Backend, str], ObjectWriter]:
+    """A backend's ``open_write`` that deletes the key first, as every upload try of the old
+    migrator did: a second migrator's retry deletes the object the first one verified and
+    committed, and a crash before its own write completes leaves the key empty."""
+
+    def buggy(backend: Backend, key: str) -> ObjectWriter:
+        backend.delete(key)  # BUG: may be another migrator's committed copy
+        return open_write(backend, key)
+
+    return buggy
+
+
+def expect_caught(machine: Any, match: str, config: settings) -> None:
+    """Run ``machine``: one of its invariant checks must fail, not a rule or the harness
+    (and the failure counts as an expected catch, not a violation of the product)."""
+    invariants = {name for name, fn in inspect.getmembers(machine) if getattr(fn, INVARIANT_MARKER, None)}
+    violations_before = STATS.violations
+    with pytest.raises(AssertionError, match=match) as caught:
+        run_state_machine_as_test(machine, settings=config)
+    failed_in = {entry.name for entry in caught.traceback}
+    STATS.violations = violations_before
+    STATS.messages.clear()
+    assert failed_in & invariants, f"failed outside the invariants {sorted(invariants)}: {caught.value}"
 
 
 def test_state_machine_catches_manifest_published_before_data(monkeypatch) -> None:
-    monkeypatch.setattr(TieredWriter, "finish", finish_manifest_first)
-    violations_before = STATS.violations
-    with pytest.raises(AssertionError, match="does not load|not committed|vanished"):
-        run_state_machine_as_test(CrashConsistency, settings=settings(
-            max_examples=80, stateful_step_count=8, phases=[Phase.generate],
-            derandomize=True, database=None, deadline=None))
-    assert STATS.violations > violations_before
-    STATS.violations = violations_before  # an expected catch, not a violation of the product
-    STATS.messages.clear()
-
-
-def upload_file_deleting_first(self: Migrator, job, entry: FileEntry) -> None:  # type: ignore[no-untyped-def]
-    """Migrator._upload_file as it was (7cc5efe): every try deletes the key before writing,
-    so a second migrator's retry deletes the object the first one verified and committed."""
-    try:
-        if has_verified_copy(self.cold, job.name, job.attempt, entry, chunk_size=self.config.chunk_size):
-            job.add_bytes(entry.size)
-            return
-        sent = [0]
-        key = self.cold.file_key(job.name, job.attempt, entry.path)
-
-        def attempt() -> None:
-            job.add_bytes(-sent[0])
-            sent[0] = 0
-            self.cold.backend.delete(key)  # BUG: may be another migrator's committed copy
-
-            def progress(n: int) -> None:
-                sent[0] += n
-                job.add_bytes(n)
-
-            copy_file(self.hot, self.cold, job.name, job.attempt, entry, chunk_size=self.config.chunk_size,
-                      throttle=self._throttle, progress=progress)
-
-        self.config.retry.call(attempt, what=f"upload of {entry.path} ({job.name})", sleep=self._sleep)
-        faults.point("migrator.after_file_upload")
-    except Exception as err:
-        raise _Failed(job.rank, entry.path, err) from err
+    # Forked actors inherit the patched method.
+    monkeypatch.setattr(Tier, "publish_manifest", publishing_manifest_before_metadata(Tier.publish_manifest))
+    expect_caught(CrashConsistency, "does not load|vanished", settings(
+        max_examples=80, stateful_step_count=8, phases=[Phase.generate],
+        derandomize=True, database=None, deadline=None))
 
 
 class TwoMigrators(MultiActor):
@@ -104,12 +96,10 @@ class TwoMigrators(MultiActor):
 
 def test_multi_actor_machine_catches_a_retry_deleting_a_committed_object(monkeypatch, s3_endpoint: str,
                                                                          s3_bucket: str) -> None:
-    pytest.importorskip("tierstore_s3", reason="the S3 backend is installed by make test")
-    monkeypatch.setattr(Migrator, "_upload_file", upload_file_deleting_first)  # forked actors inherit it
-    violations_before = STATS.violations
-    with s3_cold(s3_endpoint, s3_bucket), pytest.raises(AssertionError, match="names missing or damaged|does not load"):
-        run_state_machine_as_test(TwoMigrators, settings=settings(
+    s3 = pytest.importorskip("tierstore_s3", reason="the S3 backend is installed by make test")
+    # Only migrators write objects into the cold tier; forked actors inherit the patch.
+    monkeypatch.setattr(s3.S3Backend, "open_write", deleting_before_every_write(s3.S3Backend.open_write))
+    with s3_cold(s3_endpoint, s3_bucket):
+        expect_caught(TwoMigrators, "names missing or damaged|does not load", settings(
             max_examples=10, stateful_step_count=5, phases=[Phase.generate], derandomize=True,
             database=None, deadline=None, suppress_health_check=list(HealthCheck)))
-    STATS.violations = violations_before
-    STATS.messages.clear()

@@ -20,7 +20,7 @@ __all__ = ["MiB", "PART", "FAST_RETRY", "create_bucket", "moto_in_own_process"]
 
 MiB = 1 << 20
 PART = 5 * MiB  # S3's smallest part: multipart paths run on small objects
-# The real backoff's shape with tiny waits: no test sleeps on a real backoff (STYLE.md 7).
+# The real backoff's shape with tiny waits: no test sleeps on a real backoff (docs/design.md, Conventions).
 FAST_RETRY = RetryPolicy(attempts=6, deadline=30.0, initial=0.005, maximum=0.05)
 
 

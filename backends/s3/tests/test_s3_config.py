@@ -192,8 +192,33 @@ def test_list_pages_and_stays_inside_the_prefix(make_backend: MakeBackend,
     assert {i.key for i in backend.list("ck/")} == {k for k in keys if k.startswith("ck/")}
 
 
-def test_close_is_idempotent(make_backend: MakeBackend) -> None:
-    backend = make_backend("closing")
+def _open_connections_to(port: int) -> int:
+    """This process's established TCP connections to ``port`` on 127.0.0.1 (Linux /proc)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as rows:
+            next(rows)
+            for row in rows:
+                fields = row.split()
+                if int(fields[2].rsplit(":", 1)[1], 16) == port and fields[3] == "01":
+                    inodes.add(f"socket:[{fields[9]}]")
+    found = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            found += os.readlink(f"/proc/self/fd/{fd}") in inodes
+        except OSError:
+            pass  # the listing's own descriptor, closed by now
+    return found
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="counts connections through /proc")
+def test_close_releases_connections_and_is_idempotent(make_backend: MakeBackend,
+                                                      fault_proxy: FaultProxy) -> None:
+    port = int(fault_proxy.url.rsplit(":", 1)[1])  # a keep-alive server: connections stay open
+    backend = make_backend("closing", endpoint=fault_proxy.url)
     backend.publish("x", b"x")
+    assert _open_connections_to(port) >= 1
     backend.close()
-    backend.close()
+    assert _open_connections_to(port) == 0
+    backend.close()  # a second close is a no-op, not an error
+    assert _open_connections_to(port) == 0

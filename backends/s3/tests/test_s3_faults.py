@@ -1,6 +1,6 @@
 """Failures on the wire, injected by a proxy in front of moto: transient ones are retried
 through tierstore.retry and the operation succeeds; permanent ones fail once and clearly;
-an ambiguous conditional publish reads back before deciding (DESIGN.md invariant 6)."""
+an ambiguous conditional publish reads back before deciding (docs/design.md invariant 12)."""
 
 from __future__ import annotations
 
@@ -148,7 +148,7 @@ def test_stored_size_differs_is_checksum_mismatch(flaky: S3Backend,
     assert not flaky.exists("short")
 
 
-# -- ambiguous conditional publish (DESIGN.md invariant 6) -----------------------------------
+# -- ambiguous conditional publish (design.md invariant 12) ----------------------------------
 
 def test_lost_answer_then_412_for_our_own_put_is_success(flaky: S3Backend,
                                                          fault_proxy: FaultProxy) -> None:

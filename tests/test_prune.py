@@ -1,18 +1,17 @@
-"""Pruning in the safe order, SIGKILL at each prune fault point, garbage collection."""
+"""Pruning in the safe order, leases that hold a checkpoint's data, SIGKILL at each prune
+fault point (garbage collection: test_gc.py)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-import torch
-import torch.distributed.checkpoint as dcp
+from helpers import assert_every_listed_checkpoint_loads, load, matches, save
 
-from tierstore import TieredReader, TieredWriter, list_checkpoints
+from tierstore import TieredReader, list_checkpoints
 from tierstore.commit import layout
 from tierstore.lifecycle import leases
 from tierstore.lifecycle.gc import collect_garbage, find_garbage
@@ -22,33 +21,17 @@ from tierstore.tiers.migrator import MigrationConfig
 from tierstore.tiers.status import migrate_pending, wait_for_migrations
 from tierstore.tiers.tier import Tier
 
-
-def state_for(step: int) -> dict:
-    return {"w": torch.full((64, 64), float(step)), "extra": {"step": step}}
-
-
-def save(hot: str, step: int, cold: str | None = None) -> None:
-    dcp.save(state_for(step), storage_writer=TieredWriter(hot, cold, step=step,
-                                                          migration=MigrationConfig(poll_interval=0.01)))
+FAST = MigrationConfig(poll_interval=0.01)
 
 
 def loads_bit_exact(hot: str | None, cold: str | None, step: int) -> bool:
-    target = {"w": torch.zeros(64, 64), "extra": {"step": -1}}
-    dcp.load(target, storage_reader=TieredReader(hot, cold, step=step, lease=False))
-    return torch.equal(target["w"], state_for(step)["w"]) and target["extra"]["step"] == step
-
-
-def assert_every_listed_checkpoint_loads(hot: str | None, cold: str | None = None) -> None:
-    for info in list_checkpoints(hot, cold):
-        for tier in info.tiers:  # each tier's copy on its own: nothing listed is missing data
-            assert loads_bit_exact(hot if tier == "hot" else None, cold if tier == "cold" else None,
-                                   info.step), (info, tier)
+    return matches(load(hot, cold, step=step, lease=False)[0], step)
 
 
 def test_prune_keeps_policy_set_and_newest(tmp_path: Path) -> None:
     hot = str(tmp_path / "hot")
     for step in (1, 2, 3, 4, 5):
-        save(hot, step)
+        save(hot, step, migration=FAST)
     [report] = prune(hot, hot_policy=keep_last(2) | keep_steps(1))
     assert set(report.deleted) == {layout.default_name(s) for s in (2, 3)}
     assert [c.step for c in list_checkpoints(hot)] == [1, 4, 5]
@@ -62,7 +45,7 @@ def test_prune_keeps_policy_set_and_newest(tmp_path: Path) -> None:
 def test_dry_run_touches_nothing(tmp_path: Path) -> None:
     hot = str(tmp_path / "hot")
     for step in (1, 2, 3):
-        save(hot, step)
+        save(hot, step, migration=FAST)
     [report] = prune(hot, hot_policy=keep_last(1), dry_run=True)
     assert report.dry_run and len(report.deleted) == 2 and report.bytes_freed > 0
     assert [c.step for c in list_checkpoints(hot)] == [1, 2, 3]
@@ -70,10 +53,10 @@ def test_dry_run_touches_nothing(tmp_path: Path) -> None:
 
 def test_hot_checkpoint_pending_cold_is_never_pruned(tmp_path: Path) -> None:
     hot, cold = str(tmp_path / "hot"), str(tmp_path / "cold")
-    save(hot, 1, cold)
+    save(hot, 1, cold, migration=FAST)
     wait_for_migrations(hot, cold, timeout=30)
     for step in (2, 3):
-        save(hot, step)  # no cold tier given: these are pending in cold
+        save(hot, step, migration=FAST)  # no cold tier given: these are pending in cold
     [hot_report, _] = prune(hot, cold, hot_policy=keep_last(1), cold_policy=keep_last(5))
     assert hot_report.deleted == (layout.default_name(1),)  # safe in cold already
     assert set(hot_report.protected) == {layout.default_name(2)}
@@ -83,7 +66,7 @@ def test_hot_checkpoint_pending_cold_is_never_pruned(tmp_path: Path) -> None:
 def test_a_leased_checkpoint_keeps_its_data_until_gc(tmp_path: Path) -> None:
     hot = str(tmp_path / "hot")
     for step in (1, 2):
-        save(hot, step)
+        save(hot, step, migration=FAST)
     tier = Tier("hot", hot)
     held = leases.take(tier, layout.default_name(1))  # a load in another process
     [report] = prune(hot, hot_policy=keep_last(1))
@@ -99,7 +82,7 @@ def test_a_leased_checkpoint_keeps_its_data_until_gc(tmp_path: Path) -> None:
 
 def test_reader_leases_and_releases(tmp_path: Path) -> None:
     hot = str(tmp_path / "hot")
-    save(hot, 1)
+    save(hot, 1, migration=FAST)
     tier = Tier("hot", hot)
     reader = TieredReader(hot)
     reader.read_metadata()
@@ -125,7 +108,7 @@ print("pruned")
 def test_sigkill_during_prune(tmp_path: Path, point: str) -> None:
     hot = str(tmp_path / "hot")
     for step in (1, 2, 3):
-        save(hot, step)
+        save(hot, step, migration=FAST)
     proc = subprocess.run([sys.executable, "-c", PRUNE_SCRIPT, hot], capture_output=True, text=True,
                           timeout=120, env={**os.environ, "TIERSTORE_FAULTS": f"{point}=kill"})
     assert proc.returncode == -9, proc.stderr[-2000:]
@@ -145,52 +128,10 @@ def test_sigkill_during_prune(tmp_path: Path, point: str) -> None:
     assert [c.step for c in list_checkpoints(hot)] == [3]
 
 
-def test_gc_collects_only_old_unreferenced_debris(tmp_path: Path) -> None:
-    hot, cold = str(tmp_path / "hot"), str(tmp_path / "cold")
-    save(hot, 1, cold)
-    wait_for_migrations(hot, cold, timeout=30)
-    save(hot, 2)  # pending in cold; its hot files are referenced
-    dead = Path(hot, layout.attempt_prefix("step-0000000009", "20260101T000000Z-deadbeef"))
-    dead.mkdir(parents=True)
-    (dead / "__0_0.distcp").write_bytes(b"x" * 100)
-    Path(hot, layout.MANIFEST_DIR, ".step-0000000009.json.tmp-abc").write_bytes(b"{")
-    # Cold uploads of a pending checkpoint (only its hot manifest exists) are not garbage.
-    stray = Path(cold, layout.file_key("step-0000000002", Tier("hot", hot).find_manifest("step-0000000002").attempt, "__0_0.distcp"))
-    stray.parent.mkdir(parents=True, exist_ok=True)
-    stray.write_bytes(b"partial upload")
-    now = time.time()
-    assert find_garbage(hot, cold, grace=3600, now=now) == []  # all too young
-    found = {(g.key, g.reason) for g in find_garbage(hot, cold, grace=0, now=now + 1)}
-    assert found == {
-        (f"{layout.attempt_prefix('step-0000000009', '20260101T000000Z-deadbeef')}__0_0.distcp",
-         "attempt named by no manifest"),
-        ("manifests/.step-0000000009.json.tmp-abc", "leftover publish temporary"),
-    }, found
-    dry = collect_garbage(hot, cold, grace=0, now=now + 1)
-    assert not dry.deleted and dead.exists()
-    collect_garbage(hot, cold, grace=0, now=now + 1, dry_run=False)
-    assert not dead.exists() and stray.exists()
-    assert_every_listed_checkpoint_loads(hot, cold)
-
-
-def test_gc_removes_upload_marks_once_committed(tmp_path: Path) -> None:
-    hot, cold = str(tmp_path / "hot"), str(tmp_path / "cold")
-    save(hot, 1, cold)
-    wait_for_migrations(hot, cold, timeout=30)
-    assert not any(Path(cold, layout.UPLOAD_DIR).rglob("*.json"))  # the migrator cleaned up
-    # A migrator killed right after the cold commit leaves its mark behind:
-    manifest = Tier("cold", cold).find_manifest(layout.default_name(1))
-    Tier("cold", cold).backend.publish(layout.upload_mark_key(manifest.name, manifest.attempt, 0), b"{}")
-    report = collect_garbage(hot, cold, grace=3600, dry_run=False)
-    assert [g.reason for g in report.garbage] == ["upload mark of a committed checkpoint"]
-    assert not any(Path(cold, layout.UPLOAD_DIR).rglob("*.json"))
-    assert_every_listed_checkpoint_loads(hot, cold)
-
-
 def test_prune_tier_on_cold_and_newest_survives(tmp_path: Path) -> None:
     hot, cold = str(tmp_path / "hot"), str(tmp_path / "cold")
     for step in (1, 2, 3):
-        save(hot, step, cold)
+        save(hot, step, cold, migration=FAST)
     wait_for_migrations(hot, cold, timeout=30)
     report = prune_tier(Tier("cold", cold), keep_last(1))
     assert set(report.deleted) == {layout.default_name(1), layout.default_name(2)}
@@ -204,7 +145,7 @@ def test_checkpoint_pruned_from_cold_is_not_pending_again(tmp_path: Path) -> Non
     # policy pruned looked pending again: hot kept it forever and migrate re-uploaded it.
     hot, cold = str(tmp_path / "hot"), str(tmp_path / "cold")
     for step in (1, 2, 3):
-        save(hot, step, cold)
+        save(hot, step, cold, migration=FAST)
     wait_for_migrations(hot, cold, timeout=30)
     prune(None, cold, cold_policy=keep_last(1))
     assert [(c.step, c.tiers) for c in list_checkpoints(hot, cold)] == [
