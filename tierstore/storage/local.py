@@ -5,7 +5,7 @@ component at a time with ``O_NOFOLLOW | O_DIRECTORY``, and acts on the last name
 to its directory (``openat``, ``unlinkat``, ``linkat``, ``renameat``, ``mkdirat``). A
 symbolic link anywhere below the root, even one swapped in after a check, therefore
 cannot lead a read, write, publish, mkdir or delete outside the store: the walk refuses it
-with :class:`~tierstore.errors.UnsafePath` (DESIGN.md invariant 4). The root itself may be
+with :class:`~tierstore.errors.UnsafePath` (docs/design.md invariant 7). The root itself may be
 a symbolic link.
 """
 
@@ -136,7 +136,7 @@ class _LocalWriter(ObjectWriter):
 
     def _commit(self) -> None:
         # Durable before visible, and visible whole: file fsync, rename over the key, then
-        # its directory's entry (DESIGN.md invariant 2). A crash leaves the old object or
+        # its directory's entry (docs/design.md invariant 2). A crash leaves the old object or
         # the new one under the key, and at worst a temporary for gc.
         with translate_os_errors(self.key, self._backend.label):
             try:

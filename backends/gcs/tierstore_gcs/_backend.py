@@ -25,13 +25,7 @@ from tierstore.storage.backend import Backend, ObjectInfo, ObjectWriter, check_k
 from tierstore_gcs._errors import exception_error, response_error
 from tierstore_gcs._http import CONNECT_TIMEOUT, READ_TIMEOUT, Buffer, ClientBuildError, Response, Transport
 from tierstore_gcs._reader import RangeReader
-from tierstore_gcs._wire import (
-    PART_QUANTUM,
-    decode_crc32c,
-    multipart_body,
-    parse_time,
-    parse_url,
-)
+from tierstore_gcs._wire import PART_QUANTUM, decode_crc32c, multipart_body, parse_time, parse_url
 from tierstore_gcs._writer import GCSWriter
 
 __all__ = ["GCSBackend", "DEFAULT_PART_SIZE", "PART_QUANTUM"]
@@ -82,7 +76,7 @@ class GCSBackend(Backend):
     resumable upload, one part in memory at a time. Every upload is verified against the
     size and CRC32C that GCS reports. ``publish`` is one upload with
     ``ifGenerationMatch=0``. Keys written through ``open_write`` may be overwritten; tierstore
-    writes each key once per attempt (DESIGN.md invariant 3).
+    writes each key once per attempt (docs/design.md invariant 3).
     """
 
     scheme = "gs"
@@ -309,7 +303,7 @@ class GCSBackend(Backend):
                     raise
                 return self._resolve_publish(key, data)
             except TransientStorageError:
-                ambiguous = True  # it may have landed: DESIGN.md invariant 6
+                ambiguous = True  # it may have landed: docs/design.md invariant 12
                 raise
 
         resource = self._retrying("publish", key, once)

@@ -161,7 +161,7 @@ class GCSWriter(ObjectWriter):
             raise
         finally:
             self._buf = bytearray()
-        # Durable and complete only once what GCS stored matches (DESIGN.md invariant 2).
+        # Durable and complete only once what GCS stored matches (docs/design.md invariant 2).
         self._backend._verify(self.key, resource, self.size, self.crc32c)
 
     def _cleanup(self) -> None:

@@ -35,8 +35,8 @@ T = TypeVar("T")
 MiB = 1 << 20
 MIN_PART_SIZE = 5 * MiB  # S3's floor for every part but the last
 MAX_PART_SIZE = 5 * 1024 * MiB
-# tierstore.retry is the one retry policy (STYLE.md 6): botocore and s3fs must not retry
-# underneath it, or a conditional PUT could be resent without us knowing (DESIGN.md inv. 6).
+# tierstore.retry is the one retry policy (docs/design.md, Conventions): botocore and s3fs must not retry
+# underneath it, or a conditional PUT could be resent without us knowing (design.md invariant 12).
 _NO_CLIENT_RETRIES = {"mode": "standard", "total_max_attempts": 1}
 _PUBLISH_TOKEN = "tierstore-publish"  # user metadata (x-amz-meta-*) set by publish
 
@@ -206,7 +206,7 @@ class S3Backend(Backend):
             except PublishConflict:
                 # The 412 may answer a resend of our own PUT whose first answer was lost:
                 # our retry, or aiohttp's silent resend of a PUT on a dropped keep-alive
-                # connection. Read back and compare before deciding (DESIGN.md inv. 6).
+                # connection. Read back and compare before deciding (design.md invariant 12).
                 if not self._published_by(key, token, len(data), crc):
                     raise
                 log.info("publish of %s in %s: an earlier send had landed", key, self.label)

@@ -1,7 +1,7 @@
 """Streaming reads: consecutive ranged GETs of ``part_size`` bytes, one fetched ahead.
 
 Each range is fetched whole before any of it is handed out, so a failed range is retried
-as an idempotent unit, never resumed halfway (STYLE.md 6). Every range is pinned to the
+as an idempotent unit, never resumed halfway (docs/design.md, Conventions). Every range is pinned to the
 ETag seen when the stream was opened: an object replaced mid-read fails loudly instead of
 splicing two objects together.
 """

@@ -99,7 +99,7 @@ class _MultipartUpload:
                                    **extra)
             except TierstoreError as err:
                 # An earlier attempt may have completed it and lost the answer; the
-                # verification that follows decides (DESIGN.md invariant 6).
+                # verification that follows decides (docs/design.md invariant 12).
                 if tries == 1 or client_error_code(err) != "NoSuchUpload":
                     raise
 
@@ -191,7 +191,7 @@ class S3ObjectWriter(ObjectWriter):
             raise
 
     def _verify(self, part_crcs: list[int]) -> None:
-        """Size and stored CRC32C must be what we wrote (DESIGN.md invariant 2)."""
+        """Size and stored CRC32C must be what we wrote (docs/design.md invariant 2)."""
         head = self._backend.head(self.key)
         size = int(head["ContentLength"])
         if size != self.size:
