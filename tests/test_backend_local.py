@@ -34,6 +34,14 @@ class TestFileURLContract(BackendContract):
         return LocalBackend(f"file://{tmp_path}/root")
 
 
+class TestLocalDirectIOContract(BackendContract):
+    large_size = 16 << 20  # two O_DIRECT staging buffers and more
+
+    @pytest.fixture
+    def backend(self, tmp_path: Path) -> LocalBackend:
+        return LocalBackend(str(tmp_path / "root"), direct_io=True)
+
+
 def _publish(root: str, i: int, queue: multiprocessing.Queue) -> None:
     try:
         LocalBackend(root).publish("m/x.json", f"proc-{i}".encode())

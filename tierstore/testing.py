@@ -16,6 +16,7 @@ Class attributes tune it: ``large_size`` (bytes streamed by the large-file tests
 
 from __future__ import annotations
 
+import array
 import os
 import threading
 import tracemalloc
@@ -161,6 +162,38 @@ class BackendContract:
         assert backend.read_bytes("lim/m", limit=100) == b"x" * 100
         with pytest.raises(StorageError):
             backend.read_bytes("lim/m", limit=99)
+
+    def test_write_takes_any_buffer(self, backend: Backend) -> None:
+        floats = array.array("d", range(10_000))  # itemsize 8: counted and stored as bytes
+        grid = memoryview(bytearray(_payload(3 * 4096, seed=7))).cast("B", (3, 4096))
+        expected = floats.tobytes() + grid.tobytes() + b"tail"
+        with backend.open_write("buf/any") as out:
+            assert out.write(memoryview(floats)) == len(floats.tobytes())
+            assert out.write(grid) == 3 * 4096
+            out.write(bytearray(b"tail"))
+        assert out.size == len(expected) and out.crc32c == crc32c_update(0, expected)
+        assert backend.read_bytes("buf/any") == expected
+
+    # -- deferred directory durability -----------------------------------------------------
+
+    def test_deferred_dir_sync_write_is_readable_and_listed_once_closed(
+        self, backend: Backend
+    ) -> None:
+        data = {f"dd/r0/{i}.bin": _payload(70_000 + i, seed=i) for i in range(3)}
+        for key, payload in data.items():
+            with backend.open_write(key, defer_dir_sync=True) as out:
+                out.write(payload)
+            assert backend.read_bytes(key) == payload
+        assert {i.key for i in backend.list("dd/")} == set(data)
+        backend.sync_dirs(data)
+        assert {k: backend.read_bytes(k) for k in data} == data
+
+    def test_sync_dirs_takes_any_keys(self, backend: Backend) -> None:
+        backend.publish("sd/written", b"x")
+        backend.sync_dirs([])
+        backend.sync_dirs(["sd/written", "sd/never", "never/deeper/key", "top-level-never"])
+        backend.sync_dirs(iter(["sd/written/below-a-file"]))
+        assert backend.read_bytes("sd/written") == b"x"
 
     # -- publish ------------------------------------------------------------------------
 

@@ -105,7 +105,8 @@ class ShadowFS:
         name = frame.f_code.co_name
         if name == "_fsync_dir":
             caller = frame.f_back.f_code.co_name if frame.f_back else ""
-            return {"_commit": "data-dir", "publish": "publish-dir", "_makedirs": "mkdir"}.get(caller, caller)
+            return {"_commit": "data-dir", "sync_dirs": "data-dir", "publish": "publish-dir",
+                    "_makedirs": "mkdir"}.get(caller, caller)
         return {"_commit": "file", "publish": "publish-temp"}.get(name, name)
 
     # -- the syscalls ----------------------------------------------------------------------

@@ -13,6 +13,15 @@ root URL. tierstore needs only these guarantees, stated once here:
   replaces it atomically. ``abort()``, or an exception inside ``with``, discards what was
   written and leaves an existing object untouched. tierstore only writes keys unique to one
   attempt, and a migrator replacing an object replaces it with the same verified bytes.
+  ``write()`` takes any buffer (bytes, memoryview of tensor or numpy memory) and never copies
+  it into a new bytes object.
+* **Deferred directory durability**: ``open_write(key, defer_dir_sync=True)`` lets a backend
+  whose publication needs a directory fsync (local) leave that fsync to
+  :meth:`Backend.sync_dirs`, which makes the entries of all the given keys durable at once
+  (one fsync per distinct directory, not per file). Until then a closed object is complete
+  and readable but may vanish at a power loss. Backends that publish durably anyway (object
+  stores) ignore the flag, and ``sync_dirs`` does nothing; it never fails for keys that were
+  never written. A plugin whose ``open_write`` predates the keyword is accepted as is.
 * **Publish** (:meth:`Backend.publish`) is the only atomic primitive: the whole object
   appears at once or not at all, it is durable when the call returns, and it is
   *exclusive*: if the key exists, it raises :class:`~tierstore.errors.PublishConflict`
@@ -30,13 +39,13 @@ from __future__ import annotations
 import abc
 import builtins
 import errno
-from collections.abc import Iterator
+import functools
+import inspect
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, BinaryIO, ClassVar
-
-import crc32c as _crc32c
 
 from tierstore._redact import redact_url
 from tierstore.errors import (
@@ -48,13 +57,9 @@ from tierstore.errors import (
     TierstoreError,
     UnsafePath,
 )
+from tierstore.storage.checksum import crc32c_combine, crc32c_update
 
 __all__ = ["Backend", "ObjectInfo", "ObjectWriter", "check_key", "crc32c_update"]
-
-
-def crc32c_update(crc: int, data: Any) -> int:
-    """Extend a CRC32C with any buffer (bytes, memoryview, numpy/tensor memory), copy-free."""
-    return int(_crc32c.crc32c(data, crc))
 
 
 @dataclass(frozen=True)
@@ -99,13 +104,16 @@ class ObjectWriter(abc.ABC):
         # get a generic RuntimeError back from it; this keeps the real one to re-raise.
         self.failure: TierstoreError | None = None
 
-    def write(self, data: Any) -> int:
+    def write(self, data: Any, *, crc32c: int | None = None) -> int:
+        """Append ``data``; ``crc32c``: its CRC32C, when the caller already computed it (the
+        raw encoding checksums each block as it writes it), so the bytes are scanned once."""
         if self.closed:
             raise ValueError(f"write to closed object writer for {self.key!r}")
         view = memoryview(data)
         if view.ndim != 1 or view.itemsize != 1:
             view = view.cast("B")
-        self.crc32c = crc32c_update(self.crc32c, view)
+        self.crc32c = (crc32c_update(self.crc32c, view) if crc32c is None
+                       else crc32c_combine(self.crc32c, crc32c, len(view)))
         try:
             self._write(view)
         except TierstoreError as err:
@@ -168,13 +176,22 @@ class Backend(abc.ABC):
         self.url = url
         self.label = redact_url(url)  # set to e.g. "hot /nvme/run1" by the catalog, used in errors
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__.get("open_write")
+        if own is not None and not _takes_defer_dir_sync(own):
+            cls.open_write = _ignoring_defer_dir_sync(own)  # type: ignore[method-assign]
+
     def __repr__(self) -> str:
         # Options may hold credentials: never show them.
         return f"{type(self).__name__}({redact_url(self.url)!r})"
 
     @abc.abstractmethod
-    def open_write(self, key: str) -> ObjectWriter:
-        """Start writing a new object at ``key``."""
+    def open_write(self, key: str, *, defer_dir_sync: bool = False) -> ObjectWriter:
+        """Start writing a new object at ``key`` (``defer_dir_sync``: module docstring)."""
+
+    def sync_dirs(self, keys: Iterable[str]) -> None:
+        """Make durable the directory entries of ``keys`` written with ``defer_dir_sync``."""
 
     @abc.abstractmethod
     def open_read(self, key: str) -> BinaryIO:
@@ -223,6 +240,30 @@ class Backend(abc.ABC):
 
     def close(self) -> None:
         """Release clients and connections."""
+
+
+def _takes_defer_dir_sync(open_write: Callable[..., ObjectWriter]) -> bool:
+    try:
+        params = inspect.signature(open_write).parameters.values()
+    except (TypeError, ValueError):
+        return True  # not introspectable: trust it
+    return any(p.name == "defer_dir_sync" or p.kind is p.VAR_KEYWORD for p in params)
+
+
+def _ignoring_defer_dir_sync(
+    open_write: Callable[[Backend, str], ObjectWriter],
+) -> Callable[..., ObjectWriter]:
+    """Let a plugin written before ``defer_dir_sync`` existed be called with it.
+
+    Ignoring the flag is always safe: such a backend makes each object durable on close,
+    sooner than deferring asks for.
+    """
+
+    @functools.wraps(open_write)
+    def accepting(self: Backend, key: str, *, defer_dir_sync: bool = False) -> ObjectWriter:
+        return open_write(self, key)
+
+    return accepting
 
 
 _ENOSPC = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}

@@ -120,7 +120,7 @@ class FsspecBackend(Backend):
         root = self.fs._strip_protocol(self.root)
         return path[len(root) :].lstrip("/")
 
-    def open_write(self, key: str) -> ObjectWriter:
+    def open_write(self, key: str, *, defer_dir_sync: bool = False) -> ObjectWriter:
         path = self._path(key)
         with self.errors(key):
             directory, base = path.rsplit("/", 1)

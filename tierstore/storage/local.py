@@ -7,16 +7,23 @@ symbolic link anywhere below the root, even one swapped in after a check, theref
 cannot lead a read, write, publish, mkdir or delete outside the store: the walk refuses it
 with :class:`~tierstore.errors.UnsafePath` (docs/design.md invariant 7). The root itself may be
 a symbolic link.
+
+Writes go to an unbuffered descriptor: a large buffer goes to ``os.write`` as it is, with no
+copy in Python; only small writes are coalesced. With ``direct_io`` they bypass the page cache
+(``O_DIRECT``) through a page-aligned staging buffer, where the filesystem allows it.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
+import mmap
 import os
 import stat as stat_mod
+import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, BinaryIO
 from urllib.parse import unquote, urlparse
 
@@ -30,6 +37,11 @@ log = logging.getLogger(__name__)
 
 _SMALL_WRITE = 64 << 10  # coalesce torch.save's many small header writes
 _BUFFER = 1 << 20
+# O_DIRECT wants memory, file offset and length aligned to the logical block size (512 or
+# 4096): stage into a page-aligned mmap and write it in large whole blocks.
+_DIRECT_CHUNK = 8 << 20
+_DIRECT_ALIGN = 4096
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
@@ -108,7 +120,7 @@ class _LocalWriter(ObjectWriter):
     """Writes a unique temporary beside the key; ``close()`` fsyncs and renames it into place."""
 
     def __init__(self, key: str, dirs: _Dirs, fd: int, tmp: str, base: str,
-                 backend: LocalBackend) -> None:
+                 backend: LocalBackend, *, direct: bool, defer_dir_sync: bool) -> None:
         super().__init__(key)
         self._dirs = dirs
         self._fd = fd
@@ -116,14 +128,37 @@ class _LocalWriter(ObjectWriter):
         self._base = base
         self._backend = backend
         self._buffer = bytearray()
+        self._direct = direct  # the descriptor is O_DIRECT: writes go through _staging
+        self._staging: mmap.mmap | None = None
+        self._staged = 0
+        self._defer_dir_sync = defer_dir_sync
 
     def _drain(self, view: memoryview) -> None:
         faults.point("local.write")
         while view:
-            view = view[os.write(self._fd, view) :]
+            try:
+                written = os.write(self._fd, view)
+            except OSError as err:
+                if not (self._direct and err.errno == errno.EINVAL):
+                    raise
+                # O_DIRECT accepted at open but refused now (a short write left the offset
+                # unaligned, or the filesystem only pretends): finish with ordinary writes.
+                self._backend._refused_direct_io(err)
+                self._end_direct()
+                continue
+            view = view[written:]
+
+    def _end_direct(self) -> None:
+        flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
+        fcntl.fcntl(self._fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
+        self._direct = False
 
     def _write(self, view: memoryview) -> None:
         with translate_os_errors(self.key, self._backend.label):
+            if self._direct:
+                view = self._stage(view)
+                if not view:
+                    return
             if len(view) < _SMALL_WRITE:
                 self._buffer += view
                 if len(self._buffer) < _BUFFER:
@@ -134,12 +169,54 @@ class _LocalWriter(ObjectWriter):
                 self._buffer.clear()
             self._drain(view)
 
+    def _stage(self, view: memoryview) -> memoryview:
+        """Copy ``view`` into the aligned buffer, writing each full one; return what is left
+        if O_DIRECT was given up on the way (ordinary writes take it)."""
+        if self._staging is None:
+            # Anonymous and private: page aligned, backed only as far as it is touched.
+            self._staging = mmap.mmap(-1, _DIRECT_CHUNK, flags=mmap.MAP_PRIVATE)
+        with memoryview(self._staging) as staging:
+            while view and self._direct:
+                take = min(len(view), _DIRECT_CHUNK - self._staged)
+                staging[self._staged : self._staged + take] = view[:take]
+                self._staged += take
+                view = view[take:]
+                if self._staged == _DIRECT_CHUNK:
+                    self._staged = 0
+                    self._drain(staging)
+        return view
+
+    def _flush_staged(self) -> None:
+        """Write what is staged: whole blocks direct, the unaligned tail without O_DIRECT."""
+        if self._staging is None or not self._staged:
+            return
+        staged, self._staged = self._staged, 0
+        whole = staged - staged % _DIRECT_ALIGN
+        with memoryview(self._staging) as staging:
+            if whole:
+                self._drain(staging[:whole])
+            if staged > whole:
+                if self._direct:
+                    self._end_direct()
+                self._drain(staging[whole:staged])
+
+    def _release_staging(self) -> None:
+        staging, self._staging = self._staging, None
+        if staging is not None:
+            try:
+                staging.close()
+            except BufferError:
+                pass  # a view is still held by a traceback: unmapped when it goes
+
     def _commit(self) -> None:
         # Durable before visible, and visible whole: file fsync, rename over the key, then
         # its directory's entry (docs/design.md invariant 2). A crash leaves the old object or
         # the new one under the key, and at worst a temporary for gc.
+        # With defer_dir_sync the entry's fsync is left to sync_dirs, once per directory.
         with translate_os_errors(self.key, self._backend.label):
             try:
+                self._flush_staged()
+                self._release_staging()
                 if self._buffer:
                     self._drain(memoryview(self._buffer))
                     self._buffer.clear()
@@ -153,13 +230,14 @@ class _LocalWriter(ObjectWriter):
                 self._abort()
                 raise
             try:
-                if self._backend.fsync:
+                if self._backend.fsync and not self._defer_dir_sync:
                     _fsync_dir(self._dirs.fd)
             finally:
                 self._dirs.close()
 
     def _abort(self) -> None:
         # The temporary only: an object already under the key is never touched.
+        self._release_staging()
         if self._fd >= 0:
             fd, self._fd = self._fd, -1
             try:
@@ -177,17 +255,30 @@ class LocalBackend(Backend):
     """Objects are files under a root directory; publish is temp, fsync, link, fsync directory.
 
     ``fsync=False`` skips every fsync: only for throwaway data on tmpfs, never for
-    checkpoints you intend to trust after a power loss.
+    checkpoints you intend to trust after a power loss. ``direct_io=True`` writes objects
+    with ``O_DIRECT`` (NVMe: no page-cache copy, no dirty-page writeback); where the
+    filesystem refuses it, writes fall back to ordinary ones, logged once per backend.
     """
 
     scheme = "file"
 
-    def __init__(self, url: str, *, fsync: bool = True, **options: Any) -> None:
+    def __init__(self, url: str, *, fsync: bool = True, direct_io: bool = False,
+                 **options: Any) -> None:
         super().__init__(url, **options)
         if options:
             raise ConfigError(f"unknown options for a local tier: {sorted(options)}")
         self.root = _path_from_url(str(url))
         self.fsync = fsync
+        self.direct_io = bool(direct_io and _O_DIRECT)
+        self._direct_lock = threading.Lock()
+
+    def _refused_direct_io(self, err: OSError) -> None:
+        """The filesystem refused O_DIRECT: stop asking for it, and say so once."""
+        with self._direct_lock:
+            first, self.direct_io = self.direct_io, False
+        if first:
+            log.warning("%s refuses O_DIRECT (%s); writing through the page cache instead",
+                        self.label, err.strerror)
 
     # -- walking below the root ------------------------------------------------------------
 
@@ -273,8 +364,23 @@ class LocalBackend(Backend):
             raise
         return dirs
 
-    def _create(self, key: str, parts: list[str], name: str) -> tuple[_Dirs, int]:
-        """Exclusively create file ``name`` in ``key``'s directory, making it first.
+    def _create_file(self, name: str, directory: int, direct: bool) -> tuple[int, bool]:
+        """Exclusively create ``name``, O_DIRECT if ``direct`` and the filesystem allows it."""
+        if direct and self.direct_io:
+            try:
+                return os.open(name, _CREATE_FLAGS | _O_DIRECT, 0o644, dir_fd=directory), True
+            except OSError as err:
+                if err.errno != errno.EINVAL:
+                    raise
+                # Linux made the file before it found O_DIRECT unsupported (ramfs, some FUSE).
+                _unlink_quietly(name, directory)
+                self._refused_direct_io(err)
+        return os.open(name, _CREATE_FLAGS, 0o644, dir_fd=directory), False
+
+    def _create(self, key: str, parts: list[str], name: str,
+                direct: bool = False) -> tuple[_Dirs, int, bool]:
+        """Exclusively create file ``name`` in ``key``'s directory, making it first; say
+        whether it is open for O_DIRECT.
 
         ``delete`` removes directories it leaves empty, so a concurrent delete can remove
         the directory between our walk and our create: walk again and retry.
@@ -287,7 +393,7 @@ class LocalBackend(Backend):
                     raise
                 continue
             try:
-                return dirs, os.open(name, _CREATE_FLAGS, 0o644, dir_fd=dirs.fd)
+                return (dirs, *self._create_file(name, dirs.fd, direct))
             except FileNotFoundError:
                 dirs.close()
                 if attempt == _VANISHED_RETRIES:
@@ -299,12 +405,33 @@ class LocalBackend(Backend):
 
     # -- contract ----------------------------------------------------------------------
 
-    def open_write(self, key: str) -> ObjectWriter:
+    def open_write(self, key: str, *, defer_dir_sync: bool = False) -> ObjectWriter:
         parts = check_key(key, tier=self.label)
         tmp = _temp_name(parts[-1])
         with translate_os_errors(key, self.label):
-            dirs, fd = self._create(key, parts, tmp)
-        return _LocalWriter(key, dirs, fd, tmp, parts[-1], self)
+            dirs, fd, direct = self._create(key, parts, tmp, direct=True)
+        return _LocalWriter(key, dirs, fd, tmp, parts[-1], self, direct=direct,
+                            defer_dir_sync=defer_dir_sync)
+
+    def sync_dirs(self, keys: Iterable[str]) -> None:
+        """fsync each distinct directory holding one of ``keys``, once.
+
+        Directories a write created had their own entries made durable by ``_makedirs``
+        then; a key's missing directory holds nothing of ours and is skipped.
+        """
+        if not self.fsync:
+            return
+        for names in sorted({tuple(check_key(key, tier=self.label)[:-1]) for key in keys}):
+            where = "/".join(names) + "/" if names else ""
+            with translate_os_errors(where, self.label):
+                try:
+                    dirs = self._open_dirs(where, list(names), create=False)
+                except (FileNotFoundError, NotADirectoryError):
+                    continue
+                try:
+                    _fsync_dir(dirs.fd)
+                finally:
+                    dirs.close()
 
     def open_read(self, key: str) -> BinaryIO:
         parts = check_key(key, tier=self.label)
@@ -326,7 +453,7 @@ class LocalBackend(Backend):
         parts = check_key(key, tier=self.label)
         tmp = _temp_name(parts[-1])
         with translate_os_errors(key, self.label):
-            dirs, fd = self._create(key, parts, tmp)
+            dirs, fd, _ = self._create(key, parts, tmp)
             try:
                 try:
                     faults.point("local.publish.write")

@@ -67,7 +67,7 @@ class MemoryBackend(Backend):
         except KeyError:
             raise ObjectNotFound("no such object", key=key, tier=self.label) from None
 
-    def open_write(self, key: str) -> ObjectWriter:
+    def open_write(self, key: str, *, defer_dir_sync: bool = False) -> ObjectWriter:
         return _MemoryWriter(self._key(key), self)
 
     def open_read(self, key: str) -> BinaryIO:

@@ -218,7 +218,7 @@ class GCSBackend(Backend):
 
     # -- writes ----------------------------------------------------------------------
 
-    def open_write(self, key: str) -> ObjectWriter:
+    def open_write(self, key: str, *, defer_dir_sync: bool = False) -> ObjectWriter:
         self._name(key)  # reject unsafe keys now, not at the first upload
         return GCSWriter(self, key)
 

@@ -184,7 +184,7 @@ class S3Backend(Backend):
 
     # -- the contract -------------------------------------------------------------------
 
-    def open_write(self, key: str) -> ObjectWriter:
+    def open_write(self, key: str, *, defer_dir_sync: bool = False) -> ObjectWriter:
         from tierstore_s3._writer import S3ObjectWriter
 
         self.full_key(key)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import urllib.parse
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, BinaryIO
 
 from tierstore.errors import ConfigError, PublishConflict
@@ -23,9 +23,9 @@ class _Writer(ObjectWriter):
     # The base class counts size and CRC32C of every write(); we only move bytes. The
     # contract: no partial object is ever visible under the key, so write a temporary and
     # move it into place (replacing any older object) on commit.
-    def __init__(self, key: str, path: str, backend: FlatDirBackend) -> None:
+    def __init__(self, key: str, path: str, backend: FlatDirBackend, defer_dir_sync: bool) -> None:
         super().__init__(key)
-        self._path, self._backend = path, backend
+        self._path, self._backend, self._defer_dir_sync = path, backend, defer_dir_sync
         self._tmp = f"{path}.tmp-{uuid.uuid4().hex}"  # '%' escapes mean no key ends like this
         self._file = open(self._tmp, "xb")  # noqa: SIM115 - closed by _commit/_abort
 
@@ -39,7 +39,8 @@ class _Writer(ObjectWriter):
             os.fsync(self._file.fileno())
             self._file.close()
             os.replace(self._tmp, self._path)
-            self._backend._sync_dir()
+            if not self._defer_dir_sync:  # else the caller's sync_dirs makes the entry durable
+                self._backend._sync_dir()
 
     def _abort(self) -> None:
         self._file.close()
@@ -67,11 +68,16 @@ class FlatDirBackend(Backend):
         finally:
             os.close(fd)
 
-    def open_write(self, key: str) -> ObjectWriter:
+    def open_write(self, key: str, *, defer_dir_sync: bool = False) -> ObjectWriter:
         path = self._file(key)
         with translate_os_errors(key, self.label):
             os.makedirs(self.root, exist_ok=True)
-            return _Writer(key, path, self)
+            return _Writer(key, path, self, defer_dir_sync)
+
+    def sync_dirs(self, keys: Iterable[str]) -> None:
+        # Every object lives in the one root directory: one fsync covers them all.
+        if list(keys) and os.path.isdir(self.root):
+            self._sync_dir()
 
     def open_read(self, key: str) -> BinaryIO:
         with translate_os_errors(key, self.label, reading=True):
