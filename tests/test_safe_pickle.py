@@ -233,11 +233,12 @@ def test_hostile_metadata_through_reader(tmp_path: Path, role: str, target: tupl
     assert err.tier == f"{role} {root}"
 
 
-def test_hostile_byte_io_item_runs_nothing(tmp_path: Path) -> None:
+@pytest.mark.parametrize("encoding", ["raw", "dcp"])
+def test_hostile_byte_io_item_runs_nothing(tmp_path: Path, encoding: str) -> None:
     # DCP's DefaultLoadPlanner torch.loads BYTE_IO items with weights_only=False: a forged
     # item must be refused before the planner sees it.
     root, marker = tmp_path / "hot", tmp_path / "owned"
-    dcp.save(_state(), storage_writer=TieredWriter(str(root), step=1))
+    dcp.save(_state(), storage_writer=TieredWriter(str(root), step=1, encoding=encoding))
     name = layout.default_name(1)
     attempt = json.loads((root / layout.manifest_key(name)).read_text())["attempt"]
 
@@ -251,7 +252,10 @@ def test_hostile_byte_io_item_runs_nothing(tmp_path: Path) -> None:
     index = next(i for i in meta.storage_data if i.fqn == "extra.step")
     info = meta.storage_data[index]
     shard = (root / layout.file_key(name, attempt, info.relative_path)).read_bytes()
-    meta.storage_data[index] = dataclasses.replace(info, offset=len(shard), length=len(buf.getvalue()))
+    # A raw item's forger also fixes up its block checksum.
+    sealed = {"crc32c": (crc32c_update(0, buf.getvalue()),)} if encoding == "raw" else {}
+    meta.storage_data[index] = dataclasses.replace(info, offset=len(shard), length=len(buf.getvalue()),
+                                                   **sealed)
     _reseal(root, name, {info.relative_path: shard + buf.getvalue(), ".metadata": pickle.dumps(meta)})
     with watching(marker):
         err = _load_error(root, "hot")

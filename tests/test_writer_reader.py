@@ -101,7 +101,9 @@ def test_writer_pickles_without_its_backend(store: str) -> None:
 
 
 def test_attempt_directory_is_plain_dcp(store: str) -> None:
-    manifest = save(store, 4).manifest
+    # The documented way to plain DCP: encoding="dcp" (the raw default needs TieredReader).
+    manifest = save(store, 4, encoding="dcp").manifest
+    assert manifest.encoding == "dcp"
     target = blank()
     attempt_dir = Path(store, layout.attempt_prefix(manifest.name, manifest.attempt))
     dcp.load(target, storage_reader=dcp.FileSystemReader(attempt_dir))
@@ -301,10 +303,13 @@ def test_metadata_referencing_unlisted_file_is_rejected(store: str) -> None:
     assert isinstance(err, InvalidManifest) and "does not list" in str(err)
 
 
-def test_zip_crc32_is_skipped_while_writing_and_restored_after(store: str, monkeypatch) -> None:
+@pytest.mark.parametrize("encoding", ["raw", "dcp"])
+def test_zip_crc32_is_skipped_while_writing_and_restored_after(store: str, monkeypatch,
+                                                               encoding: str) -> None:
     # torch's own zip CRC32 is redundant with tierstore's CRC32C (verified on every read):
-    # off while a TieredWriter writes, the caller's setting back afterwards, files still
-    # plain DCP that FileSystemReader loads.
+    # off while a TieredWriter writes (raw: the planner's torch.save of BYTE_IO items), the
+    # caller's setting back afterwards, dcp-encoded files still plain DCP that
+    # FileSystemReader loads.
     seen = []
     real_save = torch.save
 
@@ -314,11 +319,11 @@ def test_zip_crc32_is_skipped_while_writing_and_restored_after(store: str, monke
 
     monkeypatch.setattr(torch, "save", spy)
     assert torch.serialization.get_crc32_options() is True
-    manifest = save(store, 9).manifest
+    manifest = save(store, 9, encoding=encoding).manifest
     assert seen and not any(seen)
     assert torch.serialization.get_crc32_options() is True
     monkeypatch.undo()
     target = blank()
-    dcp.load(target, storage_reader=dcp.FileSystemReader(
+    dcp.load(target, storage_reader=TieredReader(store) if encoding == "raw" else dcp.FileSystemReader(
         Path(store, layout.attempt_prefix(manifest.name, manifest.attempt))))
     assert_same(target, state_for(9))

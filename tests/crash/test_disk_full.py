@@ -91,14 +91,17 @@ def test_real_enospc_mid_write(tiny_disk: Path, monkeypatch) -> None:
     assert find_garbage(hot, grace=0) == []
 
 
-def test_enospc_inside_torch_save_is_reported_as_no_space(tmp_path: Path) -> None:
+@pytest.mark.parametrize("encoding", ["dcp", "raw"])
+def test_enospc_inside_torch_save_is_reported_as_no_space(tmp_path: Path, encoding: str) -> None:
     # Regression (found by the real-tmpfs test): a tensor larger than the local writer's
     # 64 KiB write buffer hits the disk inside torch.save, whose C++ writer turned our
-    # NoSpaceLeft into "RuntimeError: unexpected pos". Injected here so it runs anywhere.
+    # NoSpaceLeft into "RuntimeError: unexpected pos". Injected here so it runs anywhere;
+    # the raw encoding writes the tensor's memory itself, and must say the same.
     hot = str(tmp_path / "hot")
     faults.arm("local.write", "enospc")
     with pytest.raises(BaseException) as info:
-        dcp.save({"big": model.torch.zeros(1 << 18)}, storage_writer=TieredWriter(hot, step=1))
+        dcp.save({"big": model.torch.zeros(1 << 18)},
+                 storage_writer=TieredWriter(hot, step=1, encoding=encoding))
     faults.disarm()
     err = model.unwrap(info.value)
     assert isinstance(err, NoSpaceLeft) and "__0_0.distcp" in str(err), repr(err)

@@ -3,6 +3,10 @@
 Frozen data types, their versioned JSON form, strict validation and the manifest's own
 checksum. No I/O here. A manifest names every file of one attempt with its size, CRC32C
 and writing rank (invariant 4); readers trust nothing it does not vouch for.
+
+``encoding`` says how the data files are laid out (:mod:`tierstore.commit.encoding`). It is
+written only when it is not "dcp", the format of every checkpoint written before the field
+existed, so a dcp-encoded checkpoint's manifest stays readable by older tierstore versions.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ _CRC_MAX = (1 << 32) - 1
 _PATH = re.compile(r"[A-Za-z0-9_.-]{1,255}(/[A-Za-z0-9_.-]{1,255}){0,7}")
 _KEYS = {"format", "version", "name", "step", "attempt", "world_size", "created",
          "producer", "metadata_file", "files", "checksum"}
+_OPTIONAL_KEYS = {"encoding"}
 _FILE_KEYS = {"path", "size", "crc32c", "rank"}
+_ENCODINGS = ("dcp", "raw")  # tierstore.commit.encoding.ENCODINGS; "dcp" when absent
 
 
 def check_relpath(path: object) -> str:
@@ -88,6 +94,7 @@ class Manifest:
     metadata_file: str = layout.METADATA_FILE
     producer: str = ""
     version: int = VERSION
+    encoding: str = "dcp"
     _by_path: Mapping[str, FileEntry] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -120,6 +127,7 @@ class Manifest:
                 {"path": f.path, "size": f.size, "crc32c": f.crc32c, "rank": f.rank}
                 for f in self.files
             ],
+            **({} if self.encoding == "dcp" else {"encoding": self.encoding}),
         }
 
     def to_json(self) -> bytes:
@@ -166,6 +174,7 @@ class Manifest:
             metadata_file=body["metadata_file"],
             producer=body["producer"],
             version=body["version"],
+            encoding=body.get("encoding", "dcp"),
         )
 
 
@@ -188,9 +197,12 @@ def _validate(body: Mapping[str, Any], *, source: str, error: type[Exception]) -
     need(_is_int(version, 1, VERSION),
          f"version {version!r} is not supported (this tierstore reads up to {VERSION}); "
          "written by a newer tierstore?")
-    keys = set(body)
+    keys = set(body) - _OPTIONAL_KEYS
     need(keys == _KEYS - {"checksum"},
          f"fields {sorted(keys ^ (_KEYS - {'checksum'}))} missing or unexpected")
+    need(body.get("encoding", "dcp") in _ENCODINGS,
+         f"encoding {body.get('encoding')!r} is not one of {list(_ENCODINGS)}; written by a "
+         "newer tierstore?")
     try:
         layout.check_name(body["name"])
         layout.check_attempt(body["attempt"])

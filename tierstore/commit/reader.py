@@ -7,9 +7,13 @@ tier is read again from the next tier holding the checkpoint, with a warning; wh
 has a good copy the load stops with an error naming checkpoint, file, tier, expected and
 actual values (docs/design.md invariant 5).
 
-Verification is per file and happens as bytes stream by, so a corrupt file is detected
-after some of its items may already have been copied into the target state. The load then
-either re-reads that file from another tier or raises: it never completes on bad bytes.
+A dcp-encoded file (``_StorageInfo`` in the metadata) is verified per file as its bytes
+stream by, so a corrupt file is detected after some of its items may already have been
+copied into the target state. A raw-encoded file (``RawItem``: :mod:`tierstore.commit.raw_read`)
+is verified per block as each item arrives, and per file too when the load reads it whole.
+Either way the load then re-reads that file (or that thread's part of it) from another tier
+or raises: it never completes on bad bytes, and damage is reported as the file's size or
+CRC32C mismatch, the message scrub and transfer give for the same damage.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ import io
 import logging
 import os
 import pickle
+import threading
 import uuid
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -31,10 +37,11 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from tierstore._redact import redact_url
-from tierstore.commit import layout
+from tierstore.commit import layout, raw_read
+from tierstore.commit.encoding import RawItem
 from tierstore.commit.manifest import FileEntry, Manifest
 from tierstore.commit.safe_pickle import load_metadata, safe_byte_io
-from tierstore.commit.verified import VerifiedStream, open_verified
+from tierstore.commit.verified import VerifiedStream, open_verified, verify_file
 from tierstore.errors import (
     CheckpointNotFound,
     ChecksumMismatch,
@@ -92,6 +99,8 @@ class TieredReader(StorageReader):
             else from cold.
         lease: announce the load with a lease in each tier read (see :mod:`tierstore.lifecycle.leases`)
             so a concurrent prune leaves the files alone; needs write access to the tiers.
+        thread_count: read threads per rank for raw-encoded files: files in parallel, and a
+            large file split by items where its tier reads at any offset (local files).
 
     After a load, ``reader.manifest`` is the checkpoint that was read and ``reader.sources``
     maps each file this rank read to the tier (``"hot"``/``"cold"``) that served it.
@@ -108,8 +117,12 @@ class TieredReader(StorageReader):
         cold_options: Mapping[str, Any] | None = None,
         node_local: bool = False,
         lease: bool = True,
+        thread_count: int = 1,
     ) -> None:
         super().__init__()
+        if thread_count < 1:
+            raise ConfigError(f"thread_count must be >= 1, got {thread_count!r}")
+        self.thread_count = thread_count
         self.store = Store.of(hot, cold, hot_options=hot_options, cold_options=cold_options)
         self.tiers = self.store.tiers
         if node_local and (self.store.hot is None or self.store.cold is None):
@@ -121,12 +134,21 @@ class TieredReader(StorageReader):
         self.name = layout.check_name(name) if name is not None else None
         self.manifest: Manifest | None = None
         self.sources: dict[str, str] = {}
+        self._served: dict[str, int] = {}  # file -> the farthest holder a part of it came from
+        self._lock = threading.Lock()
         self._holders: list[Tier] = []
         self._storage_data: dict[MetadataIndex, Any] = {}
         self._deferred: TierstoreError | None = None
 
     # -- DCP protocol --------------------------------------------------------------------
 
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}  # a lock does not pickle
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
             self.name = layout.check_name(os.fspath(checkpoint_id))
@@ -139,7 +161,7 @@ class TieredReader(StorageReader):
         # the real error (type, attributes, traceback), keep it and raise it from
         # set_up_storage_reader, which DCP calls next and does not catch.
         self._deferred = None
-        self.sources = {}
+        self.sources, self._served = {}, {}
         try:
             return self._read_metadata()
         except TierstoreError as err:
@@ -271,12 +293,23 @@ class TieredReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list[ReadItem]] = {}
+        raw: dict[str, list[ReadItem]] = {}
         for item in plan.items:
-            per_file.setdefault(self._storage_info(item).relative_path, []).append(item)
+            info = self._storage_info(item)
+            per_file.setdefault(info.relative_path, []).append(item)
+            if isinstance(info, RawItem):
+                raw.setdefault(info.relative_path, []).append(item)
         try:
             for path, items in per_file.items():
+                if path in raw:
+                    if len(raw[path]) != len(items):
+                        raise IntegrityError("DCP metadata mixes encodings in one file",
+                                             checkpoint=self._name(), file=path)
+                    continue
                 faults.point("reader.before_file")
                 self._read_file(path, items, planner)
+            if raw:
+                self._read_raw(raw, raw_read.Planner(planner))
         finally:
             self._release()
         future: Future[None] = Future()
@@ -322,7 +355,7 @@ class TieredReader(StorageReader):
             stream.finish()  # verified before anyone unpickles it
             chunks[:] = [data]
 
-        self._from_nearest(entry, collect)
+        self._streamed(entry, collect)
         return chunks[0]
 
     def _read_file(self, path: str, items: Sequence[ReadItem], planner: LoadPlanner) -> None:
@@ -348,9 +381,73 @@ class TieredReader(StorageReader):
             if failure is not None:
                 raise failure
 
-        self._from_nearest(entry, deliver_all)
+        self._streamed(entry, deliver_all)
 
-    def _from_nearest(self, entry: FileEntry, consume: Any) -> None:
+    def _streamed(self, entry: FileEntry, consume: Callable[[_ItemStream], None]) -> None:
+        """Stream ``entry`` from the nearest tier whose copy verifies whole."""
+        assert self.manifest is not None
+        name = self.manifest.name
+
+        def consume_tier(tier: Tier, key: str) -> None:
+            with open_verified(tier.backend, key, entry, checkpoint=name, tier=tier.label) as verified:
+                consume(_ItemStream(verified))
+
+        self._from_nearest(entry, consume_tier)
+
+    # -- raw-encoded files ---------------------------------------------------------------
+
+    def _read_raw(self, files: Mapping[str, Sequence[ReadItem]], planner: raw_read.Planner) -> None:
+        """Read raw-encoded files, ``thread_count`` units at a time (see raw_read)."""
+        split = self.thread_count > 1 and self._positional(next(iter(files)))
+        units = raw_read.plan(files, self._storage_data, self._entry,
+                              self.thread_count if split else 1)
+
+        def run(unit: raw_read.Unit) -> tuple[raw_read.Unit, int | None]:
+            faults.point("reader.before_file")
+            return unit, self._read_unit(unit, planner)
+
+        if self.thread_count > 1 and len(units) > 1:
+            with ThreadPoolExecutor(self.thread_count, thread_name_prefix="tierstore-read") as pool:
+                done = list(pool.map(run, units))
+        else:
+            done = [run(unit) for unit in units]
+        for unit in raw_read.misfolded(done):
+            self._read_unit(unit, planner)  # damage no part's blocks covered: find the tier
+
+    def _read_unit(self, unit: raw_read.Unit, planner: raw_read.Planner) -> int | None:
+        assert self.manifest is not None
+        name, entry, crcs = self.manifest.name, unit.entry, []
+
+        def consume(tier: Tier, key: str) -> None:
+            with tier.backend.open_read(key) as stream:
+                try:
+                    crc = raw_read.read_unit(stream, unit, planner, checkpoint=name, tier=tier.label)
+                except ChecksumMismatch:
+                    # Report damage as the file's mismatch (one message, whoever finds it);
+                    # a file that verifies whole has metadata that does not match it.
+                    verify_file(tier.backend, key, entry, checkpoint=name, tier=tier.label)
+                    raise
+            if unit.span == (0, entry.size) and crc != entry.crc32c:
+                verify_file(tier.backend, key, entry, checkpoint=name, tier=tier.label)
+                raise ChecksumMismatch.crc32c(entry.crc32c, crc or 0, checkpoint=name,
+                                              file=entry.path, tier=tier.label)
+            crcs.append(crc)
+
+        self._from_nearest(entry, consume)
+        return crcs[-1]
+
+    def _positional(self, path: str) -> bool:
+        """Whether the nearest tier reads ``path`` at any offset (so files may be split)."""
+        assert self.manifest is not None
+        tier = self._holders[0]
+        try:
+            with tier.backend.open_read(tier.file_key(self.manifest.name, self.manifest.attempt,
+                                                      path)) as stream:
+                return raw_read.positional(stream)
+        except TierstoreError:
+            return False  # not there: the read falls back, unsplit
+
+    def _from_nearest(self, entry: FileEntry, consume: Callable[[Tier, str], None]) -> None:
         assert self.manifest is not None
         errors: list[str] = []
         for i, tier in enumerate(self._holders):
@@ -362,10 +459,10 @@ class TieredReader(StorageReader):
                 if stored != entry.size:
                     raise ChecksumMismatch.size(entry.size, stored, checkpoint=self.manifest.name,
                                                 file=entry.path, tier=tier.label)
-                with open_verified(tier.backend, key, entry, checkpoint=self.manifest.name,
-                                   tier=tier.label) as verified:
-                    consume(_ItemStream(verified))
-                self.sources[entry.path] = tier.role
+                consume(tier, key)
+                with self._lock:
+                    if self._served.get(entry.path, -1) < i:
+                        self._served[entry.path], self.sources[entry.path] = i, tier.role
                 if errors:
                     log.info("read %s of checkpoint %s from %s", entry.path,
                              self.manifest.name, tier.label)

@@ -27,12 +27,15 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from tierstore.commit import encoding
+
 __all__ = ["load_metadata", "safe_byte_io", "ALLOWED"]
 
 _DCP = "torch.distributed.checkpoint.metadata"
 
 #: Every global DCP metadata may name: its dataclasses and enum, the storage info our writer
-#: and FileSystemWriter record, and plain constructors. Checked on real saves of every dtype,
+#: (``RawItem``, or ``_StorageInfo`` in the dcp encoding) and FileSystemWriter record, and
+#: plain constructors. Checked on real saves of every dtype,
 #: FSDP2/DTensor state with optimizer, and BYTE_IO items (tests/test_safe_pickle.py).
 ALLOWED: frozenset[tuple[str, str]] = frozenset({
     (_DCP, "Metadata"),
@@ -44,6 +47,7 @@ ALLOWED: frozenset[tuple[str, str]] = frozenset({
     (_DCP, "TensorProperties"),
     (_DCP, "_MEM_FORMAT_ENCODING"),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("tierstore.commit.encoding", "RawItem"),
     ("torch.serialization", "_get_layout"),  # name -> torch.layout, a dict lookup
     ("torch", "Size"),
     ("collections", "OrderedDict"),
@@ -107,9 +111,9 @@ def _check_shape(metadata: Metadata) -> None:
     if not isinstance(storage, dict) or not isinstance(metadata.state_dict_metadata, dict):
         raise pickle.UnpicklingError("DCP metadata has no storage data or state dict metadata")
     for index, info in storage.items():
-        if not (isinstance(index, MetadataIndex) and isinstance(info, _StorageInfo)
-                and isinstance(info.relative_path, str) and _is_count(info.offset)
-                and _is_count(info.length)):
+        dcp_info = (isinstance(info, _StorageInfo) and isinstance(info.relative_path, str)
+                    and _is_count(info.offset) and _is_count(info.length))
+        if not (isinstance(index, MetadataIndex) and (dcp_info or encoding.check_fields(info))):
             raise pickle.UnpicklingError(f"DCP metadata has a malformed storage entry {info!r}")
     for fqn, item in metadata.state_dict_metadata.items():
         if isinstance(item, BytesStorageMetadata):

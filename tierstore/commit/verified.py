@@ -19,7 +19,8 @@ from typing import BinaryIO
 
 from tierstore.commit.manifest import FileEntry
 from tierstore.errors import ChecksumMismatch
-from tierstore.storage.backend import Backend, crc32c_update
+from tierstore.storage.backend import Backend
+from tierstore.storage.checksum import crc32c_update
 
 __all__ = ["CHUNK", "VerifiedStream", "open_verified", "verify_file"]
 

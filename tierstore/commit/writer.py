@@ -6,7 +6,8 @@ Call order (DCP's, across ranks) and what each step does here:
 2. coordinator ``prepare_global_plan``: refuses a checkpoint already committed in the hot
    tier, picks a fresh attempt id and hands it to every rank through ``SavePlan.storage_data``
 3. all ranks  ``write_data``: each rank writes only its own files, under the attempt's
-   directory, checksumming (CRC32C) as it writes and making each file durable
+   directory, checksumming (CRC32C) as it writes and making each file durable (one
+   directory fsync per rank, after its last file: ``Backend.sync_dirs``)
 4. coordinator ``finish``: writes DCP's ``.metadata``, then publishes the manifest naming
    every file with size, CRC32C and rank. That publish is the commit (design.md invariants 1-3).
 
@@ -17,6 +18,10 @@ no step of a save sends a request to the cold tier: a cold tier that is slow, st
 unreachable or denying writes never delays or fails a save (docs/design.md invariant 9).
 The cold tier's own "never overwrite a committed checkpoint" check happens at the cold
 commit, in the migrator, where a different committed attempt is a reported conflict.
+
+Data files are raw-encoded by default (:mod:`tierstore.commit.encoding`: each tensor's bytes
+as they are, block checksums in the metadata); ``encoding="dcp"`` writes what
+``FileSystemWriter`` writes (one ``torch.save`` per item), which plain DCP readers load.
 """
 
 from __future__ import annotations
@@ -42,10 +47,12 @@ from torch.futures import Future
 
 from tierstore._redact import redact_url
 from tierstore._version import producer
+from tierstore.commit import encoding as raw
 from tierstore.commit import layout
 from tierstore.commit.manifest import FileEntry, Manifest
 from tierstore.errors import CheckpointExists, ConfigError, NoSpaceLeft
 from tierstore.storage import faults
+from tierstore.storage.backend import ObjectWriter
 from tierstore.tiers.migrator import MigrationConfig, Migrator
 from tierstore.tiers.tier import Store, Tier, TierURL
 from tierstore.tiers.workers import migrator_for
@@ -82,7 +89,7 @@ class _AttemptPlan:
 class _ItemResult:
     """Each rank -> coordinator, in ``WriteResult.storage_data``; unwrapped in ``finish``."""
 
-    info: _StorageInfo
+    info: _StorageInfo | raw.RawItem
     file: FileEntry | None  # set on the first item of each file
 
 
@@ -101,6 +108,9 @@ class TieredWriter(StorageWriter):
         migration: how this process migrates to the cold tier (the first writer's wins).
         node_local: each rank's hot root is its node's own disk (see TieredReader); only
             changes the free-space check, which is then per rank instead of for the total.
+        encoding: ``"raw"`` (default): tensors' bytes as they are, read by TieredReader
+            only; ``"dcp"``: ``FileSystemWriter``'s format, also loadable by plain DCP
+            (``FileSystemReader`` on the attempt directory). See docs/format.md.
 
     A save that cannot fit in the hot tier's free space fails before writing anything.
     """
@@ -118,8 +128,11 @@ class TieredWriter(StorageWriter):
         single_file_per_rank: bool = True,
         migration: MigrationConfig | None = None,
         node_local: bool = False,
+        encoding: str = "raw",
     ) -> None:
         super().__init__()
+        if encoding not in raw.ENCODINGS:
+            raise ConfigError(f"encoding must be one of {raw.ENCODINGS}, got {encoding!r}")
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
             raise ConfigError(f"step must be a non-negative int, got {step!r}")
         if thread_count < 1:
@@ -133,6 +146,7 @@ class TieredWriter(StorageWriter):
         self.single_file_per_rank = single_file_per_rank
         self.migration = migration
         self.node_local = node_local
+        self.encoding = encoding
         self.manifest: Manifest | None = None  # set on the coordinator once committed
         self._rank = 0
         self._is_coordinator = False
@@ -214,7 +228,8 @@ class TieredWriter(StorageWriter):
             for index, items in enumerate(b for b in buckets if b)
         ]
         def write(job: tuple[str, list[WriteItem]]) -> list[WriteResult]:
-            return _write_file(self.hot, attempt, job[0], job[1], planner.resolve_data)
+            return _write_file(self.hot, attempt, job[0], job[1], planner.resolve_data,
+                               self.encoding)
 
         with _without_zip_crc32():
             if self.thread_count > 1 and len(jobs) > 1:
@@ -222,6 +237,10 @@ class TieredWriter(StorageWriter):
                     per_file = list(pool.map(write, jobs))
             else:
                 per_file = [write(job) for job in jobs]
+        # Each file was written with its directory entry's fsync deferred: one for them all,
+        # before anyone can learn of the files (the migrator below, the manifest in finish).
+        self.hot.backend.sync_dirs(self.hot.file_key(attempt.name, attempt.attempt, path)
+                                   for path, _ in jobs)
         results = [result for results in per_file for result in results]
         migrator = self.migrator
         if migrator is not None and not self._is_coordinator:
@@ -257,6 +276,7 @@ class TieredWriter(StorageWriter):
             created=time.time(),
             files=tuple(sorted(files.values(), key=lambda f: (f.rank, f.path))),
             producer=producer(),
+            encoding=self.encoding,
         )
         faults.point("writer.before_manifest_publish")
         self.hot.publish_manifest(manifest)  # COMMIT POINT (hot tier)
@@ -301,36 +321,47 @@ def _write_file(
     relpath: str,
     items: Sequence[WriteItem],
     resolve: Callable[[WriteItem], Any],
+    encoding: str,
 ) -> list[WriteResult]:
-    """Write one shard file as ``FileSystemWriter`` lays it out; return its results."""
+    """Write one shard file in ``encoding``; return its results."""
     key = tier.file_key(attempt.name, attempt.attempt, relpath)
-    spans: list[tuple[WriteItem, int, int]] = []
     # Byte items first, then tensors, as DCP's own writer does.
     ordered = sorted(items, key=lambda it: it.type != WriteItemType.BYTE_IO)
-    with tier.backend.open_write(key) as out:
-        for item in ordered:
-            offset = out.size
-            data = resolve(item)
-            if item.type == WriteItemType.BYTE_IO:
-                out.write(data.getbuffer() if isinstance(data, io.BytesIO) else data)
-            else:
-                try:
-                    torch.save(_plain_cpu(data), cast(IO[bytes], out))
-                except Exception as err:
-                    if out.failure is not None:  # a full disk, not torch's "unexpected pos"
-                        raise out.failure from err
-                    raise
-            spans.append((item, offset, out.size - offset))
+    placed: list[tuple[WriteItem, _StorageInfo | raw.RawItem]]
+    with tier.backend.open_write(key, defer_dir_sync=True) as out:
+        if encoding == "raw":
+            placed = [(item, raw.write_item(out, resolve(item), relpath, name=item.index.fqn))
+                      for item in ordered]
+        else:
+            placed = _write_dcp_items(out, ordered, resolve, relpath)
     entry = FileEntry(relpath, out.size, out.crc32c, attempt.rank)
     faults.point("writer.after_file_write")
     return [
-        WriteResult(
-            index=item.index,
-            size_in_bytes=length,
-            storage_data=_ItemResult(_StorageInfo(relpath, offset, length), entry if i == 0 else None),
-        )
-        for i, (item, offset, length) in enumerate(spans)
+        WriteResult(index=item.index, size_in_bytes=info.length,
+                    storage_data=_ItemResult(info, entry if i == 0 else None))
+        for i, (item, info) in enumerate(placed)
     ]
+
+
+def _write_dcp_items(out: ObjectWriter, items: Sequence[WriteItem],
+                     resolve: Callable[[WriteItem], Any],
+                     relpath: str) -> list[tuple[WriteItem, _StorageInfo | raw.RawItem]]:
+    """Lay items out as ``FileSystemWriter`` does: one ``torch.save`` per tensor."""
+    placed: list[tuple[WriteItem, _StorageInfo | raw.RawItem]] = []
+    for item in items:
+        offset = out.size
+        data = resolve(item)
+        if item.type == WriteItemType.BYTE_IO:
+            out.write(data.getbuffer() if isinstance(data, io.BytesIO) else data)
+        else:
+            try:
+                torch.save(_plain_cpu(data), cast(IO[bytes], out))
+            except Exception as err:
+                if out.failure is not None:  # a full disk, not torch's "unexpected pos"
+                    raise out.failure from err
+                raise
+        placed.append((item, _StorageInfo(relpath, offset, out.size - offset)))
+    return placed
 
 
 # torch.save computes a zip CRC32 of every record, in software: about 3x the CPU of the
@@ -388,7 +419,9 @@ def _item_size(item: WriteItem) -> int:
 
 
 def _plan_bytes(plan: SavePlan) -> int:
-    return sum(_item_size(i) for i in plan.items if i.type != WriteItemType.BYTE_IO)
+    # Up to ALIGN bytes of padding before each item of a raw file.
+    return sum((0 if i.type == WriteItemType.BYTE_IO else _item_size(i)) + raw.ALIGN
+               for i in plan.items)
 
 
 def _split_by_size(bins: int, items: Sequence[WriteItem]) -> list[list[WriteItem]]:
