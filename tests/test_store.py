@@ -77,3 +77,12 @@ def test_store_pickles_without_backends_and_hides_credentials(tmp_path: Path) ->
     assert [t.url for t in clone.tiers] == [t.url for t in store.tiers]
     secret = Store("s3://AKIAEXAMPLE:hunter2@bucket/run")
     assert "hunter2" not in repr(secret) and "hunter2" not in secret.label
+
+
+def test_writer_and_reader_built_from_a_store_pickle(tmp_path: Path) -> None:
+    store = Store(str(tmp_path / "hot"))
+    dcp.save(state_for(1), storage_writer=TieredWriter(store, step=1))
+    reader = pickle.loads(pickle.dumps(TieredReader(store, thread_count=2)))
+    state = blank()
+    dcp.load(state, storage_reader=reader)
+    assert matches(state, 1)

@@ -11,10 +11,13 @@
     manager.close()                              # waits for the last flush and migrations
 
 Saves run through ``dcp.async_save`` (THREAD by default) on a process group of the manager's
-own, so its collectives never interleave with training's. The next save waits only for the
-previous flush. After each commit the coordinator prunes in the background, so slow object
-store deletes never stall a save. Nothing on the save path sends a request to the cold
-tier: a cold tier that is slow, stalled, down or denying writes delays no save.
+own, so its collectives never interleave with training's. ``save()`` returns once the state
+is copied into staging buffers that are allocated on the first save and reused by every later
+one (:mod:`tierstore.staging`); from then on training may change the state. The next save
+waits only for the previous flush. After each commit the coordinator prunes in the
+background, so slow object store deletes never stall a save. Nothing on the save path sends
+a request to the cold tier: a cold tier that is slow, stalled, down or denying writes delays
+no save.
 
 Failures are loud: a save that fails (in the background, under ``async_save``) is raised as
 :class:`~tierstore.errors.SaveFailed` by the next :meth:`CheckpointManager.save`, or by
@@ -29,7 +32,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, TimeoutError
+from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +53,7 @@ from tierstore.commit.writer import TieredWriter, store_to_save
 from tierstore.errors import ConfigError, SaveFailed, TierstoreError
 from tierstore.lifecycle.prune import PruneReport, prune, prune_tier
 from tierstore.lifecycle.retention import DEFAULT_COLD, DEFAULT_HOT, Policy, keep_none
+from tierstore.staging import ReusedStaging, staging_options
 from tierstore.tiers import marks
 from tierstore.tiers.catalog import CheckpointInfo, list_checkpoints
 from tierstore.tiers.migrator import (
@@ -111,6 +115,16 @@ class CheckpointManager:
             force (the newest, and checkpoints not yet in cold) and warn.
         process_group: group for checkpoint collectives; by default a new gloo group.
         writer_options: extra ``TieredWriter`` arguments (``thread_count``, ...).
+        staging: ``"reuse"`` (default) copies the state into buffers kept from save to save;
+            ``"fresh"`` is DCP's default, new buffers on every save (for comparison).
+        overlap_staging: ``save()`` returns as soon as the copy has started, not once it is
+            taken; the caller must not change the state until :meth:`wait_staged` returns
+            (the next ``save``, ``wait`` and ``close`` wait for it too). Needs async
+            ``"reuse"`` staging.
+
+    ``stalls`` maps each saved step to the seconds ``save()`` blocked the caller;
+    ``staging_allocated`` maps it to the bytes of staging buffers that save allocated: the
+    whole state on the first save and after the state's structure changed, else 0.
     """
 
     def __init__(self, hot: TierURL | Store, cold: TierURL | None = None, *,
@@ -119,9 +133,15 @@ class CheckpointManager:
                  async_mode: str = "thread", hot_options: Mapping[str, Any] | None = None,
                  cold_options: Mapping[str, Any] | None = None, node_local: bool = False,
                  migration: MigrationConfig | None = None, hot_min_free: int | str | None = "auto",
-                 process_group: Any = None, writer_options: Mapping[str, Any] | None = None) -> None:
+                 process_group: Any = None, writer_options: Mapping[str, Any] | None = None,
+                 staging: str = "reuse", overlap_staging: bool = False) -> None:
         if async_mode not in ("thread", "process"):
             raise ConfigError(f"async_mode must be 'thread' or 'process', got {async_mode!r}")
+        if staging not in ("reuse", "fresh"):
+            raise ConfigError(f"staging must be 'reuse' or 'fresh', got {staging!r}")
+        if overlap_staging and not (async_save and staging == "reuse"):
+            raise ConfigError("overlap_staging needs async_save=True and staging='reuse' "
+                              "(other saves copy the state before save() returns)")
         if isinstance(save_every, int) and save_every <= 0:
             raise ConfigError(f"save_every must be positive, got {save_every}")
         self.store = store_to_save(hot, cold, hot_options=hot_options, cold_options=cold_options,
@@ -136,6 +156,10 @@ class CheckpointManager:
         self.async_save, self.async_mode = async_save, async_mode
         self.node_local, self.migration = node_local, migration
         self.writer_options = dict(writer_options or {})
+        self.staging, self.overlap_staging = staging, overlap_staging
+        self._stager: ReusedStaging | None = None  # made by the first save, freed by close()
+        self._staging: Future[None] | None = None  # the last save's copy of the state
+        self._thread: ThreadPoolExecutor | None = None  # starts saves with overlap_staging
         self.distributed = _dist.initialized()
         self.rank = _dist.rank_world()[0]
         self._owns_group = process_group is None and self.distributed
@@ -151,6 +175,7 @@ class CheckpointManager:
         self._last_saved_step: int | None = None
         self._prune_errors: list[str] = []
         self.stalls: dict[int, float] = {}  # step -> seconds the caller was blocked by save()
+        self.staging_allocated: dict[int, int] = {}  # step -> bytes its staging allocated
 
     # -- cadence -------------------------------------------------------------------------
 
@@ -166,53 +191,114 @@ class CheckpointManager:
     def save(self, step: int, state: dict[str, Any], *, force: bool = False) -> bool:
         """Checkpoint ``state`` as ``step`` if the cadence wants it (or ``force``); ``True`` if saved.
 
-        Raises :class:`~tierstore.errors.SaveFailed` if the previous (background) save failed;
-        this save is then not started (call again to save). A synchronous save that fails
-        raises it at once.
+        Returns once the state is copied (unless ``overlap_staging``): training may change
+        it from then on. Raises :class:`~tierstore.errors.SaveFailed` if the previous
+        (background) save failed; this save is then not started (call again to save). A
+        synchronous save, or a copy of the state, that fails raises it at once.
         """
         if not (force or self.should_save(step)):
             return False
         start = time.perf_counter()
         self._finish_previous()  # block the next save only until the previous flush is done
         self._raise_failure()
-        self._relieve_disk_pressure()
-        writer = TieredWriter(self.store, step=step, migration=self.migration,
-                              node_local=self.node_local, **self.writer_options)
-        if self.async_save:
-            kind = (AsyncCheckpointerType.PROCESS if self.async_mode == "process"
-                    else AsyncCheckpointerType.THREAD)
+        if not self.async_save:
+            self._relieve_disk_pressure()
             try:
-                response = dcp_async_save(state, storage_writer=writer, process_group=self.group,
-                                          async_checkpointer_type=kind)
-            except (Exception, CheckpointException) as err:  # staging or planning failed
-                self._failed(step, err)
-                self._raise_failure()
-                raise
-            future = response.upload_completion if isinstance(response, AsyncSaveResponse) else response
-            # A waiter on DCP's future can wake before its done callbacks ran; waiting on this
-            # one instead sees the save recorded (its failure raised by wait/close/next save).
-            settled: Future[None] = Future()
-            self._pending = settled
-
-            def settle(done: Future[Any]) -> None:
-                try:
-                    self._committed(step, done)
-                finally:
-                    settled.set_result(None)
-
-            future.add_done_callback(settle)
-        else:
-            try:
-                dcp_save(state, storage_writer=writer, process_group=self.group)
+                dcp_save(state, storage_writer=self._writer(step), process_group=self.group)
             except (Exception, CheckpointException) as err:  # a BaseException, in DCP
                 self._failed(step, err)
                 self._raise_failure()
                 raise
             self._committed(step, None)
+        elif self.overlap_staging:
+            # Even starting an async save costs tens of ms in DCP (flattening the state,
+            # planning); the manager's own thread pays that too, with the copy after it.
+            staged: Future[None] = Future()
+            self._staging, self._pending = staged, Future()
+            self._submitter().submit(self._start_async, step, state, staged, self._pending)
+        else:
+            staged = Future()
+            self._staging, self._pending = staged, Future()
+            self._start_async(step, state, staged, self._pending)
+            self.wait_staged()
         self.stalls[step] = time.perf_counter() - start
         return True
 
+    def _writer(self, step: int) -> TieredWriter:
+        return TieredWriter(self.store, step=step, migration=self.migration,
+                            node_local=self.node_local, **self.writer_options)
+
+    def _submitter(self) -> ThreadPoolExecutor:
+        if self._thread is None:  # one thread: saves start in the order they were asked for
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="tierstore-save")
+        return self._thread
+
+    def _start_async(self, step: int, state: dict[str, Any], staged: Future[None],
+                     settled: Future[None]) -> None:
+        """Start DCP's async save; ``staged`` completes when the copy is taken (or failed),
+        ``settled`` once the save is recorded as committed or failed."""
+        kind = (AsyncCheckpointerType.PROCESS if self.async_mode == "process"
+                else AsyncCheckpointerType.THREAD)
+        try:
+            self._relieve_disk_pressure()
+            response = dcp_async_save(state, storage_writer=self._writer(step), process_group=self.group,
+                                      async_checkpointer_type=kind,
+                                      async_stager=self._stager_for_save())
+        except (Exception, CheckpointException) as err:  # staging or planning failed
+            self._failed(step, err)
+            staged.set_exception(err)
+            settled.set_result(None)
+            return
+        if isinstance(response, AsyncSaveResponse):
+            future, staging = response.upload_completion, response.staging_completion
+        else:  # staged before async_save returned
+            future, staging = response, None
+        _chain(staging, staged)
+        stager = self._stager
+
+        # A waiter on DCP's future can wake before its done callbacks ran; waiting on
+        # ``settled`` instead sees the save recorded (its failure raised by wait/close/save).
+        def settle(done: Future[Any]) -> None:
+            try:
+                if stager is not None:  # counted before the writer could read the copy
+                    self.staging_allocated[step] = stager.new_bytes
+                self._committed(step, done)
+            finally:
+                settled.set_result(None)
+
+        future.add_done_callback(settle)
+
+    def _stager_for_save(self) -> ReusedStaging | None:
+        if self.staging == "fresh":
+            return None  # DCP's default: a stager of its own per save, closed after it
+        if self._stager is None:
+            self._stager = ReusedStaging(staging_options(self.async_mode))
+        return self._stager
+
+    def wait_staged(self) -> None:
+        """Block until the last save's copy of the state is taken: from then on the state may
+        change. ``save()`` calls this itself unless ``overlap_staging=True``.
+
+        Raises :class:`~tierstore.errors.SaveFailed` if taking the copy failed (that save
+        then failed).
+        """
+        staging, self._staging = self._staging, None
+        if staging is None:
+            return
+        try:
+            staging.result()
+        except BaseException:  # DCP fails the save with it: record and raise that
+            self._finish_previous()
+            self._raise_failure()
+            raise
+
     def _finish_previous(self) -> None:
+        staging, self._staging = self._staging, None
+        if staging is not None:  # a save can settle before its staging future does
+            try:
+                staging.result()
+            except BaseException:  # the save fails with it: raised by _raise_failure
+                pass
         pending, self._pending = self._pending, None
         if pending is not None:
             try:
@@ -464,6 +550,12 @@ class CheckpointManager:
                 self._prune_in_background().result(timeout)
             except TimeoutError:
                 log.warning("final pruning still running after %ss; left to the next run", timeout)
+        if self._thread is not None:  # idle: wait() above saw its last save settle
+            self._thread.shutdown(wait=True)
+            self._thread = None
+        if self._stager is not None:  # frees the staging buffers; a later save makes new ones
+            self._stager.close()
+            self._stager = None
         if self._owns_group and self.group is not None:
             dist.destroy_process_group(self.group)
             self.group = None
@@ -475,6 +567,22 @@ class CheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _chain(source: Future[Any] | None, target: Future[None]) -> None:
+    """Complete ``target`` as ``source`` completes (at once if there is none)."""
+    if source is None:
+        target.set_result(None)
+        return
+
+    def forward(done: Future[Any]) -> None:
+        error = done.exception()
+        if error is not None:
+            target.set_exception(error)
+        else:
+            target.set_result(None)
+
+    source.add_done_callback(forward)
 
 
 def _known_store_id(cold: Tier) -> str | None:
