@@ -7,7 +7,7 @@ TORCH  := torch==2.13.0
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test bench bench-full bench-smoke soak lint clean venv
+.PHONY: demo test bench bench-full bench-smoke bench-perf soak lint clean venv
 
 venv: $(STAMP)
 
@@ -24,11 +24,13 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# Benchmarks (docs/benchmarks.md). s3torchconnector is optional: the report says so if it
-# did not install; installing it with the pinned torch keeps pip from pulling another build.
+# Benchmarks (docs/benchmarks.md). s3torchconnector and torch_checkpointing (a peer of the
+# perf suite) are optional: the report says so if they did not install; installing them with
+# the pinned torch keeps pip from pulling another build.
 define bench_deps
 	$(BIN)/python -m pip install -q -e '.[bench]'
 	-$(BIN)/python -m pip install -q s3torchconnector $(TORCH)
+	-$(BIN)/python -m pip install -q torch_checkpointing $(TORCH)
 endef
 
 bench: $(STAMP)
@@ -44,6 +46,12 @@ bench-full: $(STAMP)
 bench-smoke: $(STAMP)
 	$(bench_deps)
 	$(BIN)/python -m benchmarks --profile smoke --doc bench-scratch/smoke/benchmarks.md
+
+# Issue 14's targets alone (section 10 of docs/benchmarks.md, spliced into the report there;
+# `make bench` runs this suite with the others).
+bench-perf: $(STAMP)
+	$(bench_deps)
+	$(BIN)/python -m benchmarks --profile quick --only perf --splice
 
 # The crash-consistency soak: thousands of fresh hypothesis examples, with every crash,
 # power-loss and fault test (docs/crash-consistency.md). TIERSTORE_CRASH_EXAMPLES sets how many.

@@ -42,6 +42,10 @@ class Profile:
     default_inflight: int = 4  # tierstore's S3 default max_concurrency
     cold_down_size: int = 64 * MiB  # cold-down: saves with the cold tier down, one process
     cold_down_reps: int = 9  # best of these is compared (each save is a fraction of a second)
+    # perf: issue 14's targets, one process (benchmarks/jobs/perf_io.py, perf_stall.py)
+    perf_size: int = 512 * MiB  # the state of the issue's measurements
+    perf_reps: int = 5  # best of these per side
+    perf_saves: int = 6  # saves per system in the stall job; 2..N are the steady state
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -70,7 +74,7 @@ FULL = Profile(
     migration_sweep_size=1 * GiB, migration_sweep=(1, 2, 4, 8, 16),
     migration_memory_sizes=(256 * MiB, 1 * GiB, 2 * GiB), migration_memory_reps=2,
     load_size=1 * GiB, scaling_size=1 * GiB, scaling_ranks=(1, 2, 4), scaling_reps=5,
-    cpu_size=1 * GiB, gpu_size=4 * GiB, cold_down_size=256 * MiB,
+    cpu_size=1 * GiB, gpu_size=4 * GiB, cold_down_size=256 * MiB, perf_reps=7, perf_saves=10,
 )
 
 # Every suite end to end in a few minutes, at sizes too small for its figures to mean anything:
@@ -84,6 +88,7 @@ SMOKE = Profile(
     migration_memory_sizes=(32 * MiB, 64 * MiB), migration_memory_reps=1,
     load_size=32 * MiB, scaling_size=32 * MiB, scaling_ranks=(1, 2), scaling_reps=1,
     cpu_size=32 * MiB, gpu_size=64 * MiB, cold_down_size=16 * MiB, cold_down_reps=1,
+    perf_size=32 * MiB, perf_reps=1, perf_saves=3,
 )
 
 PROFILES = {p.name: p for p in (QUICK, FULL, SMOKE)}

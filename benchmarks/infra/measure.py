@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import os
 import resource
 import time
+from pathlib import Path
 from typing import Any
 
 MiB = 1 << 20
@@ -26,6 +28,42 @@ def cpu_seconds() -> float:
     """
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
+
+
+def tree_cpu_seconds() -> float:
+    """CPU time of this process, of its children already reaped, and of its live
+    descendants (read from ``/proc``): for peers that write from a helper process of their
+    own (DCP's PROCESS mode, torch_checkpointing's writer), whose CPU getrusage of this
+    process alone would miss."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
+    total = own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in _descendants(os.getpid()):
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # ended meanwhile: counted in RUSAGE_CHILDREN once reaped
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return total
+
+
+def _descendants(root: int) -> list[int]:
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        parents.setdefault(ppid, []).append(int(entry.name))
+    found, queue = [], [root]
+    while queue:
+        children = parents.get(queue.pop(), [])
+        found += children
+        queue += children
+    return found
 
 
 def proc_status(field: str) -> int | None:

@@ -184,7 +184,24 @@ def suite_cold_down(bench: Bench) -> dict[str, Any]:
     return result
 
 
+def suite_perf(bench: Bench) -> dict[str, Any]:
+    """Issue 14's targets: save and load CPU and throughput against DCP's writer and reader
+    and the disk, the CRC32C share, CheckpointManager's stall against a sync save and the
+    peers (DCP async_save, torch_checkpointing). One process per job, local tiers only."""
+    profile = bench.profile
+    print(f"  perf: {profile.perf_size // MiB} MiB model + optimizer state, one process, "
+          f"best of {profile.perf_reps}", flush=True)
+    scratch = str(bench.scratch / "perf")
+    io = bench.module("perf_io", {"bytes": profile.perf_size, "reps": profile.perf_reps,
+                                  "scratch": scratch})
+    stall = bench.module("perf_stall", {"bytes": profile.perf_size, "saves": profile.perf_saves,
+                                        "scratch": scratch})
+    shutil.rmtree(scratch, ignore_errors=True)
+    return {"io": io, "stall": stall}
+
+
 SUITES: dict[str, Callable[[Bench], dict[str, Any]]] = {
     "cpu": suite_cpu, "save": suite_save, "latency": suite_latency, "migration": suite_migration,
     "load": suite_load, "scaling": suite_scaling, "gpu": suite_gpu, "cold-down": suite_cold_down,
+    "perf": suite_perf,
 }

@@ -14,7 +14,9 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 COLORS = {"tiered": "#1b7837", "fsw": "#2166ac", "fsspec": "#b2182b", "s3torch": "#e08214",
-          "disk": "#555555", "fsr": "#2166ac", "s3fs": "#b2182b", "crc": "#999999"}
+          "disk": "#555555", "fsr": "#2166ac", "s3fs": "#b2182b", "crc": "#999999",
+          "ours": "#1b7837", "dcp": "#2166ac", "torch": "#e08214", "sync": "#555555",
+          "raw": "#555555"}
 DPI = 80
 Points = Mapping[Any, float]  # x (int or float) -> y
 
