@@ -5,6 +5,7 @@ back to a verified cold copy, and hostile RawItems are clean IntegrityErrors."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import logging
 import pickle
@@ -329,3 +330,24 @@ def test_a_tensor_with_no_raw_encoding_fails_the_save_naming_it(tmp_path: Path) 
     assert isinstance(error, ConfigError) and "'q'" in str(error) and "encoding='dcp'" in str(error)
     dcp.save({"q": quantized}, storage_writer=TieredWriter(str(tmp_path), step=2, encoding="dcp"))
     assert [c.step for c in list_checkpoints(str(tmp_path))] == [2]
+
+
+def test_pipelined_checksums_write_what_one_item_at_a_time_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tierstore.storage.memory import MemoryBackend
+
+    monkeypatch.setattr(encoding, "BLOCK", 1 << 12)  # several blocks per item
+    items = [torch.arange(n, dtype=torch.float32) for n in (0, 1, 3000, 5000)] + [io.BytesIO(b"x" * 9)]
+    resolved: list[int] = []
+    backend = MemoryBackend("memory://raw-pipeline")
+    with backend.open_write("one") as one:
+        expected = [encoding.write_item(one, item, "f") for item in items]
+
+    def resolve(item: Any) -> Any:
+        resolved.append(len(resolved))
+        return item
+
+    with backend.open_write("piped") as piped:
+        placed = encoding.write_items(piped, items, resolve, "f")
+    assert placed == expected and resolved == list(range(len(items)))
+    assert backend.read_bytes("piped") == backend.read_bytes("one")
+    assert (piped.size, piped.crc32c) == (one.size, one.crc32c)

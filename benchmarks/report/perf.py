@@ -155,11 +155,16 @@ def why(target: A.Target, suite: Mapping[str, Any]) -> str:
         place = "disk" if key == "save_disk" else "tmpfs"
         cpu = best(rec, "cpu", op="save", place=place)
         secs = best(rec, "seconds", op="save", place=place)
+        crc_gib = _crc_gib(io)
+        floor = cpu.get("raw_write")
+        reach = (None if floor is None or crc_gib == "n/a" or not cpu.get("fsw")
+                 else (floor * scale + float(crc_gib)) / (cpu["fsw"] * scale))
         return block(f"perf.why.{key}", ours=_scaled(cpu.get("tiered_raw"), scale),
+                     reach="n/a" if reach is None else f"{reach:.2f}",
                      fsw=_scaled(cpu.get("fsw"), scale), floor=_scaled(cpu.get("raw_write"), scale),
                      ours_s=A.seconds(secs.get("tiered_raw")), raw_s=A.seconds(secs.get("raw_write")),
                      fsync_s=A.seconds(best(rec, "fsync", op="save", place=place).get("raw_write")),
-                     crc=_crc_gib(io))
+                     crc=crc_gib)
     if key.startswith("load"):
         place, cache = key.split("_")[2:]
         cpu = best(rec, "cpu", op="load", place=place, cache=cache)

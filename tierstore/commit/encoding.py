@@ -18,6 +18,8 @@ and :func:`check_item` (consistency with the file the manifest vouches for) refu
 from __future__ import annotations
 
 import io
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,8 +29,9 @@ from tierstore.errors import ChecksumMismatch, ConfigError
 from tierstore.storage.backend import ObjectWriter
 from tierstore.storage.checksum import COMBINE_MIN, crc32c_update
 
-__all__ = ["ALIGN", "BLOCK", "BYTES", "ENCODINGS", "RawItem", "check_fields", "check_item",
-           "dtype_name", "dtype_of", "tensor_bytes", "verify_blocks", "write_item"]
+__all__ = ["ALIGN", "BLOCK", "BYTES", "ENCODINGS", "RawItem", "block_crcs", "check_fields",
+           "check_item", "dtype_name", "dtype_of", "item_view", "tensor_bytes", "verify_blocks",
+           "write_item", "write_items"]
 
 #: ``TieredWriter(encoding=...)`` values; a manifest without the field is "dcp".
 ENCODINGS = ("raw", "dcp")
@@ -94,35 +97,69 @@ def _plain(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.resolve_conj().resolve_neg().contiguous()
 
 
-def write_item(out: ObjectWriter, data: Any, relpath: str, block: int | None = None, *,
-               name: str = "") -> RawItem:
-    """Append one item (a tensor, a ``BytesIO`` or a buffer) at the next aligned offset.
-
-    The bytes go to ``out`` straight from the item's own memory, a block at a time: each
-    block's CRC32C is computed once and ``out`` folds it into the file's.
-    """
+def item_view(data: Any, relpath: str, name: str = "") -> tuple[memoryview, str, tuple[int, ...]]:
+    """An item's bytes (from its own memory), dtype name and shape, as the raw encoding stores it."""
     if isinstance(data, torch.Tensor):
         if data.is_quantized or data.layout != torch.strided:
             kind = "quantized" if data.is_quantized else str(data.layout)
             raise ConfigError(f"{name!r} is a {kind} tensor, which has no raw encoding; save it "
                               "with TieredWriter(encoding='dcp')", file=relpath)
         tensor = _plain(data)
-        view, dtype, shape = tensor_bytes(tensor), dtype_name(tensor.dtype), tuple(tensor.shape)
-    else:
-        view = memoryview(data.getbuffer() if isinstance(data, io.BytesIO) else data).cast("B")
-        dtype, shape = BYTES, ()
+        return tensor_bytes(tensor), dtype_name(tensor.dtype), tuple(tensor.shape)
+    view = memoryview(data.getbuffer() if isinstance(data, io.BytesIO) else data).cast("B")
+    return view, BYTES, ()
+
+
+def block_crcs(view: memoryview, block: int) -> tuple[int, ...]:
+    """The CRC32C of each ``block`` bytes of ``view`` (the last block may be shorter)."""
+    return tuple(crc32c_update(0, view[start:start + block]) for start in range(0, len(view), block))
+
+
+def write_item(out: ObjectWriter, data: Any, relpath: str, block: int | None = None, *,
+               name: str = "", crcs: tuple[int, ...] | None = None) -> RawItem:
+    """Append one item (a tensor, a ``BytesIO`` or a buffer) at the next aligned offset.
+
+    The bytes go to ``out`` straight from the item's own memory, a block at a time: each
+    block's CRC32C is computed once (here, or given as ``crcs``, from :func:`block_crcs`)
+    and ``out`` folds it into the file's.
+    """
+    view, dtype, shape = data if isinstance(data, tuple) else item_view(data, relpath, name)
     block = block or BLOCK  # looked up at each call: tests shrink it
     pad = -out.size % ALIGN
     if pad:
         out.write(_ZEROS[:pad])
-    offset, crcs = out.size, []
-    for start in range(0, len(view), block):
+    offset = out.size
+    crcs = block_crcs(view, block) if crcs is None else crcs
+    for index, start in enumerate(range(0, len(view), block)):
         chunk = view[start:start + block]
-        crc = crc32c_update(0, chunk)
-        crcs.append(crc)
         # A small block is cheaper to scan again than to combine (see checksum.COMBINE_MIN).
-        out.write(chunk, crc32c=crc if len(chunk) >= COMBINE_MIN else None)
-    return RawItem(relpath, offset, len(view), dtype, shape, block, tuple(crcs))
+        out.write(chunk, crc32c=crcs[index] if len(chunk) >= COMBINE_MIN else None)
+    return RawItem(relpath, offset, len(view), dtype, shape, block, crcs)
+
+
+def write_items(out: ObjectWriter, items: Sequence[Any], resolve: Callable[[Any], Any],
+                relpath: str, *, names: Sequence[str] = ()) -> list[RawItem]:
+    """:func:`write_item` for each of ``items`` in order, with the block checksums of the next
+    item computed on a helper thread while this one is written (``crc32c`` releases the GIL):
+    the same CPU, and the checksum off the write's critical path where a core is free. At most
+    two items are resolved (copied off an accelerator, made contiguous) at a time."""
+    block = BLOCK
+    placed: list[RawItem] = []
+    if not items:
+        return placed
+    with ThreadPoolExecutor(1, thread_name_prefix="tierstore-crc") as pool:
+
+        def prepare(i: int) -> tuple[tuple[memoryview, str, tuple[int, ...]], Future[tuple[int, ...]]]:
+            viewed = item_view(resolve(items[i]), relpath, names[i] if names else "")
+            return viewed, pool.submit(block_crcs, viewed[0], block)
+
+        ahead = prepare(0)
+        for i in range(len(items)):
+            viewed, crcs = ahead
+            if i + 1 < len(items):
+                ahead = prepare(i + 1)
+            placed.append(write_item(out, viewed, relpath, block, crcs=crcs.result()))
+    return placed
 
 
 def _is_count(value: Any, limit: int = 1 << 62) -> bool:

@@ -330,8 +330,9 @@ def _write_file(
     placed: list[tuple[WriteItem, _StorageInfo | raw.RawItem]]
     with tier.backend.open_write(key, defer_dir_sync=True) as out:
         if encoding == "raw":
-            placed = [(item, raw.write_item(out, resolve(item), relpath, name=item.index.fqn))
-                      for item in ordered]
+            infos = raw.write_items(out, ordered, resolve, relpath,
+                                    names=[item.index.fqn for item in ordered])
+            placed = list(zip(ordered, infos))
         else:
             placed = _write_dcp_items(out, ordered, resolve, relpath)
     entry = FileEntry(relpath, out.size, out.crc32c, attempt.rank)
