@@ -237,3 +237,21 @@ def test_overlapped_save_returns_before_the_copy_is_taken(tmp_path: Path) -> Non
     fill(state, -1.0)
     manager.close()
     assert_holds(manager, 1)
+
+
+def test_an_error_on_the_managers_save_thread_fails_the_save_instead_of_hanging(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tierstore.manager as manager_module
+
+    def broken(*args: Any) -> None:
+        raise RuntimeError("lost on the save thread")
+
+    manager, state = manager_for(tmp_path, overlap_staging=True), new_state()
+    monkeypatch.setattr(manager_module, "_chain", broken)
+    assert manager.save(1, state)
+    with pytest.raises(SaveFailed, match="lost on the save thread"):
+        manager.wait_staged()
+    monkeypatch.undo()
+    save_and_scribble(manager, state, 2)
+    manager.close()
+    assert_holds(manager, 2)

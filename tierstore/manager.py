@@ -215,7 +215,7 @@ class CheckpointManager:
             # planning); the manager's own thread pays that too, with the copy after it.
             staged: Future[None] = Future()
             self._staging, self._pending = staged, Future()
-            self._submitter().submit(self._start_async, step, state, staged, self._pending)
+            self._submitter().submit(self._start_guarded, step, state, staged, self._pending)
         else:
             staged = Future()
             self._staging, self._pending = staged, Future()
@@ -232,6 +232,20 @@ class CheckpointManager:
         if self._thread is None:  # one thread: saves start in the order they were asked for
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="tierstore-save")
         return self._thread
+
+    def _start_guarded(self, step: int, state: dict[str, Any], staged: Future[None],
+                       settled: Future[None]) -> None:
+        """:meth:`_start_async` on the manager's thread, where nothing would see an error it
+        raised: whatever it raises fails the save, so no waiter on ``staged`` or ``settled``
+        waits for ever."""
+        try:
+            self._start_async(step, state, staged, settled)
+        except BaseException as err:
+            if not settled.done():
+                self._failed(step, err)
+                settled.set_result(None)
+            if not staged.done():
+                staged.set_exception(err)
 
     def _start_async(self, step: int, state: dict[str, Any], staged: Future[None],
                      settled: Future[None]) -> None:
