@@ -1,9 +1,11 @@
 """Issue 14's stall: ``python -m benchmarks.jobs.perf_stall SPEC.json OUT.json``.
 
-One process, no process group, the state of ``perf_common.make_state`` saved ``saves``
-times by each system, the systems interleaved (save *i* of each, in an order rotated with
-*i*), each save waited for until durable before the next, with a short untimed pause
-between saves (in training they are minutes apart):
+No process group, the state of ``perf_common.make_state`` saved ``saves`` times by each
+system, each save waited for until durable before the next, with a short untimed pause
+between saves (in training they are minutes apart). ``spec["only"]`` picks the systems this
+process runs; the perf suite runs each in a process of its own, so no system's background
+threads or helper processes count in another's CPU (several in one process are interleaved:
+save *i* of each, in an order rotated with *i*):
 
 - ``CheckpointManager`` with ``staging="reuse"`` (its default: ``save()`` returns once the
   state is copied into buffers kept from save to save), the same with
@@ -220,6 +222,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     running: dict[str, System] = {}
     try:
         for name, make in systems(found).items():
+            if spec.get("only") and name not in spec["only"]:
+                continue
             if isinstance(make, str):
                 records.append({"variant": name, "rep": 0, "unavailable": make})
                 continue

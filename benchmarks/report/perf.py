@@ -14,7 +14,6 @@ from typing import Any
 
 from benchmarks.infra.measure import GiB, MiB, Record
 from benchmarks.report import analysis as A
-from benchmarks.report import plots
 from benchmarks.report.tables import Lines, image, size_label, table
 from benchmarks.report.template import block, paragraph
 
@@ -279,6 +278,8 @@ def _io_tables(io: Mapping[str, Any], img: Path | None) -> Lines:
         ["case", "variant", "MiB/s (best)", "CPU s/GiB (best)", "speed vs base", "CPU vs base"],
         rows))
     if img is not None and cpu_bars:
+        from benchmarks.report import plots  # matplotlib: only where a figure is drawn
+
         path = plots.bars(img / "perf_cpu.png", "CPU seconds per GiB, best of reps (lower is better)",
                           "CPU s/GiB", cpu_bars)
         out += [image(path, "CPU per GiB of saves and loads"), ""]
@@ -308,6 +309,8 @@ def _stall_table(stall: Mapping[str, Any], img: Path | None) -> Lines:
         ["system", "stall s", "staged s", "durable s", "CPU s/GiB", "stall / sync",
          "first save: stall / staged / durable s"], rows))
     if img is not None and bars:
+        from benchmarks.report import plots  # matplotlib: only where a figure is drawn
+
         path = plots.bars(img / "perf_stall.png", "Seconds per save, steady state (log)", "seconds",
                           bars, log=True)
         out += [image(path, "stall, staged and durable per system"), ""]
