@@ -20,6 +20,21 @@ def now() -> float:
     return time.perf_counter()
 
 
+def await_async_save(answer: Any, start: float) -> tuple[float, float, float]:
+    """``(stall, staged, done)`` seconds since ``start`` for what ``dcp.async_save`` returned
+    at the moment of this call: a bare future (staged once returned) or an
+    ``AsyncSaveResponse`` (staging and upload futures)."""
+    stall = now() - start
+    staging = getattr(answer, "staging_completion", None)
+    if staging is None:
+        answer.result()
+        return stall, stall, now() - start
+    staging.result()
+    staged = now() - start
+    answer.upload_completion.result()
+    return stall, staged, now() - start
+
+
 def cpu_seconds() -> float:
     """User + system CPU time of this process, every thread included.
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.infra.launch import module_main
-from benchmarks.infra.measure import MiB, Record, now
+from benchmarks.infra.measure import MiB, Record, await_async_save, now
 
 warnings.filterwarnings("ignore")
 
@@ -44,22 +44,14 @@ def make_stager(options: tuple[bool, bool, bool, bool] | None) -> Any:
 
 def save_once(state: dict[str, Any], hot: str, stager: Any) -> Record:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
     from tierstore import TieredWriter
 
     start = now()
     answer = dcp.async_save(state, storage_writer=TieredWriter(hot, name="ckpt"),
                             async_stager=stager)
-    stall = now() - start
-    if isinstance(answer, AsyncSaveResponse):
-        answer.staging_completion.result()
-        staged = now() - start
-        answer.upload_completion.result()
-    else:
-        staged = stall
-        answer.result()
-    return {"stall": stall, "staged": staged, "commit": now() - start}
+    stall, staged, commit = await_async_save(answer, start)
+    return {"stall": stall, "staged": staged, "commit": commit}
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:

@@ -41,10 +41,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from benchmarks.infra.launch import module_main
-from benchmarks.infra.measure import Record, now
+from benchmarks.infra.measure import Record, await_async_save, now
 from benchmarks.jobs.perf_common import TMPFS, accepts, features, fsync_tree, make_state, measure, nbytes
 
 warnings.filterwarnings("ignore")
@@ -115,15 +114,7 @@ class DcpAsync(System):
         start = now()
         response = dcp.async_save(self.state, storage_writer=writer, async_stager=self.stager,
                                   no_dist=True)
-        stall = now() - start
-        if isinstance(response, AsyncSaveResponse):
-            response.staging_completion.result()
-            staged = now() - start
-            response.upload_completion.result()
-        else:
-            staged = stall
-            response.result()
-        durable = now() - start
+        stall, staged, durable = await_async_save(response, start)
         shutil.rmtree(self.root / f"step-{i - 2}", ignore_errors=True)
         return {"stall": stall, "staged": staged, "durable": durable}
 

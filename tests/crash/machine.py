@@ -121,15 +121,7 @@ class CrashConsistency(RuleBasedStateMachine):
         def op(hot: str, cold: str, rank: int) -> list[tuple[str, str, str | None]]:
             writer = TieredWriter(hot, cold if with_cold else None, step=step,
                                   single_file_per_rank=not per_item, migration=model.FAST)
-            if mode == "sync":
-                dcp.save(model.state_for(step), storage_writer=writer)
-            else:
-                dcp.async_save(model.state_for(step), storage_writer=writer).result()
-            migrator = writer.migrator
-            if migrator is None:
-                return []
-            migrator.wait(60)
-            return [(s.name, s.state.value, s.error) for s in migrator.status()]
+            return model.save_and_migrate(writer, step, mode, 60)
 
         outcome = self._run(data, op, world)
         if outcome.killed:

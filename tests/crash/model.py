@@ -9,7 +9,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from helpers import unwrap  # noqa: F401  (re-exported for the crash tests)
 
-from tierstore import TieredReader
+from tierstore import TieredReader, TieredWriter
 from tierstore.errors import IntegrityError, StorageError
 from tierstore.retry import RetryPolicy
 from tierstore.tiers.migrator import MigrationConfig
@@ -47,3 +47,18 @@ def load(hot: str | None, cold: str | None, name: str | None = None, *,
     dcp.load(target, storage_reader=reader)
     return target, reader
 
+
+
+def save_and_migrate(writer: TieredWriter, step: int, mode: str,
+                     wait: float) -> list[tuple[str, str, str | None]]:
+    """Save ``state_for(step)`` through ``writer`` (``mode`` "sync" or async "thread"), wait up
+    to ``wait`` seconds for its migration, and return what the migrator reports of each job."""
+    if mode == "sync":
+        dcp.save(state_for(step), storage_writer=writer)
+    else:
+        dcp.async_save(state_for(step), storage_writer=writer).result()
+    migrator = writer.migrator
+    if migrator is None:
+        return []
+    migrator.wait(wait)
+    return [(s.name, s.state.value, s.error) for s in migrator.status()]

@@ -173,15 +173,7 @@ class MultiActor(RuleBasedStateMachine):
             def save(rank: int) -> list[tuple[str, str, str | None]]:
                 writer = TieredWriter(s.hot, s.cold if migrate else None, step=step,
                                       cold_options=s.options, migration=CONFIG)
-                if mode == "sync":
-                    dcp.save(model.state_for(step), storage_writer=writer)
-                else:
-                    dcp.async_save(model.state_for(step), storage_writer=writer).result()
-                migrator = writer.migrator
-                if migrator is None:
-                    return []
-                migrator.wait(90)
-                return [(st_.name, st_.state.value, st_.error) for st_ in migrator.status()]
+                return model.save_and_migrate(writer, step, mode, 90)
 
             return Step("save", save, world, save_step=step)
         if kind == "migrate":
