@@ -20,14 +20,17 @@ import array
 import os
 import threading
 import tracemalloc
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import pytest
 
 from tierstore.errors import ObjectNotFound, PublishConflict, StorageError, UnsafePath
 from tierstore.storage.backend import Backend, crc32c_update
 
-__all__ = ["BackendContract"]
+__all__ = ["BackendContract", "in_background", "returns_within"]
+
+T = TypeVar("T")
 
 
 def _payload(size: int, seed: int = 0) -> bytes:
@@ -291,3 +294,30 @@ class BackendContract:
     def test_repr_is_safe(self, backend: Backend) -> None:
         assert type(backend).__name__ in repr(backend)
         assert backend.scheme
+
+
+def in_background(fn: Callable[[], object]) -> tuple[threading.Thread, dict[str, Any]]:
+    """``fn()`` on a daemon thread; the box gets its ``value`` or its ``error``."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as err:  # DCP's CheckpointException is no Exception
+            box["error"] = err
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, box
+
+
+def returns_within(fn: Callable[[], T], seconds: float, what: str) -> T:
+    """``fn()``, run on a thread; fails the test if it has not returned after ``seconds``
+    (a call blocked on a tier that is down), else returns its value or raises its error."""
+    thread, box = in_background(fn)
+    thread.join(seconds)
+    if thread.is_alive():
+        pytest.fail(f"{what} did not return within {seconds:.0f}s: it is blocked on the cold tier")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")  # type: ignore[return-value]

@@ -12,7 +12,6 @@ assertion (before the fix, a stalled S3 held ``dcp.save`` for 92 s).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -26,6 +25,7 @@ from tierstore import TieredReader, TieredWriter
 from tierstore.commit import layout
 from tierstore.manager import CheckpointManager
 from tierstore.retry import RetryPolicy
+from tierstore.testing import in_background, returns_within
 from tierstore.tiers.catalog import list_checkpoints
 from tierstore.tiers.migrator import Job, MigrationConfig, MigrationState, Migrator
 from tierstore.tiers.status import migrate_pending
@@ -48,30 +48,10 @@ def blank() -> dict[str, torch.Tensor]:
     return {"w": torch.zeros(128, 256), "b": torch.zeros(1000, dtype=torch.int64)}
 
 
-def in_background(fn: Callable[[], object]) -> tuple[threading.Thread, dict[str, Any]]:
-    """``fn()`` on a thread; the box gets its ``value`` or its ``error``."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as err:  # CheckpointException is no Exception
-            box["error"] = err
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread, box
-
-
 def returns(fn: Callable[[], T], what: str) -> T:
     """``fn()``, run on a thread; fails the test if it has not returned after ``HANG`` s."""
-    thread, box = in_background(fn)
-    thread.join(HANG)
-    if thread.is_alive():
-        pytest.fail(f"{what} did not return within {HANG:.0f}s: it is blocked on the cold tier")
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")  # type: ignore[return-value]
+    return returns_within(fn, HANG, what)
+
 
 class ColdTier:
     """The test's S3 cold tier: reached through ``proxy``, inspected directly on moto."""
