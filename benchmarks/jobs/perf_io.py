@@ -6,8 +6,10 @@ process (every thread); the report compares the best of the reps of each side.
 
 - **Saves** on tmpfs (``/dev/shm``: the disk costs nothing, only CPU work differs) and on
   the disk (the scratch directory): ``TieredWriter`` with the raw and with the dcp
-  encoding, DCP's ``FileSystemWriter``, and (disk) the same bytes written by one
-  ``os.write`` loop and fsynced, file and directory.
+  encoding, DCP's ``FileSystemWriter``, the same bytes written by one ``os.write`` loop
+  (fsynced, file and directory), and ``dcp_null``: ``dcp.save`` through a writer that
+  resolves every item and writes nothing, which is DCP's own per-save machinery (planning,
+  metadata, one ``WriteItem`` per tensor), paid by every DCP ``StorageWriter``.
 - **Loads** of the same state into allocated tensors: ``TieredReader`` of a raw checkpoint
   with 1 and 4 threads, of a dcp-encoded one, and ``FileSystemReader`` of
   ``FileSystemWriter``'s. Warm: the files read once, untimed, right before; cold (disk
@@ -31,7 +33,10 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, Metadata, StorageWriter
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
 from benchmarks.infra.launch import module_main
 from benchmarks.infra.measure import Record
@@ -51,7 +56,7 @@ from benchmarks.jobs.perf_common import (
 from benchmarks.jobs.writers import write_raw
 
 warnings.filterwarnings("ignore")
-SAVES = ("fsw", "tiered_dcp", "tiered_raw", "tiered_raw_direct", "raw_write")
+SAVES = ("fsw", "tiered_dcp", "tiered_raw", "tiered_raw_direct", "raw_write", "dcp_null")
 LOADS = ("fsr", "tiered_dcp", "tiered_raw_t1", "tiered_raw_t4")
 LOAD_PLACES = (("tmpfs", "warm"), ("disk", "warm"), ("disk", "cold"))
 
@@ -68,6 +73,38 @@ def writer_args(variant: str, found: dict[str, str | None]) -> dict[str, Any] | 
             return str(found["direct_io"])
         return {"encoding": "raw", "hot_options": {"direct_io": True}}
     return {"encoding": "raw"}
+
+
+class NullWriter(StorageWriter):
+    """A DCP ``StorageWriter`` that resolves every item (as every writer must) and writes
+    nothing: ``dcp.save`` through it costs DCP's own machinery and nothing else."""
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        pass
+
+    def validate_checkpoint_id(self, checkpoint_id: Any) -> bool:
+        return True
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        results = []
+        for item in plan.items:
+            planner.resolve_data(item)
+            results.append(WriteResult(index=item.index, size_in_bytes=0, storage_data=None))
+        done: Future[list[WriteResult]] = Future()
+        done.set_result(results)
+        return done
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        pass
 
 
 def save_cases(state: dict[str, Any], root: Path, place: str,
@@ -91,6 +128,9 @@ def save_cases(state: dict[str, Any], root: Path, place: str,
     def raw_write(path: Path) -> Record:
         return {"fsync": write_raw(views, str(path / "data"))}
 
+    def null(path: Path) -> None:
+        dcp.save(state, storage_writer=NullWriter(), no_dist=True)
+
     def tiered(args: dict[str, Any]) -> Callable[[Path], None]:
         def save(path: Path) -> None:
             dcp.save(state, storage_writer=TieredWriter(str(path), name="ckpt", **args), no_dist=True)
@@ -99,12 +139,12 @@ def save_cases(state: dict[str, Any], root: Path, place: str,
     for variant in SAVES:
         if variant == "tiered_raw_direct" and place == "tmpfs":
             continue  # tmpfs refuses O_DIRECT: the same as tiered_raw there
-        args = {} if variant in ("fsw", "raw_write") else writer_args(variant, found)
+        plain = {"fsw": fsw, "raw_write": raw_write, "dcp_null": null}
+        args = {} if variant in plain else writer_args(variant, found)
         if isinstance(args, str):
             missing.append(unavailable(variant, args, op="save", place=place))
         else:
-            cases[variant] = case(variant, fsw if variant == "fsw" else
-                                  raw_write if variant == "raw_write" else tiered(args))
+            cases[variant] = case(variant, plain.get(variant) or tiered(args))
     return cases, missing
 
 

@@ -21,7 +21,7 @@ Results = Mapping[str, Any]
 RAW_LOADS = ("tiered_raw_t1", "tiered_raw_t4")
 OURS = ("ours_reuse", "ours_overlap")
 PEERS = ("dcp_async", "torch_checkpointing")
-SAVE_ROWS = ("fsw", "tiered_dcp", "tiered_raw", "tiered_raw_direct", "raw_write")
+SAVE_ROWS = ("fsw", "tiered_dcp", "tiered_raw", "tiered_raw_direct", "raw_write", "dcp_null")
 LOAD_ROWS = ("fsr", "tiered_dcp", "tiered_raw_t1", "tiered_raw_t4")
 STALL_ROWS = ("sync_tiered", "ours_reuse", "ours_overlap", "ours_fresh", "dcp_async",
               "dcp_async_cached", "torch_checkpointing")
@@ -155,11 +155,15 @@ def why(target: A.Target, suite: Mapping[str, Any]) -> str:
         cpu = best(rec, "cpu", op="save", place=place)
         secs = best(rec, "seconds", op="save", place=place)
         crc_gib = _crc_gib(io)
-        floor = cpu.get("raw_write")
+        floor, dcp_own = cpu.get("raw_write"), cpu.get("dcp_null")
         reach = (None if floor is None or crc_gib == "n/a" or not cpu.get("fsw")
                  else (floor * scale + float(crc_gib)) / (cpu["fsw"] * scale))
+        reach_dcp = (None if reach is None or dcp_own is None
+                     else reach + dcp_own / cpu["fsw"])
         return block(f"perf.why.{key}", ours=_scaled(cpu.get("tiered_raw"), scale),
                      reach="n/a" if reach is None else f"{reach:.2f}",
+                     reach_dcp="n/a" if reach_dcp is None else f"{reach_dcp:.2f}",
+                     dcp_own=_scaled(dcp_own, scale),
                      fsw=_scaled(cpu.get("fsw"), scale), floor=_scaled(cpu.get("raw_write"), scale),
                      ours_s=A.seconds(secs.get("tiered_raw")), raw_s=A.seconds(secs.get("raw_write")),
                      fsync_s=A.seconds(best(rec, "fsync", op="save", place=place).get("raw_write")),
@@ -169,7 +173,10 @@ def why(target: A.Target, suite: Mapping[str, Any]) -> str:
         cpu = best(rec, "cpu", op="load", place=place, cache=cache)
         secs = best(rec, "seconds", op="load", place=place, cache=cache)
         which = "load_cpu" if key.startswith("load_cpu") else "load_rate"
+        unverified = best(rec, "cpu", op="crc").get("crc_off")
         return block(f"perf.why.{which}", place=place, cache=cache, crc=_crc_gib(io),
+                     unverified=_scaled(unverified, scale),
+                     unverified_ratio=_ratio2(A.div(unverified, cpu.get("fsr"))),
                      cores=io.get("cores", "?"),
                      t1=_scaled(cpu.get("tiered_raw_t1"), scale),
                      t4=_scaled(cpu.get("tiered_raw_t4"), scale), fsr=_scaled(cpu.get("fsr"), scale),
@@ -191,6 +198,10 @@ def why(target: A.Target, suite: Mapping[str, Any]) -> str:
                  sync_over_copy=_ratio(A.div(stalls.get("sync_tiered"), stall.get("copy"))),
                  ours_cpu=_scaled(cpu.get("ours_reuse"), scale), peer_cpu=_scaled(cpu.get(peer), scale),
                  peer_stall=A.seconds(stalls.get(peer)), peer_staged=A.seconds(staged.get(peer)))
+
+
+def _ratio2(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
 
 
 def _ratio(value: float | None) -> str:
