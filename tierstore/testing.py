@@ -254,6 +254,33 @@ class BackendContract:
         assert not backend.exists("d/x")
         assert list(backend.list("d/")) == []
 
+    def test_delete_many_removes_every_key_missing_ones_included(self, backend: Backend) -> None:
+        keys = [f"dm/{i // 7}/k{i}" for i in range(23)]
+        for key in keys:
+            backend.publish(key, key.encode())
+        backend.publish("dm-keep/x", b"x")
+        backend.delete_many([*keys[:20], "dm/never-existed"])
+        assert {i.key for i in backend.list("dm/")} == set(keys[20:])
+        backend.delete_many(keys)  # again, every key already gone or going: no error
+        backend.delete_many([])
+        assert list(backend.list("dm/")) == []
+        assert backend.read_bytes("dm-keep/x") == b"x"
+
+    def test_open_range_reads_exactly_the_range(self, backend: Backend) -> None:
+        data = bytes(range(256)) * 64 + b"tail"
+        with backend.open_write("rg/obj") as writer:
+            writer.write(data)
+        for offset, length in ((0, 10), (300, 1000), (len(data) - 4, 4), (len(data) - 2, 100),
+                               (len(data), 5)):
+            with backend.open_range("rg/obj", offset, length) as stream:
+                got = stream.read()
+            assert got == data[offset:offset + length], (offset, length)
+        with backend.open_range("rg/obj", 1000, 3000) as stream:  # read in pieces
+            pieces = [stream.read(1000) for _ in range(4)]
+        assert b"".join(pieces) == data[1000:4000] and pieces[-1] == b""
+        with pytest.raises(ObjectNotFound):
+            backend.open_range("rg/missing", 0, 1).read()
+
     # -- keys --------------------------------------------------------------------------
 
     @pytest.mark.parametrize("key", ["../escape", "/abs/key", "a//b", "a/./b", "a/../b", "", "a\\b"])

@@ -27,7 +27,12 @@ root URL. tierstore needs only these guarantees, stated once here:
   *exclusive*: if the key exists, it raises :class:`~tierstore.errors.PublishConflict`
   and changes nothing; of two racing publishers exactly one wins. There is no rename.
 * **Reads** see every completed write and publish (read-after-write).
-* **Delete** is idempotent: deleting a missing key succeeds.
+* **Ranged reads** (:meth:`Backend.open_range`) stream ``length`` bytes from ``offset`` and
+  cost one request on an object store (a ranged GET), never a download of what precedes.
+* **Delete** is idempotent: deleting a missing key succeeds. :meth:`Backend.delete_many`
+  removes many keys in as few requests as the backend allows (S3 ``DeleteObjects``: 1,000
+  keys per request); it is not atomic: on an error some keys may be gone, none is damaged,
+  and calling it again finishes the job.
 * **Errors** are translated into the :mod:`tierstore.errors` tree, naming key and tier;
   retryable failures are :class:`~tierstore.errors.TransientStorageError`.
 * **Thread safety**: one backend instance may be used from many threads at once. Backends
@@ -41,11 +46,12 @@ import builtins
 import errno
 import functools
 import inspect
+import io
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, BinaryIO, ClassVar
+from typing import Any, BinaryIO, ClassVar, cast
 
 from tierstore._redact import redact_url
 from tierstore.errors import (
@@ -197,6 +203,26 @@ class Backend(abc.ABC):
     def open_read(self, key: str) -> BinaryIO:
         """Open ``key`` for streaming, sequential reading."""
 
+    def open_range(self, key: str, offset: int, length: int) -> BinaryIO:
+        """Open ``length`` bytes of ``key`` from ``offset`` for streaming; fewer at the end of
+        the object. The default seeks a seekable stream, else reads up to ``offset`` and
+        drops it: object-store backends override it with one ranged request."""
+        stream = self.open_read(key)
+        try:
+            if _is_seekable(stream):
+                stream.seek(offset)
+            else:
+                left = offset
+                while left > 0:
+                    skipped = stream.read(min(left, 8 << 20))
+                    if not skipped:
+                        break
+                    left -= len(skipped)
+        except BaseException:
+            stream.close()
+            raise
+        return cast(BinaryIO, _Limited(stream, length))
+
     @abc.abstractmethod
     def publish(self, key: str, data: bytes) -> None:
         """Atomically, durably and exclusively create ``key`` holding ``data``."""
@@ -212,6 +238,12 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def delete(self, key: str) -> None:
         """Remove ``key``; succeed if it is already gone."""
+
+    def delete_many(self, keys: Iterable[str]) -> None:
+        """Remove every key in ``keys``, missing ones included (idempotent, not atomic). The
+        default deletes one at a time; backends with a batch request override it."""
+        for key in keys:
+            self.delete(key)
 
     def exists(self, key: str) -> bool:
         try:
@@ -240,6 +272,44 @@ class Backend(abc.ABC):
 
     def close(self) -> None:
         """Release clients and connections."""
+
+
+def _is_seekable(stream: BinaryIO) -> bool:
+    try:
+        return bool(stream.seekable())
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+class _Limited(io.RawIOBase):
+    """At most ``length`` bytes of ``stream`` from where it stands; closes it when closed."""
+
+    def __init__(self, stream: BinaryIO, length: int) -> None:
+        super().__init__()
+        self._stream, self._left = stream, max(0, length)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        want = min(len(view), self._left)
+        if want == 0:
+            return 0
+        reader = getattr(self._stream, "readinto", None)
+        if reader is not None:
+            got = reader(view[:want]) or 0
+        else:
+            data = self._stream.read(want)
+            got = len(data)
+            view[:got] = data
+        self._left -= got
+        return got
+
+    def close(self) -> None:
+        if not self.closed:
+            self._stream.close()
+        super().close()
 
 
 def _takes_defer_dir_sync(open_write: Callable[..., ObjectWriter]) -> bool:
