@@ -1,35 +1,45 @@
 """The ``tierstore`` command: inspect and operate a store (``python -m tierstore`` too).
 
-Exit codes: 0 success; 1 the operation failed, or found damage (``verify``) or something it
-could not migrate (``migrate``); 2 bad usage.
+Exit codes: 0 success; 1 the operation failed, found damage (``verify``, ``gc``), left
+something unmigrated (``migrate``, ``status``), a tier path does not exist, or the cold tier
+could not be reached; 2 bad usage; 130 interrupted (Ctrl-C). The options, help texts and
+examples are in :mod:`tierstore._cli_parser`; docs/operations.md, "Command reference", lists
+them too.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
 
+from tierstore._cli_checks import CommandFailed, cold_unreachable, require_tiers
+from tierstore._cli_parser import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, build_parser
 from tierstore._redact import redact_url
 from tierstore.commit import layout
-from tierstore.errors import TierstoreError
-from tierstore.lifecycle.gc import DEFAULT_GRACE, collect_garbage
+from tierstore.commit.manifest import Manifest
+from tierstore.errors import CheckpointNotFound, TierstoreError
+from tierstore.lifecycle.gc import collect_garbage
 from tierstore.lifecycle.prune import prune
 from tierstore.lifecycle.retention import Policy, keep_all, keep_every, keep_last, keep_within
 from tierstore.lifecycle.scrub import verify_store
+from tierstore.progress import ProgressDisplay, size_text
 from tierstore.tiers.catalog import list_checkpoints, resolve
 from tierstore.tiers.migrator import MigrationConfig, MigrationState
 from tierstore.tiers.restore import restore_checkpoint
 from tierstore.tiers.status import migrate_pending, migration_status
-from tierstore.tiers.tier import Store
+from tierstore.tiers.tier import Store, Tier
 
 __all__ = ["main"]
 
-EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
+# The tier a command creates when it is missing (tierstore._cli_checks.require_tiers).
+_CREATES = {"migrate": "cold", "restore": "hot"}
 
 
 def _store(args: argparse.Namespace) -> Store:
@@ -37,12 +47,12 @@ def _store(args: argparse.Namespace) -> Store:
                     cold_options=_options(args.cold_option))
 
 
-def _options(pairs: Sequence[str] | None) -> dict[str, Any]:
+def _options(pairs: list[str] | None) -> dict[str, Any]:
     options: dict[str, Any] = {}
     for pair in pairs or ():
         key, sep, value = pair.partition("=")
         if not sep:
-            raise SystemExit(f"tierstore: option {pair!r} is not KEY=VALUE")
+            raise UsageError(f"option {pair!r} is not KEY=VALUE")
         try:
             options[key] = json.loads(value)  # numbers, booleans, lists
         except json.JSONDecodeError:
@@ -66,34 +76,62 @@ def _age(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h" if seconds < 172800 else f"{seconds / 86400:.1f} d"
 
 
+def _say_unreachable(args: argparse.Namespace, why: str) -> None:
+    print(f"tierstore {args.command}: the cold tier {redact_url(args.cold)} is unreachable "
+          f"({why}); showing the hot tier only", file=sys.stderr)
+
+
 def cmd_ls(args: argparse.Namespace) -> int:
     store = _store(args)
+    down = cold_unreachable(store.cold, args.cold_wait)
+    if down is not None:
+        store = Store.of_tiers(store.hot, None)
     infos = list_checkpoints(store)
     states: dict[str, str] = {}
-    if args.hot and args.cold:
-        states = {s.name: s.state.value for s in
-                  migration_status(store)}
+    if store.hot and store.cold:
+        states = {s.name: s.state.value for s in migration_status(store)}
     now = time.time()
+    unknown = "unknown" if down else "-"
     rows = [{**asdict(i), "age_seconds": now - i.created,
-             "migration": states.get(i.name, "committed" if "cold" in i.tiers else "-")} for i in infos]
+             "migration": states.get(i.name, "committed" if "cold" in i.tiers else unknown)} for i in infos]
     if args.json:
         print(json.dumps(rows, indent=1))
-        return EXIT_OK
-    if not infos:
+    elif not infos:
         print("no committed checkpoints")
-        return EXIT_OK
-    print(f"{'name':<24}{'step':>10}{'size':>12}{'files':>7}{'age':>10}  {'tiers':<10}migration")
-    for i, row in zip(infos, rows):
-        step = "-" if i.step is None else str(i.step)
-        print(f"{i.name:<24}{step:>10}{_human(i.size):>12}{i.num_files:>7}{_age(row['age_seconds']):>10}  "
-              f"{','.join(i.tiers):<10}{row['migration']}")
+    else:
+        print(f"{'name':<24}{'step':>10}{'size':>12}{'files':>7}{'age':>10}  {'tiers':<10}migration")
+        for i, row in zip(infos, rows):
+            step = "-" if i.step is None else str(i.step)
+            age = _age(row["age_seconds"])
+            print(f"{i.name:<24}{step:>10}{_human(i.size):>12}{i.num_files:>7}{age:>10}  "
+                  f"{','.join(i.tiers):<10}{row['migration']}")
+    if down is not None:
+        _say_unreachable(args, down)
+        return EXIT_ERROR
     return EXIT_OK
 
 
+def _named(store: Store, name: str | None) -> None:
+    """Refuse a ``--name`` that no tier of ``store`` commits."""
+    if name is not None and not any(t.find_manifest(name) for t in store.tiers):
+        raise CheckpointNotFound("no committed checkpoint of that name", checkpoint=name, tier=store.label)
+
+
+def _picked(args: argparse.Namespace, tiers: list[Tier]) -> None:
+    """Refuse ``--step`` and ``--name`` naming different checkpoints (a usage error)."""
+    if args.name is None or args.step is None:
+        return
+    manifest, _ = resolve(tiers, name=args.name)
+    if manifest.step != args.step:
+        raise UsageError(f"--step {args.step} and --name {args.name} contradict each other: "
+                         f"{args.name} is step {manifest.step}")
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
-    names = [args.name] if args.name else None
-    checks = verify_store(_store(args), names=names,
-                          progress=None if args.json else Progress())
+    store = _store(args)
+    _named(store, args.name)
+    checks = verify_store(store, names=[args.name] if args.name else None, progress=args.progress)
+    args.progress.close()
     bad = [c for c in checks if not c.ok]
     if args.json:
         print(json.dumps([asdict(c) for c in checks], indent=1))
@@ -106,13 +144,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     report = collect_garbage(_store(args), grace=args.grace, dry_run=not args.yes)
+    code = EXIT_ERROR if report.failures or report.damaged else EXIT_OK
     if args.json:
         print(json.dumps({"deleted": report.deleted, "bytes": report.bytes,
                           "garbage": [asdict(g) for g in report.garbage],
                           "aborted_uploads": list(report.aborted_uploads),
                           "damaged": [asdict(d) for d in report.damaged],
                           "failures": [asdict(f) for f in report.failures]}, indent=1))
-        return EXIT_ERROR if report.failures or report.damaged else EXIT_OK
+        return code
     verb = "deleted" if report.deleted else "would delete"
     for g in report.garbage:
         print(f"{verb}  {g.tier}  {g.key}  ({_human(g.size)}): {g.reason}")
@@ -124,18 +163,14 @@ def cmd_gc(args: argparse.Namespace) -> int:
         print(f"FAILED  {f.tier}  {f.key or '(listing)'}: {f.error}")
     print(f"{verb} {len(report.garbage)} objects, {_human(report.bytes)}"
           + ("" if report.deleted else "  (dry run: add --yes to delete)"))
-    return EXIT_ERROR if report.failures or report.damaged else EXIT_OK
+    return code
 
 
 def _policy(args: argparse.Namespace, tier: str) -> Policy | None:
-    parts: list[Policy] = []
-    last, every, within = (getattr(args, f"{tier}_keep_{k}") for k in ("last", "every", "within"))
-    if last is not None:
-        parts.append(keep_last(last))
-    if every is not None:
-        parts.append(keep_every(every))
-    if within is not None:
-        parts.append(keep_within(within))
+    makers: dict[str, Callable[[Any], Policy]] = {"last": keep_last, "every": keep_every,
+                                                  "within": keep_within}
+    parts: list[Policy] = [make(value) for kind, make in makers.items()
+                           if (value := getattr(args, f"{tier}_keep_{kind}")) is not None]
     if not parts:
         return None
     policy = parts[0]
@@ -147,7 +182,7 @@ def _policy(args: argparse.Namespace, tier: str) -> Policy | None:
 def cmd_prune(args: argparse.Namespace) -> int:
     hot_policy, cold_policy = _policy(args, "hot"), _policy(args, "cold")
     if hot_policy is None and cold_policy is None:
-        raise SystemExit("tierstore prune: give a policy, e.g. --hot-keep-last 2 --cold-keep-last 3")
+        raise UsageError("give a policy, e.g. --hot-keep-last 2 --cold-keep-last 3")
     reports = prune(_store(args), hot_policy=hot_policy or keep_all(),
                     cold_policy=cold_policy or keep_all(), dry_run=not args.yes)
     if args.json:
@@ -163,12 +198,19 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    manifest, holders = resolve(_store(args).tiers, step=args.step, name=args.name)
+    tiers = _store(args).tiers
+    _picked(args, tiers)
+    manifest, holders = resolve(tiers, step=args.step, name=args.name)
     if args.json:
         body = json.loads(manifest.to_json())
         body["tiers"] = [t.role for t in holders]
         print(json.dumps(body, indent=1))
         return EXIT_OK
+    _print_manifest(manifest, holders)
+    return EXIT_OK
+
+
+def _print_manifest(manifest: Manifest, holders: list[Tier]) -> None:
     print(f"checkpoint {manifest.name}  step {manifest.step}  attempt {manifest.attempt}")
     created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(manifest.created))
     print(f"world size {manifest.world_size}  created {created}"
@@ -176,29 +218,6 @@ def cmd_show(args: argparse.Namespace) -> int:
     print(f"data: {layout.attempt_prefix(manifest.name, manifest.attempt)}")
     for f in manifest.files:
         print(f"  rank {f.rank:>4}  {f.path:<24}{_human(f.size):>12}  crc32c {f.crc32c:08x}")
-    return EXIT_OK
-
-
-class Progress:
-    """A one-line progress display on stderr (a plain line per step when not a terminal)."""
-
-    def __init__(self, stream: Any = sys.stderr) -> None:
-        self.stream = stream
-        self.tty = stream.isatty()
-        self.last = 0.0
-
-    def __call__(self, name: str, done: int, total: int) -> None:
-        now = time.monotonic()
-        if done < total and now - self.last < (0.2 if self.tty else 10.0):
-            return
-        self.last = now
-        frac = done / total if total else 1.0
-        bar = "#" * int(frac * 30)
-        line = f"{name}  [{bar:<30}] {frac:6.1%}  {_human(done)} / {_human(total)}"
-        self.stream.write(("\r" + line) if self.tty else line + "\n")
-        if self.tty and done >= total:
-            self.stream.write("\n")
-        self.stream.flush()
 
 
 def _config(args: argparse.Namespace) -> MigrationConfig:
@@ -207,11 +226,12 @@ def _config(args: argparse.Namespace) -> MigrationConfig:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
-    if not args.cold:
-        raise SystemExit("tierstore migrate: --cold is required")
-    names = [args.name] if args.name else None
-    results = migrate_pending(_store(args), names=names,
-                              config=_config(args), progress=None if args.json else Progress())
+    store = _store(args)
+    if store.hot is not None and args.name is not None:
+        _named(Store.of_tiers(store.hot, None), args.name)
+    results = migrate_pending(store, names=[args.name] if args.name else None,
+                              config=_config(args), progress=args.progress)
+    args.progress.close()
     failed = [r for r in results if r.state is MigrationState.FAILED]
     if args.json:
         print(json.dumps([_status_json(r) for r in results], indent=1))
@@ -225,10 +245,11 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 
 def cmd_restore(args: argparse.Namespace) -> int:
-    if not (args.hot and args.cold):
-        raise SystemExit("tierstore restore: --hot and --cold are required")
-    report = restore_checkpoint(_store(args), step=args.step, name=args.name,
-                                config=_config(args), progress=None if args.json else Progress())
+    store = _store(args)
+    _picked(args, store.tiers[1:])
+    report = restore_checkpoint(store, step=args.step, name=args.name,
+                                config=_config(args), progress=args.progress)
+    args.progress.close()
     manifest = report.manifest
     if args.json:
         print(json.dumps({"name": manifest.name, "step": manifest.step, "attempt": manifest.attempt,
@@ -253,10 +274,12 @@ def _status_json(status: Any) -> dict[str, Any]:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    if not (args.hot and args.cold):
-        raise SystemExit("tierstore status: --hot and --cold are required")
-    statuses = migration_status(_store(args))
-    failed = any(s.state.value == "failed" for s in statuses)
+    store = _store(args)
+    down = cold_unreachable(store.cold, args.cold_wait)
+    if down is not None:
+        return _status_cold_down(args, store, down)
+    statuses = migration_status(store)
+    failed = any(s.state is MigrationState.FAILED for s in statuses)
     if args.json:
         print(json.dumps([_status_json(s) for s in statuses], indent=1))
         return EXIT_ERROR if failed else EXIT_OK
@@ -267,95 +290,89 @@ def cmd_status(args: argparse.Namespace) -> int:
     return EXIT_ERROR if failed else EXIT_OK  # a failed migration is damage to act on
 
 
+def _status_cold_down(args: argparse.Namespace, store: Store, why: str) -> int:
+    """The hot checkpoints, each of unknown migration state."""
+    infos = list_checkpoints(Store.of_tiers(store.hot, None))
+    if args.json:
+        print(json.dumps([{"name": i.name, "step": i.step, "state": "unknown", "bytes_total": i.size}
+                          for i in infos], indent=1))
+    else:
+        print(f"{'name':<24}{'state':<11}{'size':>22}")
+        for i in infos:
+            print(f"{i.name:<24}{'unknown':<11}{_human(i.size):>22}")
+    _say_unreachable(args, why)
+    return EXIT_ERROR
+
+
 def cmd_verify_resume(args: argparse.Namespace) -> int:
     from tierstore.resume.check import verify_checkpoint  # imports torch only in the fresh processes
 
-    report = verify_checkpoint(args.probe, _store(args), name=args.name, step=args.step,
+    store = _store(args)
+    _picked(args, store.tiers)
+    report = verify_checkpoint(args.probe, store, name=args.name, step=args.step,
                                nproc=args.nproc, record=args.record, rtol=args.rtol, atol=args.atol,
                                timeout=args.timeout)
     print(json.dumps(report.to_dict(), indent=1) if args.json else report.summary())
     return EXIT_OK if report.ok else EXIT_ERROR
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tierstore", description="Inspect and operate a tierstore store.")
-    sub = parser.add_subparsers(dest="command", required=True)
+COMMANDS = {"ls": cmd_ls, "show": cmd_show, "migrate": cmd_migrate, "restore": cmd_restore,
+            "status": cmd_status, "verify": cmd_verify, "gc": cmd_gc, "prune": cmd_prune,
+            "verify-resume": cmd_verify_resume}
 
-    def store_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--hot", help="hot tier path or URL")
-        p.add_argument("--cold", help="cold tier URL")
-        p.add_argument("--hot-option", action="append", metavar="KEY=VALUE", help="hot backend option")
-        p.add_argument("--cold-option", action="append", metavar="KEY=VALUE", help="cold backend option")
-        p.add_argument("--json", action="store_true", help="machine-readable output")
+# What an interrupted command has done, and why running it again finishes the job: every
+# object write is atomic and every manifest is published last (docs/design.md invariants 2
+# and 12), so an interruption leaves nothing a rerun cannot complete.
+_RESUME = {
+    "migrate": ("uploaded {done} of {total}, {finished} checkpoint(s) copied in full",
+                "run the same `tierstore migrate` again to finish; verified uploads are not sent again"),
+    "restore": ("copied {done} of {total}",
+                "run the same `tierstore restore` again to finish; verified files are not copied again"),
+    "verify": ("read {done} of {total}, {finished} checkpoint copies verified in full",
+               "nothing was changed; run `tierstore verify` again to check everything"),
+    "gc": ("objects are deleted one at a time, and only garbage",
+           "run the same `tierstore gc` again to finish"),
+    "prune": ("a checkpoint is un-published before its data is deleted",
+              "run the same `tierstore prune` again to finish; `tierstore gc` removes stray data"),
+}
 
-    def transfer_args(p: argparse.ArgumentParser) -> None:
-        store_args(p)
-        p.add_argument("--concurrency", type=int, default=2, help="files copied at once")
-        p.add_argument("--bandwidth", type=float, help="cap in MiB/s")
 
-    def command(name: str, about: str, func: Any, *, args: Any = store_args,
-                pick: bool = False) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=about)
-        args(p)
-        if pick:  # one checkpoint, by step or name
-            p.add_argument("--step", type=int)
-            p.add_argument("--name")
-        p.set_defaults(func=func)
-        return p
-
-    command("ls", "list committed checkpoints", cmd_ls)
-    command("show", "show a checkpoint's manifest", cmd_show, pick=True)
-    migrate = command("migrate", "finish pending hot -> cold migrations", cmd_migrate, args=transfer_args)
-    migrate.add_argument("--name", help="only this checkpoint")
-    command("restore", "copy a cold checkpoint back to the hot tier", cmd_restore, args=transfer_args,
-            pick=True)
-    command("status", "migration state of every hot checkpoint", cmd_status)
-    verify = command("verify", "re-read every file and check size and CRC32C", cmd_verify)
-    verify.add_argument("--name", help="only this checkpoint")
-    gc = sub.add_parser("gc", help="delete what no manifest names (dry run unless --yes)")
-    store_args(gc)
-    gc.add_argument("--grace", type=float, default=DEFAULT_GRACE,
-                    help="only collect objects older than this many seconds (default: a day)")
-    gc.add_argument("--yes", action="store_true", help="really delete")
-    gc.set_defaults(func=cmd_gc)
-    prune_p = sub.add_parser("prune", help="apply retention policies (dry run unless --yes)")
-    store_args(prune_p)
-    for tier in ("hot", "cold"):
-        prune_p.add_argument(f"--{tier}-keep-last", type=int, metavar="N")
-        prune_p.add_argument(f"--{tier}-keep-every", type=int, metavar="K", help="milestone steps")
-        prune_p.add_argument(f"--{tier}-keep-within", type=float, metavar="SECONDS")
-    prune_p.add_argument("--yes", action="store_true", help="really prune")
-    prune_p.set_defaults(func=cmd_prune)
-    verify_resume = sub.add_parser(
-        "verify-resume", help="load a checkpoint in fresh processes and check it restores the run",
-        description="Load a checkpoint into fresh processes built by a probe and compare the loss on "
-                    "a fixed batch and every state key with a live record (see docs/training-state.md).")
-    store_args(verify_resume)
-    verify_resume.add_argument("--probe", required=True, metavar="MODULE:FUNCTION",
-                               help="probe function, 'package.module:function' or 'path/to/file.py:function'")
-    verify_resume.add_argument("--step", type=int)
-    verify_resume.add_argument("--name")
-    verify_resume.add_argument("--nproc", type=int, help="fresh processes (default: the record's, "
-                                                         "else the checkpoint's world size)")
-    verify_resume.add_argument("--record", metavar="DIR",
-                               help="live record written by verify_resume(..., record_dir=DIR)")
-    verify_resume.add_argument("--rtol", type=float, default=0.0, help="loss tolerance (default bit-exact)")
-    verify_resume.add_argument("--atol", type=float, default=0.0)
-    verify_resume.add_argument("--timeout", type=float, default=600.0, help="seconds for the fresh processes")
-    verify_resume.set_defaults(func=cmd_verify_resume)
-    return parser
+def _interrupted(args: argparse.Namespace) -> int:
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not print a traceback
+    progress: ProgressDisplay = args.progress
+    progress.close()
+    done, resume = _RESUME.get(args.command, ("stopped", "nothing was changed"))
+    done = done.format(done=size_text(progress.bytes_done), total=size_text(progress.bytes_total),
+                       finished=len(progress.finished))
+    print(f"tierstore {args.command}: interrupted: {done}; {resume}", file=sys.stderr, flush=True)
+    return EXIT_INTERRUPTED
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    if args.hot is None and args.cold is None:
-        print("tierstore: give --hot and/or --cold", file=sys.stderr)
-        return EXIT_USAGE
+    args = build_parser(COMMANDS).parse_args(argv)
+    if threading.current_thread() is threading.main_thread():
+        # Interrupted by Ctrl-C even where the shell started us with SIGINT ignored.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    args.progress = ProgressDisplay(show=not args.json)
     try:
+        if args.hot is None and args.cold is None:
+            raise UsageError("give --hot and/or --cold")
+        if args.command in ("migrate", "restore", "status") and not (args.hot and args.cold):
+            raise UsageError("--hot and --cold are both required")
+        require_tiers({"hot": args.hot, "cold": args.cold}, _CREATES.get(args.command))
         return int(args.func(args))
+    except UsageError as err:
+        print(f"tierstore {args.command}: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except CommandFailed as err:
+        print(f"tierstore {args.command}: {err}", file=sys.stderr)
+        return EXIT_ERROR
     except TierstoreError as err:
         print(f"tierstore: {type(err).__name__}: {err}", file=sys.stderr)
         return EXIT_ERROR
+    except KeyboardInterrupt:
+        return _interrupted(args)
 
 
 if __name__ == "__main__":

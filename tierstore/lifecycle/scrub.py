@@ -9,6 +9,7 @@ from typing import Any
 from tierstore.commit.manifest import FileEntry, Manifest, checkpoint_order
 from tierstore.commit.verified import verify_file
 from tierstore.errors import TierstoreError
+from tierstore.progress import counting
 from tierstore.tiers.tier import Store, Tier, TierURL
 
 __all__ = ["FileCheck", "verify_store"]
@@ -35,17 +36,6 @@ def _check(tier: Tier, manifest: Manifest, entry: FileEntry,
     return FileCheck(tier.label, manifest.name, entry.path, True, None, entry.size)
 
 
-class _Ticker:
-    def __init__(self, label: str, total: int,
-                 progress: Callable[[str, int, int], None] | None) -> None:
-        self.label, self.total, self.progress, self.done = label, total, progress, 0
-
-    def __call__(self, n: int) -> None:
-        self.done += n
-        if self.progress is not None:
-            self.progress(self.label, self.done, self.total)
-
-
 def verify_store(hot: TierURL | Store | None, cold: TierURL | None = None, *,
                  names: Iterable[str] | None = None, hot_options: dict[str, Any] | None = None,
                  cold_options: dict[str, Any] | None = None,
@@ -64,6 +54,6 @@ def verify_store(hot: TierURL | Store | None, cold: TierURL | None = None, *,
         for manifest in sorted(manifests, key=checkpoint_order):
             if wanted is not None and manifest.name not in wanted:
                 continue
-            tick = _Ticker(f"{tier.role} {manifest.name}", manifest.total_size, progress)
+            tick = counting(f"{tier.role} {manifest.name}", manifest.total_size, progress)
             results += [_check(tier, manifest, entry, tick) for entry in manifest.files]
     return results

@@ -28,6 +28,7 @@ from tierstore.errors import (
     ObjectTooLarge,
     StorageError,
 )
+from tierstore.progress import counting
 from tierstore.tiers.catalog import resolve
 from tierstore.tiers.migrator import MigrationConfig
 from tierstore.tiers.tier import Store, Tier, TierURL
@@ -81,14 +82,7 @@ def restore_checkpoint(hot: TierURL | Store, cold: TierURL | None = None, *, ste
     if present is not None and present.attempt != manifest.attempt:
         raise CheckpointExists("the hot tier holds another attempt of this checkpoint",
                                checkpoint=manifest.name, tier=hot_tier.label)
-    done, total = 0, manifest.total_size
-
-    def advance(n: int) -> None:
-        nonlocal done
-        done += n
-        if progress is not None:
-            progress(manifest.name, done, total)
-
+    advance = counting(manifest.name, manifest.total_size, progress)
     copied: list[str] = []
     repaired: list[Repair] = []
     for entry in manifest.files:
