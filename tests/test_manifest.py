@@ -95,7 +95,7 @@ def test_truncated_rejected(cut: int) -> None:
 @pytest.mark.parametrize(
     "mutate, match",
     [
-        (lambda b: b.update(version=2), "newer tierstore"),
+        (lambda b: b.update(version=3), "newer tierstore"),
         (lambda b: b.update(format="other"), "format"),
         (lambda b: b.update(extra=1), "unexpected"),
         (lambda b: b.pop("world_size"), "missing"),

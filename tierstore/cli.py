@@ -203,6 +203,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     manifest, holders = resolve(tiers, step=args.step, name=args.name)
     if args.json:
         body = json.loads(manifest.to_json())
+        body.setdefault("files", [f.to_dict() for f in manifest.files])  # a root lists parts only
         body["tiers"] = [t.role for t in holders]
         print(json.dumps(body, indent=1))
         return EXIT_OK

@@ -5,7 +5,12 @@ A store root (one per tier) looks like::
     manifests/<name>.json                       the commit mark of checkpoint <name>
     checkpoints/<name>/<attempt>/.metadata      DCP's metadata, written by the coordinator
     checkpoints/<name>/<attempt>/__<rank>_<n>.distcp   shard files, one set per rank
-    uploads/<name>/<attempt>/rank-<rank>.json   per-rank upload marks (cold tier only)
+    checkpoints/<name>/<attempt>/r<k>/__<rank>_<n>.distcp   the same, spread by rank when one
+                                                directory would hold too many (see below)
+    checkpoints/<name>/<attempt>/.manifest-part-<i>.json   part <i> of a two-level manifest
+    uploads/<name>/<attempt>/rank-<rank>/<digest>.json   per-rank upload marks (cold tier only),
+                                                named by a digest of the files they vouch for
+    uploads/<name>/<attempt>/rank-<rank>.json   the same, as earlier versions named them
     uploads/<name>/<attempt>/rank-<rank>.failed.json   a rank's failed upload (cold tier only)
     leases/<name>/<lease>.json                  "in use by a load" marks
     migrated/<name>/<attempt>/<store-id>.json   hot tier: "committed in the cold tier whose
@@ -13,9 +18,23 @@ A store root (one per tier) looks like::
     tierstore-store.json                        cold tier: the tier's identity, written once
 
 On object stores (backends with ``spread_keys``) data files live under
-``shards/<xx>/<name>/<attempt>/<file>`` instead, ``<xx>`` two hex digits of a hash of the
-rest: thousands of ranks uploading at once then spread over 256 key prefixes rather than
-hammering one, which is what triggers S3's per-prefix throttling (503 SlowDown).
+``shards/<xx>/<name>/<attempt>/<file>`` instead, ``<xx>`` two hex digits of a hash: thousands
+of ranks uploading at once then spread over 256 key prefixes rather than hammering one, which
+is what triggers S3's per-prefix throttling (503 SlowDown). For an attempt id ending in ``-g``
+(every raw-encoded save) the hash is of the name, attempt and rank group (64 ranks), so the
+attempt's files sit under at most W/64 + 1 prefixes and the cold commit checks them with as
+many listings; other attempts (dcp-encoded, and every one written before) hash each file's
+whole path, as tierstore 0.2 did and reads.
+
+A save whose attempt directory would hold more than ``max_files_per_dir`` files puts each
+rank's shards in ``r<k>/``, ``k = rank // ranks_per_dir`` (zero-padded; ``ranks_per_dir`` a
+power of ten, so ``r012/`` holds ranks 12000-12999 at 1,000 per directory): filesystems slow
+down on directories of hundreds of thousands of entries. The manifest records the relative
+path as always, so nothing that reads a checkpoint needs to know.
+
+Parts of a two-level manifest (:mod:`tierstore.commit.manifest_format`) live with the
+attempt's files, so they are data of the attempt to gc and prune: kept while the attempt's
+manifest names them, deleted with it.
 
 ``<attempt>`` is unique to one save attempt (docs/design.md invariant 3), so a rerun of a step
 never touches a committed attempt's files. An attempt directory is a plain DCP checkpoint:
@@ -50,9 +69,13 @@ __all__ = [
     "file_key",
     "spread_attempt_of",
     "data_file_name",
+    "ranks_per_dir",
+    "manifest_part_path",
+    "is_manifest_part",
     "upload_mark_key",
     "failed_mark_key",
     "parse_upload_key",
+    "upload_mark_digest",
     "upload_prefix",
     "migrated_key",
     "migrated_prefix",
@@ -76,9 +99,14 @@ METADATA_FILE = ".metadata"  # DCP's own name, so an attempt directory is plain 
 MANIFEST_SUFFIX = ".json"
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-_ATTEMPT = re.compile(r"[0-9]{8}T[0-9]{6}Z-[0-9a-f]{8}")
+_ATTEMPT = re.compile(r"[0-9]{8}T[0-9]{6}Z-[0-9a-f]{8}(-g)?")
+_GROUPED = "-g"  # the attempt's files are spread by rank group: see file_key
+RANKS_PER_PREFIX = 64
+_RANK_FILE = re.compile(r"(?:^|/)__(0|[1-9][0-9]{0,8})_")
 _STORE_ID = re.compile(r"[0-9a-f]{32}")
 _UPLOAD_MARK = re.compile(r"rank-(0|[1-9][0-9]{0,8})(\.failed)?\.json")
+_MARK_DIGEST = re.compile(r"([0-9a-f]{16})\.json")
+_RANK_DIR = re.compile(r"rank-(0|[1-9][0-9]{0,8})")
 
 
 def default_name(step: int) -> str:
@@ -106,10 +134,11 @@ def is_name(value: str | os.PathLike[str]) -> bool:
     return True
 
 
-def new_attempt(now: float | None = None) -> str:
-    """A fresh attempt id: UTC time (for humans and GC) plus 32 random bits."""
+def new_attempt(now: float | None = None, *, grouped: bool = False) -> str:
+    """A fresh attempt id: UTC time (for humans and GC) plus 32 random bits, and ``-g`` when
+    its files spread over key prefixes by rank group (:func:`file_key`)."""
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(time.time() if now is None else now))
-    return f"{stamp}-{uuid.uuid4().hex[:8]}"
+    return f"{stamp}-{uuid.uuid4().hex[:8]}{_GROUPED if grouped else ''}"
 
 
 def check_attempt(attempt: str) -> str:
@@ -149,7 +178,16 @@ def file_key(name: str, attempt: str, relpath: str, *, spread: bool = False) -> 
     if not spread:
         return attempt_prefix(name, attempt) + relpath
     rest = f"{check_name(name)}/{check_attempt(attempt)}/{relpath}"
-    return f"{SPREAD_DIR}/{hashlib.sha1(rest.encode()).hexdigest()[:2]}/{rest}"
+    hashed = rest
+    if attempt.endswith(_GROUPED):
+        # One prefix per group of RANKS_PER_PREFIX ranks (and one for the rest: .metadata,
+        # manifest parts): an attempt of W ranks uses at most W/64 + 1 prefixes, so one
+        # listing per prefix checks it in W/64 requests, while thousands of ranks uploading
+        # at once still spread over up to 256 prefixes.
+        rank = _RANK_FILE.search(relpath)
+        group = str(int(rank.group(1)) // RANKS_PER_PREFIX) if rank else "-"
+        hashed = f"{name}/{attempt}/{group}"
+    return f"{SPREAD_DIR}/{hashlib.sha1(hashed.encode()).hexdigest()[:2]}/{rest}"
 
 
 def spread_attempt_of(key: str) -> tuple[str, str] | None:
@@ -166,16 +204,55 @@ def spread_attempt_of(key: str) -> tuple[str, str] | None:
     return None
 
 
-def data_file_name(rank: int, index: int) -> str:
-    return f"__{rank}_{index}.distcp"
+def data_file_name(rank: int, index: int, ranks_per_dir: int = 0) -> str:
+    """A shard's path in its attempt; under ``r<k>/`` when ``ranks_per_dir`` is set."""
+    name = f"__{rank}_{index}.distcp"
+    return f"r{rank // ranks_per_dir:03d}/{name}" if ranks_per_dir else name
+
+
+def ranks_per_dir(files_per_rank: int, ranks: int, max_files_per_dir: int) -> int:
+    """Ranks per ``r<k>/`` directory (a power of ten), or 0 when one directory holds them all."""
+    if files_per_rank * ranks <= max_files_per_dir:
+        return 0
+    per_dir = 1
+    while per_dir * 10 * files_per_rank <= max_files_per_dir:
+        per_dir *= 10
+    return per_dir
+
+
+_PART_PATH = re.compile(r"\.manifest-part-[0-9]{5,}\.json")
+
+
+def manifest_part_path(index: int) -> str:
+    """Path, in its attempt, of part ``index`` of a two-level manifest."""
+    return f".manifest-part-{index:05d}.json"
+
+
+def is_manifest_part(path: str) -> bool:
+    return bool(_PART_PATH.fullmatch(path.rsplit("/", 1)[-1]))
 
 
 def upload_prefix(name: str, attempt: str) -> str:
     return f"{UPLOAD_DIR}/{check_name(name)}/{check_attempt(attempt)}/"
 
 
-def upload_mark_key(name: str, attempt: str, rank: int) -> str:
-    return f"{upload_prefix(name, attempt)}rank-{rank}.json"
+def upload_mark_key(name: str, attempt: str, rank: int, digest: str | None = None) -> str:
+    """Rank ``rank``'s upload mark named by ``digest`` (16 hex digits naming the files it
+    vouches for); without one, the key earlier versions used."""
+    if digest is None:
+        return f"{upload_prefix(name, attempt)}rank-{rank}.json"
+    if not _MARK_DIGEST.fullmatch(f"{digest}.json"):
+        raise ConfigError(f"invalid upload mark digest {digest!r}")
+    return f"{upload_prefix(name, attempt)}rank-{rank}/{digest}.json"
+
+
+def upload_mark_digest(key: str) -> str | None:
+    """The digest an upload mark's key names, ``None`` for any other key."""
+    parts = key.split("/")
+    match = _MARK_DIGEST.fullmatch(parts[-1])
+    if len(parts) != 5 or match is None or parse_upload_key(key) is None:
+        return None
+    return match.group(1)
 
 
 def failed_mark_key(name: str, attempt: str, rank: int) -> str:
@@ -185,6 +262,11 @@ def failed_mark_key(name: str, attempt: str, rank: int) -> str:
 def parse_upload_key(key: str) -> tuple[str, str, int, bool] | None:
     """``(name, attempt, rank, failed)`` of an upload or failure mark key, else ``None``."""
     parts = key.split("/")
+    if len(parts) == 5 and _MARK_DIGEST.fullmatch(parts[4]):  # a mark named by its digest
+        parts, named = parts[:4], _RANK_DIR.fullmatch(parts[3])
+        if named is None:
+            return None
+        parts[3] = f"{named.group(0)}.json"
     if len(parts) != 4 or parts[0] != UPLOAD_DIR:
         return None
     match = _UPLOAD_MARK.fullmatch(parts[3])

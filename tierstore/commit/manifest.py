@@ -1,54 +1,49 @@
 """The manifest: the one mark of a complete checkpoint in a tier (docs/design.md invariant 1).
 
-Frozen data types, their versioned JSON form, strict validation and the manifest's own
-checksum. No I/O here. A manifest names every file of one attempt with its size, CRC32C
-and writing rank (invariant 4); readers trust nothing it does not vouch for.
+A frozen value: what a checkpoint is and every file of one attempt with its size, CRC32C and
+writing rank (invariant 4); readers trust nothing it does not vouch for. Its JSON forms and
+their validation live in :mod:`tierstore.commit.manifest_format`: flat (version 1) for a
+checkpoint of at most ``part_ranks`` ranks, else a root (version 2) plus parts of about
+``part_ranks`` ranks each. Read from a store, a two-level manifest holds only its root; a
+part is read, through the loader of the tier that read the root, the first time an entry
+of its ranks is asked for, verified against the root's sha256, and then kept. No I/O here.
 
-``encoding`` says how the data files are laid out (:mod:`tierstore.commit.encoding`). It is
-written only when it is not "dcp", the format of every checkpoint written before the field
-existed, so a dcp-encoded checkpoint's manifest stays readable by older tierstore versions.
+``encoding`` says how the data files are laid out (:mod:`tierstore.commit.encoding`). A flat
+manifest writes it only when it is not "dcp", the format of every checkpoint written before
+the field existed, so a dcp-encoded checkpoint's manifest stays readable by older versions.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tierstore.commit import layout
+from tierstore.commit import manifest_format as fmt
+from tierstore.commit.manifest_format import (
+    FORMAT,
+    MAX_MANIFEST_BYTES,
+    PART_RANKS,
+    VERSION,
+    FileEntry,
+    PartRef,
+    check_relpath,
+)
+from tierstore.commit.manifest_format import checksum as _checksum
 from tierstore.errors import ConfigError, InvalidManifest
 
-__all__ = ["FORMAT", "VERSION", "Checkpoint", "FileEntry", "Manifest", "check_relpath",
-           "checkpoint_order"]
+__all__ = ["FORMAT", "VERSION", "PART_RANKS", "MAX_MANIFEST_BYTES", "Checkpoint", "FileEntry",
+           "Manifest", "PartRef", "PartLoader", "check_relpath", "checkpoint_order", "_checksum"]
 
-FORMAT = "tierstore.manifest"
-VERSION = 1
-MAX_MANIFEST_BYTES = 64 << 20
-MAX_FILES = 1_000_000
-MAX_FILE_SIZE = 1 << 50  # 1 PiB: anything larger is a forged or corrupt entry
-MAX_WORLD_SIZE = 1 << 20
-_CRC_MAX = (1 << 32) - 1
-_PATH = re.compile(r"[A-Za-z0-9_.-]{1,255}(/[A-Za-z0-9_.-]{1,255}){0,7}")
-_KEYS = {"format", "version", "name", "step", "attempt", "world_size", "created",
-         "producer", "metadata_file", "files", "checksum"}
-_OPTIONAL_KEYS = {"encoding"}
-_FILE_KEYS = {"path", "size", "crc32c", "rank"}
-_ENCODINGS = ("dcp", "raw")  # tierstore.commit.encoding.ENCODINGS; "dcp" when absent
+PartLoader = Callable[[str, str, PartRef], tuple[str, bytes]]
+"""Reads part ``ref`` of checkpoint ``name`` attempt ``attempt`` for a manifest: ``(key it was
+read from, its bytes)``; raises
+:class:`InvalidManifest` naming that key when the part is missing or oversized."""
 
-
-def check_relpath(path: object) -> str:
-    """A file path inside a checkpoint: relative, no ``.``/``..``, tame characters."""
-    if (
-        not isinstance(path, str)
-        or not _PATH.fullmatch(path)
-        or any(part in (".", "..") for part in path.split("/"))
-    ):
-        raise ValueError(f"unsafe file path {path!r}: must be relative and stay inside the checkpoint")
-    return path
+_SHARD = re.compile(r"__(0|[1-9][0-9]{0,8})_[0-9]+\.distcp")
 
 
 class Checkpoint(Protocol):
@@ -71,76 +66,204 @@ def checkpoint_order(checkpoint: Checkpoint) -> tuple[int, float, str]:
     return (-1 if checkpoint.step is None else checkpoint.step, checkpoint.created, checkpoint.name)
 
 
-@dataclass(frozen=True)
-class FileEntry:
-    """One file of a checkpoint: path relative to the attempt directory."""
-
-    path: str
-    size: int
-    crc32c: int
-    rank: int
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False, init=False)
 class Manifest:
-    """A committed checkpoint: what it is, and every file that makes it up."""
+    """A committed checkpoint: what it is, and every file that makes it up.
+
+    ``Manifest(name=, step=, attempt=, world_size=, created=, files=, ...)`` builds one to
+    publish; ``part_ranks`` (default :data:`PART_RANKS`) picks the form. Equal manifests
+    have equal roots (a two-level root vouches for its parts by digest).
+    """
 
     name: str
     step: int | None
     attempt: str
     world_size: int
     created: float
-    files: tuple[FileEntry, ...]
-    metadata_file: str = layout.METADATA_FILE
-    producer: str = ""
-    version: int = VERSION
-    encoding: str = "dcp"
-    _by_path: Mapping[str, FileEntry] = field(default_factory=dict, repr=False, compare=False)
+    metadata_file: str
+    producer: str
+    encoding: str
+    version: int
+    _all: tuple[FileEntry, ...] | None = field(repr=False)  # None: parts not all read yet
+    _metadata: FileEntry | None = field(repr=False)
+    _parts: tuple[PartRef, ...] = field(repr=False)
+    _totals: tuple[int, int] = field(repr=False)  # total_size, file count
+    _loaded: dict[int, tuple[FileEntry, ...]] = field(repr=False)
+    _part_bytes: dict[int, bytes] = field(repr=False)
+    _loader: PartLoader | None = field(repr=False)
+    _source: tuple[str | None, str | None] = field(repr=False)  # root key and tier, for errors
+    _index: dict[str, FileEntry] | None = field(repr=False)  # by path, once every entry is known
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_by_path", {f.path: f for f in self.files})
+    def __init__(self, name: str, step: int | None, attempt: str, world_size: int, created: float,
+                 files: Sequence[FileEntry], metadata_file: str = layout.METADATA_FILE,
+                 producer: str = "", encoding: str = "dcp", *, part_ranks: int = PART_RANKS) -> None:
+        if not (isinstance(part_ranks, int) and part_ranks >= 1):
+            raise ConfigError(f"part_ranks must be a positive int, got {part_ranks!r}")
+        files = tuple(files)
+        two_level = len({f.rank for f in files}) > part_ranks
+        self._set(name=name, step=step, attempt=attempt, world_size=world_size, created=created,
+                  metadata_file=metadata_file, producer=producer, encoding=encoding,
+                  version=fmt.VERSION if two_level else fmt.FLAT_VERSION, _all=files,
+                  _totals=(sum(f.size for f in files), len(files)), _loaded={}, _part_bytes={},
+                  _loader=None, _source=(None, None), _metadata=None, _parts=(), _index=None)
+        if two_level:
+            self._split(part_ranks)
+
+    def _set(self, **values: Any) -> None:
+        for key, value in values.items():
+            object.__setattr__(self, key, value)
+
+    def _split(self, part_ranks: int) -> None:
+        assert self._all is not None
+        meta = [f for f in self._all if f.path == self.metadata_file]
+        if len(meta) != 1:
+            raise ConfigError(f"new manifest: metadata file {self.metadata_file!r} is not listed once",
+                              checkpoint=self.name)
+        refs, loaded, encoded = [], {}, {}
+        rest = [f for f in self._all if f.path != self.metadata_file]
+        for index, (first, last, entries) in enumerate(fmt.split_parts(rest, part_ranks, self.world_size)):
+            data = fmt.encode_part(fmt.part_body(self.name, self.attempt, index, first, last, entries))
+            refs.append(PartRef(index, layout.manifest_part_path(index), first, last, len(entries),
+                                len(data), fmt.digest(data)))
+            loaded[index], encoded[index] = entries, data
+        self._set(_metadata=meta[0], _parts=tuple(refs), _loaded=loaded, _part_bytes=encoded)
+
+    # -- what a root knows -------------------------------------------------------------
 
     @property
     def total_size(self) -> int:
-        return sum(f.size for f in self.files)
+        return self._totals[0]
+
+    @property
+    def num_files(self) -> int:
+        return self._totals[1]
+
+    @property
+    def parts(self) -> tuple[PartRef, ...]:
+        """The parts of a two-level manifest (empty for a flat one)."""
+        return self._parts
+
+    def _header(self) -> dict[str, Any]:
+        return {"name": self.name, "step": self.step, "attempt": self.attempt,
+                "world_size": self.world_size, "created": self.created, "producer": self.producer}
+
+    def _identity(self) -> tuple[Any, ...]:
+        return (tuple(sorted(self._header().items())), self.metadata_file, self.encoding,
+                self.version, self._metadata, self._parts, self._totals,
+                self._all if self.version == fmt.FLAT_VERSION else None)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Manifest):
+            return NotImplemented
+        return self._identity() == other._identity()
+
+    def __hash__(self) -> int:
+        return hash(self._identity())
+
+    # -- entries -----------------------------------------------------------------------
+
+    @property
+    def files(self) -> tuple[FileEntry, ...]:
+        """Every file, by rank then path; reads every part not read yet."""
+        if self._all is None:
+            entries = [e for ref in self._parts for e in self._part(ref)]
+            assert self._metadata is not None
+            entries.append(self._metadata)
+            self._check_whole(entries)
+            object.__setattr__(self, "_all", tuple(sorted(entries, key=lambda f: (f.rank, f.path))))
+        assert self._all is not None
+        return self._all
 
     def file(self, path: str) -> FileEntry | None:
-        return self._by_path.get(path)
+        if self._metadata is not None and path == self._metadata.path:
+            return self._metadata
+        if self._all is None:
+            shard = _SHARD.fullmatch(path.rsplit("/", 1)[-1])
+            ref = self._part_of(int(shard.group(1))) if shard else None
+            if ref is not None:
+                for entry in self._part(ref):
+                    if entry.path == path:
+                        return entry
+        return self._by_path().get(path)
+
+    def _by_path(self) -> dict[str, FileEntry]:
+        if self._index is None:
+            object.__setattr__(self, "_index", {f.path: f for f in self.files})
+        assert self._index is not None
+        return self._index
 
     def files_of_rank(self, rank: int) -> tuple[FileEntry, ...]:
-        return tuple(f for f in self.files if f.rank == rank)
+        """Rank ``rank``'s files; of a two-level manifest, reads only that rank's part."""
+        if not self._parts:
+            return tuple(f for f in self.files if f.rank == rank)
+        ref = self._part_of(rank)
+        mine = [f for f in self._part(ref) if f.rank == rank] if ref is not None else []
+        if self._metadata is not None and self._metadata.rank == rank:
+            mine.append(self._metadata)
+        return tuple(sorted(mine, key=lambda f: f.path))
+
+    def ranks(self) -> list[int]:
+        """The ranks that own files, ascending (reads the parts not read yet)."""
+        return sorted({f.rank for f in self.files})
+
+    def _part_of(self, rank: int) -> PartRef | None:
+        return next((ref for ref in self._parts if ref.covers(rank)), None)
+
+    def _part(self, ref: PartRef) -> tuple[FileEntry, ...]:
+        entries = self._loaded.get(ref.index)
+        if entries is not None:
+            return entries
+        if self._loader is None:
+            raise ConfigError("this two-level manifest was read without a tier to read its parts "
+                              "from (Manifest.from_json(..., loader=))", checkpoint=self.name)
+        key, data = self._loader(self.name, self.attempt, ref)
+        try:
+            entries = fmt.validate_part(data, ref, name=self.name, attempt=self.attempt,
+                                        metadata_file=self.metadata_file, error=ValueError)
+        except ValueError as err:
+            raise InvalidManifest(f"invalid manifest: {err}", key=key, tier=self._source[1],
+                                  checkpoint=self.name) from err
+        # Dict stores are atomic: threads racing on a part both verify it, one copy stays.
+        self._part_bytes[ref.index] = data
+        self._loaded[ref.index] = entries
+        return entries
+
+    def _check_whole(self, entries: Sequence[FileEntry]) -> None:
+        """Across parts: no path twice, and the root's totals agree."""
+        problem = None
+        if len({e.path for e in entries}) != len(entries):
+            problem = "a file is listed in two parts"
+        elif sum(e.size for e in entries) != self.total_size:
+            problem = f"the parts' sizes do not add up to the root's total_size {self.total_size}"
+        if problem is not None:
+            raise InvalidManifest(f"invalid manifest: {problem}", key=self._source[0],
+                                  tier=self._source[1], checkpoint=self.name)
 
     # -- JSON --------------------------------------------------------------------------
 
-    def _body(self) -> dict[str, Any]:
-        return {
-            "format": FORMAT,
-            "version": self.version,
-            "name": self.name,
-            "step": self.step,
-            "attempt": self.attempt,
-            "world_size": self.world_size,
-            "created": self.created,
-            "producer": self.producer,
-            "metadata_file": self.metadata_file,
-            "files": [
-                {"path": f.path, "size": f.size, "crc32c": f.crc32c, "rank": f.rank}
-                for f in self.files
-            ],
-            **({} if self.encoding == "dcp" else {"encoding": self.encoding}),
-        }
-
     def to_json(self) -> bytes:
-        """Serialize, validated, with the manifest's own checksum appended."""
-        body = self._body()
-        _validate(body, source="new manifest", error=ConfigError)
-        body["checksum"] = _checksum(body)
-        return json.dumps(body, indent=1, sort_keys=True).encode() + b"\n"
+        """The bytes to publish at the manifest key (flat, or the root), validated and
+        self-checksummed."""
+        if self.version == fmt.FLAT_VERSION:
+            body = fmt.flat_body(self._header(), self.metadata_file, self.files, self.encoding)
+            fmt.validate_flat(body, source="new manifest", error=ConfigError)
+            return fmt.encode_root(body)
+        assert self._metadata is not None
+        body = fmt.root_body(self._header(), self._metadata, self.total_size, self.num_files,
+                             self._parts, self.encoding)
+        fmt.validate_root(body, source="new manifest", error=ConfigError)
+        return fmt.encode_root(body)
+
+    def part_json(self, ref: PartRef) -> bytes:
+        """Part ``ref``'s bytes, as the root's digest vouches for them (read if need be)."""
+        self._part(ref)
+        return self._part_bytes[ref.index]
 
     @classmethod
     def from_json(cls, data: bytes, *, key: str | None = None, tier: str | None = None,
-                  expect_name: str | None = None) -> Manifest:
-        """Parse and strictly validate; :class:`InvalidManifest` names key and tier."""
+                  expect_name: str | None = None, loader: PartLoader | None = None) -> Manifest:
+        """Parse and strictly validate a flat manifest or a root; :class:`InvalidManifest`
+        names key and tier. A root's parts are read through ``loader`` when first needed."""
 
         def bad(reason: str) -> InvalidManifest:
             return InvalidManifest(f"invalid manifest: {reason}", key=key, tier=tier,
@@ -155,81 +278,28 @@ class Manifest:
             raise bad(f"not valid JSON ({err}); truncated or corrupt?") from err
         if not isinstance(body, dict):
             raise bad("top level is not an object")
-        checksum = body.pop("checksum", None)
+        recorded = body.pop("checksum", None)
         try:
-            _validate(body, source="manifest", error=ValueError)
+            if body.get("version") == fmt.VERSION:
+                metadata, parts = fmt.validate_root(body, source="manifest", error=ValueError)
+            else:
+                files = fmt.validate_flat(body, source="manifest", error=ValueError)
         except ValueError as err:
             raise bad(str(err)) from err
-        if checksum != _checksum(body):
-            raise bad(f"self-checksum mismatch (recorded {checksum!r}); modified or corrupt")
+        if recorded != _checksum(body):
+            raise bad(f"self-checksum mismatch (recorded {recorded!r}); modified or corrupt")
         if expect_name is not None and body["name"] != expect_name:
             raise bad(f"names checkpoint {body['name']!r}, stored as {expect_name!r}")
-        return cls(
-            name=body["name"],
-            step=body["step"],
-            attempt=body["attempt"],
-            world_size=body["world_size"],
-            created=body["created"],
-            files=tuple(FileEntry(**f) for f in body["files"]),
-            metadata_file=body["metadata_file"],
-            producer=body["producer"],
-            version=body["version"],
-            encoding=body.get("encoding", "dcp"),
-        )
-
-
-def _checksum(body: Mapping[str, Any]) -> str:
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-    return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
-
-
-def _is_int(value: object, lo: int, hi: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
-
-
-def _validate(body: Mapping[str, Any], *, source: str, error: type[Exception]) -> None:
-    def need(ok: bool, what: str) -> None:
-        if not ok:
-            raise error(f"{source}: {what}")
-
-    need(body.get("format") == FORMAT, f"format is {body.get('format')!r}, not {FORMAT!r}")
-    version = body.get("version")
-    need(_is_int(version, 1, VERSION),
-         f"version {version!r} is not supported (this tierstore reads up to {VERSION}); "
-         "written by a newer tierstore?")
-    keys = set(body) - _OPTIONAL_KEYS
-    need(keys == _KEYS - {"checksum"},
-         f"fields {sorted(keys ^ (_KEYS - {'checksum'}))} missing or unexpected")
-    need(body.get("encoding", "dcp") in _ENCODINGS,
-         f"encoding {body.get('encoding')!r} is not one of {list(_ENCODINGS)}; written by a "
-         "newer tierstore?")
-    try:
-        layout.check_name(body["name"])
-        layout.check_attempt(body["attempt"])
-    except ConfigError as err:
-        need(False, err.message)
-    need(body["step"] is None or _is_int(body["step"], 0, 1 << 62), "step is not a non-negative int")
-    need(_is_int(body["world_size"], 1, MAX_WORLD_SIZE), "world_size is not a positive int")
-    created = body["created"]
-    need(isinstance(created, (int, float)) and not isinstance(created, bool)
-         and math.isfinite(created) and created >= 0, "created is not a timestamp")
-    need(isinstance(body["producer"], str) and len(body["producer"]) < 1024, "producer is not a short string")
-    files = body["files"]
-    need(isinstance(files, list) and 0 < len(files) <= MAX_FILES, "files is not a non-empty list")
-    seen: set[str] = set()
-    for entry in files:
-        need(isinstance(entry, dict) and set(entry) == _FILE_KEYS,
-             f"file entry {entry!r} must have exactly {sorted(_FILE_KEYS)}")
-        try:
-            check_relpath(entry["path"])
-        except ValueError as err:
-            need(False, str(err))
-        need(entry["path"] not in seen, f"file {entry['path']!r} listed twice")
-        seen.add(entry["path"])
-        need(_is_int(entry["size"], 0, MAX_FILE_SIZE),
-             f"file {entry['path']!r}: absurd size {entry['size']!r}")
-        need(_is_int(entry["crc32c"], 0, _CRC_MAX), f"file {entry['path']!r}: bad crc32c {entry['crc32c']!r}")
-        need(_is_int(entry["rank"], 0, body["world_size"] - 1),
-             f"file {entry['path']!r}: rank {entry['rank']!r} outside world size {body['world_size']}")
-    need(body["metadata_file"] in seen, f"metadata file {body['metadata_file']!r} is not listed")
-
+        manifest = cls.__new__(cls)
+        manifest._set(name=body["name"], step=body["step"], attempt=body["attempt"],
+                      world_size=body["world_size"], created=body["created"],
+                      producer=body["producer"], encoding=body.get("encoding", "dcp"),
+                      version=body["version"], _loaded={}, _part_bytes={}, _loader=loader,
+                      _source=(key, tier), _index=None)
+        if body["version"] == fmt.VERSION:
+            manifest._set(metadata_file=metadata.path, _all=None, _metadata=metadata, _parts=parts,
+                          _totals=(body["total_size"], body["file_count"]))
+        else:
+            manifest._set(metadata_file=body["metadata_file"], _all=files, _metadata=None, _parts=(),
+                          _totals=(sum(f.size for f in files), len(files)))
+        return manifest

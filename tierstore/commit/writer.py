@@ -4,12 +4,16 @@ Call order (DCP's, across ranks) and what each step does here:
 
 1. all ranks  ``reset(checkpoint_id)``, ``set_up_storage_writer``, ``prepare_local_plan``
 2. coordinator ``prepare_global_plan``: refuses a checkpoint already committed in the hot
-   tier, picks a fresh attempt id and hands it to every rank through ``SavePlan.storage_data``
+   tier or whose manifest would break a limit (docs/format.md: checked here, before any byte
+   is written), picks a fresh attempt id and whether shards go to ``r<k>/`` subdirectories
+   (:func:`~tierstore.commit.layout.ranks_per_dir`), and hands both to every rank through
+   ``SavePlan.storage_data``
 3. all ranks  ``write_data``: each rank writes only its own files, under the attempt's
    directory, checksumming (CRC32C) as it writes and making each file durable (one
    directory fsync per rank, after its last file: ``Backend.sync_dirs``)
 4. coordinator ``finish``: writes DCP's ``.metadata``, then publishes the manifest naming
-   every file with size, CRC32C and rank. That publish is the commit (design.md invariants 1-3).
+   every file with size, CRC32C and rank (beyond ``manifest_part_ranks`` ranks: its parts,
+   then its root). That publish is the commit (design.md invariants 1-3).
 
 With a cold tier, each rank hands the files it wrote to this process's background migrator
 as soon as they are durable, and the coordinator hands it the commit once the hot manifest
@@ -49,6 +53,7 @@ from tierstore._redact import redact_url
 from tierstore._version import producer
 from tierstore.commit import encoding as raw
 from tierstore.commit import layout
+from tierstore.commit import manifest_format as fmt
 from tierstore.commit.manifest import FileEntry, Manifest
 from tierstore.errors import CheckpointExists, ConfigError, NoSpaceLeft
 from tierstore.storage import faults
@@ -60,6 +65,20 @@ from tierstore.tiers.workers import migrator_for
 __all__ = ["TieredWriter", "store_to_save"]
 
 _DCP_FORMAT_VERSION = "1.0.0"  # what FileSystemWriter stamps; keeps attempts plain DCP
+MAX_FILES_PER_DIR = 4096  # hot directories larger than this slow down create, list, delete
+
+
+def _setting(value: int | None, env: str, default: int, what: str) -> int:
+    """An explicit argument, else the environment variable ``env``, else ``default``."""
+    if value is None:
+        raw_value = os.environ.get(env, "").strip()
+        try:
+            value = int(raw_value) if raw_value else default
+        except ValueError:
+            raise ConfigError(f"{env}={raw_value!r} is not an int ({what})") from None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{what} must be a positive int, got {value!r}")
+    return value
 
 
 def store_to_save(hot: TierURL | Store, cold: TierURL | None = None, *,
@@ -83,6 +102,7 @@ class _AttemptPlan:
     step: int | None
     attempt: str
     rank: int
+    ranks_per_dir: int = 0  # shards under r<k>/ (layout.data_file_name); 0: all in one directory
 
 
 @dataclass(frozen=True)
@@ -111,6 +131,14 @@ class TieredWriter(StorageWriter):
         encoding: ``"raw"`` (default): tensors' bytes as they are, read by TieredReader
             only; ``"dcp"``: ``FileSystemWriter``'s format, also loadable by plain DCP
             (``FileSystemReader`` on the attempt directory). See docs/format.md.
+        manifest_part_ranks: ranks per part of a two-level manifest; a checkpoint of no
+            more ranks keeps the flat manifest (default 1024, or the environment variable
+            ``TIERSTORE_MANIFEST_PART_RANKS``). See docs/format.md.
+        max_files_per_dir: when the attempt directory would hold more shard files, they go
+            to ``r<k>/`` subdirectories by rank (default 4096, or
+            ``TIERSTORE_MAX_FILES_PER_DIR``).
+
+    A save whose manifest would break a limit (docs/format.md) fails before writing anything.
 
     A save that cannot fit in the hot tier's free space fails before writing anything.
     """
@@ -129,6 +157,8 @@ class TieredWriter(StorageWriter):
         migration: MigrationConfig | None = None,
         node_local: bool = False,
         encoding: str = "raw",
+        manifest_part_ranks: int | None = None,
+        max_files_per_dir: int | None = None,
     ) -> None:
         super().__init__()
         if encoding not in raw.ENCODINGS:
@@ -147,6 +177,10 @@ class TieredWriter(StorageWriter):
         self.migration = migration
         self.node_local = node_local
         self.encoding = encoding
+        self.manifest_part_ranks = _setting(manifest_part_ranks, "TIERSTORE_MANIFEST_PART_RANKS",
+                                            fmt.PART_RANKS, "manifest_part_ranks")
+        self.max_files_per_dir = _setting(max_files_per_dir, "TIERSTORE_MAX_FILES_PER_DIR",
+                                          MAX_FILES_PER_DIR, "max_files_per_dir")
         self.manifest: Manifest | None = None  # set on the coordinator once committed
         self._rank = 0
         self._is_coordinator = False
@@ -202,6 +236,7 @@ class TieredWriter(StorageWriter):
         name = self.checkpoint_name
         if not self.node_local:
             self._check_space(sum(_plan_bytes(p) for p in plans), "this checkpoint")
+        per_dir = self._check_manifest_limits(name, plans)
         # Hot only: a request to the cold tier here would make every save wait on it.
         if self.hot.backend.exists(layout.manifest_key(name)):
             raise CheckpointExists(
@@ -209,11 +244,29 @@ class TieredWriter(StorageWriter):
                 "overwritten (choose another step or name)",
                 checkpoint=name, tier=self.hot.label,
             )
-        attempt = layout.new_attempt()
+        # Grouped key prefixes on object stores (layout.file_key) for the raw encoding, which
+        # needs this tierstore to read anyway; dcp-encoded attempts keep the layout 0.2 reads.
+        attempt = layout.new_attempt(grouped=self.encoding == "raw")
         return [
-            dataclasses.replace(plan, storage_data=_AttemptPlan(name, self.step, attempt, rank))
+            dataclasses.replace(plan, storage_data=_AttemptPlan(name, self.step, attempt, rank, per_dir))
             for rank, plan in enumerate(plans)
         ]
+
+    def _check_manifest_limits(self, name: str, plans: Sequence[SavePlan]) -> int:
+        """Raise before any byte is written if the manifest could not hold this save (else
+        it would commit, then be refused by every reader); return the ranks per directory."""
+        counts = [self._files_of(plan) for plan in plans]
+        widest = max(counts, default=0)
+        per_dir = layout.ranks_per_dir(widest, len(plans), self.max_files_per_dir)
+        longest = len(layout.data_file_name(max(len(plans) - 1, 0), max(widest - 1, 0), per_dir))
+        fmt.check_plan(name, counts, part_ranks=self.manifest_part_ranks,
+                       path_len=max(longest, len(layout.METADATA_FILE)))
+        return per_dir
+
+    def _files_of(self, plan: SavePlan) -> int:
+        """How many shard files ``write_data`` writes for ``plan`` (its non-empty buckets)."""
+        items = len(plan.items)
+        return min(items, self.thread_count) if self.single_file_per_rank else items
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         attempt: _AttemptPlan = plan.storage_data
@@ -224,7 +277,7 @@ class TieredWriter(StorageWriter):
             else [[item] for item in plan.items]
         )
         jobs = [
-            (layout.data_file_name(attempt.rank, index), items)
+            (layout.data_file_name(attempt.rank, index, attempt.ranks_per_dir), items)
             for index, items in enumerate(b for b in buckets if b)
         ]
         def write(job: tuple[str, list[WriteItem]]) -> list[WriteResult]:
@@ -247,7 +300,8 @@ class TieredWriter(StorageWriter):
             # Upload now: the files are durable, and in node-local mode no one else can.
             # The coordinator's files go with the commit, in finish().
             mine = [r.storage_data.file for r in results if r.storage_data.file is not None]
-            migrator.submit_rank(attempt.name, attempt.attempt, attempt.step, attempt.rank, mine)
+            migrator.submit_rank(attempt.name, attempt.attempt, attempt.step, attempt.rank, mine,
+                                 fresh=True)
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
@@ -277,6 +331,7 @@ class TieredWriter(StorageWriter):
             files=tuple(sorted(files.values(), key=lambda f: (f.rank, f.path))),
             producer=producer(),
             encoding=self.encoding,
+            part_ranks=self.manifest_part_ranks,
         )
         faults.point("writer.before_manifest_publish")
         self.hot.publish_manifest(manifest)  # COMMIT POINT (hot tier)
@@ -284,7 +339,7 @@ class TieredWriter(StorageWriter):
         faults.point("writer.after_manifest_publish")
         migrator = self.migrator
         if migrator is not None:
-            migrator.submit_commit(manifest, self._rank)
+            migrator.submit_commit(manifest, self._rank, fresh=True)
 
     def _write_metadata(self, attempt: _AttemptPlan, metadata: Metadata) -> FileEntry:
         key = self.hot.file_key(attempt.name, attempt.attempt, layout.METADATA_FILE)

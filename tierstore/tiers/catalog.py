@@ -41,7 +41,7 @@ class CheckpointInfo:
             created=manifest.created,
             world_size=manifest.world_size,
             size=manifest.total_size,
-            num_files=len(manifest.files),
+            num_files=manifest.num_files,
             tiers=tuple(tiers),
         )
 

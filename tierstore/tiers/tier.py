@@ -9,6 +9,7 @@ the store with :meth:`Store.of`.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from collections.abc import Mapping
@@ -17,9 +18,9 @@ from typing import Any
 from tierstore import errors
 from tierstore._redact import redact_url
 from tierstore.commit import layout
-from tierstore.commit.manifest import MAX_MANIFEST_BYTES, Manifest
+from tierstore.commit.manifest import MAX_MANIFEST_BYTES, Manifest, PartRef
 from tierstore.errors import ConfigError
-from tierstore.storage.backend import Backend
+from tierstore.storage.backend import Backend, ObjectInfo
 from tierstore.storage.registry import backend_class, open_backend, split_scheme
 
 __all__ = ["Tier", "Store", "TierURL"]
@@ -27,22 +28,34 @@ __all__ = ["Tier", "Store", "TierURL"]
 log = logging.getLogger(__name__)
 
 TierURL = str | os.PathLike[str]
+_Cached = tuple[bytes, tuple[Any, ...] | None, Manifest]  # root digest, listing identity, value
 
 
 class Tier:
-    """A backend in a role (``"hot"`` or ``"cold"``), built lazily and never pickled."""
+    """A backend in a role (``"hot"`` or ``"cold"``), built lazily and never pickled.
+
+    A tier keeps the manifests it has parsed, parts read included: a published manifest
+    never changes (docs/design.md invariant 3), so a root listed with the same size, mtime
+    (and CRC32C where the backend lists one) as before, or read back byte for byte the same,
+    is the same manifest and is not read or parsed again. A name deleted and committed again
+    gets a new root, which differs in those; a backend whose listing times are as coarse as
+    a second (S3) could in principle list a re-commit of the same size within the same second
+    as unchanged, which is why :meth:`find_manifest`, what a load resolves with, always reads
+    the root.
+    """
 
     def __init__(self, role: str, url: TierURL, options: Mapping[str, Any] | None = None) -> None:
         self.role = role
         self.url = os.fspath(url)
         self.options = dict(options or {})
         self._backend: Backend | None = None
+        self._manifests: dict[str, _Cached] = {}
 
     def __repr__(self) -> str:
         return f"Tier({self.role!r}, {redact_url(self.url)!r})"
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_backend": None}
+        return {**self.__dict__, "_backend": None, "_manifests": {}}
 
     @property
     def label(self) -> str:
@@ -67,13 +80,38 @@ class Tier:
         return layout.file_key(name, attempt, path, spread=self.backend.spread_keys)
 
     def find_manifest(self, name: str) -> Manifest | None:
-        """The valid manifest of ``name``, ``None`` if absent; raises if present but invalid."""
+        """The valid manifest of ``name``, ``None`` if absent; raises if present but invalid.
+
+        Reads the root only (one object, whatever the world size); parts are read when an
+        entry of theirs is first asked for.
+        """
         key = layout.manifest_key(name)
         try:
             data = self.backend.read_bytes(key, limit=MAX_MANIFEST_BYTES)
         except errors.ObjectNotFound:
+            self._manifests.pop(key, None)
             return None
-        return Manifest.from_json(data, key=key, tier=self.label, expect_name=name)
+        return self._parse(key, name, data, None)
+
+    def _parse(self, key: str, name: str, data: bytes, listed: tuple[Any, ...] | None) -> Manifest:
+        digest = hashlib.sha256(data).digest()
+        cached = self._manifests.get(key)
+        if cached is not None and cached[0] == digest:
+            manifest = cached[2]
+        else:
+            manifest = Manifest.from_json(data, key=key, tier=self.label, expect_name=name,
+                                          loader=self._read_part)
+        self._manifests[key] = (digest, listed, manifest)
+        return manifest
+
+    def _read_part(self, name: str, attempt: str, ref: PartRef) -> tuple[str, bytes]:
+        key = self.file_key(name, attempt, ref.path)
+        try:
+            return key, self.backend.read_bytes(key, limit=ref.size)
+        except (errors.ObjectNotFound, errors.ObjectTooLarge) as err:
+            raise errors.InvalidManifest(f"invalid manifest: part {ref.index} is missing or larger "
+                                         f"than the root's {ref.size} bytes ({err.message})",
+                                         key=key, tier=self.label, checkpoint=name) from err
 
     def manifests(self) -> list[Manifest]:
         """Every valid manifest; invalid ones do not count as checkpoints and are logged."""
@@ -85,22 +123,41 @@ class Tier:
     def scan_manifests(self) -> tuple[list[Manifest], list[errors.InvalidManifest]]:
         """Valid manifests, and the errors of invalid ones (torn, corrupt, oversized).
 
-        Other storage errors propagate: a manifest that could not be read is not known to
-        be damaged, and callers such as GC must not act as if it were absent.
+        One listing, then one read per root that is new or changed since this tier last
+        listed it; no part is read. Other storage errors propagate: a manifest that could
+        not be read is not known to be damaged, and callers such as GC must not act as if
+        it were absent.
         """
-        found, invalid = [], []
+        found, invalid, listed = [], [], set()
         for info in self.backend.list(layout.manifests_prefix()):
             name = layout.parse_manifest_key(info.key)
             if name is None:
                 continue
+            listed.add(info.key)
             try:
-                manifest = self._find_valid(name)
+                manifest = self._scanned(info, name)
             except errors.InvalidManifest as err:
                 invalid.append(err)
                 continue
             if manifest is not None:
                 found.append(manifest)
+        for gone in set(self._manifests) - listed:
+            self._manifests.pop(gone, None)
         return found, invalid
+
+    def _scanned(self, info: ObjectInfo, name: str) -> Manifest | None:
+        ident = (info.size, info.mtime, info.crc32c)
+        cached = self._manifests.get(info.key)
+        if cached is not None and info.mtime is not None and cached[1] == ident:
+            return cached[2]
+        try:
+            data = self.backend.read_bytes(info.key, limit=MAX_MANIFEST_BYTES)
+        except errors.ObjectNotFound:
+            return None  # deleted since the listing
+        except errors.ObjectTooLarge as err:
+            raise errors.InvalidManifest(f"invalid manifest: {err.message}", key=err.key,
+                                         tier=self.label, checkpoint=name) from err
+        return self._parse(info.key, name, data, ident)
 
     def _find_valid(self, name: str) -> Manifest | None:
         """:meth:`find_manifest`, with an oversized manifest reported as invalid."""
@@ -111,16 +168,31 @@ class Tier:
                                   tier=self.label, checkpoint=name) from err
 
     def publish_manifest(self, manifest: Manifest) -> None:
-        """The commit point of ``manifest`` in this tier; never overwrites."""
+        """The commit point of ``manifest`` in this tier; never overwrites.
+
+        A two-level manifest's parts are written first, durably, with the attempt's files;
+        the root's exclusive publish is the commit (docs/design.md invariant 2). Parts are
+        rewritten with the same bytes when a commit is retried, so no reader ever sees one
+        change.
+        """
+        keys = []
+        for ref in manifest.parts:
+            key = self.file_key(manifest.name, manifest.attempt, ref.path)
+            with self.backend.open_write(key, defer_dir_sync=True) as out:
+                out.write(manifest.part_json(ref))
+            keys.append(key)
+        self.backend.sync_dirs(keys)
         key = layout.manifest_key(manifest.name)
+        data = manifest.to_json()
         try:
-            self.backend.publish(key, manifest.to_json())
+            self.backend.publish(key, data)
         except errors.PublishConflict as err:
             raise errors.CheckpointExists(
                 "checkpoint is already committed (by another attempt); committed "
                 "checkpoints are never overwritten",
                 checkpoint=manifest.name, tier=self.label,
             ) from err
+        self._manifests[key] = (hashlib.sha256(data).digest(), None, manifest)
 
 
 class Store:
