@@ -6,20 +6,29 @@ Migration keeps no state of its own: the tiers hold it (docs/design.md invariant
   the first migrator that commits there. It tells one cold tier from another, so a hot
   tier re-pointed at a new (or mistyped) bucket does not believe that bucket holds what an
   earlier cold tier held.
-* **Upload marks** (cold tier): ``rank-<r>.json`` says rank ``r`` uploaded and verified its
-  files of one attempt; ``rank-<r>.failed.json`` says its upload failed (so the coordinator
-  stops waiting). Marks are hints: a damaged or wrong mark is repaired, never trusted, and
-  the cold commit checks every file in place whatever the marks say. Once the cold manifest
-  is published the marks of that attempt are cleared (what a crash leaves, GC removes).
+* **Upload marks** (cold tier): ``rank-<r>/<digest>.json`` says rank ``r`` uploaded and
+  verified its files of one attempt, the files ``<digest>`` names (:func:`files_digest`);
+  ``rank-<r>.failed.json`` says its upload failed (so the coordinator stops waiting). As
+  the key names the content, one listing of the attempt's marks tells the coordinator which
+  ranks are done (:func:`list_marks`), with no mark read: a request per 1,000 ranks, not two
+  per rank. Marks are hints: a damaged one is replaced, never trusted, and the cold commit
+  checks every file's presence and size from a listing whatever the marks say
+  (:func:`not_in_place`). A mark of an earlier version (``rank-<r>.json``, no digest) counts
+  for nothing: ``tierstore migrate`` redoes that rank, skipping its verified copies. Once the
+  cold manifest is published the marks of that attempt are cleared in a batch (what a crash
+  leaves, GC removes).
 * **Migrated marks** (hot tier): ``migrated/<name>/<attempt>/<store-id>.json`` says the
   attempt was committed in that cold tier, even if its policy pruned it there since.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from tierstore.commit import layout
@@ -31,15 +40,20 @@ from tierstore.errors import (
     PublishConflict,
     TierstoreError,
 )
+from tierstore.storage.backend import ObjectInfo
 from tierstore.tiers.tier import Tier
 
 __all__ = [
     "store_id",
+    "files_digest",
+    "upload_mark_key",
+    "MarkListing",
+    "list_marks",
     "in_place",
+    "not_in_place",
     "read_upload_mark",
     "publish_upload_mark",
     "already_uploaded",
-    "rank_uploaded",
     "clear_upload_marks",
     "read_failure",
     "publish_failure",
@@ -95,6 +109,49 @@ def _read_store_id(tier: Tier) -> str | None:
 # -- upload marks (cold tier) ----------------------------------------------------------------
 
 
+def files_digest(files: Iterable[FileEntry]) -> str:
+    """16 hex digits naming a rank's files: their sorted (path, size, CRC32C)."""
+    entries = sorted((f.path, f.size, f.crc32c) for f in files)
+    return hashlib.sha256(json.dumps(entries).encode()).hexdigest()[:16]
+
+
+def upload_mark_key(name: str, attempt: str, rank: int, files: Iterable[FileEntry]) -> str:
+    """Where rank ``rank``'s mark for exactly ``files`` lives: its key names its content, so
+    a listing alone says which ranks are done (a mark for other files has another key)."""
+    return layout.upload_mark_key(name, attempt, rank, files_digest(files))
+
+
+@dataclass(frozen=True)
+class MarkListing:
+    """What one listing of an attempt's upload prefix shows: the digests each rank's marks
+    name, the ranks with a failure mark, and every key there (to clear them in a batch)."""
+
+    digests: Mapping[int, frozenset[str]]
+    failed: frozenset[int]
+    keys: tuple[str, ...]
+
+    def marked(self, rank: int, digest: str) -> bool:
+        return digest in self.digests.get(rank, frozenset())
+
+
+def list_marks(tier: Tier, name: str, attempt: str) -> MarkListing:
+    """One listing of the attempt's marks (a request per 1,000 keys on an object store); no
+    mark is read. Marks of earlier versions (no digest in the key) count for no rank."""
+    digests: dict[int, set[str]] = {}
+    failed: set[int] = set()
+    keys: list[str] = []
+    for info in tier.backend.list(layout.upload_prefix(name, attempt)):
+        keys.append(info.key)
+        parsed = layout.parse_upload_key(info.key)
+        digest = layout.upload_mark_digest(info.key)
+        if parsed is not None and parsed[3]:
+            failed.add(parsed[2])
+        elif parsed is not None and digest is not None:
+            digests.setdefault(parsed[2], set()).add(digest)
+    return MarkListing({rank: frozenset(d) for rank, d in digests.items()}, frozenset(failed),
+                       tuple(keys))
+
+
 def in_place(tier: Tier, name: str, attempt: str, entry: FileEntry) -> bool:
     """Is ``entry`` stored in ``tier`` with its size (and CRC32C, where the store keeps one)?"""
     try:
@@ -102,6 +159,33 @@ def in_place(tier: Tier, name: str, attempt: str, entry: FileEntry) -> bool:
     except ObjectNotFound:
         return False
     return info.size == entry.size and info.crc32c in (None, entry.crc32c)
+
+
+def not_in_place(tier: Tier, name: str, attempt: str,
+                 files: Iterable[FileEntry]) -> list[FileEntry]:
+    """The ``files`` that ``tier`` lacks, or holds with another size (or CRC32C, where a
+    listing shows one), from one listing per data prefix of the attempt (one prefix, or
+    the attempt's hashed prefixes on a backend with ``spread_keys``), not a request per file.
+
+    What this proves: every file is there, at its size, now. What it does not: that its bytes
+    are the ones the rank verified when it uploaded them (S3 lists no checksum); a same-size
+    corruption since is caught by every read (docs/design.md invariant 5) and by
+    ``tierstore verify``, not here.
+    """
+    keyed = [(tier.file_key(name, attempt, f.path), f) for f in files]
+    listed: dict[str, ObjectInfo] = {}
+    for prefix in sorted({_data_prefix(key, f.path) for key, f in keyed}):
+        listed.update((info.key, info) for info in tier.backend.list(prefix))
+    return [f for key, f in keyed
+            if (info := listed.get(key)) is None or info.size != f.size
+            or info.crc32c not in (None, f.crc32c)]
+
+
+def _data_prefix(key: str, path: str) -> str:
+    """The attempt's prefix ``key`` lives under: the key less the file's relative path."""
+    if key.endswith("/" + path):
+        return key[: len(key) - len(path)]
+    return key.rsplit("/", 1)[0] + "/"
 
 
 def _mark_body(rank: int, files: tuple[FileEntry, ...]) -> bytes:
@@ -113,13 +197,25 @@ def _sorted(files: Any) -> tuple[FileEntry, ...]:
     return tuple(sorted(files, key=lambda f: (f.rank, f.path)))
 
 
-def read_upload_mark(tier: Tier, name: str, attempt: str, rank: int) -> tuple[FileEntry, ...] | None:
-    """The files rank ``rank``'s mark lists, ``None`` if there is no mark.
+def read_upload_mark(tier: Tier, name: str, attempt: str, rank: int,
+                     files: Iterable[FileEntry] | None = None) -> tuple[FileEntry, ...] | None:
+    """The files rank ``rank``'s mark for ``files`` lists, ``None`` if there is no such mark.
+    Without ``files``: whichever mark of the rank one listing of its marks finds first.
 
-    A mark that cannot be read, is too large, or names another rank or files of another
-    rank raises :class:`~tierstore.errors.IntegrityError` naming it: callers repair it.
+    A mark that cannot be read, is too large, names another rank or files of another rank,
+    or lists other files than its key names raises :class:`~tierstore.errors.IntegrityError`
+    naming it: callers repair it.
     """
-    key = layout.upload_mark_key(name, attempt, rank)
+    if files is not None:
+        return _read_mark(tier, upload_mark_key(name, attempt, rank, files), name, rank)
+    prefix = layout.upload_mark_key(name, attempt, rank).removesuffix(".json") + "/"
+    for info in tier.backend.list(prefix):
+        if layout.upload_mark_digest(info.key) is not None:
+            return _read_mark(tier, info.key, name, rank)
+    return None
+
+
+def _read_mark(tier: Tier, key: str, name: str, rank: int) -> tuple[FileEntry, ...] | None:
     try:
         data = tier.backend.read_bytes(key, limit=_MARK_LIMIT)
     except ObjectNotFound:
@@ -132,6 +228,9 @@ def read_upload_mark(tier: Tier, name: str, attempt: str, rank: int) -> tuple[Fi
         files = _sorted(FileEntry(**f) for f in body["files"])
         if body["rank"] != rank or any(f.rank != rank for f in files):
             raise ValueError(f"it names rank {body['rank']!r}")
+        digest = layout.upload_mark_digest(key)
+        if digest is not None and digest != files_digest(files):
+            raise ValueError("it lists other files than its key names")
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
         raise IntegrityError(f"upload mark is damaged: {err}", key=key, tier=tier.label,
                              checkpoint=name, rank=rank) from err
@@ -140,10 +239,10 @@ def read_upload_mark(tier: Tier, name: str, attempt: str, rank: int) -> tuple[Fi
 
 def publish_upload_mark(tier: Tier, name: str, attempt: str, rank: int,
                         files: tuple[FileEntry, ...]) -> None:
-    """Publish rank ``rank``'s mark; an equal one already there is success, a damaged or
-    different one (ranks only ever mark exactly their own files) is replaced, with a warning."""
-    key = layout.upload_mark_key(name, attempt, rank)
+    """Publish rank ``rank``'s mark; an equal one already there is success, a damaged one
+    (its key names these very files) is replaced, with a warning."""
     files = _sorted(files)
+    key = upload_mark_key(name, attempt, rank, files)
     body = _mark_body(rank, files)
     for _ in range(3):
         try:
@@ -151,7 +250,7 @@ def publish_upload_mark(tier: Tier, name: str, attempt: str, rank: int,
             return
         except PublishConflict:
             try:
-                if read_upload_mark(tier, name, attempt, rank) == files:
+                if _read_mark(tier, key, name, rank) == files:
                     return  # ours, or an identical one from another migrator
                 problem = "lists other files"
             except IntegrityError as err:
@@ -165,45 +264,21 @@ def already_uploaded(tier: Tier, name: str, attempt: str, rank: int, files: tupl
     """Did an earlier migrator upload exactly ``files`` for ``rank``, and are they still there?
     A damaged mark is no proof: the rank uploads again (and publishes a good one)."""
     try:
-        marked = read_upload_mark(tier, name, attempt, rank)
+        marked = read_upload_mark(tier, name, attempt, rank, files)
     except IntegrityError as err:
         log.warning("re-uploading rank %d of %s: %s", rank, name, err)
         return False
     return marked == _sorted(files) and all(in_place(tier, name, attempt, e) for e in files)
 
 
-def rank_uploaded(tier: Tier, manifest: Manifest, rank: int) -> bool:
-    """Has ``rank`` uploaded its files of ``manifest``? Its mark says so; a damaged or wrong
-    mark is repaired when every file it should vouch for is in place, and raises
-    :class:`~tierstore.errors.IntegrityError` naming the rank (for ``tierstore migrate`` to
-    upload again) when not."""
-    expected = manifest.files_of_rank(rank)
-    try:
-        marked = read_upload_mark(tier, manifest.name, manifest.attempt, rank)
-    except IntegrityError as err:
-        problem = str(err)
-    else:
-        if marked is None:
-            return False
-        if marked == expected:
-            return True
-        problem = "it lists other files than the manifest"
-    if not all(in_place(tier, manifest.name, manifest.attempt, e) for e in expected):
-        raise IntegrityError(
-            f"upload mark is wrong ({problem}) and the rank's files are not all in the "
-            "cold tier; `tierstore migrate` uploads them again",
-            checkpoint=manifest.name, rank=rank, tier=tier.label)
-    log.warning("repairing the upload mark of rank %d of %s in %s: %s", rank,
-                manifest.name, tier.label, problem)
-    publish_upload_mark(tier, manifest.name, manifest.attempt, rank, expected)
-    return True
-
-
-def clear_upload_marks(tier: Tier, name: str, attempt: str) -> None:
+def clear_upload_marks(tier: Tier, name: str, attempt: str,
+                       keys: Iterable[str] | None = None) -> None:
     """Delete every upload and failure mark of an attempt (they did their job: the cold
-    manifest commits it now, or the attempt is gone)."""
-    for info in list(tier.backend.list(layout.upload_prefix(name, attempt))):
-        tier.backend.delete(info.key)
+    manifest commits it now, or the attempt is gone), in batches; ``keys``: the ones a
+    listing just showed, so as not to list again."""
+    if keys is None:
+        keys = [info.key for info in tier.backend.list(layout.upload_prefix(name, attempt))]
+    tier.backend.delete_many(list(keys))
 
 
 def _failure_body(tier: Tier, key: str) -> dict[str, Any] | None:
@@ -248,18 +323,20 @@ def clear_failure(tier: Tier, name: str, attempt: str, rank: int) -> None:
     tier.backend.delete(layout.failed_mark_key(name, attempt, rank))
 
 
-def is_damaged(tier: Tier, name: str, attempt: str, rank: int, *, failed: bool) -> bool:
-    """Whether rank ``rank``'s upload mark (``failed``: its failure mark) is there and damaged:
-    unreadable, oversized, not what a mark holds, or naming another rank. Storage errors
+def is_damaged(tier: Tier, name: str, attempt: str, rank: int, *, failed: bool,
+               key: str | None = None) -> bool:
+    """Whether rank ``rank``'s upload mark at ``key`` (default: the key earlier versions
+    used; ``failed``: its failure mark) is there and damaged: unreadable, oversized, not what
+    a mark holds, naming another rank, or other files than its key names. Storage errors
     other than those propagate (nothing is known then)."""
     if not failed:
         try:
-            read_upload_mark(tier, name, attempt, rank)
+            _read_mark(tier, key or layout.upload_mark_key(name, attempt, rank), name, rank)
         except IntegrityError:  # every damage, deep JSON included, comes out as this
             return True
         return False
     try:
-        body = _failure_body(tier, layout.failed_mark_key(name, attempt, rank))
+        body = _failure_body(tier, key or layout.failed_mark_key(name, attempt, rank))
     except IntegrityError:
         return True
     return body is not None and body.get("rank") != rank

@@ -5,10 +5,21 @@ Protocol for one checkpoint attempt (docs/design.md invariants 9, 10, 12):
 1. **Each rank** uploads the files it wrote, in the background of whatever process finished
    its part of the save. Every upload is verified: the source bytes against the manifest's
    size and CRC32C as they stream, the stored object by the cold backend. The rank then
-   publishes its *upload mark* ``uploads/<name>/<attempt>/rank-<r>.json`` naming them.
+   publishes its *upload mark* ``uploads/<name>/<attempt>/rank-<r>/<digest>.json``, whose
+   key names them (:mod:`tierstore.tiers.marks`).
 2. **The coordinator**, once the hot manifest is committed, uploads its own files (DCP's
-   ``.metadata`` among them), waits for the marks of every rank that owns files, checks
-   them against the manifest and publishes the cold manifest, exclusively: the cold commit.
+   ``.metadata`` among them), waits until one listing of the marks shows every rank that
+   owns files marked for exactly its files of the manifest, checks every file's presence and
+   size from a listing of the attempt's data and publishes the cold manifest, exclusively:
+   the cold commit. Then it deletes the marks in a batch.
+
+Requests, W ranks of F files each, every rank done at the first look: a rank's upload of an
+attempt its own writer just wrote (``fresh``) is ``1 + 2F`` (a verified write, counted as a
+PUT and its check, per file, then the mark), for there can be nothing of it in the cold tier
+yet; ``tierstore migrate`` keeps every check before it uploads (the mark, each file's
+verified copy, a failure mark to clear). The commit is about ``W/1000`` listing pages of
+marks, the data listing (one prefix, or the attempt's hashed prefixes where the backend
+spreads keys), the identity read, the publish and ``W/1000`` batch deletes.
 
 The tiers are the only durable state. A checkpoint with a hot manifest and no cold manifest
 is *pending*; :func:`tierstore.tiers.status.migrate_pending` (``tierstore migrate``) finishes it
@@ -128,6 +139,7 @@ class Job:
     files: tuple[FileEntry, ...]
     created: float
     manifest: Manifest | None = None  # set for the coordinator's commit job
+    fresh: bool = False  # the writer's own attempt, just written: nothing of it is cold yet
     state: MigrationState = MigrationState.PENDING
     bytes_done: int = 0
     finished: float | None = None
@@ -187,14 +199,20 @@ class Migrator:
     # -- control ------------------------------------------------------------------------
 
     def submit_rank(self, name: str, attempt: str, step: int | None, rank: int,
-                    files: Sequence[FileEntry]) -> None:
-        """Upload ``rank``'s ``files`` of an attempt and publish its upload mark."""
-        self._enqueue(Job(name, attempt, step, rank, tuple(files), self._clock()))
+                    files: Sequence[FileEntry], *, fresh: bool = False) -> None:
+        """Upload ``rank``'s ``files`` of an attempt and publish its upload mark.
 
-    def submit_commit(self, manifest: Manifest, rank: int) -> None:
-        """Coordinator: upload own files, wait for every rank's mark, publish cold manifest."""
+        ``fresh``: the caller wrote this attempt in this run (a new attempt id, so no earlier
+        migrator can have uploaded, marked or failed any of it): skip the checks for that.
+        """
+        self._enqueue(Job(name, attempt, step, rank, tuple(files), self._clock(), fresh=fresh))
+
+    def submit_commit(self, manifest: Manifest, rank: int, *, fresh: bool = False) -> None:
+        """Coordinator: upload own files, wait for every rank's mark, publish cold manifest
+        (``fresh``: as for :meth:`submit_rank`; the commit's own checks stay whole)."""
         self._enqueue(Job(manifest.name, manifest.attempt, manifest.step, rank,
-                          manifest.files_of_rank(rank), manifest.created, manifest=manifest))
+                          manifest.files_of_rank(rank), manifest.created, manifest=manifest,
+                          fresh=fresh))
 
     def _enqueue(self, job: Job) -> None:
         with self._cond:
@@ -253,9 +271,8 @@ class Migrator:
         thread): how ``tierstore migrate`` finishes a checkpoint a crash left pending.
         ``progress(name, bytes_done, bytes_total)``; failure is in the status, not raised."""
         total = manifest.total_size
-        jobs = [Job(manifest.name, manifest.attempt, manifest.step, rank,
-                    manifest.files_of_rank(rank), manifest.created)
-                for rank in sorted({f.rank for f in manifest.files})]
+        jobs = [Job(manifest.name, manifest.attempt, manifest.step, rank, files, manifest.created)
+                for rank, files in sorted(_files_by_rank(manifest).items())]
         jobs[-1].manifest = manifest  # the last rank's job also commits
         done = 0
 
@@ -302,7 +319,8 @@ class Migrator:
                                   job.error)
 
     def _upload_rank(self, job: Job) -> None:
-        if marks.already_uploaded(self.cold, job.name, job.attempt, job.rank, job.files):
+        if not job.fresh and marks.already_uploaded(self.cold, job.name, job.attempt, job.rank,
+                                                    job.files):
             job.add_bytes(sum(f.size for f in job.files))
             return  # already done by an earlier migrator, and still there
         errors = _in_parallel([functools.partial(self._upload_file, job, entry) for entry in job.files],
@@ -320,12 +338,13 @@ class Migrator:
                                    sleep=self._sleep)
         except Exception as err:
             raise _Failed(job.rank, None, err) from err
-        marks.clear_failure(self.cold, job.name, job.attempt, job.rank)  # resolved, if any
+        if not job.fresh:  # a fresh attempt has no failure mark to resolve
+            marks.clear_failure(self.cold, job.name, job.attempt, job.rank)
 
     def _upload_file(self, job: Job, entry: FileEntry) -> None:
         try:
-            if has_verified_copy(self.cold, job.name, job.attempt, entry,
-                                 chunk_size=self.config.chunk_size):
+            if not job.fresh and has_verified_copy(self.cold, job.name, job.attempt, entry,
+                                                   chunk_size=self.config.chunk_size):
                 job.add_bytes(entry.size)
                 return
             sent = [0]
@@ -352,7 +371,9 @@ class Migrator:
             raise _Failed(job.rank, entry.path, err) from err
 
     def _commit(self, manifest: Manifest) -> None:
-        if self._await_marks(manifest):  # another migrator committed it meanwhile
+        by_rank = _files_by_rank(manifest)
+        listing = self._await_marks(manifest, by_rank)
+        if listing is None:  # another migrator committed it meanwhile
             cold_id = marks.store_id(self.cold, create=True)
             assert cold_id is not None
             marks.mark_migrated(self.hot, manifest, cold_id)
@@ -361,14 +382,27 @@ class Migrator:
         assert cold_id is not None  # created if it was missing
         faults.point("migrator.before_cold_publish")
         # The marks say every rank uploaded; the manifest may only vouch for what is there
-        # now (another actor may have removed or damaged an object since).
-        for entry in manifest.files:
-            if not marks.in_place(self.cold, manifest.name, manifest.attempt, entry):
-                raise _Failed(entry.rank, entry.path, ChecksumMismatch(
-                    "not in the cold tier as uploaded (missing, or its size or CRC32C "
-                    "differ) at the cold commit; `tierstore migrate` uploads it again",
-                    checkpoint=manifest.name, file=entry.path, tier=self.cold.label))
+        # now (another actor may have removed or replaced an object since): docs/design.md
+        # invariant 10. A listing shows presence and size; bytes damaged at the same size
+        # since the rank's verified upload are for readers and `tierstore verify` to catch.
+        absent = marks.not_in_place(self.cold, manifest.name, manifest.attempt,
+                                    (f for files in by_rank.values() for f in files))
+        if absent:
+            entry = absent[0]
+            raise _Failed(entry.rank, entry.path, ChecksumMismatch(
+                f"not in the cold tier as uploaded (missing, or its size differs; {len(absent)} "
+                "file(s) in all) at the cold commit; `tierstore migrate` uploads it again",
+                checkpoint=manifest.name, file=entry.path, tier=self.cold.label))
+        self._publish(manifest)
+        faults.point("migrator.after_cold_publish")
+        marks.mark_migrated(self.hot, manifest, cold_id)
+        # The marks did their job; a crash before this leaves them to GC.
+        try:
+            marks.clear_upload_marks(self.cold, manifest.name, manifest.attempt, listing.keys)
+        except TierstoreError as err:
+            log.info("left upload marks of %s for GC: %s", manifest.name, err)
 
+    def _publish(self, manifest: Manifest) -> None:
         def publish() -> None:
             try:
                 self.cold.publish_manifest(manifest)
@@ -386,41 +420,40 @@ class Migrator:
             self.config.retry.call(publish, what=f"cold commit of {manifest.name}", sleep=self._sleep)
         except Exception as err:
             raise _Failed(None, None, err) from err
-        faults.point("migrator.after_cold_publish")
-        marks.mark_migrated(self.hot, manifest, cold_id)
-        # The marks did their job; a crash before this leaves them to GC.
-        try:
-            marks.clear_upload_marks(self.cold, manifest.name, manifest.attempt)
-        except TierstoreError as err:
-            log.info("left upload marks of %s for GC: %s", manifest.name, err)
 
-    def _await_marks(self, manifest: Manifest) -> bool:
-        """Wait until every rank's mark is there (``False``), or until another migrator has
-        committed this very attempt (``True``: it also removed the marks, so waiting on would
-        only run into the timeout)."""
-        ranks = sorted({f.rank for f in manifest.files})
-        seen: set[int] = set()  # a mark stays until the commit: read each one only until seen
+    def _await_marks(self, manifest: Manifest,
+                     by_rank: dict[int, tuple[FileEntry, ...]]) -> marks.MarkListing | None:
+        """Wait until one listing shows every rank marked for its files of ``manifest`` (that
+        listing), or until another migrator has committed this very attempt (``None``: it also
+        removed the marks, so waiting on would only run into the timeout)."""
+        expected = {rank: marks.files_digest(files) for rank, files in by_rank.items()}
+        seen: set[int] = set()  # remembered across rounds: each round only lists
+        last: list[marks.MarkListing] = []
 
         def missing() -> list[int] | None:
             """Ranks still to mark; ``None`` once another migrator committed the attempt."""
-            left = [r for r in ranks if r not in seen and not self._rank_uploaded(manifest, r)]
-            seen.update(r for r in ranks if r not in left)
+            listing = marks.list_marks(self.cold, manifest.name, manifest.attempt)
+            last[:] = [listing]
+            seen.update(rank for rank, digest in expected.items()
+                        if rank not in seen and listing.marked(rank, digest))
+            left = [rank for rank in expected if rank not in seen]
             if not left:
                 return left
             if self._committed_by_another(manifest):
                 log.info("%s was committed in %s by another migrator", manifest.name, self.cold.label)
                 return None
             for rank in left:
-                failure = marks.read_failure(self.cold, manifest.name, manifest.attempt, rank)
-                if failure is not None:
-                    raise _Failed(rank, failure.get("file"), failure.get("error", "failed"))
+                if rank in listing.failed:  # read only the failure marks the listing shows
+                    failure = marks.read_failure(self.cold, manifest.name, manifest.attempt, rank)
+                    if failure is not None:
+                        raise _Failed(rank, failure.get("file"), failure.get("error", "failed"))
             return left
 
         left = self.config.mark_polling.poll(missing, until=lambda left: not left, sleep=self._sleep)
         if left:
             raise _Failed(left[0], None, f"no upload mark from ranks {left} after "
                                          f"{self.config.commit_timeout:.0f}s")
-        return left is None
+        return None if left is None else last[0]
 
     def _committed_by_another(self, manifest: Manifest) -> bool:
         try:
@@ -428,11 +461,13 @@ class Migrator:
         except IntegrityError:
             return False  # an invalid cold manifest commits nothing; the publish will say so
 
-    def _rank_uploaded(self, manifest: Manifest, rank: int) -> bool:
-        try:
-            return marks.rank_uploaded(self.cold, manifest, rank)
-        except IntegrityError as err:
-            raise _Failed(rank, None, err) from err
+
+def _files_by_rank(manifest: Manifest) -> dict[int, tuple[FileEntry, ...]]:
+    """Each rank's files of ``manifest``, in one pass over them (not one pass per rank)."""
+    by_rank: dict[int, list[FileEntry]] = {}
+    for entry in manifest.files:
+        by_rank.setdefault(entry.rank, []).append(entry)
+    return {rank: tuple(files) for rank, files in by_rank.items()}
 
 
 def _in_parallel(calls: Sequence[Callable[[], None]], width: int) -> list[BaseException | None]:

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import builtins
+import io
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from functools import partial
 from typing import Any, BinaryIO, TypeVar
 from urllib.parse import urlparse
 
 import s3fs
 from botocore.exceptions import BotoCoreError
+from fsspec.asyn import sync
 
 from tierstore.errors import (
     ConfigError,
@@ -25,7 +27,7 @@ from tierstore.errors import (
 from tierstore.retry import DEFAULT, RetryPolicy
 from tierstore.storage.backend import Backend, ObjectInfo, ObjectWriter, check_key, crc32c_update
 from tierstore_s3 import _checksum
-from tierstore_s3._errors import client_error_code, translate
+from tierstore_s3._errors import _TRANSIENT_CODES, client_error_code, translate
 
 __all__ = ["S3Backend"]
 
@@ -39,6 +41,7 @@ MAX_PART_SIZE = 5 * 1024 * MiB
 # underneath it, or a conditional PUT could be resent without us knowing (design.md invariant 12).
 _NO_CLIENT_RETRIES = {"mode": "standard", "total_max_attempts": 1}
 _PUBLISH_TOKEN = "tierstore-publish"  # user metadata (x-amz-meta-*) set by publish
+DELETE_BATCH = 1000  # S3's limit of keys per DeleteObjects request
 
 
 def _split_url(url: str) -> tuple[str, str]:
@@ -195,6 +198,41 @@ class S3Backend(Backend):
 
         return open_ranged(self, key, self.head(key))
 
+    def open_range(self, key: str, offset: int, length: int) -> BinaryIO:
+        """One ranged GetObject, fetched whole before any byte is handed out (one retried
+        unit, never a stream resumed halfway)."""
+        full = self.full_key(key)
+        if length <= 0:
+            self.head(key)  # still: a missing key is ObjectNotFound
+            return io.BytesIO(b"")
+        data = self.retrying(f"read of bytes {offset}-{offset + length - 1}", key,
+                             lambda: self._get_range(key, full, offset, length))
+        return io.BytesIO(data)
+
+    def _get_range(self, key: str, full: str, offset: int, length: int) -> bytes:
+        try:
+            return bytes(sync(self._fs.loop, self._fetch_range, key, full, offset, length))
+        except Exception as err:
+            if client_error_code(err) == "InvalidRange":  # 416: the range starts past the end
+                return b""
+            failure = translate(err, key=key, tier=self.label)
+            if failure is err:
+                raise
+            raise failure from err
+
+    async def _fetch_range(self, key: str, full: str, offset: int, length: int) -> bytes:
+        answer = await self._fs._call_s3("get_object", Bucket=self.bucket, Key=full,
+                                         Range=f"bytes={offset}-{offset + length - 1}")
+        async with answer["Body"] as body:
+            data: bytes = await body.read()
+        # "bytes <first>-<last>/<size>": the server's word on how many bytes it meant to send
+        sent = str(answer.get("ContentRange") or "")
+        first, _, last = sent.partition(" ")[2].partition("/")[0].partition("-")
+        if first.isdigit() and last.isdigit() and len(data) != int(last) - int(first) + 1:
+            raise TransientStorageError(f"range {sent} came back with {len(data)} bytes",
+                                        key=key, tier=self.label)
+        return data
+
     def publish(self, key: str, data: bytes) -> None:
         data = bytes(data)
         crc = crc32c_update(0, data)
@@ -269,6 +307,38 @@ class S3Backend(Backend):
             self.retrying("delete", key, lambda: self.call("delete_object", key, Key=full))
         except ObjectNotFound:
             pass
+
+    def delete_many(self, keys: Iterable[str]) -> None:
+        """DeleteObjects, up to 1,000 keys a request, each request one retried unit (deleting
+        again is harmless). A key S3 could not delete raises the error naming it."""
+        batch: builtins.list[str] = []
+        for key in keys:
+            self.full_key(key)  # reject an unsafe key before any request
+            batch.append(key)
+            if len(batch) == DELETE_BATCH:
+                self._delete_batch(batch)
+                batch = []
+        if batch:
+            self._delete_batch(batch)
+
+    def _delete_batch(self, keys: builtins.list[str]) -> None:
+        by_full = {self.full_key(key): key for key in keys}
+
+        def attempt() -> None:
+            answer = self.call("delete_objects", keys[0], Delete={
+                "Objects": [{"Key": full} for full in by_full], "Quiet": True})
+            errors = answer.get("Errors") or []
+            if not errors:
+                return
+            first = errors[0]
+            key = by_full.get(str(first.get("Key")), str(first.get("Key")))
+            text = (f"S3 DeleteObjects could not delete {len(errors)} of {len(keys)} keys; "
+                    f"this one: {first.get('Code')}: {first.get('Message', '')}")
+            if all(e.get("Code") in _TRANSIENT_CODES for e in errors):
+                raise TransientStorageError(text, key=key, tier=self.label)
+            raise StorageError(text, key=key, tier=self.label)
+
+        self.retrying(f"batch delete ({len(keys)} keys, from)", keys[0], attempt)
 
     def abort_stale_uploads(self, *, older_than: float, dry_run: bool = True,
                             now: float | None = None) -> builtins.list[str]:
