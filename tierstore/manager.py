@@ -492,7 +492,8 @@ class CheckpointManager:
                 chosen = _dist.broadcast(chosen, self.group)
             if chosen is None:
                 break
-            reader = TieredReader(self.store, name=chosen, node_local=self.node_local)
+            reader = TieredReader(self.store, name=chosen, node_local=self.node_local,
+                                  resolve_once=True, process_group=self.group)
             try:
                 dcp_load(state, storage_reader=reader, process_group=self.group, planner=planner)
             except CheckpointException as err:  # the same on every rank: DCP gathers failures
@@ -502,6 +503,11 @@ class CheckpointManager:
                 log.warning("checkpoint %s is damaged in every tier holding it, loading the next "
                             "older one instead: %s", chosen, _describe(err))
                 continue
+            finally:
+                # dcp.load returned or raised on this rank only once no rank reads (its last
+                # step is a collective), so the job's lease may go, even if planning failed
+                # before the reads that would have released it.
+                reader.release()
             assert reader.manifest is not None
             return reader.manifest.step
         if damaged:

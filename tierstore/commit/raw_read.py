@@ -1,23 +1,27 @@
 """Reading a raw-encoded data file (:mod:`tierstore.commit.encoding`) into DCP's targets.
 
-One :class:`Unit` is a run of a file's items that one thread reads from one tier. For each
-stored item, the bytes DCP wants go straight into the destination tensor (``readinto``) when
-it is a contiguous CPU tensor of the stored dtype and the read is the whole item or a
-dim-0 slice of it; otherwise into a reused buffer, then narrowed and copied. Every block the
-bytes fall in is verified (:func:`encoding.verify_blocks`) before the planner is told the
-tensor is loaded; a partial block at an edge of the read is read whole into a small buffer
-to be verified. No ``torch.load``, no pickle.
+One :class:`Unit` is a run of a file's items that one thread reads from one tier. It reads
+only the byte ranges its items' reads need, widened to whole blocks (each block is verified
+against its CRC32C in the :class:`RawItem`, :func:`encoding.verify_blocks`, before the planner
+is told the tensor is loaded), each range through one ``Backend.open_range`` request; ranges
+of a file closer than :data:`COALESCE` bytes share a request and the gap is read and dropped.
+A load never reads a whole file to check the manifest's CRC32C: bytes outside every wanted
+block are not read, so damage there is found by ``tierstore verify`` (scrub), not by a load.
+The zero padding between two items a load reads whole is read and checked, so a load of
+every item of a file still checks every byte of it.
 
-When a load reads every item of a file whole, the units also read the padding between them
-and fold the block checksums into the file's CRC32C, which the caller holds to the manifest:
-such a load checks every byte of the file, as the dcp encoding's streaming read does.
+For each stored item, the bytes DCP wants go straight into the destination tensor
+(``readinto``) when it is a contiguous CPU tensor of the stored dtype and the read is the
+whole item or a dim-0 slice of it; otherwise into a reused buffer, then narrowed and copied;
+a partial block at an edge of the read is read whole into a small buffer to be verified. No
+``torch.load``, no pickle.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -30,32 +34,35 @@ from tierstore.commit.encoding import RawItem
 from tierstore.commit.manifest import FileEntry
 from tierstore.commit.safe_pickle import safe_byte_io
 from tierstore.errors import ChecksumMismatch, IntegrityError
-from tierstore.storage.checksum import COMBINE_MIN, crc32c_combine, crc32c_update
+from tierstore.storage.checksum import crc32c_update
 
-__all__ = ["Planner", "Unit", "Want", "misfolded", "plan", "positional", "read_unit", "split",
-           "whole_file"]
+__all__ = ["COALESCE", "Opener", "Planner", "Unit", "Want", "plan", "read_unit", "split"]
 
-_SCRATCH = 1 << 20  # padding and forward skips go through this much at a time
+COALESCE = 64 << 10  # ranges of a file closer than this share one request
+_SCRATCH = 1 << 20  # dropped gaps go through this much at a time
 SPLIT_MIN = 64 << 20  # a thread's share of a file is at least this many bytes
+
+#: Opens ``length`` bytes of the unit's file from ``offset`` (one request on an object store).
+Opener = Callable[[int, int], BinaryIO]
 
 
 @dataclass(frozen=True)
 class Want:
-    """One stored item of a file and every read DCP wants from it."""
+    """One stored item of a file and every read DCP wants from it; ``pad``: the bytes of
+    zero padding after it that the load checks (it reads the item and the next one whole)."""
 
     index: MetadataIndex
     item: RawItem
     reqs: tuple[ReadItem, ...]
+    pad: int = 0
 
 
 @dataclass(frozen=True)
 class Unit:
-    """Items (by offset) of one file read by one thread; with ``span``, the bytes
-    ``[start, stop)`` of the file it covers whole, padding included, for the file's CRC32C."""
+    """Items (by offset) of one file read by one thread."""
 
     entry: FileEntry
     wants: tuple[Want, ...]
-    span: tuple[int, int] | None
 
 
 class Planner:
@@ -78,92 +85,95 @@ class Planner:
             self._planner.load_bytes(req, safe_byte_io(payload))
 
 
-def positional(raw: BinaryIO) -> bool:
-    """Whether reads of ``raw`` can start anywhere (a file descriptor, or a seekable stream)."""
-    return _fd(raw) is not None or _seekable(raw)
-
-
-def _fd(raw: BinaryIO) -> int | None:
-    try:
-        return raw.fileno() if hasattr(os, "preadv") else None
-    except (AttributeError, OSError, ValueError):
-        return None
-
-
-def _seekable(raw: BinaryIO) -> bool:
-    try:
-        return bool(raw.seekable())
-    except (AttributeError, OSError, ValueError):
-        return False
-
-
 def plan(files: Mapping[str, Sequence[ReadItem]], storage: Mapping[MetadataIndex, Any],
          entry_of: Callable[[str], FileEntry], threads: int) -> list[Unit]:
     """The units that read ``files`` (path -> DCP's reads in it), at most ``threads`` a file."""
-    counts: dict[str, int] = {}
-    for info in storage.values():
-        if isinstance(info, RawItem):
-            counts[info.relative_path] = counts.get(info.relative_path, 0) + 1
     units: list[Unit] = []
     for path, items in files.items():
         reqs: dict[MetadataIndex, list[ReadItem]] = {}
         for item in items:
             reqs.setdefault(item.storage_index, []).append(item)
-        wants = [Want(index, storage[index], tuple(r)) for index, r in reqs.items()]
-        units += split(entry_of(path), wants, whole_file(wants, counts.get(path, 0)), threads)
+        wants = sorted((Want(index, storage[index], tuple(r)) for index, r in reqs.items()),
+                       key=lambda w: w.item.offset)
+        units += split(entry_of(path), _with_padding(wants), threads)
     return units
 
 
-def misfolded(done: Sequence[tuple[Unit, int | None]]) -> list[Unit]:
-    """Files read whole in several units whose CRC32Cs do not fold into the manifest's
-    (damage outside every block the units verified), each as one unit to read again."""
-    parts: dict[str, list[tuple[Unit, int | None]]] = {}
-    for unit, crc in done:
-        parts.setdefault(unit.entry.path, []).append((unit, crc))
-    again = []
-    for pieces in parts.values():
-        spans = [(u.span, u, c) for u, c in pieces if u.span is not None and c is not None]
-        if len(pieces) < 2 or len(spans) != len(pieces):
-            continue
-        crc = 0
-        for (start, stop), _, part in sorted(spans, key=lambda s: s[0]):
-            crc = crc32c_combine(crc, part, stop - start)
-        entry = pieces[0][0].entry
-        if crc != entry.crc32c:
-            again.append(Unit(entry, tuple(w for u, _ in pieces for w in u.wants), (0, entry.size)))
-    return again
+def _with_padding(ordered: Sequence[Want]) -> list[Want]:
+    """``ordered`` with the padding between two neighbours read whole marked to be checked.
 
-
-def split(entry: FileEntry, wants: Sequence[Want], whole: bool, threads: int) -> list[Unit]:
-    """The file's wanted items in up to ``threads`` units of similar byte counts.
-
-    ``whole``: the load wants every item of the file whole, so the units tile the file.
+    A gap shorter than ``encoding.ALIGN`` between items is padding only (any item in it
+    would start at an aligned offset and push the next one an ``ALIGN`` further).
     """
-    ordered = sorted(wants, key=lambda w: w.item.offset)
-    total = sum(w.item.length for w in ordered)
-    count = max(1, min(threads, total // SPLIT_MIN, len(ordered)))
+    marked = list(ordered)
+    for i in range(len(marked) - 1):
+        a, b = marked[i], marked[i + 1]
+        gap = b.item.offset - (a.item.offset + a.item.length)
+        if 0 < gap < encoding.ALIGN and _needed(a) == (0, a.item.length) and _needed(b) == (
+                0, b.item.length):
+            marked[i] = Want(a.index, a.item, a.reqs, gap)
+    return marked
+
+
+def split(entry: FileEntry, wants: Sequence[Want], threads: int) -> list[Unit]:
+    """The file's wanted items (in file order) in up to ``threads`` units of similar byte counts."""
+    total = sum(w.item.length for w in wants)
+    count = max(1, min(threads, total // SPLIT_MIN, len(wants)))
     groups: list[list[Want]] = [[]]
     done = 0
-    for want in ordered:
+    for want in wants:
         if groups[-1] and done >= total * len(groups) / count:
             groups.append([])
         groups[-1].append(want)
         done += want.item.length
-    units, start = [], 0
-    for i, group in enumerate(groups):
-        last = group[-1].item
-        stop = entry.size if i + 1 == len(groups) else last.offset + last.length
-        units.append(Unit(entry, tuple(group), (start, stop) if whole else None))
-        start = stop
-    return units
+    return [Unit(entry, tuple(group)) for group in groups]
+
+
+def _needed(want: Want) -> tuple[int, int] | None:
+    """Bytes ``[start, stop)`` of the item that ``want``'s reads take (whole rows; a bytes
+    item or a 0-dim tensor whole); ``None`` when a read does not fit the stored shape (the
+    delivery reports it)."""
+    item = want.item
+    if encoding.dtype_of(item.dtype) is None or not item.shape:
+        return 0, item.length
+    if item.shape[0] == 0 or not all(_fits(r, item.shape) for r in want.reqs):
+        return None
+    spans = [(r.storage_offsets[0], r.storage_offsets[0] + r.lengths[0]) for r in want.reqs]
+    row = item.length // item.shape[0]
+    return min(a for a, _ in spans) * row, max(b for _, b in spans) * row
+
+
+def _ranges(unit: Unit) -> list[tuple[int, int]]:
+    """The file's byte ranges ``unit`` reads (wanted blocks, checked padding), coalesced."""
+    spans = []
+    for want in unit.wants:
+        needed = _needed(want)
+        item = want.item
+        if needed is not None and needed[0] < needed[1]:
+            first, end = needed[0] // item.block, -(-needed[1] // item.block)
+            spans.append((item.offset + first * item.block,
+                          item.offset + min(end * item.block, item.length)))
+        if want.pad:
+            end = item.offset + item.length
+            spans.append((end, end + want.pad))
+    merged: list[tuple[int, int]] = []
+    for start, stop in sorted(spans):
+        if merged and start - merged[-1][1] < COALESCE:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], stop))
+        else:
+            merged.append((start, stop))
+    return merged
 
 
 class _Reader:
-    """One unit's reads from one opened copy of the file."""
+    """One unit's reads of one copy of the file, in file order, one request per range."""
 
-    def __init__(self, raw: BinaryIO, entry: FileEntry, *, checkpoint: str, tier: str) -> None:
-        self._raw, self._fd, self._seekable = raw, _fd(raw), _seekable(raw)
-        self._pos = 0  # where a forward-only stream is
+    def __init__(self, opener: Opener, ranges: Sequence[tuple[int, int]], entry: FileEntry,
+                 stack: ExitStack, count: Callable[[int], None], *, checkpoint: str,
+                 tier: str) -> None:
+        self._opener, self._ranges, self._stack, self._count = opener, ranges, stack, count
+        self._stream: BinaryIO | None = None
+        self._pos = self._stop = 0  # where the open range stands, and where it ends
         self.entry, self.checkpoint, self.tier = entry, checkpoint, tier
         self._scratch = memoryview(bytearray(0))
         self._buffer = memoryview(bytearray(0))
@@ -183,30 +193,35 @@ class _Reader:
         return self._buffer[:n]
 
     def read_at(self, offset: int, out: memoryview) -> None:
-        """Fill ``out`` with the file's bytes from ``offset``."""
+        """Fill ``out`` with the file's bytes from ``offset`` (never behind the last read)."""
+        if offset < self._pos:  # reads go in file order: only forged metadata goes back
+            raise self.corrupt(f"DCP metadata has overlapping items: one starts at byte {offset}, "
+                               f"inside the previous one (which ends at byte {self._pos})")
+        if self._stream is None or offset + len(out) > self._stop:
+            self._open(offset, offset + len(out))
+        while self._pos < offset:  # a gap of a coalesced range
+            self._fill(self.scratch(min(_SCRATCH, offset - self._pos)))
+        self._fill(out)
+
+    def _open(self, start: int, stop: int) -> None:
+        lo, hi = next(((a, b) for a, b in self._ranges if a <= start and stop <= b), (start, stop))
+        if self._stream is not None:
+            self._stream.close()
+        self._stream = self._stack.enter_context(self._opener(lo, hi - lo))
+        self._pos, self._stop = lo, hi
+
+    def _fill(self, out: memoryview) -> None:
+        assert self._stream is not None
         done = 0
-        if self._fd is None and not self._seekable:
-            self._skip_to(offset)
-        elif self._fd is None:
-            self._raw.seek(offset)
         while done < len(out):
-            part = out[done:]
-            n = (os.preadv(self._fd, [part], offset + done) if self._fd is not None
-                 else self._raw.readinto(part))  # type: ignore[attr-defined]
+            n = self._stream.readinto(out[done:]) or 0  # type: ignore[attr-defined]
             if not n:
-                raise ChecksumMismatch.size(self.entry.size, offset + done,
+                raise ChecksumMismatch.size(self.entry.size, self._pos + done,
                                             checkpoint=self.checkpoint, file=self.entry.path,
                                             tier=self.tier)
             done += n
-        self._pos = offset + done
-
-    def _skip_to(self, offset: int) -> None:
-        if offset < self._pos:  # units read in file order: only forged metadata goes back
-            raise self.corrupt(f"DCP metadata has overlapping items: one starts at byte {offset}, "
-                               f"inside the previous one (which ends at byte {self._pos})")
-        while self._pos < offset:
-            chunk = self.scratch(min(_SCRATCH, offset - self._pos))
-            self.read_at(self._pos, chunk)  # forward-only: reads continue where it is
+            self._count(n)
+        self._pos += done
 
     def read_range(self, item: RawItem, start: int, stop: int, out: memoryview) -> None:
         """Fill ``out`` with bytes ``[start, stop)`` of ``item``, verifying every block they
@@ -217,7 +232,7 @@ class _Reader:
         first, end = start // block, -(-stop // block)
         inner_first = -(-start // block)
         inner_end = end if stop == item.length else stop // block
-        head = first < inner_first  # reads in file order: a forward-only stream never goes back
+        head = first < inner_first  # in file order: a range stream never goes back
         if head:
             self._edge(item, first, start, stop, out)
         if inner_first < inner_end:  # blocks entirely inside the read, in one read
@@ -238,50 +253,37 @@ class _Reader:
         a, b = max(lo, start), min(hi, stop)
         out[a - start:b - start] = whole[a - lo:b - lo]
 
+    def check_padding(self, offset: int, length: int) -> None:
+        """Read the padding at ``offset``; the encoding fills it with zeros."""
+        data = self.scratch(length)
+        self.read_at(offset, data)
+        if any(data):
+            raise ChecksumMismatch.crc32c(crc32c_update(0, bytes(length)), crc32c_update(0, data),
+                                          checkpoint=self.checkpoint, file=self.entry.path,
+                                          tier=self.tier)
 
-def read_unit(raw: BinaryIO, unit: Unit, planner: Planner, *, checkpoint: str,
-              tier: str) -> int | None:
-    """Read and deliver every item of ``unit`` from ``raw``; the CRC32C of its span, if any."""
-    reader = _Reader(raw, unit.entry, checkpoint=checkpoint, tier=tier)
+
+def read_unit(opener: Opener, unit: Unit, planner: Planner, *, checkpoint: str, tier: str,
+              count: Callable[[int], None]) -> None:
+    """Read and deliver every item of ``unit`` through ``opener``; ``count`` is told each
+    number of bytes read."""
     for want in unit.wants:
         problem = encoding.check_item(want.item, unit.entry.size)
         if problem is not None:
-            raise reader.corrupt(f"DCP metadata of item {want.index.fqn!r} is inconsistent: {problem}")
-    crc, pos = 0, None if unit.span is None else unit.span[0]
-    for want in unit.wants:
-        if pos is not None:
-            crc, pos = _fold_gap(reader, crc, pos, want.item.offset)
-        data = _deliver(reader, want, planner)
-        if pos is not None and data is not None:
-            crc, pos = _fold_item(want.item, data, crc), want.item.offset + want.item.length
-    if pos is not None and unit.span is not None:
-        crc, pos = _fold_gap(reader, crc, pos, unit.span[1])
-    return None if unit.span is None else crc
+            raise IntegrityError(f"DCP metadata of item {want.index.fqn!r} is inconsistent: "
+                                 f"{problem}", checkpoint=checkpoint, file=unit.entry.path,
+                                 tier=tier)
+    with ExitStack() as stack:
+        reader = _Reader(opener, _ranges(unit), unit.entry, stack, count, checkpoint=checkpoint,
+                         tier=tier)
+        for want in unit.wants:
+            _deliver(reader, want, planner)
+            if want.pad:
+                reader.check_padding(want.item.offset + want.item.length, want.pad)
 
 
-def _fold_gap(reader: _Reader, crc: int, pos: int, stop: int) -> tuple[int, int]:
-    if stop < pos:
-        raise reader.corrupt(f"DCP metadata has overlapping items: one starts at byte {stop}, "
-                             f"inside the previous one (which ends at byte {pos})")
-    while pos < stop:
-        chunk = reader.scratch(min(_SCRATCH, stop - pos))
-        reader.read_at(pos, chunk)
-        crc, pos = crc32c_update(crc, chunk), pos + len(chunk)
-    return crc, pos
-
-
-def _fold_item(item: RawItem, data: memoryview, crc: int) -> int:
-    """Extend the span's CRC32C over a whole item just read (and verified) into ``data``."""
-    for index, expected in enumerate(item.crc32c):
-        lo, hi = item.block_span(index)
-        # The stored checksum equals the block's (verified): combining it costs no scan.
-        crc = (crc32c_combine(crc, expected, hi - lo) if hi - lo >= COMBINE_MIN
-               else crc32c_update(crc, data[lo:hi]))
-    return crc
-
-
-def _deliver(reader: _Reader, want: Want, planner: Planner) -> memoryview | None:
-    """Read what ``want`` needs and hand it to the planner; the whole item's bytes if read."""
+def _deliver(reader: _Reader, want: Want, planner: Planner) -> None:
+    """Read what ``want`` needs and hand it to the planner."""
     item = want.item
     dtype = encoding.dtype_of(item.dtype)
     if dtype is None:  # a BYTE_IO item (check_item refused unknown dtypes)
@@ -295,7 +297,7 @@ def _deliver(reader: _Reader, want: Want, planner: Planner) -> memoryview | None
             except Exception as err:
                 raise reader.corrupt(f"item {want.index.fqn!r} cannot be loaded safely: "
                                      f"{type(err).__name__}: {err}") from err
-        return data
+        return
     row = _row_bytes(dtype, item.shape)
     rows = [_rows(reader, want, req) for req in want.reqs]
     first_row, end_row = min(r[0] for r in rows), max(r[1] for r in rows)
@@ -306,7 +308,7 @@ def _deliver(reader: _Reader, want: Want, planner: Planner) -> memoryview | None
             out = encoding.tensor_bytes(target) if target.numel() else memoryview(b"")
             reader.read_range(item, start, stop, out)
             planner.commit_tensor(want.reqs[0], target)
-            return out if (start, stop) == (0, item.length) else None
+            return
     data = reader.buffer(stop - start)
     reader.read_range(item, start, stop, data)
     stored = _view(data, dtype, item.shape, end_row - first_row)
@@ -320,22 +322,27 @@ def _deliver(reader: _Reader, want: Want, planner: Planner) -> memoryview | None
                                  f"{tuple(chunk.size())}, expected {tuple(target.size())}")
         target.copy_(chunk)
         planner.commit_tensor(req, target)
-    return data if (start, stop) == (0, item.length) else None
 
 
 def _rows(reader: _Reader, want: Want, req: ReadItem) -> tuple[int, int]:
     """The dim-0 rows ``req`` reads (``(0, 1)`` for a 0-dim tensor), after checking that
     its region lies inside the stored tensor."""
     shape = want.item.shape
-    if req.type == LoadItemType.BYTE_IO or len(req.storage_offsets) != len(shape) or len(
-            req.lengths) != len(shape) or any(
-            o < 0 or n < 0 or o + n > d for o, n, d in zip(req.storage_offsets, req.lengths, shape)):
+    if not _fits(req, shape):
         raise reader.corrupt(f"read of item {want.index.fqn!r} at {tuple(req.storage_offsets)} "
                              f"size {tuple(req.lengths)} is outside the stored tensor "
                              f"{want.item.dtype}{list(shape)}")
     if not shape:
         return 0, 1
     return req.storage_offsets[0], req.storage_offsets[0] + req.lengths[0]
+
+
+def _fits(req: ReadItem, shape: tuple[int, ...]) -> bool:
+    """Whether ``req`` reads a region inside a stored tensor of ``shape``."""
+    return (req.type != LoadItemType.BYTE_IO and len(req.storage_offsets) == len(shape)
+            and len(req.lengths) == len(shape)
+            and all(o >= 0 and n >= 0 and o + n <= d
+                    for o, n, d in zip(req.storage_offsets, req.lengths, shape)))
 
 
 def _direct(target: torch.Tensor, dtype: torch.dtype, req: ReadItem, item: RawItem) -> bool:
@@ -361,22 +368,3 @@ def _row_bytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     for n in shape[1:]:
         row *= n
     return row
-
-
-def whole_file(wants: Sequence[Any], all_items: int) -> bool:
-    """Whether ``wants`` read every one of a file's ``all_items`` items whole."""
-    if len(wants) != all_items:
-        return False
-    for want in wants:
-        item = want.item
-        if item.dtype == encoding.BYTES:
-            continue
-        dtype = encoding.dtype_of(item.dtype)
-        if dtype is None or not item.shape:
-            continue
-        # A read takes whole rows, from the first row any request wants to the last.
-        spans = [(r.storage_offsets[0], r.storage_offsets[0] + r.lengths[0])
-                 for r in want.reqs if len(r.storage_offsets) == len(item.shape)]
-        if not spans or min(spans)[0] != 0 or max(b for _, b in spans) != item.shape[0]:
-            return False
-    return True

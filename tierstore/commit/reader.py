@@ -10,10 +10,13 @@ actual values (docs/design.md invariant 5).
 A dcp-encoded file (``_StorageInfo`` in the metadata) is verified per file as its bytes
 stream by, so a corrupt file is detected after some of its items may already have been
 copied into the target state. A raw-encoded file (``RawItem``: :mod:`tierstore.commit.raw_read`)
-is verified per block as each item arrives, and per file too when the load reads it whole.
-Either way the load then re-reads that file (or that thread's part of it) from another tier
-or raises: it never completes on bad bytes, and damage is reported as the file's size or
-CRC32C mismatch, the message scrub and transfer give for the same damage.
+is read only where the load plan needs it, in ranged requests, and verified per 4 MiB block
+(CRC32C in the ``RawItem``) as each item arrives; bytes outside every wanted block are never
+read, so damage there is found by ``tierstore verify``, not by a load. Either way the load
+then re-reads that file (or that thread's part of it) from another tier or raises: it never
+completes on bad bytes it read (docs/design.md invariant 5), and damage is reported as the
+file's size or CRC32C mismatch, the message scrub and transfer give for the same damage (a
+raw copy found damaged is read whole once, for that message).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import threading
 import uuid
 from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -36,6 +39,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from tierstore import _dist
 from tierstore._redact import redact_url
 from tierstore.commit import layout, raw_read
 from tierstore.commit.encoding import RawItem
@@ -56,6 +60,7 @@ from tierstore.errors import (
 )
 from tierstore.lifecycle import leases
 from tierstore.storage import faults
+from tierstore.tiers import marks
 from tierstore.tiers.catalog import resolve
 from tierstore.tiers.tier import Store, Tier, TierURL
 
@@ -100,10 +105,23 @@ class TieredReader(StorageReader):
         lease: announce the load with a lease in each tier read (see :mod:`tierstore.lifecycle.leases`)
             so a concurrent prune leaves the files alone; needs write access to the tiers.
         thread_count: read threads per rank for raw-encoded files: files in parallel, and a
-            large file split by items where its tier reads at any offset (local files).
+            large file split by items (each part its own ranged requests).
+        resolve_once: under a process group of more than one rank, the coordinator alone
+            lists the catalog, picks and leases the checkpoint (one lease per job), and every
+            other rank reads that checkpoint's manifest by name (one request per tier).
+            :class:`~tierstore.manager.CheckpointManager` turns it on. Off by default for a
+            reader handed to ``dcp.load`` directly, because it needs every rank of the group
+            to call ``dcp.load`` (a collective inside the load): a load made by some ranks only
+            (``dcp.load(no_dist=True)`` on one rank under an initialized group) would wait for
+            ranks that never come. Turn it on for a job-wide resume of thousands of ranks.
+        process_group: the process group given to ``dcp.load`` (default: the default group).
 
-    After a load, ``reader.manifest`` is the checkpoint that was read and ``reader.sources``
-    maps each file this rank read to the tier (``"hot"``/``"cold"``) that served it.
+    After a load, ``reader.manifest`` is the checkpoint that was read, ``reader.sources``
+    maps each file this rank read to the tier (``"hot"``/``"cold"``) that served it, and
+    ``reader.bytes_read`` maps each tier's label to the bytes this reader read from it in its
+    last load: data (a raw file's gaps and whole edge blocks included, and what was read of a
+    copy found damaged) and ``.metadata``. Manifests are read by the tier while the checkpoint
+    is picked and are not counted.
     """
 
     def __init__(
@@ -118,6 +136,8 @@ class TieredReader(StorageReader):
         node_local: bool = False,
         lease: bool = True,
         thread_count: int = 1,
+        resolve_once: bool = False,
+        process_group: Any = None,
     ) -> None:
         super().__init__()
         if thread_count < 1:
@@ -130,10 +150,13 @@ class TieredReader(StorageReader):
         self.node_local = node_local
         self.lease = lease
         self._leases: list[leases.Lease] = []
+        self.resolve_once, self._group = resolve_once, process_group
+        self._shared = False  # this load was resolved once for the whole job
         self.step = step
         self.name = layout.check_name(name) if name is not None else None
         self.manifest: Manifest | None = None
         self.sources: dict[str, str] = {}
+        self.bytes_read: dict[str, int] = {}
         self._served: dict[str, int] = {}  # file -> the farthest holder a part of it came from
         self._lock = threading.Lock()
         self._holders: list[Tier] = []
@@ -144,11 +167,12 @@ class TieredReader(StorageReader):
 
 
     def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "_lock"}  # a lock does not pickle
+        # A lock does not pickle, nor does a process group.
+        return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_group")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._lock = threading.Lock()
+        self._lock, self._group = threading.Lock(), None
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
             self.name = layout.check_name(os.fspath(checkpoint_id))
@@ -162,8 +186,9 @@ class TieredReader(StorageReader):
         # set_up_storage_reader, which DCP calls next and does not catch.
         self._deferred = None
         self.sources, self._served = {}, {}
+        self.bytes_read = {}
         try:
-            return self._read_metadata()
+            return self._metadata_for_job()
         except TierstoreError as err:
             self._release()
             self._deferred = err
@@ -188,10 +213,81 @@ class TieredReader(StorageReader):
         raise CheckpointNotFound("checkpoints kept disappearing while being picked (pruned?)",
                                  checkpoint=self.name, tier=", ".join(t.label for t in committed_tiers))
 
+    def release(self) -> None:
+        """Release the leases this reader holds. A load releases them when its reads end;
+        call this after a ``dcp.load`` that failed before reading (planning, another rank's
+        error) to free them before they expire. Leases are only the coordinator's when the
+        load was resolved once for the job."""
+        self._release()
+
     def _release(self) -> None:
         for held in self._leases:
             held.release()
         self._leases = []
+
+    def _metadata_for_job(self) -> Metadata:
+        """:meth:`_read_metadata`, resolved once for the job.
+
+        Under a process group of more than one rank (with ``resolve_once=True``), the
+        coordinator (the group's rank 0) picks, leases and opens the checkpoint as a single
+        process does, then broadcasts ``(name, attempt)`` or its error, which every other rank
+        raises as its own; the others read that checkpoint's manifest by name, never listing,
+        and take no lease: the coordinator's covers every rank until all reads are over
+        (:meth:`_finish_reads`; docs/design.md invariant 16). Every rank reaches the broadcast
+        on every path, errors included, so none is left waiting in it.
+        """
+        rank, world = _dist.group_rank_world(self._group)
+        self._shared = self.resolve_once and world > 1
+        if not self._shared:
+            return self._read_metadata()
+        if rank == 0:
+            try:
+                metadata = self._read_metadata()
+            except BaseException as err:
+                _dist.broadcast(_dist.Failure.of(err), self._group)
+                raise
+            assert self.manifest is not None
+            _dist.broadcast((self.manifest.name, self.manifest.attempt), self._group)
+            return metadata
+        chosen = _dist.broadcast(None, self._group)
+        if isinstance(chosen, _dist.Failure):
+            raise chosen.rebuild()
+        return self._open(*self._follow(*chosen))
+
+    def _follow(self, name: str, attempt: str) -> tuple[Manifest, list[Tier]]:
+        """The checkpoint the coordinator picked, by its manifest in each tier committing it."""
+        committed = self.tiers[1:] if self.node_local else self.tiers
+        found: list[tuple[Manifest, Tier]] = []
+        invalid: list[InvalidManifest] = []
+        for tier in committed:
+            try:
+                manifest = tier.find_manifest(name)
+            except InvalidManifest as err:
+                invalid.append(err)  # the coordinator read a valid one somewhere
+                continue
+            except ObjectTooLarge as err:
+                invalid.append(InvalidManifest(f"invalid manifest: {err.message}", key=err.key,
+                                               tier=tier.label, checkpoint=name))
+                continue
+            if manifest is not None and manifest.attempt == attempt:
+                found.append((manifest, tier))
+        if not found:
+            if invalid:
+                raise invalid[0]
+            raise CheckpointNotFound("the checkpoint the coordinator picked is no longer "
+                                     "committed (pruned meanwhile?)", checkpoint=name,
+                                     tier=", ".join(t.label for t in committed))
+        return found[0][0], [tier for _, tier in found]
+
+    def _finish_reads(self) -> None:
+        """End this rank's reads; release the leases once no rank reads any more. In a load
+        resolved once for the job, only the coordinator holds a lease and it covers every
+        rank's reads, so every rank (failed ones too) meets the others here first."""
+        try:
+            if self._shared:
+                _dist.barrier(self._group)
+        finally:
+            self._release()
 
     def _read_metadata(self) -> Metadata:
         """Open the named checkpoint; without a name, the newest one that opens verified.
@@ -231,24 +327,46 @@ class TieredReader(StorageReader):
 
     def _check_data_files(self, manifest: Manifest, holders: Sequence[Tier]) -> None:
         """Raise if some data file is missing or of the wrong size in every tier in ``holders``
-        (the error of the farthest tier, as a read would)."""
-        for entry in manifest.files:
-            if entry.path == manifest.metadata_file:
+        (the error of the farthest tier, as a read would).
+
+        Listings, not a request per file: a tier whose attempt is one prefix (local tiers) is
+        listed once and, where its data files add up to the root's file count and bytes, vouches
+        for every file without reading a manifest part (the coordinator of a 16k-rank job reads
+        the root only). Otherwise each tier is listed per data prefix against the file entries
+        (:func:`tierstore.tiers.marks.not_in_place`), parts loaded as needed.
+        """
+        if manifest.parts and any(self._complete_by_totals(manifest, t) for t in holders):
+            return
+        wanted = [f for f in manifest.files if f.path != manifest.metadata_file]
+        for i, tier in enumerate(holders):
+            wanted = marks.not_in_place(tier, manifest.name, manifest.attempt, wanted)
+            if not wanted:
+                return
+            if i + 1 < len(holders):
                 continue
-            for i, tier in enumerate(holders):
-                key = tier.file_key(manifest.name, manifest.attempt, entry.path)
-                try:
-                    size = tier.backend.stat(key).size
-                except (ObjectNotFound, UnsafePath) as err:
-                    if i + 1 < len(holders):
-                        continue
-                    context = {**err.context, "checkpoint": manifest.name, "file": entry.path}
-                    raise type(err)(err.message, **context) from err
-                if size == entry.size:
-                    break
-                if i + 1 == len(holders):
-                    raise ChecksumMismatch.size(entry.size, size, checkpoint=manifest.name,
-                                                file=entry.path, tier=tier.label)
+            entry = wanted[0]
+            key = tier.file_key(manifest.name, manifest.attempt, entry.path)
+            try:
+                size = tier.backend.stat(key).size
+            except (ObjectNotFound, UnsafePath) as err:
+                context = {**err.context, "checkpoint": manifest.name, "file": entry.path}
+                raise type(err)(err.message, **context) from err
+            if size != entry.size:
+                raise ChecksumMismatch.size(entry.size, size, checkpoint=manifest.name,
+                                            file=entry.path, tier=tier.label)
+            raise ChecksumMismatch("stored with another CRC32C than the manifest's",
+                                   checkpoint=manifest.name, file=entry.path, tier=tier.label)
+
+    @staticmethod
+    def _complete_by_totals(manifest: Manifest, tier: Tier) -> bool:
+        if tier.backend.spread_keys:
+            return False  # the attempt is spread over hashed prefixes: no one listing
+        count = size = 0
+        for info in tier.backend.list(layout.attempt_prefix(manifest.name, manifest.attempt)):
+            if layout.is_manifest_part(info.key) or layout.is_temporary(info.key):
+                continue
+            count, size = count + 1, size + info.size
+        return count == manifest.num_files and size == manifest.total_size
 
     def _open(self, manifest: Manifest, holders: list[Tier]) -> Metadata:
         if self.node_local:
@@ -311,7 +429,7 @@ class TieredReader(StorageReader):
             if raw:
                 self._read_raw(raw, raw_read.Planner(planner))
         finally:
-            self._release()
+            self._finish_reads()
         future: Future[None] = Future()
         future.set_result(None)
         return future
@@ -390,7 +508,10 @@ class TieredReader(StorageReader):
 
         def consume_tier(tier: Tier, key: str) -> None:
             with open_verified(tier.backend, key, entry, checkpoint=name, tier=tier.label) as verified:
-                consume(_ItemStream(verified))
+                try:
+                    consume(_ItemStream(verified))
+                finally:
+                    self._count(tier, verified.pos)
 
         self._from_nearest(entry, consume_tier)
 
@@ -398,54 +519,45 @@ class TieredReader(StorageReader):
 
     def _read_raw(self, files: Mapping[str, Sequence[ReadItem]], planner: raw_read.Planner) -> None:
         """Read raw-encoded files, ``thread_count`` units at a time (see raw_read)."""
-        split = self.thread_count > 1 and self._positional(next(iter(files)))
-        units = raw_read.plan(files, self._storage_data, self._entry,
-                              self.thread_count if split else 1)
+        units = raw_read.plan(files, self._storage_data, self._entry, self.thread_count)
 
-        def run(unit: raw_read.Unit) -> tuple[raw_read.Unit, int | None]:
+        def run(unit: raw_read.Unit) -> None:
             faults.point("reader.before_file")
-            return unit, self._read_unit(unit, planner)
+            self._read_unit(unit, planner)
 
         if self.thread_count > 1 and len(units) > 1:
             with ThreadPoolExecutor(self.thread_count, thread_name_prefix="tierstore-read") as pool:
-                done = list(pool.map(run, units))
+                list(pool.map(run, units))
         else:
-            done = [run(unit) for unit in units]
-        for unit in raw_read.misfolded(done):
-            self._read_unit(unit, planner)  # damage no part's blocks covered: find the tier
+            for unit in units:
+                run(unit)
 
-    def _read_unit(self, unit: raw_read.Unit, planner: raw_read.Planner) -> int | None:
+    def _read_unit(self, unit: raw_read.Unit, planner: raw_read.Planner) -> None:
         assert self.manifest is not None
-        name, entry, crcs = self.manifest.name, unit.entry, []
+        name = self.manifest.name
 
         def consume(tier: Tier, key: str) -> None:
-            with tier.backend.open_read(key) as stream:
-                try:
-                    crc = raw_read.read_unit(stream, unit, planner, checkpoint=name, tier=tier.label)
-                except ChecksumMismatch:
-                    # Report damage as the file's mismatch (one message, whoever finds it);
-                    # a file that verifies whole has metadata that does not match it.
-                    verify_file(tier.backend, key, entry, checkpoint=name, tier=tier.label)
-                    raise
-            if unit.span == (0, entry.size) and crc != entry.crc32c:
-                verify_file(tier.backend, key, entry, checkpoint=name, tier=tier.label)
-                raise ChecksumMismatch.crc32c(entry.crc32c, crc or 0, checkpoint=name,
-                                              file=entry.path, tier=tier.label)
-            crcs.append(crc)
+            def opener(offset: int, length: int) -> BinaryIO:
+                return tier.backend.open_range(key, offset, length)
 
-        self._from_nearest(entry, consume)
-        return crcs[-1]
+            def count(n: int) -> None:
+                self._count(tier, n)
 
-    def _positional(self, path: str) -> bool:
-        """Whether the nearest tier reads ``path`` at any offset (so files may be split)."""
-        assert self.manifest is not None
-        tier = self._holders[0]
-        try:
-            with tier.backend.open_read(tier.file_key(self.manifest.name, self.manifest.attempt,
-                                                      path)) as stream:
-                return raw_read.positional(stream)
-        except TierstoreError:
-            return False  # not there: the read falls back, unsplit
+            try:
+                raw_read.read_unit(opener, unit, planner, checkpoint=name, tier=tier.label,
+                                   count=count)
+            except ChecksumMismatch:
+                # Damage only: report it as the file's mismatch, the message scrub and
+                # transfer give; a file that verifies whole has metadata that does not match it.
+                verify_file(tier.backend, key, unit.entry, checkpoint=name, tier=tier.label,
+                            progress=count)
+                raise
+
+        self._from_nearest(unit.entry, consume)
+
+    def _count(self, tier: Tier, n: int) -> None:
+        with self._lock:
+            self.bytes_read[tier.label] = self.bytes_read.get(tier.label, 0) + n
 
     def _from_nearest(self, entry: FileEntry, consume: Callable[[Tier, str], None]) -> None:
         assert self.manifest is not None

@@ -24,6 +24,10 @@ a torn manifest names cannot be known. If a tier's manifests cannot be listed or
 GC raises before deleting anything. Any other error on one object or one tier is reported in
 :attr:`GCReport.failures` and the rest carries on. The tier's identity object
 (``tierstore-store.json``) is never garbage.
+
+A two-level manifest's parts live with its attempt's files and are kept while its root names
+them. Garbage is deleted in batches (:meth:`~tierstore.storage.backend.Backend.delete_many`,
+one request per 1,000 keys on S3), the tiers in parallel.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +54,7 @@ __all__ = ["Garbage", "Problem", "GCReport", "find_garbage", "collect_garbage", 
 log = logging.getLogger(__name__)
 
 DEFAULT_GRACE = 24 * 3600.0
+_BATCH = 1000  # keys per delete_many call (S3's DeleteObjects limit)
 
 
 @dataclass(frozen=True)
@@ -165,7 +171,12 @@ def _attempt_garbage(tier: Tier, scan: _Scan, name: str, attempt: str,
         for info in infos:
             scan.add(tier, info, "attempt named by no manifest")
         return
-    listed = {tier.file_key(name, attempt, f.path) for f in manifest.files}
+    try:
+        paths = [f.path for f in manifest.files] + [ref.path for ref in manifest.parts]
+    except TierstoreError as err:  # a part unreadable or damaged: its files cannot be known
+        scan.fail(tier, layout.attempt_prefix(name, attempt), err)
+        return
+    listed = {tier.file_key(name, attempt, path) for path in paths}
     for info in infos:
         if info.key not in listed and scan.old(info):
             scan.add(tier, info, "file not listed in its manifest")
@@ -187,7 +198,7 @@ def _mark_garbage(tier: Tier, info: ObjectInfo, scan: _Scan, committed_here: set
             scan.add(tier, info, "upload mark of a dead attempt")
     elif scan.old(info):
         try:
-            damaged = marks.is_damaged(tier, name, attempt, rank, failed=failed)
+            damaged = marks.is_damaged(tier, name, attempt, rank, failed=failed, key=info.key)
         except TierstoreError as err:
             scan.fail(tier, info.key, err)
             return
@@ -203,6 +214,21 @@ def _migrated_garbage(tier: Tier, info: ObjectInfo, scan: _Scan,
     name, attempt, _ = parsed  # marks for any cold tier, legacy ones too
     if (name, attempt) not in committed_here and name not in scan.damaged_names:
         scan.add(tier, info, "migrated mark of a pruned checkpoint")
+
+
+def _delete(tier: Tier, keys: list[str], scan: _Scan) -> None:
+    """Delete ``keys`` in batches; a batch that fails is retried key by key, so each failure
+    names its key (a batch delete is idempotent, so a retry is always safe)."""
+    for start in range(0, len(keys), _BATCH):
+        batch = keys[start:start + _BATCH]
+        try:
+            tier.backend.delete_many(batch)
+        except TierstoreError:
+            for key in batch:
+                try:
+                    tier.backend.delete(key)
+                except TierstoreError as err:
+                    scan.fail(tier, key, err)
 
 
 def find_garbage(hot: TierURL | Store | None, cold: TierURL | None = None, *, grace: float = DEFAULT_GRACE,
@@ -233,11 +259,11 @@ def collect_garbage(hot: TierURL | Store | None, cold: TierURL | None = None, *,
         except TierstoreError as err:
             scan.fail(tier, "", err)
     if not dry_run:
+        doomed: dict[str, list[str]] = defaultdict(list)
         for item in scan.garbage:
-            try:
-                by_label[item.tier].backend.delete(item.key)
-            except TierstoreError as err:
-                scan.fail(by_label[item.tier], item.key, err)
+            doomed[item.tier].append(item.key)
+        with ThreadPoolExecutor(max(1, len(doomed)), thread_name_prefix="tierstore-gc") as pool:
+            list(pool.map(lambda label: _delete(by_label[label], doomed[label], scan), doomed))
         if scan.garbage:
             log.info("garbage collected %d objects (%d bytes)", len(scan.garbage),
                      sum(g.size for g in scan.garbage))

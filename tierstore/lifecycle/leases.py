@@ -4,7 +4,9 @@ A reader publishes ``leases/<name>/<id>.json`` in each tier it reads, *then* re-
 manifest; the pruner un-publishes the manifest, *then* looks for live leases before deleting
 data. Either the pruner sees the lease (and leaves the data to a later GC) or the reader sees
 the manifest gone (and picks another checkpoint): a load never has its files deleted under it.
-Leases of crashed readers simply expire.
+Leases of crashed readers simply expire. A job loads under one lease per tier, not one per
+rank: its coordinator takes it while picking the checkpoint for every rank, and releases it
+once every rank's reads are over (:class:`~tierstore.commit.reader.TieredReader`).
 
 **Time comes from the store, never from a machine's clock.** A lease is live while
 ``store_now - lease.mtime < ttl``. ``lease.mtime`` is the modification time the store gave the

@@ -9,8 +9,15 @@ For each checkpoint a tier's policy does not keep (docs/design.md invariants 14-
    manifest, a cold tier that cannot be read, or one holding another attempt protects the
    hot copy, and the report says why;
 2. **un-publish first**: delete the manifest, so the checkpoint stops existing;
-3. then, unless a load holds a live lease on it, delete its data and upload marks. A crash
-   anywhere leaves at worst unreferenced data, which :mod:`tierstore.lifecycle.gc` removes later.
+3. then, unless a load holds a live lease on it, delete its data, manifest parts and marks
+   in batches (:meth:`~tierstore.storage.backend.Backend.delete_many`: one request per 1,000
+   keys on S3). A crash anywhere leaves at worst unreferenced data, which
+   :mod:`tierstore.lifecycle.gc` removes later.
+
+Deciding what to prune reads the tiers' manifest roots only (cached by the tier: they never
+change once published); deleting a checkpoint reads its parts, to name its files. The hot
+and the cold tier are pruned in parallel: each follows its own policy, and the hot tier's
+safety check reads the cold tier's manifests whichever order the two run in.
 
 A failure on one checkpoint is reported (``PruneReport.errors``) and pruning goes on with
 the others: one damaged object never stops the rest.
@@ -20,16 +27,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from tierstore.commit import layout
 from tierstore.commit.manifest import Manifest, checkpoint_order
-from tierstore.errors import InvalidManifest, TierstoreError
+from tierstore.errors import ObjectNotFound, TierstoreError
 from tierstore.lifecycle.leases import live_leases
 from tierstore.lifecycle.retention import DEFAULT_COLD, DEFAULT_HOT, Policy
 from tierstore.storage import faults
+from tierstore.storage.backend import ObjectInfo
 from tierstore.tiers import marks
 from tierstore.tiers.tier import Store, Tier, TierURL
 
@@ -37,6 +46,8 @@ __all__ = ["PruneReport", "ColdCheck", "prune", "prune_tier", "prune_node_local"
            "pending_in_cold", "check_cold_copies"]
 
 log = logging.getLogger(__name__)
+
+BATCH = 1000  # keys per delete_many call: S3's DeleteObjects limit, and a crash-test step
 
 
 @dataclass(frozen=True)
@@ -102,15 +113,27 @@ def prune_tier(tier: Tier, policy: Policy, *, protect: Iterable[str] = (), dry_r
 
 
 def delete_data(tier: Tier, manifest: Manifest) -> int:
-    """Delete an un-published attempt's files and upload marks; return bytes freed."""
-    freed = 0
-    for entry in manifest.files:
-        tier.backend.delete(tier.file_key(manifest.name, manifest.attempt, entry.path))
-        freed += entry.size
-        faults.point("prune.after_file_delete")
-    marks.clear_upload_marks(tier, manifest.name, manifest.attempt)
-    marks.clear_migrated_marks(tier, manifest.name, manifest.attempt)
-    return freed
+    """Delete an un-published attempt's files, manifest parts and marks; return bytes freed."""
+    name, attempt = manifest.name, manifest.attempt
+    paths = [entry.path for entry in manifest.files] + [ref.path for ref in manifest.parts]
+    delete_batched(tier, [tier.file_key(name, attempt, path) for path in paths])
+    delete_batched(tier, _mark_keys(tier, name, attempt), fault=None)
+    return manifest.total_size
+
+
+def delete_batched(tier: Tier, keys: Sequence[str], *,
+                   fault: str | None = "prune.after_file_delete") -> None:
+    """Delete ``keys`` from ``tier``, :data:`BATCH` keys per request where the backend batches."""
+    for start in range(0, len(keys), BATCH):
+        tier.backend.delete_many(keys[start:start + BATCH])
+        if fault is not None:
+            faults.point(fault)
+
+
+def _mark_keys(tier: Tier, name: str, attempt: str) -> list[str]:
+    """An attempt's upload, failure and migrated marks: one listing of each prefix."""
+    prefixes = (layout.upload_prefix(name, attempt), layout.migrated_prefix(name, attempt))
+    return [info.key for prefix in prefixes for info in tier.backend.list(prefix)]
 
 
 def prune_node_local(hot: Tier, cold: Tier, policy: Policy, *, dry_run: bool = False,
@@ -120,28 +143,44 @@ def prune_node_local(hot: Tier, cold: Tier, policy: Policy, *, dry_run: bool = F
     The node sees only its ranks' files (and, on the coordinator's node, hot manifests); the
     cold tier is the global catalog. Local copies of checkpoints committed in cold and not
     kept by ``policy`` (nor the newest) are deleted; anything not yet committed in cold is
-    pending and kept.
+    pending and kept. Every rank runs this after each save: it reads the cold manifests'
+    roots (cached by the tier) and finds a doomed attempt's local files by one listing of
+    this node's hot root, never by the manifest's parts (every rank's files).
     """
     now = time.time() if now is None else now
     committed = cold.manifests()
     doomed, kept, protected = plan_prune(committed, policy, now=now)
     deleted, freed = [], 0
     for manifest in doomed:
-        local = [f for f in manifest.files
-                 if hot.backend.exists(hot.file_key(manifest.name, manifest.attempt, f.path))]
+        local = _held_here(hot, manifest)
         here = hot.find_manifest(manifest.name)
         if not local and here is None:
             continue
         deleted.append(manifest.name)
-        freed += sum(f.size for f in local)
+        freed += sum(info.size for info in local)
         if dry_run:
             continue
         if here is not None and here.attempt == manifest.attempt:
             hot.backend.delete(layout.manifest_key(manifest.name))  # un-publish first
         if not live_leases(hot, manifest.name):
-            delete_data(hot, manifest)
+            delete_batched(hot, [info.key for info in local])
+            delete_batched(hot, _mark_keys(hot, manifest.name, manifest.attempt), fault=None)
     return PruneReport(tier=hot.label, kept=tuple(sorted(kept)), deleted=tuple(deleted),
                        protected=tuple(sorted(protected)), bytes_freed=freed, dry_run=dry_run)
+
+
+def _held_here(hot: Tier, manifest: Manifest) -> list[ObjectInfo]:
+    """The objects of ``manifest``'s attempt that ``hot`` holds (a node's share of them)."""
+    name, attempt = manifest.name, manifest.attempt
+    if not hot.backend.spread_keys:  # the attempt is one directory: list it
+        return list(hot.backend.list(layout.attempt_prefix(name, attempt)))
+    found = []  # keys spread over many prefixes: ask for each file
+    for path in [entry.path for entry in manifest.files] + [ref.path for ref in manifest.parts]:
+        try:
+            found.append(hot.backend.stat(hot.file_key(name, attempt, path)))
+        except ObjectNotFound:
+            continue
+    return found
 
 
 @dataclass(frozen=True)
@@ -163,21 +202,20 @@ def check_cold_copies(hot: Tier, cold: Tier) -> ColdCheck:
     hot_manifests = hot.manifests()
     try:
         cold_id = marks.store_id(cold)
+        # One listing of the cold roots (each parsed once by the tier), not a read per name.
+        found, invalid = cold.scan_manifests()
     except TierstoreError as err:
         why = f"cold tier {cold.label} cannot be read ({err}); every hot checkpoint kept"
         log.warning("%s", why)
         return ColdCheck(frozenset(m.name for m in hot_manifests), (why,))
+    in_cold = {m.name: m for m in found}
+    damaged = {err.checkpoint: err for err in invalid}
     protect, warnings = set(), []
     for manifest in hot_manifests:
-        try:
-            there = cold.find_manifest(manifest.name)
-        except InvalidManifest as err:
-            warnings.append(f"{manifest.name}: the cold manifest is invalid ({err}); hot copy kept")
-            protect.add(manifest.name)
-            continue
-        except TierstoreError as err:
-            warnings.append(f"{manifest.name}: cold tier {cold.label} cannot be read ({err}); "
-                            "hot copy kept")
+        there = in_cold.get(manifest.name)
+        if there is None and manifest.name in damaged:
+            warnings.append(f"{manifest.name}: the cold manifest is invalid "
+                            f"({damaged[manifest.name]}); hot copy kept")
             protect.add(manifest.name)
             continue
         if there is not None:
@@ -213,24 +251,28 @@ def prune(hot: TierURL | Store | None, cold: TierURL | None = None, *, hot_polic
     """
     store = Store.of(hot, cold, hot_options=hot_options, cold_options=cold_options)
     hot_tier, cold_tier = store.hot, store.cold
-    reports = []
+    jobs: list[tuple[Tier, Callable[[], PruneReport]]] = []
     if hot_tier is not None and node_local and cold_tier is not None:
-        reports.append(_guarded(hot_tier, lambda: prune_node_local(
+        jobs.append((hot_tier, lambda: prune_node_local(
             hot_tier, cold_tier, hot_policy, dry_run=dry_run, now=now)))
     elif hot_tier is not None:
-        check = check_cold_copies(hot_tier, cold_tier) if cold_tier is not None else ColdCheck(frozenset())
-        reports.append(_guarded(hot_tier, lambda: prune_tier(
-            hot_tier, hot_policy, protect=check.protect, dry_run=dry_run, now=now,
-            warnings=check.warnings)))
+        def prune_hot(hot_tier: Tier = hot_tier) -> PruneReport:
+            check = (check_cold_copies(hot_tier, cold_tier) if cold_tier is not None
+                     else ColdCheck(frozenset()))
+            return prune_tier(hot_tier, hot_policy, protect=check.protect, dry_run=dry_run,
+                              now=now, warnings=check.warnings)
+        jobs.append((hot_tier, prune_hot))
     if cold_tier is not None and prune_cold:
-        reports.append(_guarded(cold_tier, lambda: prune_tier(
-            cold_tier, cold_policy, dry_run=dry_run, now=now)))
-    return reports
+        jobs.append((cold_tier, lambda: prune_tier(cold_tier, cold_policy, dry_run=dry_run, now=now)))
+    if len(jobs) == 1:
+        return [_guarded(*jobs[0])]
+    with ThreadPoolExecutor(len(jobs), thread_name_prefix="tierstore-prune") as pool:
+        return list(pool.map(lambda job: _guarded(*job), jobs))
 
 
-def _guarded(tier: Tier, run: Any) -> PruneReport:
+def _guarded(tier: Tier, run: Callable[[], PruneReport]) -> PruneReport:
     try:
-        report: PruneReport = run()
+        report = run()
     except TierstoreError as err:
         log.error("could not prune %s: %s", tier.label, err)
         return PruneReport(tier=tier.label, kept=(), deleted=(), errors=(f"{tier.label}: {err}",))

@@ -4,6 +4,12 @@ cold, finishing them now (``tierstore migrate``), and waiting until none is left
 Everything here reads the state the tiers hold (manifests, upload marks, failure marks,
 "migrated" marks), so it works from a monitoring job or another node as well as from the
 process that saved. The background copying itself is :mod:`tierstore.tiers.migrator`.
+
+Status lists both tiers' manifests (roots only, each parsed once by its tier: they never
+change once published) and checks each checkpoint's hot migrated mark; for a checkpoint still
+uploading, one listing of its upload marks (whose keys say which ranks are done) and the
+parts naming those ranks' files, for the bytes done. A committed checkpoint costs the same
+whatever its world size, and a call that finds nothing changed reads no manifest again.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from dataclasses import replace
 from typing import Any
 
 from tierstore.commit.manifest import Manifest, checkpoint_order
-from tierstore.errors import IntegrityError, InvalidManifest
+from tierstore.errors import InvalidManifest
 from tierstore.retry import polling
 from tierstore.tiers import marks
 from tierstore.tiers.migrator import MigrationConfig, MigrationState, MigrationStatus, Migrator
@@ -33,7 +39,8 @@ def migration_status(hot: TierURL | Store, cold: TierURL | None = None, *,
     hot_tier, cold_tier = Store.of(hot, cold, hot_options=hot_options,
                                    cold_options=cold_options).migration_pair()
     cold_id = marks.store_id(cold_tier)
-    return [_tier_status(hot_tier, cold_tier, m, time.time(), cold_id)
+    in_cold = _cold_manifests(cold_tier)
+    return [_tier_status(hot_tier, cold_tier, m, time.time(), cold_id, in_cold)
             for m in _hot_manifests(hot_tier)]
 
 
@@ -41,16 +48,27 @@ def _hot_manifests(hot: Tier) -> list[Manifest]:
     return sorted(hot.manifests(), key=checkpoint_order)
 
 
+_ColdView = dict[str, "Manifest | InvalidManifest"]
+
+
+def _cold_manifests(cold: Tier) -> _ColdView:
+    """The cold tier's manifests by name, from one listing: valid ones, and the errors of
+    invalid ones (a valid manifest wins if a name somehow has both)."""
+    found, invalid = cold.scan_manifests()
+    view: _ColdView = {err.checkpoint: err for err in invalid if err.checkpoint is not None}
+    view.update((m.name, m) for m in found)
+    return view
+
+
 def _tier_status(hot: Tier, cold: Tier, manifest: Manifest, now: float,
-                 cold_id: str | None) -> MigrationStatus:
+                 cold_id: str | None, in_cold: _ColdView) -> MigrationStatus:
     total = manifest.total_size
     base = MigrationStatus(manifest.name, manifest.attempt, manifest.step, MigrationState.PENDING,
                            None, total, 0, manifest.created, lag_seconds=now - manifest.created)
-    try:
-        committed = cold.find_manifest(manifest.name)
-    except InvalidManifest as err:
+    committed = in_cold.get(manifest.name)
+    if isinstance(committed, InvalidManifest):
         return replace(base, state=MigrationState.FAILED, error=(
-            f"the cold manifest is invalid ({err}); the hot copy is kept"))
+            f"the cold manifest is invalid ({committed}); the hot copy is kept"))
     if committed is not None and committed == manifest:
         if cold_id is not None and not marks.was_migrated(hot, manifest, cold_id):
             marks.mark_migrated(hot, manifest, cold_id)  # repair a mark lost after the commit
@@ -62,20 +80,18 @@ def _tier_status(hot: Tier, cold: Tier, manifest: Manifest, now: float,
         return replace(base, state=MigrationState.FAILED, error=(
             f"the cold tier holds another attempt ({committed.attempt}) of this checkpoint; "
             "it is never overwritten, so this attempt stays in the hot tier only"))
-    done = 0
-    for rank in sorted({f.rank for f in manifest.files}):
-        try:
-            marked = marks.read_upload_mark(cold, manifest.name, manifest.attempt, rank)
-        except IntegrityError:
-            marked = None  # damaged: the next migration repairs it
-        if marked is not None:
-            done += sum(f.size for f in manifest.files_of_rank(rank))
-            continue
+    listing = marks.list_marks(cold, manifest.name, manifest.attempt)
+    # A mark's key names the files it vouches for; one naming other files (a forged or stale
+    # mark) does not count: the next migration repairs it.
+    done_ranks = [rank for rank in sorted(listing.digests) if listing.marked(
+        rank, marks.files_digest(manifest.files_of_rank(rank)))]
+    done = sum(f.size for rank in done_ranks for f in manifest.files_of_rank(rank))
+    for rank in sorted(listing.failed - set(done_ranks)):
         failure = marks.read_failure(cold, manifest.name, manifest.attempt, rank)
         if failure is not None:
             return replace(base, state=MigrationState.FAILED, bytes_done=done,
                            error=failure.get("error"), failed_rank=rank, failed_file=failure.get("file"))
-    state = MigrationState.UPLOADING if done else MigrationState.PENDING
+    state = MigrationState.UPLOADING if done_ranks else MigrationState.PENDING
     return replace(base, state=state, bytes_done=done)
 
 
@@ -97,10 +113,11 @@ def migrate_pending(hot: TierURL | Store, cold: TierURL | None = None, *,
     results = []
     try:
         cold_id = marks.store_id(cold_tier)
+        in_cold = _cold_manifests(cold_tier)
         for manifest in _hot_manifests(hot_tier):
             if wanted is not None and manifest.name not in wanted:
                 continue
-            status = _tier_status(hot_tier, cold_tier, manifest, time.time(), cold_id)
+            status = _tier_status(hot_tier, cold_tier, manifest, time.time(), cold_id, in_cold)
             if status.state is MigrationState.COMMITTED:
                 continue
             results.append(migrator.migrate_checkpoint(manifest, progress))
