@@ -331,7 +331,7 @@ _RESUME = {
                 "run the same `tierstore restore` again to finish; verified files are not copied again"),
     "verify": ("read {done} of {total}, {finished} checkpoint copies verified in full",
                "nothing was changed; run `tierstore verify` again to check everything"),
-    "gc": ("objects are deleted one at a time, and only garbage",
+    "gc": ("only garbage is deleted, in batches",
            "run the same `tierstore gc` again to finish"),
     "prune": ("a checkpoint is un-published before its data is deleted",
               "run the same `tierstore prune` again to finish; `tierstore gc` removes stray data"),
