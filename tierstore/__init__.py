@@ -72,6 +72,11 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'tierstore' has no attribute {name!r}")
 
 
+def __dir__() -> list[str]:
+    # The public API, lazy names included; not the imports this module works with.
+    return sorted(__all__)
+
+
 _compat.install(sys.modules[__name__])
 
 __all__ = [

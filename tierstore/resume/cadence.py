@@ -181,6 +181,11 @@ class TimeCadence:
     def reset(self) -> None:
         self.last = self.clock()
 
+    def __repr__(self) -> str:
+        planned = "".join(f", {key}={value!r}" for key, value in self._plan.items())
+        return (f"TimeCadence(interval={self.interval:.1f}, check_every={self.check_every}, "
+                f"saves={self.saves}{planned})")
+
     def __call__(self, step: int) -> bool:
         if step % self.check_every:
             return False

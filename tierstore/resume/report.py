@@ -68,6 +68,14 @@ class ResumeReport:
     def parts_failed(self) -> list[str]:
         return sorted({m.part for m in self.mismatches})
 
+    def __repr__(self) -> str:
+        # Counts, not the mismatches themselves: a report can name thousands of keys.
+        parts = f" ({', '.join(self.parts_failed())})" if self.mismatches else ""
+        return (f"ResumeReport(checkpoint={self.checkpoint!r}, ok={self.ok}, "
+                f"world_size={self.world_size}, keys_checked={self.keys_checked}, "
+                f"mismatches={len(self.mismatches)}{parts}, errors={len(self.errors)}, "
+                f"loss_before={self.loss_before!r}, loss_after={self.loss_after!r})")
+
     def to_dict(self) -> dict[str, Any]:
         body = asdict(self)
         body.update(ok=self.ok, loss_ok=self.loss_ok, parts_failed=self.parts_failed())
