@@ -13,6 +13,8 @@ A store root (one per tier) looks like::
     uploads/<name>/<attempt>/rank-<rank>.json   the same, as earlier versions named them
     uploads/<name>/<attempt>/rank-<rank>.failed.json   a rank's failed upload (cold tier only)
     leases/<name>/<lease>.json                  "in use by a load" marks
+    runs/<run>.json                             hot tier: "a job is saving here" (run locks,
+                                                tierstore.lifecycle.runlock; gc leaves them)
     migrated/<name>/<attempt>/<store-id>.json   hot tier: "committed in the cold tier whose
                                                 identity is <store-id>" (survives a cold prune)
     tierstore-store.json                        cold tier: the tier's identity, written once
@@ -83,6 +85,8 @@ __all__ = [
     "KeyKind",
     "kind_of",
     "is_temporary",
+    "run_lock_key",
+    "run_lock_prefix",
     "STORE_ID_KEY",
     "new_store_id",
     "check_store_id",
@@ -93,6 +97,7 @@ DATA_DIR = "checkpoints"
 SPREAD_DIR = "shards"
 UPLOAD_DIR = "uploads"
 LEASE_DIR = "leases"
+RUN_DIR = "runs"
 MIGRATED_DIR = "migrated"
 STORE_ID_KEY = "tierstore-store.json"
 METADATA_FILE = ".metadata"  # DCP's own name, so an attempt directory is plain DCP
@@ -190,6 +195,21 @@ def file_key(name: str, attempt: str, relpath: str, *, spread: bool = False) -> 
     return f"{SPREAD_DIR}/{hashlib.sha1(hashed.encode()).hexdigest()[:2]}/{rest}"
 
 
+def attempt_prefixes(name: str, attempt: str, world_size: int, *, spread: bool) -> list[str] | None:
+    """Every prefix an attempt's files (data, ``.metadata``, manifest parts) live under, so
+    that listing them finds the whole attempt without reading its manifest's parts: the
+    attempt's directory, or on an object store the hashed prefix of each rank group of a
+    grouped attempt. ``None`` where the files could be under any of 256 hashed prefixes (an
+    attempt from before grouping): only its manifest says where."""
+    if not spread:
+        return [attempt_prefix(name, attempt)]
+    if not attempt.endswith(_GROUPED):
+        return None
+    groups = -(-world_size // RANKS_PER_PREFIX)
+    paths = [data_file_name(g * RANKS_PER_PREFIX, 0) for g in range(groups)] + [METADATA_FILE]
+    return sorted({file_key(name, attempt, p, spread=True).removesuffix(p) for p in paths})
+
+
 def spread_attempt_of(key: str) -> tuple[str, str] | None:
     """``(name, attempt)`` of a data key in either layout, ``None`` for other keys."""
     parts = key.split("/")
@@ -281,6 +301,17 @@ def lease_prefix(name: str) -> str:
 
 def lease_key(name: str, lease: str) -> str:
     return f"{lease_prefix(name)}{lease}.json"
+
+
+def run_lock_prefix() -> str:
+    return RUN_DIR + "/"
+
+
+def run_lock_key(run: str) -> str:
+    """The run lock of the job whose run id is ``run`` (32 hex digits, as a store id)."""
+    if not isinstance(run, str) or not _STORE_ID.fullmatch(run):
+        raise ConfigError(f"invalid run id {run!r}")
+    return f"{RUN_DIR}/{run}.json"
 
 
 def clock_probe_key(token: str) -> str:

@@ -34,6 +34,8 @@ from typing import Any, BinaryIO
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint._extension import ExtensionRegistry
+from torch.distributed.checkpoint.filesystem import _StorageInfo, _StorageReaderTransforms
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
@@ -41,7 +43,7 @@ from torch.futures import Future
 
 from tierstore import _dist
 from tierstore._redact import redact_url
-from tierstore.commit import layout, raw_read
+from tierstore.commit import dcp_args, layout, raw_read
 from tierstore.commit.encoding import RawItem
 from tierstore.commit.manifest import FileEntry, Manifest
 from tierstore.commit.safe_pickle import load_metadata, safe_byte_io
@@ -89,11 +91,13 @@ class TieredReader(StorageReader):
 
     Args:
         hot, cold: the store's tiers (either may be omitted, not both), or a
-            :class:`~tierstore.Store` as ``hot``.
+            :class:`~tierstore.Store` as ``hot``. ``path=`` (``FileSystemReader``'s name)
+            is the same as ``hot``.
         step: load the newest checkpoint of this step.
         name: load the checkpoint of this name (a ``checkpoint_id`` given to ``dcp.load``
-            does the same). With neither, the newest committed checkpoint in any tier
-            that is not found damaged before loading: one whose manifest is invalid, or whose
+            does the same: a name, or a directory directly under a tier's root). With
+            neither, the newest committed checkpoint in any tier that is not found damaged
+            before loading: one whose manifest is invalid, or whose
             ``.metadata`` or some data file is missing or damaged, in every tier holding it is
             skipped with a warning (bytes inside data files are verified only while they
             stream; ``CheckpointManager.load_latest`` also falls back on those).
@@ -103,7 +107,8 @@ class TieredReader(StorageReader):
             manifest, read each file from the local hot tier when it is there and intact,
             else from cold.
         lease: announce the load with a lease in each tier read (see :mod:`tierstore.lifecycle.leases`)
-            so a concurrent prune leaves the files alone; needs write access to the tiers.
+            so a concurrent prune leaves the files alone. Without write access to a tier
+            (read-only credentials) the load goes on unleased there, with one warning.
         thread_count: read threads per rank for raw-encoded files: files in parallel, and a
             large file split by items (each part its own ranged requests).
         resolve_once: under a process group of more than one rank, the coordinator alone
@@ -115,6 +120,9 @@ class TieredReader(StorageReader):
             (``dcp.load(no_dist=True)`` on one rank under an initialized group) would wait for
             ranks that never come. Turn it on for a job-wide resume of thousands of ranks.
         process_group: the process group given to ``dcp.load`` (default: the default group).
+        _extension_registry: DCP's registry of stream transforms (``FileSystemReader``'s
+            argument), for checkpoints saved with ``_extensions``; DCP's default knows
+            ``ZStandard``.
 
     After a load, ``reader.manifest`` is the checkpoint that was read, ``reader.sources``
     maps each file this rank read to the tier (``"hot"``/``"cold"``) that served it, and
@@ -126,9 +134,10 @@ class TieredReader(StorageReader):
 
     def __init__(
         self,
-        hot: TierURL | Store | None,
+        hot: TierURL | Store | None = None,
         cold: TierURL | None = None,
         *,
+        path: TierURL | None = None,
         step: int | None = None,
         name: str | None = None,
         hot_options: Mapping[str, Any] | None = None,
@@ -138,13 +147,17 @@ class TieredReader(StorageReader):
         thread_count: int = 1,
         resolve_once: bool = False,
         process_group: Any = None,
+        _extension_registry: ExtensionRegistry | None = None,
     ) -> None:
         super().__init__()
         if thread_count < 1:
             raise ConfigError(f"thread_count must be >= 1, got {thread_count!r}")
         self.thread_count = thread_count
-        self.store = Store.of(hot, cold, hot_options=hot_options, cold_options=cold_options)
+        self.store = Store.of(dcp_args.hot_or_path(hot, path, "TieredReader"), cold,
+                              hot_options=hot_options, cold_options=cold_options)
         self.tiers = self.store.tiers
+        self._transforms = _StorageReaderTransforms(_extension_registry)
+        self._bad_id: ConfigError | None = None
         if node_local and (self.store.hot is None or self.store.cold is None):
             raise ConfigError("node_local=True needs both a hot and a cold tier")
         self.node_local = node_local
@@ -174,8 +187,14 @@ class TieredReader(StorageReader):
         self.__dict__.update(state)
         self._lock, self._group = threading.Lock(), None
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        # DCP calls reset() outside the collectives that wrap errors in CheckpointException:
+        # a bad checkpoint_id is raised from set_up_storage_reader, inside them.
+        self._bad_id = None
         if checkpoint_id is not None:
-            self.name = layout.check_name(os.fspath(checkpoint_id))
+            try:
+                self.name = dcp_args.checkpoint_name(checkpoint_id, [t.url for t in self.tiers])
+            except ConfigError as err:
+                self._bad_id = err
         self.manifest = None
         self._storage_data = {}
 
@@ -184,9 +203,11 @@ class TieredReader(StorageReader):
         # DCP turns any error raised here into a bare AssertionError string. To hand users
         # the real error (type, attributes, traceback), keep it and raise it from
         # set_up_storage_reader, which DCP calls next and does not catch.
-        self._deferred = None
+        self._deferred = self._bad_id  # every rank has it: none reaches a collective below
         self.sources, self._served = {}, {}
         self.bytes_read = {}
+        if self._deferred is not None:
+            return Metadata(state_dict_metadata={})
         try:
             return self._metadata_for_job()
         except TierstoreError as err:
@@ -329,10 +350,11 @@ class TieredReader(StorageReader):
         """Raise if some data file is missing or of the wrong size in every tier in ``holders``
         (the error of the farthest tier, as a read would).
 
-        Listings, not a request per file: a tier whose attempt is one prefix (local tiers) is
-        listed once and, where its data files add up to the root's file count and bytes, vouches
-        for every file without reading a manifest part (the coordinator of a 16k-rank job reads
-        the root only). Otherwise each tier is listed per data prefix against the file entries
+        Listings, not a request per file: a tier whose attempt lives under known prefixes (its
+        directory; on an object store, one prefix per 64 ranks: :func:`layout.attempt_prefixes`)
+        is listed and, where its files add up to the root's file count and bytes, vouches for
+        every file without reading a manifest part (the coordinator of a 16k-rank job reads the
+        root only). Otherwise each tier is listed per data prefix against the file entries
         (:func:`tierstore.tiers.marks.not_in_place`), parts loaded as needed.
         """
         if manifest.parts and any(self._complete_by_totals(manifest, t) for t in holders):
@@ -359,10 +381,12 @@ class TieredReader(StorageReader):
 
     @staticmethod
     def _complete_by_totals(manifest: Manifest, tier: Tier) -> bool:
-        if tier.backend.spread_keys:
-            return False  # the attempt is spread over hashed prefixes: no one listing
+        prefixes = layout.attempt_prefixes(manifest.name, manifest.attempt, manifest.world_size,
+                                           spread=tier.backend.spread_keys)
+        if prefixes is None:
+            return False  # spread over any of 256 hashed prefixes: only the parts say where
         count = size = 0
-        for info in tier.backend.list(layout.attempt_prefix(manifest.name, manifest.attempt)):
+        for info in (i for prefix in prefixes for i in tier.backend.list(prefix)):
             if layout.is_manifest_part(info.key) or layout.is_temporary(info.key):
                 continue
             count, size = count + 1, size + info.size
@@ -451,9 +475,18 @@ class TieredReader(StorageReader):
 
     def _storage_info(self, item: ReadItem) -> Any:
         info = self._storage_data[item.storage_index]
-        if getattr(info, "transform_descriptors", None):
-            raise IntegrityError("file uses DCP stream transforms, which tierstore never writes",
-                                 checkpoint=self._name(), file=info.relative_path)
+        descriptors = getattr(info, "transform_descriptors", None)
+        if descriptors:
+            if not isinstance(info, _StorageInfo):  # raw items are read in place, never transformed
+                raise IntegrityError("a raw-encoded item claims DCP stream transforms",
+                                     checkpoint=self._name(), file=info.relative_path)
+            try:
+                self._transforms.extension_registry.from_descriptor_list(descriptors)
+            except ValueError as err:
+                raise ConfigError(f"file was saved with DCP stream transforms {list(descriptors)} "
+                                  f"this reader cannot undo ({err}); pass _extension_registry= "
+                                  "with them registered (and their module installed)",
+                                  checkpoint=self._name(), file=info.relative_path) from err
         return info
 
     def _entry(self, path: str) -> FileEntry:
@@ -492,7 +525,8 @@ class TieredReader(StorageReader):
                 if failure is None:
                     try:
                         for req in reqs:
-                            _deliver(req, payload, planner, stream)
+                            _deliver(req, payload, planner, stream, self._transforms,
+                                     info.transform_descriptors)
                     except Exception as err:  # corrupt bytes may break torch.load first
                         failure = err
             stream.finish()  # raises ChecksumMismatch before any deserialization error
@@ -589,10 +623,15 @@ class TieredReader(StorageReader):
                         entry.path, self.manifest.name, err)
 
 
-def _deliver(req: ReadItem, payload: bytes, planner: LoadPlanner, stream: _ItemStream) -> None:
+def _deliver(req: ReadItem, payload: bytes, planner: LoadPlanner, stream: _ItemStream,
+             transforms: _StorageReaderTransforms | None = None,
+             descriptors: Sequence[str] | None = None) -> None:
     # Nothing stored reaches a code-running unpickler: tensors load weights_only, and a
     # BYTE_IO item reaches the planner (whose torch.load has weights_only=False) re-encoded.
     try:
+        if descriptors and transforms is not None:  # undone as DCP's reader does
+            payload = transforms.transform_load_stream(req, descriptors,
+                                                       io.BytesIO(payload)).read(-1)
         if req.type == LoadItemType.BYTE_IO:
             planner.load_bytes(req, safe_byte_io(payload))
             return

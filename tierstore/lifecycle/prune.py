@@ -115,8 +115,16 @@ def prune_tier(tier: Tier, policy: Policy, *, protect: Iterable[str] = (), dry_r
 def delete_data(tier: Tier, manifest: Manifest) -> int:
     """Delete an un-published attempt's files, manifest parts and marks; return bytes freed."""
     name, attempt = manifest.name, manifest.attempt
-    paths = [entry.path for entry in manifest.files] + [ref.path for ref in manifest.parts]
-    delete_batched(tier, [tier.file_key(name, attempt, path) for path in paths])
+    prefixes = layout.attempt_prefixes(name, attempt, manifest.world_size,
+                                       spread=tier.backend.spread_keys)
+    if manifest.parts and prefixes is not None:
+        # A two-level manifest: the attempt's keys from listings of its prefixes (one
+        # request per 1,000 keys), never by reading every part (bytes that grow with W).
+        keys = [info.key for prefix in prefixes for info in tier.backend.list(prefix)]
+    else:
+        paths = [entry.path for entry in manifest.files] + [ref.path for ref in manifest.parts]
+        keys = [tier.file_key(name, attempt, path) for path in paths]
+    delete_batched(tier, keys)
     delete_batched(tier, _mark_keys(tier, name, attempt), fault=None)
     return manifest.total_size
 
