@@ -7,7 +7,7 @@ TORCH  := torch==2.13.0
 STAMP  := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test bench bench-full bench-smoke bench-perf soak lint clean venv
+.PHONY: demo test bench bench-full bench-smoke bench-perf bench-scale soak lint clean venv
 
 venv: $(STAMP)
 
@@ -52,6 +52,14 @@ bench-smoke: $(STAMP)
 bench-perf: $(STAMP)
 	$(bench_deps)
 	$(BIN)/python -m benchmarks --profile quick --only perf --splice
+
+# Issue 15's scale simulator (docs/scale.md): W up to 4,096 simulated ranks on a local
+# directory and 1,024 on the moto S3 server, tables spliced into docs/scale.md.
+# SCALE_PROFILE=full goes to 16,384 ranks.
+SCALE_PROFILE ?= quick
+bench-scale: $(STAMP)
+	$(BIN)/python -m pip install -q -e '.[bench]'
+	$(BIN)/python -m benchmarks.scale --profile $(SCALE_PROFILE)
 
 # The crash-consistency soak: thousands of fresh hypothesis examples, with every crash,
 # power-loss and fault test (docs/crash-consistency.md). TIERSTORE_CRASH_EXAMPLES sets how many.

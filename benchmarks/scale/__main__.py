@@ -1,0 +1,5 @@
+from __future__ import annotations
+
+from benchmarks.scale.cli import main
+
+main()
