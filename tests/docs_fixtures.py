@@ -263,6 +263,13 @@ def _check_plugin(ns: dict[str, Any], ctx: Ctx) -> None:
     assert issubclass(ns["TestFlatDir"], BackendContract)
 
 
+def _check_best(ns: dict[str, Any], ctx: Ctx) -> None:
+    from tierstore import list_checkpoints
+
+    kept = [(c.step, c.metrics) for c in list_checkpoints(ctx.hot)]
+    assert kept == [(2, {"val_loss": 0.41}), (3, {"val_loss": 0.55}), (5, {"val_loss": 0.7})], kept
+
+
 def _check_report(ns: dict[str, Any], ctx: Ctx) -> None:
     assert ns["report"].ok and ns["report"].keys_checked > 0
 
@@ -290,6 +297,7 @@ SETUPS: dict[tuple[str, int], tuple[str, Setup | None, Check | None]] = {
     ("docs/migration.md", 3): ("from tierstore import migration_status, wait_for_migrations",
                                lambda ctx: _committed(ctx, cold=True), None),
     ("docs/migration.md", 5): ("from tierstore import restore", _node_replaced, _check_restored),
+    ("docs/operations.md", 2): ("import torch", None, _check_best),
     ("docs/plugins.md", 0): ("import pytest", _plugin, _check_plugin),
     ("docs/training-state.md", 0): ("from tierstore import (CheckpointManager, ResumableLoader, ResumableSampler, TimeCadence,",
                                     _training, _check_checkpoint(500, cold=True)),

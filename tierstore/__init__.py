@@ -37,7 +37,14 @@ from tierstore.errors import (
 )
 from tierstore.lifecycle.gc import collect_garbage, find_garbage
 from tierstore.lifecycle.prune import prune
-from tierstore.lifecycle.retention import keep_all, keep_every, keep_last, keep_steps, keep_within
+from tierstore.lifecycle.retention import (
+    keep_all,
+    keep_best,
+    keep_every,
+    keep_last,
+    keep_steps,
+    keep_within,
+)
 from tierstore.resume.cadence import CadencePlan, TimeCadence, optimal_interval
 from tierstore.resume.check import Probe, ResumeReport, verify_checkpoint, verify_resume
 from tierstore.resume.data import ResumableLoader, ResumableSampler
@@ -105,6 +112,7 @@ __all__ = [
     "collect_garbage",
     "find_garbage",
     "keep_last",
+    "keep_best",
     "keep_every",
     "keep_steps",
     "keep_within",

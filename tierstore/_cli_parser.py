@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from importlib.metadata import PackageNotFoundError, version
 
 from tierstore.lifecycle.gc import DEFAULT_GRACE
+from tierstore.lifecycle.retention import keep_best
 
 __all__ = ["build_parser", "UsageError", "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "EXIT_INTERRUPTED",
            "COLD_WAIT"]
@@ -101,6 +102,18 @@ def _cold_wait(p: argparse.ArgumentParser) -> None:
                         f"(default {COLD_WAIT:g})")
 
 
+def _best(text: str) -> keep_best:
+    """``--*-keep-best METRIC:K[:min|max]``; a bad one is a usage error."""
+    metric, _, rest = text.partition(":")
+    k, _, mode = rest.partition(":")
+    if not (k.isdigit() and mode in ("", "min", "max")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not METRIC:K[:min|max], e.g. val_loss:3:min")
+    try:
+        return keep_best(metric, int(k), "max" if mode == "max" else "min")
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def _prune_args(p: argparse.ArgumentParser) -> None:
     for tier in ("hot", "cold"):
         p.add_argument(f"--{tier}-keep-last", type=int, metavar="N",
@@ -109,6 +122,9 @@ def _prune_args(p: argparse.ArgumentParser) -> None:
                        help=f"keep every checkpoint whose step is a multiple of K in the {tier} tier")
         p.add_argument(f"--{tier}-keep-within", type=float, metavar="SECONDS",
                        help=f"keep the {tier} tier's checkpoints saved in the last SECONDS")
+        p.add_argument(f"--{tier}-keep-best", type=_best, metavar="METRIC:K[:min|max]",
+                       help=f"keep the {tier} tier's K best checkpoints by a metric their saves "
+                            "recorded (lowest with min, the default; highest with max)")
     p.add_argument("--yes", action="store_true", help="really prune (default: a dry run)")
 
 

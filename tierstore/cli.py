@@ -15,7 +15,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -76,6 +76,10 @@ def _age(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h" if seconds < 172800 else f"{seconds / 86400:.1f} d"
 
 
+def _metrics_text(metrics: Mapping[str, float]) -> str:
+    return " ".join(f"{name}={value:.6g}" for name, value in sorted(metrics.items()))
+
+
 def _say_unreachable(args: argparse.Namespace, why: str) -> None:
     print(f"tierstore {args.command}: the cold tier {redact_url(args.cold)} is unreachable "
           f"({why}); showing the hot tier only", file=sys.stderr)
@@ -99,12 +103,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
     elif not infos:
         print("no committed checkpoints")
     else:
-        print(f"{'name':<24}{'step':>10}{'size':>12}{'files':>7}{'age':>10}  {'tiers':<10}migration")
+        measured = any(i.metrics for i in infos)  # the column only when a save recorded some
+        print(f"{'name':<24}{'step':>10}{'size':>12}{'files':>7}{'age':>10}  {'tiers':<10}"
+              + (f"{'migration':<12}metrics" if measured else "migration"))
         for i, row in zip(infos, rows):
             step = "-" if i.step is None else str(i.step)
             age = _age(row["age_seconds"])
             print(f"{i.name:<24}{step:>10}{_human(i.size):>12}{i.num_files:>7}{age:>10}  "
-                  f"{','.join(i.tiers):<10}{row['migration']}")
+                  f"{','.join(i.tiers):<10}"
+                  + (f"{row['migration']:<12}{_metrics_text(i.metrics)}".rstrip() if measured
+                     else row["migration"]))
     if down is not None:
         _say_unreachable(args, down)
         return EXIT_ERROR
@@ -168,7 +176,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 def _policy(args: argparse.Namespace, tier: str) -> Policy | None:
     makers: dict[str, Callable[[Any], Policy]] = {"last": keep_last, "every": keep_every,
-                                                  "within": keep_within}
+                                                  "within": keep_within,
+                                                  "best": lambda best: best}  # parsed whole
     parts: list[Policy] = [make(value) for kind, make in makers.items()
                            if (value := getattr(args, f"{tier}_keep_{kind}")) is not None]
     if not parts:
@@ -204,6 +213,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     if args.json:
         body = json.loads(manifest.to_json())
         body.setdefault("files", [f.to_dict() for f in manifest.files])  # a root lists parts only
+        body.setdefault("metrics", {})  # as `ls --json` has it
         body["tiers"] = [t.role for t in holders]
         print(json.dumps(body, indent=1))
         return EXIT_OK
@@ -216,6 +226,8 @@ def _print_manifest(manifest: Manifest, holders: list[Tier]) -> None:
     created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(manifest.created))
     print(f"world size {manifest.world_size}  created {created}"
           f"  size {_human(manifest.total_size)}  in {', '.join(t.label for t in holders)}")
+    if manifest.metrics:
+        print(f"metrics: {_metrics_text(manifest.metrics)}")
     print(f"data: {layout.attempt_prefix(manifest.name, manifest.attempt)}")
     for f in manifest.files:
         print(f"  rank {f.rank:>4}  {f.path:<24}{_human(f.size):>12}  crc32c {f.crc32c:08x}")

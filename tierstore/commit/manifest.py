@@ -11,13 +11,15 @@ of its ranks is asked for, verified against the root's sha256, and then kept. No
 ``encoding`` says how the data files are laid out (:mod:`tierstore.commit.encoding`). A flat
 manifest writes it only when it is not "dcp", the format of every checkpoint written before
 the field existed, so a dcp-encoded checkpoint's manifest stays readable by older versions.
+``metrics`` (validation scores a save was given, for ``keep_best``) is likewise written only
+when there are some, so a manifest without metrics is byte for byte what it was before.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -84,6 +86,7 @@ class Manifest:
     producer: str
     encoding: str
     version: int
+    _metrics: tuple[tuple[str, float], ...] = field(repr=False)  # sorted by name
     _all: tuple[FileEntry, ...] | None = field(repr=False)  # None: parts not all read yet
     _metadata: FileEntry | None = field(repr=False)
     _parts: tuple[PartRef, ...] = field(repr=False)
@@ -96,14 +99,17 @@ class Manifest:
 
     def __init__(self, name: str, step: int | None, attempt: str, world_size: int, created: float,
                  files: Sequence[FileEntry], metadata_file: str = layout.METADATA_FILE,
-                 producer: str = "", encoding: str = "dcp", *, part_ranks: int = PART_RANKS) -> None:
+                 producer: str = "", encoding: str = "dcp", *, part_ranks: int = PART_RANKS,
+                 metrics: Mapping[str, float] | None = None) -> None:
         if not (isinstance(part_ranks, int) and part_ranks >= 1):
             raise ConfigError(f"part_ranks must be a positive int, got {part_ranks!r}")
+        checked = fmt.check_metrics(metrics, source="new manifest", error=ConfigError) if metrics else {}
         files = tuple(files)
         two_level = len({f.rank for f in files}) > part_ranks
         self._set(name=name, step=step, attempt=attempt, world_size=world_size, created=created,
                   metadata_file=metadata_file, producer=producer, encoding=encoding,
                   version=fmt.VERSION if two_level else fmt.FLAT_VERSION, _all=files,
+                  _metrics=tuple(sorted(checked.items())),
                   _totals=(sum(f.size for f in files), len(files)), _loaded={}, _part_bytes={},
                   _loader=None, _source=(None, None), _metadata=None, _parts=(), _index=None)
         if two_level:
@@ -139,16 +145,23 @@ class Manifest:
         return self._totals[1]
 
     @property
+    def metrics(self) -> dict[str, float]:
+        """The metrics the save recorded (``{}`` when none), e.g. ``{"val_loss": 0.41}``."""
+        return dict(self._metrics)
+
+    @property
     def parts(self) -> tuple[PartRef, ...]:
         """The parts of a two-level manifest (empty for a flat one)."""
         return self._parts
 
     def _header(self) -> dict[str, Any]:
         return {"name": self.name, "step": self.step, "attempt": self.attempt,
-                "world_size": self.world_size, "created": self.created, "producer": self.producer}
+                "world_size": self.world_size, "created": self.created, "producer": self.producer,
+                **({"metrics": self.metrics} if self._metrics else {})}
 
     def _identity(self) -> tuple[Any, ...]:
-        return (tuple(sorted(self._header().items())), self.metadata_file, self.encoding,
+        header = {key: value for key, value in self._header().items() if key != "metrics"}
+        return (tuple(sorted(header.items())), self._metrics, self.metadata_file, self.encoding,
                 self.version, self._metadata, self._parts, self._totals,
                 self._all if self.version == fmt.FLAT_VERSION else None)
 
@@ -294,6 +307,7 @@ class Manifest:
         manifest._set(name=body["name"], step=body["step"], attempt=body["attempt"],
                       world_size=body["world_size"], created=body["created"],
                       producer=body["producer"], encoding=body.get("encoding", "dcp"),
+                      _metrics=tuple(sorted((k, float(v)) for k, v in body.get("metrics", {}).items())),
                       version=body["version"], _loaded={}, _part_bytes={}, _loader=loader,
                       _source=(key, tier), _index=None)
         if body["version"] == fmt.VERSION:

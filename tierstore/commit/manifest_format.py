@@ -20,6 +20,7 @@ import hashlib
 import itertools
 import json
 import math
+import numbers
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,9 +29,10 @@ from typing import Any
 from tierstore.commit import layout
 from tierstore.errors import ConfigError
 
-__all__ = ["FORMAT", "PART_FORMAT", "VERSION", "PART_RANKS", "FileEntry", "PartRef", "check_relpath",
-           "flat_body", "root_body", "part_body", "split_parts", "validate_flat", "validate_root",
-           "validate_part", "encode_root", "encode_part", "digest", "check_plan"]
+__all__ = ["FORMAT", "PART_FORMAT", "VERSION", "PART_RANKS", "MAX_METRICS", "FileEntry", "PartRef",
+           "check_relpath", "check_metrics", "flat_body", "root_body", "part_body", "split_parts",
+           "validate_flat", "validate_root", "validate_part", "encode_root", "encode_part", "digest",
+           "check_plan"]
 
 FORMAT = "tierstore.manifest"
 PART_FORMAT = "tierstore.manifest-part"
@@ -43,14 +45,17 @@ MAX_FILES = 1_000_000  # entries in a flat manifest, or in one part
 MAX_PARTS = 1 << 16
 MAX_FILE_SIZE = 1 << 50  # 1 PiB: anything larger is a forged or corrupt entry
 MAX_WORLD_SIZE = 1 << 20
+MAX_METRICS = 64  # metrics per checkpoint: a few scores, never a log
 _CRC_MAX = (1 << 32) - 1
 _PATH = re.compile(r"[A-Za-z0-9_.-]{1,255}(/[A-Za-z0-9_.-]{1,255}){0,7}")
 _SHA256 = re.compile(r"sha256:[0-9a-f]{64}")
+_METRIC = re.compile(r"[A-Za-z0-9_./-]{1,64}")
 _HEADER = {"format", "version", "name", "step", "attempt", "world_size", "created", "producer"}
 _FLAT_KEYS = _HEADER | {"metadata_file", "files"}
 _ROOT_KEYS = _HEADER | {"encoding", "metadata", "total_size", "file_count", "parts"}
 _PART_KEYS = {"format", "version", "name", "attempt", "index", "first_rank", "last_rank", "files"}
-_OPTIONAL_KEYS = {"encoding"}  # flat form only: absent means "dcp"
+_OPTIONAL_KEYS = {"encoding", "metrics"}  # flat form; absent means "dcp" and no metrics
+_ROOT_OPTIONAL_KEYS = {"metrics"}
 _FILE_KEYS = {"path", "size", "crc32c", "rank"}
 _REF_KEYS = {"path", "first_rank", "last_rank", "files", "size", "sha256"}
 _ENCODINGS = ("dcp", "raw")  # tierstore.commit.encoding.ENCODINGS; "dcp" when absent
@@ -65,6 +70,36 @@ def check_relpath(path: object) -> str:
     ):
         raise ValueError(f"unsafe file path {path!r}: must be relative and stay inside the checkpoint")
     return path
+
+
+def check_metrics(metrics: object, *, source: str, error: type[Exception]) -> dict[str, float]:
+    """Metrics as a manifest holds them: 1 to :data:`MAX_METRICS` names of
+    ``[A-Za-z0-9_./-]{1,64}``, each a finite number (stored as a float); raises
+    ``error(f"{source}: ...")`` otherwise. An empty mapping is "no metrics", never written."""
+    need = _needer(source, error)
+    need(isinstance(metrics, Mapping) and 0 < len(metrics) <= MAX_METRICS,
+         f"metrics must be a mapping of 1 to {MAX_METRICS} names to numbers, got {_short(metrics)}")
+    assert isinstance(metrics, Mapping)
+    for name, value in metrics.items():
+        need(isinstance(name, str) and bool(_METRIC.fullmatch(name)),
+             f"metric name {_short(name)} is not 1-64 characters of [A-Za-z0-9_./-]")
+        need(_finite(value), f"metric {name!r} is {_short(value)}, not a finite number")
+    return {name: float(value) for name, value in metrics.items()}
+
+
+def _finite(value: object) -> bool:
+    """A real number (NumPy's included) that is finite as a float. NaN and infinities: json.loads
+    accepts them, and no "best" can be judged by them; a huge int would overflow ``float()``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return False
+    if isinstance(value, numbers.Integral):
+        return abs(int(value)) <= 1 << 1000
+    return math.isfinite(float(value))
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 @dataclass(frozen=True)
@@ -198,6 +233,11 @@ def _check_header(body: Mapping[str, Any], need: Need) -> None:
     need(body.get("encoding", "dcp") in _ENCODINGS,
          f"encoding {body.get('encoding')!r} is not one of {list(_ENCODINGS)}; written by a "
          "newer tierstore?")
+    if "metrics" in body:
+        try:
+            check_metrics(body["metrics"], source="metrics", error=ValueError)
+        except ValueError as err:
+            need(False, str(err))
 
 
 def _check_entry(entry: object, lo: int, hi: int, seen: set[str], need: Need) -> FileEntry:
@@ -244,7 +284,7 @@ def validate_root(body: Mapping[str, Any], *, source: str,
     """A version 2 root (without its checksum); its ``.metadata`` entry and part references."""
     need = _needer(source, error)
     _check_version(body, FORMAT, need)
-    _check_keys(body, _ROOT_KEYS, set(), need)
+    _check_keys(body, _ROOT_KEYS, _ROOT_OPTIONAL_KEYS, need)
     _check_header(body, need)
     world = body["world_size"]
     metadata = _check_entry(body["metadata"], 0, world - 1, set(), need)
@@ -316,7 +356,9 @@ def _entry_bytes(path_len: int, indent: bool) -> int:
     return len(json.dumps([worst], indent=1 if indent else None, separators=None if indent else (",", ":")))
 
 
-_HEADER_BYTES = 4096  # header, metadata entry, checksum and producer (< 1 KiB each)
+# Header, metadata entry, checksum and producer (< 1 KiB each), and the most metrics (a line
+# of under 128 bytes each).
+_HEADER_BYTES = 4096 + MAX_METRICS * 128
 
 
 def check_plan(name: str, files_per_rank: Sequence[int], *, part_ranks: int, path_len: int) -> int:

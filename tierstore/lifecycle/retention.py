@@ -4,6 +4,7 @@ Compose with ``|`` (keep what either keeps)::
 
     hot_policy = keep_last(2)
     cold_policy = keep_last(3) | keep_every(1000) | keep_steps(0)
+    best_policy = keep_last(1) | keep_best("val_loss", 2)   # by the metrics saves recorded
 
 A policy only says what it *wants*; :mod:`tierstore.lifecycle.prune` adds what must never be deleted
 (the newest checkpoint of a tier, hot checkpoints whose cold commit is pending, checkpoints
@@ -16,8 +17,10 @@ import abc
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Literal
 
 from tierstore.commit.manifest import Checkpoint, checkpoint_order
+from tierstore.commit.manifest_format import check_metrics
 
 __all__ = [
     "Policy",
@@ -26,6 +29,7 @@ __all__ = [
     "keep_every",
     "keep_steps",
     "keep_within",
+    "keep_best",
     "keep_all",
     "keep_none",
     "DEFAULT_HOT",
@@ -120,6 +124,32 @@ class keep_within(Policy):
 
     def keep(self, checkpoints: Sequence[Checkpoint], *, now: float) -> frozenset[str]:
         return frozenset(c.name for c in checkpoints if now - c.created <= self.seconds)
+
+
+@dataclass(frozen=True)
+class keep_best(Policy):
+    """The ``k`` best by ``metric`` as their saves recorded it (``manager.save(...,
+    metrics=)``): the lowest values with ``mode="min"``, the highest with ``"max"``; of equal
+    values, the newer. A checkpoint without that metric is never among the best."""
+
+    metric: str
+    k: int
+    mode: Literal["min", "max"] = "min"
+
+    def __post_init__(self) -> None:
+        check_metrics({self.metric: 0.0}, source="keep_best", error=ValueError)
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 0:
+            raise ValueError(f"keep_best needs k >= 0, got {self.k!r}")
+        if self.mode not in ("min", "max"):
+            raise ValueError(f"keep_best needs mode 'min' or 'max', got {self.mode!r}")
+
+    def keep(self, checkpoints: Sequence[Checkpoint], *, now: float) -> frozenset[str]:
+        sign = 1.0 if self.mode == "min" else -1.0
+        # Checkpoint does not promise metrics: a checkpoint type without them has none.
+        scored = [(sign * found[self.metric], c) for c in _newest_first(checkpoints)
+                  if self.metric in (found := getattr(c, "metrics", None) or {})]
+        scored.sort(key=lambda pair: pair[0])  # stable: equal values stay newest first
+        return frozenset(c.name for _, c in scored[: self.k])
 
 
 @dataclass(frozen=True)

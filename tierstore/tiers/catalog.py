@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tierstore.commit.manifest import Manifest, checkpoint_order
@@ -31,6 +31,8 @@ class CheckpointInfo:
     size: int
     num_files: int
     tiers: tuple[str, ...]
+    # The metrics its save recorded ({} when none). Not hashed: a dict is not hashable.
+    metrics: dict[str, float] = field(default_factory=dict, hash=False)
 
     @classmethod
     def of(cls, manifest: Manifest, tiers: Iterable[str]) -> CheckpointInfo:
@@ -43,6 +45,7 @@ class CheckpointInfo:
             size=manifest.total_size,
             num_files=manifest.num_files,
             tiers=tuple(tiers),
+            metrics=manifest.metrics,
         )
 
 
