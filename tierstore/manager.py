@@ -48,11 +48,14 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from tierstore import _dist
 from tierstore.commit.manifest import checkpoint_order
+from tierstore.commit.manifest_format import check_metrics
 from tierstore.commit.reader import TieredReader, is_damage
 from tierstore.commit.writer import TieredWriter, store_to_save
 from tierstore.errors import ConfigError, SaveFailed, TierstoreError
+from tierstore.lifecycle import runlock
 from tierstore.lifecycle.prune import PruneReport, prune, prune_tier
 from tierstore.lifecycle.retention import DEFAULT_COLD, DEFAULT_HOT, Policy, keep_none
+from tierstore.resume.state import ResumePlanner, is_per_rank_key
 from tierstore.staging import ReusedStaging, staging_options
 from tierstore.tiers import marks
 from tierstore.tiers.catalog import CheckpointInfo, list_checkpoints
@@ -176,6 +179,9 @@ class CheckpointManager:
         self._prune_errors: list[str] = []
         self.stalls: dict[int, float] = {}  # step -> seconds the caller was blocked by save()
         self.staging_allocated: dict[int, int] = {}  # step -> bytes its staging allocated
+        # Another live job saving into this hot directory is warned about now, once.
+        self._run_lock = (runlock.acquire(self.store.hot)
+                          if self.rank == 0 and self.store.hot is not None else None)
 
     # -- cadence -------------------------------------------------------------------------
 
@@ -188,23 +194,30 @@ class CheckpointManager:
 
     # -- saving --------------------------------------------------------------------------
 
-    def save(self, step: int, state: dict[str, Any], *, force: bool = False) -> bool:
+    def save(self, step: int, state: dict[str, Any], *, force: bool = False,
+             metrics: Mapping[str, float] | None = None) -> bool:
         """Checkpoint ``state`` as ``step`` if the cadence wants it (or ``force``); ``True`` if saved.
 
         Returns once the state is copied (unless ``overlap_staging``): training may change
         it from then on. Raises :class:`~tierstore.errors.SaveFailed` if the previous
         (background) save failed; this save is then not started (call again to save). A
         synchronous save, or a copy of the state, that fails raises it at once.
+
+        ``metrics`` (``{"val_loss": 0.41}``: at most 64 names, finite numbers) are recorded
+        in this checkpoint's manifest, for :class:`~tierstore.lifecycle.retention.keep_best`
+        and ``CheckpointInfo.metrics``; the coordinator's are the ones recorded. Invalid
+        metrics raise :class:`~tierstore.errors.ConfigError` before anything is saved.
         """
         if not (force or self.should_save(step)):
             return False
+        metrics = check_metrics(metrics, source="metrics", error=ConfigError) if metrics else {}
         start = time.perf_counter()
         self._finish_previous()  # block the next save only until the previous flush is done
         self._raise_failure()
         if not self.async_save:
             self._relieve_disk_pressure()
             try:
-                dcp_save(state, storage_writer=self._writer(step), process_group=self.group)
+                dcp_save(state, storage_writer=self._writer(step, metrics), process_group=self.group)
             except (Exception, CheckpointException) as err:  # a BaseException, in DCP
                 self._failed(step, err)
                 self._raise_failure()
@@ -215,31 +228,31 @@ class CheckpointManager:
             # planning); the manager's own thread pays that too, with the copy after it.
             staged: Future[None] = Future()
             self._staging, self._pending = staged, Future()
-            self._submitter().submit(self._start_guarded, step, state, staged, self._pending)
+            self._submitter().submit(self._start_guarded, step, state, metrics, staged, self._pending)
         else:
             staged = Future()
             self._staging, self._pending = staged, Future()
-            self._start_async(step, state, staged, self._pending)
+            self._start_async(step, state, metrics, staged, self._pending)
             self.wait_staged()
         self.stalls[step] = time.perf_counter() - start
         return True
 
-    def _writer(self, step: int) -> TieredWriter:
+    def _writer(self, step: int, metrics: Mapping[str, float]) -> TieredWriter:
         return TieredWriter(self.store, step=step, migration=self.migration,
-                            node_local=self.node_local, **self.writer_options)
+                            node_local=self.node_local, metrics=metrics, **self.writer_options)
 
     def _submitter(self) -> ThreadPoolExecutor:
         if self._thread is None:  # one thread: saves start in the order they were asked for
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="tierstore-save")
         return self._thread
 
-    def _start_guarded(self, step: int, state: dict[str, Any], staged: Future[None],
-                       settled: Future[None]) -> None:
+    def _start_guarded(self, step: int, state: dict[str, Any], metrics: Mapping[str, float],
+                       staged: Future[None], settled: Future[None]) -> None:
         """:meth:`_start_async` on the manager's thread, where nothing would see an error it
         raised: whatever it raises fails the save, so no waiter on ``staged`` or ``settled``
         waits for ever."""
         try:
-            self._start_async(step, state, staged, settled)
+            self._start_async(step, state, metrics, staged, settled)
         except BaseException as err:
             if not settled.done():
                 self._failed(step, err)
@@ -247,15 +260,16 @@ class CheckpointManager:
             if not staged.done():
                 staged.set_exception(err)
 
-    def _start_async(self, step: int, state: dict[str, Any], staged: Future[None],
-                     settled: Future[None]) -> None:
+    def _start_async(self, step: int, state: dict[str, Any], metrics: Mapping[str, float],
+                     staged: Future[None], settled: Future[None]) -> None:
         """Start DCP's async save; ``staged`` completes when the copy is taken (or failed),
         ``settled`` once the save is recorded as committed or failed."""
         kind = (AsyncCheckpointerType.PROCESS if self.async_mode == "process"
                 else AsyncCheckpointerType.THREAD)
         try:
             self._relieve_disk_pressure()
-            response = dcp_async_save(state, storage_writer=self._writer(step), process_group=self.group,
+            response = dcp_async_save(state, storage_writer=self._writer(step, metrics),
+                                      process_group=self.group,
                                       async_checkpointer_type=kind,
                                       async_stager=self._stager_for_save())
         except (Exception, CheckpointException) as err:  # staging or planning failed
@@ -453,7 +467,7 @@ class CheckpointManager:
         found = list_checkpoints(self.catalog)
         return [c.step for c in found if c.step is not None]
 
-    def load_latest(self, state: dict[str, Any]) -> int | None:
+    def load_latest(self, state: dict[str, Any], *, planner: Any = None) -> int | None:
         """Load the newest checkpoint that loads verified into ``state``; its step, or ``None``
         if the store holds no checkpoint.
 
@@ -466,8 +480,12 @@ class CheckpointManager:
         failed attempt may have copied some items into ``state``; the retry overwrites them.
         Any other failure raises at once (a state dict that does not match the checkpoint, a
         tier that cannot be reached); so does the newest checkpoint's error if none loads.
+
+        ``planner`` is DCP's load planner; by default DCP's own, or, when the checkpoint was
+        saved by another world size, :class:`~tierstore.resume.state.ResumePlanner` (see
+        :meth:`load`).
         """
-        return self.load(state)
+        return self.load(state, planner=planner)
 
     def load(self, state: dict[str, Any], *, name: str | None = None, step: int | None = None,
              planner: Any = None) -> int | None:
@@ -477,8 +495,13 @@ class CheckpointManager:
         the newest checkpoint (of ``step``, if given) that loads verified, skipping damaged
         ones as :meth:`load_latest` does.
 
-        ``planner=tierstore.resume.state.ResumePlanner()`` resumes a ``TrainingState`` under a larger
-        world size, whose new ranks have no RNG entry of their own in the checkpoint.
+        Under a world size other than the checkpoint's, without a ``planner``, the load goes
+        through :class:`~tierstore.resume.state.ResumePlanner`: per-rank keys the checkpoint
+        lacks (a ``TrainingState``'s RNG entries of new ranks) are left as they are, while
+        every other key stays required; sharded tensors are resharded as DCP does. A key
+        still missing then raises :class:`~tierstore.errors.ConfigError` naming the key and
+        both world sizes, and how to load it, instead of DCP's bare missing-key error. A
+        ``planner`` given is used as it is, at any world size.
         """
         coordinator = not self.distributed or dist.get_rank(self.group) == 0
         candidates = [name] if name is not None else []  # newest first; known to the coordinator
@@ -494,9 +517,12 @@ class CheckpointManager:
                 break
             reader = TieredReader(self.store, name=chosen, node_local=self.node_local,
                                   resolve_once=True, process_group=self.group)
+            world = dist.get_world_size(self.group) if self.distributed else 1
             try:
-                dcp_load(state, storage_reader=reader, process_group=self.group, planner=planner)
+                dcp_load(state, storage_reader=reader, process_group=self.group,
+                         planner=planner if planner is not None else _default_planner(reader, world))
             except CheckpointException as err:  # the same on every rank: DCP gathers failures
+                _raise_if_resized(err, reader, world, chosen)
                 if name is not None or not is_damage(err):
                     raise
                 damaged.append(err)
@@ -579,6 +605,8 @@ class CheckpointManager:
         if self._owns_group and self.group is not None:
             dist.destroy_process_group(self.group)
             self.group = None
+        if self._run_lock is not None:
+            self._run_lock.release()
         if failure is not None:
             raise failure
 
@@ -587,6 +615,44 @@ class CheckpointManager:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _saved_world(reader: TieredReader, world: int) -> int | None:
+    """The world size that saved the checkpoint ``reader`` opened, when it is not ``world``
+    (the manifest is known once DCP asked the reader for the metadata, before planning)."""
+    saved = reader.manifest.world_size if reader.manifest is not None else None
+    return saved if saved != world else None
+
+
+@dataclass(frozen=True)
+class _PerRankIfResized:
+    """``ResumePlanner``'s ``optional``: per-rank keys may be absent only under a world size
+    other than the checkpoint's; at the same world size every key stays required."""
+
+    reader: TieredReader
+    world: int
+
+    def __call__(self, key: str) -> bool:
+        return _saved_world(self.reader, self.world) is not None and is_per_rank_key(key)
+
+
+def _default_planner(reader: TieredReader, world: int) -> ResumePlanner:
+    return ResumePlanner(optional=_PerRankIfResized(reader, world))
+
+
+def _raise_if_resized(err: CheckpointException, reader: TieredReader, world: int, name: str) -> None:
+    """Under a new world size, DCP's "Missing key" error becomes one that says what to do."""
+    saved = _saved_world(reader, world)
+    failures = getattr(err, "failures", None)
+    causes = [_unwrap(e) for e in failures.values()] if isinstance(failures, dict) else []
+    missing = next((str(c) for c in causes if "Missing key" in str(c)), None)
+    if saved is None or missing is None:
+        return
+    raise ConfigError(
+        f"checkpoint saved by {saved} ranks cannot be loaded as it is by {world} ranks: {missing} "
+        "Per-rank state must be optional under a new world size: load with planner="
+        "tierstore.ResumePlanner(optional=lambda key: ...) accepting that key, or save such "
+        "state under keys every world size has", checkpoint=name) from err
 
 
 def _chain(source: Future[Any] | None, target: Future[None]) -> None:

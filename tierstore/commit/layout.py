@@ -13,7 +13,7 @@ A store root (one per tier) looks like::
     uploads/<name>/<attempt>/rank-<rank>.json   the same, as earlier versions named them
     uploads/<name>/<attempt>/rank-<rank>.failed.json   a rank's failed upload (cold tier only)
     leases/<name>/<lease>.json                  "in use by a load" marks
-    runs/<run>.json                             hot tier: "a job is saving here" (run locks,
+    runs/<run>/<beat>.json                      hot tier: "a job is saving here" (run locks,
                                                 tierstore.lifecycle.runlock; gc leaves them)
     migrated/<name>/<attempt>/<store-id>.json   hot tier: "committed in the cold tier whose
                                                 identity is <store-id>" (survives a cold prune)
@@ -303,15 +303,19 @@ def lease_key(name: str, lease: str) -> str:
     return f"{lease_prefix(name)}{lease}.json"
 
 
-def run_lock_prefix() -> str:
-    return RUN_DIR + "/"
-
-
-def run_lock_key(run: str) -> str:
-    """The run lock of the job whose run id is ``run`` (32 hex digits, as a store id)."""
+def run_lock_prefix(run: str | None = None) -> str:
+    """``runs/``, or the prefix of one run's heartbeats."""
+    if run is None:
+        return RUN_DIR + "/"
     if not isinstance(run, str) or not _STORE_ID.fullmatch(run):
         raise ConfigError(f"invalid run id {run!r}")
-    return f"{RUN_DIR}/{run}.json"
+    return f"{RUN_DIR}/{run}/"
+
+
+def run_lock_key(run: str, beat: int) -> str:
+    """Heartbeat ``beat`` of the job whose run id is ``run`` (32 hex digits, as a store id):
+    a new object per beat, since ``publish`` never replaces one."""
+    return f"{run_lock_prefix(run)}{beat:010d}.json"
 
 
 def clock_probe_key(token: str) -> str:

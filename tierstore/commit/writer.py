@@ -43,7 +43,12 @@ from dataclasses import dataclass
 from typing import IO, Any, cast
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint._extension import StreamTransformExtension
+from torch.distributed.checkpoint.filesystem import (
+    SerializationFormat,
+    _StorageInfo,
+    _StorageWriterTransforms,
+)
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -51,8 +56,8 @@ from torch.futures import Future
 
 from tierstore._redact import redact_url
 from tierstore._version import producer
+from tierstore.commit import dcp_args, layout
 from tierstore.commit import encoding as raw
-from tierstore.commit import layout
 from tierstore.commit import manifest_format as fmt
 from tierstore.commit.manifest import FileEntry, Manifest
 from tierstore.errors import CheckpointExists, ConfigError, NoSpaceLeft
@@ -81,7 +86,7 @@ def _setting(value: int | None, env: str, default: int, what: str) -> int:
     return value
 
 
-def store_to_save(hot: TierURL | Store, cold: TierURL | None = None, *,
+def store_to_save(hot: TierURL | Store | None, cold: TierURL | None = None, *,
                   hot_options: Mapping[str, Any] | None, cold_options: Mapping[str, Any] | None,
                   owner: str) -> Store:
     """The store ``owner`` saves to: it needs a hot tier (saves are written there first), and
@@ -118,10 +123,12 @@ class TieredWriter(StorageWriter):
 
     Args:
         hot: local path or URL of the hot tier, where every rank writes its shards; or a
-            :class:`~tierstore.Store` (then without ``cold`` and the options).
+            :class:`~tierstore.Store` (then without ``cold`` and the options). ``path=``
+            (``FileSystemWriter``'s name for it) is the same.
         cold: optional URL of the cold tier (the migrator copies committed checkpoints there).
         step: training step; names the checkpoint ``step-<step>`` unless ``name`` is given.
-        name: checkpoint name; a ``checkpoint_id`` given to ``dcp.save`` overrides it.
+        name: checkpoint name; a ``checkpoint_id`` given to ``dcp.save`` overrides it: a
+            name, or a directory directly under a tier's root (``<hot>/<name>``).
         hot_options / cold_options: options for the tiers' backends (credentials, etc.).
         thread_count: write threads per rank, as in ``FileSystemWriter``.
         single_file_per_rank: one file per thread per rank (default), or one per item.
@@ -129,8 +136,12 @@ class TieredWriter(StorageWriter):
         node_local: each rank's hot root is its node's own disk (see TieredReader); only
             changes the free-space check, which is then per rank instead of for the total.
         encoding: ``"raw"`` (default): tensors' bytes as they are, read by TieredReader
-            only; ``"dcp"``: ``FileSystemWriter``'s format, also loadable by plain DCP
-            (``FileSystemReader`` on the attempt directory). See docs/format.md.
+            only; ``"dcp"`` (the default with ``_extensions``): ``FileSystemWriter``'s format,
+            also loadable by plain DCP (``FileSystemReader`` on the attempt directory). See
+            docs/format.md.
+        sync_files, per_thread_copy_ahead, cache_staged_state_dict, overwrite, _extensions,
+            serialization_format: ``FileSystemWriter``'s, accepted with DCP's meaning or
+            refused with what to do instead (:mod:`tierstore.commit.dcp_args`).
         manifest_part_ranks: ranks per part of a two-level manifest; a checkpoint of no
             more ranks keeps the flat manifest (default 1024, or the environment variable
             ``TIERSTORE_MANIFEST_PART_RANKS``). See docs/format.md.
@@ -145,9 +156,10 @@ class TieredWriter(StorageWriter):
 
     def __init__(
         self,
-        hot: TierURL | Store,
+        hot: TierURL | Store | None = None,
         cold: TierURL | None = None,
         *,
+        path: TierURL | None = None,
         step: int | None = None,
         name: str | None = None,
         hot_options: Mapping[str, Any] | None = None,
@@ -156,27 +168,40 @@ class TieredWriter(StorageWriter):
         single_file_per_rank: bool = True,
         migration: MigrationConfig | None = None,
         node_local: bool = False,
-        encoding: str = "raw",
+        encoding: str | None = None,
         manifest_part_ranks: int | None = None,
         max_files_per_dir: int | None = None,
+        metrics: Mapping[str, float] | None = None,
+        sync_files: bool = True,
+        per_thread_copy_ahead: int = 10_000_000,
+        cache_staged_state_dict: bool = False,
+        overwrite: bool = False,
+        _extensions: Sequence[StreamTransformExtension] | None = None,
+        serialization_format: SerializationFormat | str | None = None,
     ) -> None:
         super().__init__()
-        if encoding not in raw.ENCODINGS:
-            raise ConfigError(f"encoding must be one of {raw.ENCODINGS}, got {encoding!r}")
+        dcp = dcp_args.writer_args(
+            encoding=encoding, sync_files=sync_files, per_thread_copy_ahead=per_thread_copy_ahead,
+            cache_staged_state_dict=cache_staged_state_dict, overwrite=overwrite,
+            extensions=_extensions, serialization_format=serialization_format)
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
             raise ConfigError(f"step must be a non-negative int, got {step!r}")
         if thread_count < 1:
             raise ConfigError(f"thread_count must be >= 1, got {thread_count!r}")
         self.step = step
         self.name = layout.check_name(name) if name is not None else None
-        self.store = store_to_save(hot, cold, hot_options=hot_options, cold_options=cold_options,
+        self.store = store_to_save(dcp_args.hot_or_path(hot, path, "TieredWriter"), cold,
+                                   hot_options=hot_options, cold_options=cold_options,
                                    owner="TieredWriter")
         self.tiers = self.store.tiers
         self.thread_count = thread_count
         self.single_file_per_rank = single_file_per_rank
         self.migration = migration
         self.node_local = node_local
-        self.encoding = encoding
+        self.encoding = dcp.encoding
+        self.overwrite = dcp.overwrite
+        self.extensions = dcp.extensions
+        self.metrics = fmt.check_metrics(metrics, source="metrics", error=ConfigError) if metrics else {}
         self.manifest_part_ranks = _setting(manifest_part_ranks, "TIERSTORE_MANIFEST_PART_RANKS",
                                             fmt.PART_RANKS, "manifest_part_ranks")
         self.max_files_per_dir = _setting(max_files_per_dir, "TIERSTORE_MAX_FILES_PER_DIR",
@@ -185,6 +210,7 @@ class TieredWriter(StorageWriter):
         self._rank = 0
         self._is_coordinator = False
         self._plan: _AttemptPlan | None = None
+        self._bad_id: ConfigError | None = None  # raised inside DCP's collectives, not reset()
 
     @property
     def hot(self) -> Tier:
@@ -203,12 +229,20 @@ class TieredWriter(StorageWriter):
     # -- DCP protocol --------------------------------------------------------------------
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        # DCP calls reset() outside the collectives that wrap every rank's error into a
+        # CheckpointException; a bad checkpoint_id is raised from the first step inside them.
+        self._bad_id = None
         if checkpoint_id is not None:
-            self.name = layout.check_name(os.fspath(checkpoint_id))
+            try:
+                self.name = dcp_args.checkpoint_name(checkpoint_id, [t.url for t in self.tiers])
+            except ConfigError as err:
+                self._bad_id = err
         self.manifest = None
         self._plan = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self._bad_id is not None:
+            raise self._bad_id
         if not kwargs.get("use_collectives", True):
             raise ConfigError(
                 "TieredWriter needs use_collectives=True: the coordinator's manifest must "
@@ -239,9 +273,11 @@ class TieredWriter(StorageWriter):
         per_dir = self._check_manifest_limits(name, plans)
         # Hot only: a request to the cold tier here would make every save wait on it.
         if self.hot.backend.exists(layout.manifest_key(name)):
+            # DCP's own words first, for code and people that look for them.
             raise CheckpointExists(
-                "checkpoint is already committed; committed checkpoints are never "
-                "overwritten (choose another step or name)",
+                f"Checkpoint already exists and overwrite={self.overwrite}: the checkpoint is "
+                "already committed, and committed checkpoints are never overwritten "
+                "(docs/design.md invariant 3); choose another step or name",
                 checkpoint=name, tier=self.hot.label,
             )
         # Grouped key prefixes on object stores (layout.file_key) for the raw encoding, which
@@ -282,7 +318,7 @@ class TieredWriter(StorageWriter):
         ]
         def write(job: tuple[str, list[WriteItem]]) -> list[WriteResult]:
             return _write_file(self.hot, attempt, job[0], job[1], planner.resolve_data,
-                               self.encoding)
+                               self.encoding, self.extensions)
 
         with _without_zip_crc32():
             if self.thread_count > 1 and len(jobs) > 1:
@@ -332,6 +368,7 @@ class TieredWriter(StorageWriter):
             producer=producer(),
             encoding=self.encoding,
             part_ranks=self.manifest_part_ranks,
+            metrics=self.metrics,
         )
         faults.point("writer.before_manifest_publish")
         self.hot.publish_manifest(manifest)  # COMMIT POINT (hot tier)
@@ -377,6 +414,7 @@ def _write_file(
     items: Sequence[WriteItem],
     resolve: Callable[[WriteItem], Any],
     encoding: str,
+    extensions: Sequence[StreamTransformExtension] = (),
 ) -> list[WriteResult]:
     """Write one shard file in ``encoding``; return its results."""
     key = tier.file_key(attempt.name, attempt.attempt, relpath)
@@ -389,7 +427,7 @@ def _write_file(
                                     names=[item.index.fqn for item in ordered])
             placed = list(zip(ordered, infos))
         else:
-            placed = _write_dcp_items(out, ordered, resolve, relpath)
+            placed = _write_dcp_items(out, ordered, resolve, relpath, extensions)
     entry = FileEntry(relpath, out.size, out.crc32c, attempt.rank)
     faults.point("writer.after_file_write")
     return [
@@ -400,23 +438,32 @@ def _write_file(
 
 
 def _write_dcp_items(out: ObjectWriter, items: Sequence[WriteItem],
-                     resolve: Callable[[WriteItem], Any],
-                     relpath: str) -> list[tuple[WriteItem, _StorageInfo | raw.RawItem]]:
-    """Lay items out as ``FileSystemWriter`` does: one ``torch.save`` per tensor."""
+                     resolve: Callable[[WriteItem], Any], relpath: str,
+                     extensions: Sequence[StreamTransformExtension] = (),
+                     ) -> list[tuple[WriteItem, _StorageInfo | raw.RawItem]]:
+    """Lay items out as ``FileSystemWriter`` does: one ``torch.save`` per tensor, through
+    DCP's stream transforms (``_extensions``) when there are any. ``out`` checksums what
+    reaches it, so the file's CRC32C is of the transformed bytes."""
+    transforms = _StorageWriterTransforms(extensions) if extensions else None
     placed: list[tuple[WriteItem, _StorageInfo | raw.RawItem]] = []
     for item in items:
         offset = out.size
         data = resolve(item)
-        if item.type == WriteItemType.BYTE_IO:
-            out.write(data.getbuffer() if isinstance(data, io.BytesIO) else data)
-        else:
-            try:
-                torch.save(_plain_cpu(data), cast(IO[bytes], out))
-            except Exception as err:
-                if out.failure is not None:  # a full disk, not torch's "unexpected pos"
-                    raise out.failure from err
-                raise
-        placed.append((item, _StorageInfo(relpath, offset, out.size - offset)))
+        sink, descriptors = (cast(IO[bytes], out), []) if transforms is None else \
+            transforms.transform_save_stream(item, cast(io.IOBase, out))
+        try:
+            if item.type == WriteItemType.BYTE_IO:
+                sink.write(data.getbuffer() if isinstance(data, io.BytesIO) else data)
+            else:
+                torch.save(_plain_cpu(data), sink)
+            if transforms is not None:
+                sink.close()  # flushes the transform's tail; DCP's wrapper leaves ``out`` open
+        except Exception as err:
+            if out.failure is not None and out.failure is not err:  # a full disk, not torch's
+                raise out.failure from err                          # "unexpected pos"
+            raise
+        placed.append((item, _StorageInfo(relpath, offset, out.size - offset,
+                                          transform_descriptors=descriptors or None)))
     return placed
 
 

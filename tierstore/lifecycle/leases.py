@@ -4,7 +4,9 @@ A reader publishes ``leases/<name>/<id>.json`` in each tier it reads, *then* re-
 manifest; the pruner un-publishes the manifest, *then* looks for live leases before deleting
 data. Either the pruner sees the lease (and leaves the data to a later GC) or the reader sees
 the manifest gone (and picks another checkpoint): a load never has its files deleted under it.
-Leases of crashed readers simply expire. A job loads under one lease per tier, not one per
+Leases of crashed readers simply expire. A reader without write access to a tier (read-only
+credentials: an eval job reading the cold tier) loads unleased there, warned once per tier
+per process, not once per load. A job loads under one lease per tier, not one per
 rank: its coordinator takes it while picking the checkpoint for every rank, and releases it
 once every rank's reads are over (:class:`~tierstore.commit.reader.TieredReader`).
 
@@ -34,13 +36,14 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from tierstore.commit import layout
-from tierstore.errors import ObjectNotFound, TierstoreError
+from tierstore.errors import ObjectNotFound, TierstoreError, TransientStorageError
 from tierstore.storage.backend import ObjectInfo
 from tierstore.tiers.tier import Tier
 
@@ -51,6 +54,10 @@ log = logging.getLogger(__name__)
 DEFAULT_TTL = 6 * 3600.0
 MAX_TTL = 7 * 24 * 3600.0  # a longer ttl, hostile or mistaken, would block pruning for good
 _LEASE_LIMIT = 1 << 16
+# Tiers that refused a lease for good (read-only): warned about once per process, since an
+# eval job loading every checkpoint would otherwise repeat the same warning at each load.
+_refused: set[str] = set()
+_refused_lock = threading.Lock()
 
 
 @dataclass
@@ -77,9 +84,18 @@ def take(tier: Tier, name: str, *, purpose: str = "load", ttl: float = DEFAULT_T
             "created": now, "expires": now + ttl, "ttl": ttl}
     try:
         tier.backend.publish(key, json.dumps(body).encode())
-    except TierstoreError as err:
+    except TransientStorageError as err:
         log.warning("could not lease %s in %s; a concurrent prune could delete it: %s",
                     name, tier.label, err)
+        return None
+    except TierstoreError as err:
+        with _refused_lock:
+            first = tier.label not in _refused
+            _refused.add(tier.label)
+        log.log(logging.WARNING if first else logging.DEBUG,
+                "cannot write leases in %s (read-only credentials?): loading %s without a "
+                "lease, so a concurrent prune could delete it; later loads from this tier "
+                "are not warned about again: %s", tier.label, name, err)
         return None
     return Lease(tier, name, key)
 

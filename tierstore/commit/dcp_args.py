@@ -1,0 +1,145 @@
+"""What DCP's own ``FileSystemWriter``/``FileSystemReader`` arguments mean for tierstore.
+
+A script written for DCP's file system storage should switch to
+:class:`~tierstore.TieredWriter`/:class:`~tierstore.TieredReader` by changing the class
+only. So their arguments are accepted here with the meaning they have in DCP, or refused
+with a message saying what to do instead, never with a bare ``TypeError``:
+
+- ``path``: the hot tier (DCP's name for the first argument).
+- ``sync_files=True``: what tierstore always does (every file is durable before the commit,
+  docs/design.md invariant 2). ``False`` is refused: it would break that invariant.
+- ``per_thread_copy_ahead``: a GPU-to-host overlap knob; accepted, it changes no byte written.
+- ``cache_staged_state_dict=True`` is refused: ``TieredWriter`` is no stager; reused staging
+  buffers are :class:`~tierstore.CheckpointManager`'s (``staging="reuse"``) or
+  :class:`tierstore.staging.ReusedStaging` given to ``dcp.async_save``.
+- ``overwrite``: accepted; a committed checkpoint is refused either way (invariant 3) with
+  DCP's wording, "Checkpoint already exists".
+- ``_extensions`` (e.g. DCP's ``ZStandard``): applied to each stored item as DCP applies them,
+  CRC32C taken of the transformed bytes; they need ``encoding="dcp"`` (chosen for you
+  when ``encoding`` is not given), because the raw encoding reads ranges of items in place.
+- ``serialization_format``: ``TORCH_SAVE`` accepted; ``SAFETENSORS`` refused.
+
+A ``checkpoint_id`` is a checkpoint name, or a directory directly under a tier's root
+(``<root>/<name>``, as a FileSystemWriter user names a checkpoint by its directory).
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from torch.distributed.checkpoint._extension import StreamTransformExtension
+from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+from tierstore.commit import encoding as raw
+from tierstore.commit import layout
+from tierstore.errors import ConfigError
+from tierstore.storage.registry import split_scheme
+from tierstore.tiers.tier import Store, TierURL
+
+__all__ = ["WriterArgs", "writer_args", "hot_or_path", "checkpoint_name"]
+
+
+@dataclass(frozen=True)
+class WriterArgs:
+    """The DCP writer arguments a :class:`~tierstore.TieredWriter` keeps."""
+
+    encoding: str
+    overwrite: bool
+    extensions: tuple[StreamTransformExtension, ...]
+
+
+def hot_or_path(hot: TierURL | Store | None, path: TierURL | None, owner: str) -> TierURL | Store | None:
+    """``hot``, or DCP's ``path=`` for it; both is an error."""
+    if path is None:
+        return hot
+    if hot is not None:
+        raise ConfigError(f"{owner} got both hot and path=: path= is DCP's name for the hot "
+                          "tier, give one of them")
+    return path
+
+
+def writer_args(*, encoding: str | None, sync_files: bool, per_thread_copy_ahead: int,
+                cache_staged_state_dict: bool, overwrite: bool,
+                extensions: Sequence[StreamTransformExtension] | None,
+                serialization_format: SerializationFormat | str | None) -> WriterArgs:
+    """Check ``FileSystemWriter``'s arguments (module docstring); what the writer keeps."""
+    if not sync_files:
+        raise ConfigError("sync_files=False is not supported: tierstore makes every file durable "
+                          "before the commit (docs/design.md invariant 2); drop the argument "
+                          "(for scratch saves, put the hot tier on a memory disk such as /dev/shm)")
+    if isinstance(per_thread_copy_ahead, bool) or not isinstance(per_thread_copy_ahead, int) \
+            or per_thread_copy_ahead < 0:
+        raise ConfigError(f"per_thread_copy_ahead must be a byte count >= 0, got {per_thread_copy_ahead!r}")
+    if cache_staged_state_dict:
+        raise ConfigError("cache_staged_state_dict=True is not supported: TieredWriter does not "
+                          "stage; for staging buffers kept across async saves use "
+                          "CheckpointManager(staging='reuse'), or pass "
+                          "async_stager=tierstore.staging.ReusedStaging(...) to dcp.async_save")
+    _check_format(serialization_format)
+    exts = tuple(extensions or ())
+    for ext in exts:
+        if not isinstance(ext, StreamTransformExtension):
+            raise ConfigError(f"_extensions takes DCP StreamTransformExtension objects (such as "
+                              f"ZStandard()), got {type(ext).__name__}")
+    if encoding is None:
+        encoding = "dcp" if exts else "raw"
+    if encoding not in raw.ENCODINGS:
+        raise ConfigError(f"encoding must be one of {raw.ENCODINGS}, got {encoding!r}")
+    if exts and encoding != "dcp":
+        raise ConfigError(f"_extensions need encoding='dcp' (got {encoding!r}): the raw encoding "
+                          "reads byte ranges of items in place, which a compressed stream has not; "
+                          "pass encoding='dcp', or drop _extensions")
+    return WriterArgs(encoding, bool(overwrite), exts)
+
+
+def _check_format(value: SerializationFormat | str | None) -> None:
+    if value is None or value in (SerializationFormat.TORCH_SAVE, SerializationFormat.TORCH_SAVE.value):
+        return
+    if value in (SerializationFormat.SAFETENSORS, SerializationFormat.SAFETENSORS.value):
+        raise ConfigError("serialization_format=SAFETENSORS is not supported: tierstore stores "
+                          "items with encoding='raw' (tensor bytes as they are) or 'dcp' "
+                          "(torch.save, as SerializationFormat.TORCH_SAVE); drop the argument, "
+                          "or save safetensors with DCP's HuggingFaceStorageWriter")
+    raise ConfigError(f"unknown serialization_format {value!r}: DCP knows TORCH_SAVE and SAFETENSORS")
+
+
+def checkpoint_name(checkpoint_id: str | os.PathLike[str], roots: Sequence[str]) -> str:
+    """The checkpoint a DCP ``checkpoint_id`` names: a checkpoint name, or a directory
+    directly under one of ``roots`` (tier URLs or paths) whose last part is the name."""
+    text = os.fspath(checkpoint_id)
+    if layout.is_name(text):
+        return text
+    where = _under(text, roots)
+    if where is None:
+        shown = ", ".join(roots) or "none"
+        raise ConfigError(
+            f"checkpoint_id {text!r} is not a checkpoint name nor a directory directly under a "
+            f"tier root ({shown}); a checkpoint_id names a checkpoint inside the store: pass "
+            "its name (e.g. 'step-100'), or '<root>/<name>'"
+        )
+    return layout.check_name(where)
+
+
+def _under(text: str, roots: Sequence[str]) -> str | None:
+    """The last part of ``text`` when its parent is one of ``roots``, else ``None``."""
+    scheme, url = split_scheme(text)
+    for root in roots:
+        root_scheme, root_url = split_scheme(root)
+        if root_scheme != scheme:
+            continue
+        if scheme == "file":
+            parent, leaf = os.path.split(os.path.realpath(_local(url)))
+            if parent == os.path.realpath(_local(root_url)):
+                return leaf
+        else:
+            parent, leaf = posixpath.split(url.rstrip("/"))
+            if parent == root_url.rstrip("/"):
+                return leaf
+    return None
+
+
+def _local(path: str) -> str:
+    return path[len("file://"):] if path.startswith("file://") else path
