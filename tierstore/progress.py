@@ -20,7 +20,7 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
-__all__ = ["ProgressCallback", "ProgressDisplay", "counting", "size_text"]
+__all__ = ["ByteCount", "ProgressCallback", "ProgressDisplay", "counting", "size_text"]
 
 ProgressCallback = Callable[[str, int, int], None]
 
@@ -30,22 +30,27 @@ _PLAIN_FORMAT = "{desc}: {percentage:3.0f}% {n_fmt}B/{total_fmt}B [{elapsed}<{re
 _UNITS: dict[str, Any] = {"unit": "B", "unit_scale": True, "unit_divisor": 1000}
 
 
-def counting(label: str, total: int, progress: ProgressCallback | None) -> Callable[[int], None]:
+class ByteCount:
     """A ``(n_bytes)`` callback that adds up what a copy or a read reports and passes the
     running total of ``label`` to ``progress``; a negative count takes bytes back (a
-    retried file starts over)."""
-    done = 0
-    lock = threading.Lock()  # uploads report from several threads
+    retried file starts over). ``done`` is the running total."""
 
-    def advance(n: int) -> None:
-        nonlocal done
-        with lock:
-            done += n
-            now = done
-        if progress is not None:
-            progress(label, now, total)
+    def __init__(self, label: str, total: int, progress: ProgressCallback | None) -> None:
+        self.label, self.total, self.progress = label, total, progress
+        self.done = 0
+        self._lock = threading.Lock()  # uploads report from several threads
 
-    return advance
+    def __call__(self, n: int) -> None:
+        with self._lock:
+            self.done += n
+            now = self.done
+        if self.progress is not None:
+            self.progress(self.label, now, self.total)
+
+
+def counting(label: str, total: int, progress: ProgressCallback | None) -> ByteCount:
+    """The one byte counter behind every ``progress(label, done, total)`` report."""
+    return ByteCount(label, total, progress)
 
 
 class ProgressDisplay:

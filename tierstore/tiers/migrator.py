@@ -52,6 +52,7 @@ from tierstore.errors import (
     IntegrityError,
     TierstoreError,
 )
+from tierstore.progress import counting
 from tierstore.retry import RetryPolicy, polling
 from tierstore.storage import faults
 from tierstore.tiers import marks
@@ -274,19 +275,13 @@ class Migrator:
         jobs = [Job(manifest.name, manifest.attempt, manifest.step, rank, files, manifest.created)
                 for rank, files in sorted(_files_by_rank(manifest).items())]
         jobs[-1].manifest = manifest  # the last rank's job also commits
-        done = 0
-
-        def advance(n: int) -> None:
-            nonlocal done
-            done += n
-            if progress is not None:
-                progress(manifest.name, done, total)
-
+        advance = counting(manifest.name, total, progress)
         for job in jobs:
             job.listener = advance
             self.run(job)
             if job.state is MigrationState.FAILED:
-                return replace(job.status(self._clock()), rank=None, bytes_total=total, bytes_done=done)
+                return replace(job.status(self._clock()), rank=None, bytes_total=total,
+                               bytes_done=advance.done)
         return replace(jobs[-1].status(self._clock()), rank=None, bytes_total=total, bytes_done=total)
 
     def run(self, job: Job) -> None:
