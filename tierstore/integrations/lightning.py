@@ -1,0 +1,319 @@
+"""PyTorch Lightning drop-in: :class:`TierstoreCheckpoint`, a ``ModelCheckpoint`` that saves to tiers.
+
+The one-line change (in place of ``ModelCheckpoint(...)``, with the same arguments)::
+
+    trainer = Trainer(strategy=ModelParallelStrategy(), callbacks=[
+        TierstoreCheckpoint("/nvme/run1", "s3://bucket/run1", monitor="val_loss", save_top_k=2,
+                            save_last=True, every_n_epochs=1)])
+    trainer.fit(model, ckpt_path="last")   # the newest checkpoint in the store, hot or cold
+
+Why a callback: Lightning calls a ``CheckpointIO`` plugin on rank 0 only, and its sharded
+strategies (``ModelParallelStrategy``, ``FSDPStrategy``) bypass ``CheckpointIO`` for
+distributed checkpoints; a ``ModelCheckpoint`` runs on every rank and already decides *when*
+to save (``every_n_*``, ``monitor``/``save_top_k``, ``save_last``). Here each of its saves is
+one collective :meth:`CheckpointManager.save <tierstore.CheckpointManager.save>` of step
+``global_step``: ``dcp.async_save`` through ``TieredWriter``, so training resumes once the
+state is staged, and the cold tier is filled by the manager's background migrator. The
+model's state is what the strategy gives (DTensor shards under ``ModelParallelStrategy``,
+the replicated state under DDP, written once by DCP); optimizer states are saved by
+parameter name (``get_optimizer_state_dict``), the rest of Lightning's checkpoint dict
+(loops, callbacks, schedulers, hyper-parameters) as one ``torch.save`` blob.
+
+What ModelCheckpoint deletes, a retention policy prunes instead (:func:`policy_for`):
+``save_top_k=k`` with ``monitor`` is ``keep_best(monitor, k, mode)`` over the metric each
+save recorded, without ``monitor`` ``keep_last(k)``, ``-1`` keeps all; ``save_last`` adds
+``keep_last(1)``. Several saves at one step (top-k and last) are one checkpoint.
+
+Resuming: Lightning has no hook to read a checkpoint for a sharded strategy (they read the
+path with DCP's ``FileSystemReader``), so :meth:`TierstoreCheckpoint.setup` points that
+strategy's ``load_checkpoint`` and ``load_optimizer_state_dict`` at this callback; paths
+it does not know go to the strategy's own. It knows ``"last"`` (Lightning resolves it to
+:attr:`TierstoreCheckpoint.last_path` when the store holds a checkpoint),
+:meth:`TierstoreCheckpoint.step_path`, and the ``best_model_path``/``last_model_path``
+names it gave (their ``step=N``). Optimizer states are loaded once the strategy built the
+optimizers (under DDP after the model), from the same step.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+import os
+import re
+from collections.abc import Callable, Mapping
+from typing import Any, cast
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import Strategy
+from torch.distributed.checkpoint.state_dict import (
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+
+from tierstore import _dist
+from tierstore.commit.writer import store_to_save
+from tierstore.errors import CheckpointNotFound, ConfigError, TierstoreError
+from tierstore.lifecycle.retention import Policy, keep_all, keep_best, keep_last
+from tierstore.manager import CheckpointManager
+from tierstore.tiers.catalog import list_checkpoints
+from tierstore.tiers.tier import Store, TierURL
+
+__all__ = ["TierstoreCheckpoint", "policy_for"]
+
+log = logging.getLogger(__name__)
+
+_STEP_PREFIX = "tierstore:step="
+_STEP_IN_NAME = re.compile(r"(?:^|[^A-Za-z0-9_])step=(\d+)")
+_REST = "lightning"  # Lightning's checkpoint dict less model and optimizers, one blob
+_OPTIMIZERS = "tierstore_optimizers"  # in that dict: how many optimizer states are in DCP
+
+
+def policy_for(monitor: str | None, save_top_k: int, mode: str, save_last: object) -> Policy:
+    """The retention policy that keeps what ``ModelCheckpoint`` with these arguments keeps."""
+    if save_top_k == -1:
+        return keep_all()
+    if monitor is not None:
+        best: Policy = keep_best(monitor, save_top_k, "max" if mode == "max" else "min")
+    else:
+        best = keep_last(save_top_k)
+    return best | keep_last(1) if save_last else best
+
+
+class TierstoreCheckpoint(ModelCheckpoint):
+    """A ``ModelCheckpoint`` whose checkpoints are tierstore checkpoints (module docstring).
+
+    Args:
+        hot, cold: the store's tiers (URLs), or a :class:`~tierstore.Store` as ``hot``. The hot
+            tier must be a local directory for ``ckpt_path="last"`` (Lightning checks it exists).
+        hot_policy / cold_policy: retention per tier; by default both keep what
+            ``ModelCheckpoint`` would (:func:`policy_for`).
+        manager_options: further :class:`~tierstore.CheckpointManager` arguments
+            (``async_save``, ``migration``, ``hot_options``, ``writer_options``, ...).
+        **checkpoint_options: ``ModelCheckpoint``'s arguments (``monitor``, ``mode``,
+            ``save_top_k``, ``save_last``, ``every_n_train_steps``, ``every_n_epochs``, ...).
+    """
+
+    def __init__(self, hot: TierURL | Store, cold: TierURL | None = None, *,
+                 hot_policy: Policy | None = None, cold_policy: Policy | None = None,
+                 manager_options: Mapping[str, Any] | None = None,
+                 **checkpoint_options: Any) -> None:
+        super().__init__(**checkpoint_options)
+        options = dict(manager_options or {})
+        self.store = store_to_save(hot, cold, hot_options=options.pop("hot_options", None),
+                                   cold_options=options.pop("cold_options", None),
+                                   owner="TierstoreCheckpoint")
+        policy = policy_for(self.monitor, self.save_top_k, self.mode, self.save_last)
+        self.hot_policy, self.cold_policy = hot_policy or policy, cold_policy or policy
+        self.manager_options = options
+        self.manager: CheckpointManager | None = None  # made in setup(): it needs the group
+        self._saved_step: int | None = None
+        self._restored_step: int | None = None  # the step a resume loaded the model from
+        self._restore_originals: dict[str, Callable[..., Any]] = {}
+        self._strategy: Strategy | None = None
+        self._fitting = False
+        self._committed: set[int] = set()  # steps the store held beyond the resumed one
+
+    # -- the paths Lightning passes around ------------------------------------------------
+
+    @property
+    def last_path(self) -> str:
+        """What ``ckpt_path="last"`` resolves to: the hot tier's root."""
+        assert self.store.hot is not None  # store_to_save refused a store without one
+        return self.store.hot.url
+
+    @staticmethod
+    def step_path(step: int) -> str:
+        """A ``ckpt_path`` naming the newest checkpoint of ``step`` in the store."""
+        return f"{_STEP_PREFIX}{step}"
+
+    def _step_of(self, path: object) -> tuple[bool, int | None]:
+        """Whether ``path`` names a checkpoint of this store, and its step (``None``: newest)."""
+        text = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
+        if text is None:
+            return False, None
+        if text.startswith(_STEP_PREFIX):
+            return True, int(text[len(_STEP_PREFIX):])
+        if os.path.normpath(text) == os.path.normpath(self.last_path):
+            return True, None
+        found = _STEP_IN_NAME.search(os.path.basename(text))
+        if self.dirpath is not None and found is not None and (
+                os.path.normpath(os.path.dirname(text)) == os.path.normpath(self.dirpath)):
+            return True, int(found.group(1))
+        return False, None
+
+    def _find_last_checkpoints(self, trainer: Trainer) -> set[str]:
+        # Runs before the process group exists: every rank lists the store once.
+        if not list_checkpoints(self.store):
+            return set()
+        if "://" not in self.last_path:  # Lightning asks the filesystem for its mtime
+            os.makedirs(self.last_path, exist_ok=True)
+        return {self.last_path}
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        _check_strategy(trainer.strategy)
+        if self.manager is None:
+            self.manager = CheckpointManager(self.store, hot_policy=self.hot_policy,
+                                             cold_policy=self.cold_policy,
+                                             **self.manager_options)
+        strategy = trainer.strategy
+        for name, replacement in (("load_checkpoint", self._load_checkpoint),
+                                  ("load_optimizer_state_dict", self._load_optimizers)):
+            if name not in self._restore_originals:
+                self._restore_originals[name] = getattr(strategy, name)
+                setattr(strategy, name, replacement)  # on this instance only: see docstring
+        self._strategy, self._fitting = strategy, stage == "fit"
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Wait for the last save and its migration; give the strategy its loaders back."""
+        for name, original in self._restore_originals.items():
+            setattr(self._strategy, name, original)
+        self._strategy = None
+        self._restore_originals.clear()
+        if self.manager is not None:
+            manager, self.manager = self.manager, None
+            manager.close()
+        super().teardown(trainer, pl_module, stage)
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule,
+                     exception: BaseException) -> None:
+        """After ``save_on_exception``'s save: wait for the save in flight to commit, not for
+        migrations (``tierstore migrate`` or the next run's migrator finishes those)."""
+        super().on_exception(trainer, pl_module, exception)
+        if self.manager is not None:
+            manager, self.manager = self.manager, None
+            try:
+                manager.close(timeout=0.0)
+            except TierstoreError as err:  # the training error is the one to raise
+                log.error("while stopping on %s: %s", type(exception).__name__, err)
+
+    # -- saving ----------------------------------------------------------------------------
+
+    def _save_checkpoint(self, trainer: Trainer, filepath: str) -> None:
+        step = trainer.global_step
+        if step in self._committed:
+            log.warning("step %d is already committed in %s: not saved again", step,
+                        self.store.label)
+        elif self._saved_step != step:  # top-k and last at one step: one checkpoint
+            self._save_step(trainer, step)
+            self._saved_step = step
+        self._last_global_step_saved = step
+        self._last_checkpoint_saved = filepath
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.after_save_checkpoint(self)
+
+    def _save_step(self, trainer: Trainer, step: int) -> None:
+        assert self.manager is not None, "setup() makes the manager"
+        # The dict trainer.save_checkpoint would write, without writing it.
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(self.save_weights_only)
+        state: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
+        if checkpoint.pop("optimizer_states", None) is not None:
+            # By parameter name: Lightning's DDP states are keyed by position, which DCP's
+            # flattening turns into strings that optimizer.load_state_dict silently skips.
+            model = trainer.strategy.model
+            assert model is not None
+            for i, optimizer in enumerate(trainer.optimizers):
+                state[f"optimizer_{i}"] = get_optimizer_state_dict(model, optimizer)
+            checkpoint["optimizer_states"] = []
+            checkpoint[_OPTIMIZERS] = len(trainer.optimizers)
+        # One blob: DCP's flattening would drop empty dicts the loops' states need.
+        buffer = io.BytesIO()
+        torch.save(checkpoint, buffer)
+        state[_REST] = buffer.getvalue()
+        self.manager.save(step, state, force=True, metrics=self._metrics(trainer))
+
+    def _metrics(self, trainer: Trainer) -> dict[str, float]:
+        if self.monitor is None:
+            return {}
+        value = self._monitor_candidates(trainer).get(self.monitor)
+        if value is None or not math.isfinite(float(value)):
+            return {}  # such a checkpoint is never among keep_best's best
+        return {self.monitor: float(value)}
+
+    def _remove_checkpoint(self, trainer: Trainer, filepath: str) -> None:
+        """Nothing to delete: the retention policy prunes after each commit."""
+
+    @staticmethod
+    def _link_checkpoint(trainer: Trainer, filepath: str, linkpath: str) -> None:
+        """``save_last="link"``: the last checkpoint is the step's checkpoint already saved."""
+
+    # -- resuming --------------------------------------------------------------------------
+
+    def _load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        ours, step = self._step_of(checkpoint_path)
+        if not ours:
+            original = self._restore_originals["load_checkpoint"]
+            return cast(dict[str, Any], original(checkpoint_path, weights_only=weights_only))
+        strategy = self._strategy
+        assert self.manager is not None and strategy is not None
+        module = strategy.lightning_module
+        assert module is not None
+        state: dict[str, Any] = {"state_dict": strategy.lightning_module_state_dict(), _REST: b""}
+        found = (self.manager.load_latest(state) if step is None
+                 else self.manager.load(state, step=step))
+        if found is None:
+            raise CheckpointNotFound("no checkpoint to resume from" + (
+                "" if step is None else f" at step {step}"), tier=self.store.label)
+        module.load_state_dict(state["state_dict"], strict=module.strict_loading)
+        checkpoint: dict[str, Any] = torch.load(io.BytesIO(state[_REST]), weights_only=weights_only)
+        checkpoint["state_dict"] = state["state_dict"]
+        self._restored_step = found
+        log.info("resumed from step %d of %s", found, self.store.label)
+        if self._fitting:
+            self._note_later_steps(found)
+        if self._fitting and not strategy.lightning_restore_optimizer:
+            # Sharded strategies restore optimizers in load_checkpoint (they exist by now);
+            # Lightning then never calls load_optimizer_state_dict.
+            self._load_optimizers(checkpoint)
+        return checkpoint
+
+    def _note_later_steps(self, resumed: int) -> None:
+        """Resumed from an older step: this run's saves at steps the store already holds are
+        skipped, as committed checkpoints are never overwritten (docs/design.md invariant 3)."""
+        assert self.manager is not None
+        coordinator = _dist.group_rank_world(self.manager.group)[0] == 0
+        later = [s for s in self.manager.steps() if s > resumed] if coordinator else []
+        self._committed = set(_dist.broadcast(later, self.manager.group))  # all ranks skip alike
+        if self._committed:
+            log.warning("resumed from step %d, but %s holds later steps %s: this run will not "
+                        "save at those steps (committed checkpoints are never overwritten); "
+                        "delete them first to save there", resumed, self.store.label,
+                        sorted(self._committed))
+
+    def _load_optimizers(self, checkpoint: Mapping[str, Any]) -> None:
+        count = checkpoint.get(_OPTIMIZERS)
+        if count is None or self._restored_step is None:
+            self._restore_originals["load_optimizer_state_dict"](checkpoint)
+            return
+        strategy = self._strategy
+        assert self.manager is not None and strategy is not None
+        optimizers = strategy.optimizers
+        if len(optimizers) != count:
+            raise ConfigError(f"the checkpoint of step {self._restored_step} holds {count} "
+                              f"optimizer states, the model has {len(optimizers)} optimizers")
+        model = strategy.model
+        assert model is not None
+        state = {f"optimizer_{i}": get_optimizer_state_dict(model, opt)
+                 for i, opt in enumerate(optimizers)}
+        self.manager.load(state, step=self._restored_step)
+        for i, optimizer in enumerate(optimizers):
+            set_optimizer_state_dict(model, optimizer, optim_state_dict=state[f"optimizer_{i}"])
+
+
+def _check_strategy(strategy: Strategy) -> None:
+    """Refuse strategies whose checkpoint dict is not one shard per rank."""
+    name = type(strategy).__name__
+    if name == "DeepSpeedStrategy":
+        raise ConfigError("TierstoreCheckpoint does not support DeepSpeedStrategy (it writes "
+                          "its own checkpoint format); use ModelParallelStrategy or DDP")
+    if getattr(strategy, "_state_dict_type", "sharded") != "sharded" or not getattr(
+            strategy, "_save_distributed_checkpoint", True):
+        raise ConfigError(f"TierstoreCheckpoint needs {name} to save sharded state from every "
+                          "rank: pass state_dict_type='sharded' (FSDPStrategy) or "
+                          "save_distributed_checkpoint=True (ModelParallelStrategy)")
