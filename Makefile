@@ -5,6 +5,13 @@ BIN    := $(VENV)/bin
 # CPU torch first, pinned: an open `torch` requirement would pull a multi-GB CUDA build.
 TORCH  := torch==2.13.0
 STAMP  := $(VENV)/.installed
+# The integrations' tests need lightning and torchtitan. torchtitan 0.3.0 caps datasets (its
+# data loaders) below 4.8, hence fsspec, s3fs and gcsfs at 2026.2.0, under which the S3 plugin's
+# streaming write holds more than its contract allows; its checkpointer needs none of that, so
+# it is installed without its dependencies, plus the two its checkpointer imports
+# (docs/integrations.md).
+TORCHTITAN := torchtitan==0.3.0
+TITAN_DEPS := torch_checkpointing==0.1.1 tyro==1.0.17 spmd_types==0.2.3
 PYTEST_ARGS ?=
 
 .PHONY: demo test bench bench-full bench-smoke bench-perf bench-scale soak lint clean venv
@@ -15,7 +22,9 @@ $(STAMP): pyproject.toml $(wildcard backends/*/pyproject.toml) Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH) numpy
-	$(BIN)/python -m pip install -q -e '.[test]' $(foreach b,$(wildcard backends/*/pyproject.toml),-e $(dir $(b)))
+	$(BIN)/python -m pip install -q $(TORCH) -e '.[test,lightning]' $(foreach b,$(wildcard backends/*/pyproject.toml),-e $(dir $(b)))
+	$(BIN)/python -m pip install -q --no-deps $(TORCHTITAN)
+	$(BIN)/python -m pip install -q $(TORCH) $(TITAN_DEPS)
 	@touch $@
 
 demo: $(STAMP)

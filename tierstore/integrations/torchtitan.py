@@ -1,0 +1,169 @@
+"""torchtitan's DCP checkpointer, saving to and loading from a tiered store.
+
+The one-line change in a torchtitan job config::
+
+    checkpoint=TieredCheckpointManager.Config(enable=True, folder="checkpoint", cold="s3://bucket/run")
+
+instead of ``CheckpointManager.Config(...)``: the checkpoint folder (under the dump folder)
+becomes the hot tier, ``cold`` the optional cold tier. What maps to what:
+
+- a save of step N (``<folder>/step-N`` in torchtitan) is a ``TieredWriter`` save named
+  ``step-N`` with step N, committed by its manifest (docs/design.md invariant 1), migrated
+  to the cold tier in the background (invariant 9: the save never waits for it);
+- ``async_mode="async"`` is ``dcp.async_save`` with that writer, ``"async_with_pinned_mem"``
+  the same with torchtitan's pinned-memory stager in a process (it needs an accelerator);
+- resume (``load(step)``, latest when -1) resolves the newest committed checkpoint in either
+  tier, so a job whose node-local hot tier is gone resumes from cold; with none, torchtitan's
+  own path runs unchanged (``initial_load_path``, a folder of plain DCP checkpoints, a fresh
+  start), so a run moved from a plain folder resumes from its last plain checkpoint;
+- ``keep_latest_k`` prunes the hot tier with ``keep_last(k)`` on rank 0, in the background;
+  prune keeps every hot checkpoint the cold tier does not hold yet (invariant 15), and the
+  cold tier keeps everything (prune it with ``tierstore prune``).
+
+Not supported: ``last_save_in_hf`` (a Hugging Face export is a plain folder of safetensors,
+not a checkpoint of the store; export after training instead), refused when the manager is
+built.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import (
+    AsyncCheckpointerType,
+    AsyncSaveResponse,
+    async_save,
+)
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torchtitan.components.checkpointer import MODEL, AsyncMode, CheckpointManager
+from torchtitan.tools.utils import GarbageCollection
+
+from tierstore import _dist
+from tierstore.commit.reader import TieredReader
+from tierstore.commit.writer import TieredWriter
+from tierstore.errors import CheckpointNotFound, ConfigError
+from tierstore.lifecycle.prune import prune
+from tierstore.lifecycle.retention import keep_last
+from tierstore.tiers.catalog import CheckpointInfo, list_checkpoints
+from tierstore.tiers.tier import Store
+
+__all__ = ["TieredCheckpointManager"]
+
+log = logging.getLogger(__name__)
+
+_STEP_DIR = re.compile(r"step-([0-9]+)")
+
+
+def _name_and_step(checkpoint_id: str) -> tuple[str, int]:
+    """torchtitan's ``<folder>/step-N`` as the store's checkpoint ``step-N`` at step N."""
+    name = checkpoint_id.rstrip("/").rsplit("/", 1)[-1]
+    match = _STEP_DIR.fullmatch(name)
+    if match is None:
+        raise ConfigError(f"torchtitan checkpoint id {checkpoint_id!r} does not end in step-<N>")
+    return name, int(match.group(1))
+
+
+# torchtitan ships no type information mypy follows, so its classes are Any here.
+class TieredCheckpointManager(CheckpointManager):  # type: ignore[misc]
+    """torchtitan's ``CheckpointManager`` with a tiered store under it (see the module doc)."""
+
+    # torchtitan builds the class that declares the config: a subclass must declare its own.
+    @dataclass(kw_only=True, slots=True)
+    class Config(CheckpointManager.Config):  # type: ignore[misc]
+        cold: str | None = None
+        """Cold tier URL (``s3://``, ``gs://``, any fsspec URL, a directory); None: hot only."""
+
+    def __init__(self, config: TieredCheckpointManager.Config, **kwargs: Any) -> None:
+        if config.enable and config.last_save_in_hf:
+            raise ConfigError("last_save_in_hf writes a plain Hugging Face folder, not a checkpoint "
+                              "of the tiered store: set it to False and export after training")
+        self._cold = config.cold
+        self._pruning: threading.Thread | None = None
+        self._prune_wanted = False
+        self._prune_lock = threading.Lock()
+        super().__init__(config, **kwargs)
+        if self.enable:
+            self._store().check_schemes()  # a missing backend plugin fails here, not at step N
+
+    def _store(self) -> Store:
+        return Store.of(self.folder, self._cold)
+
+    @torch.no_grad()
+    def dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: AsyncMode,
+                 enable_garbage_collection: bool = False,
+                 to_hf: bool = False) -> Future[Any] | AsyncSaveResponse | None:
+        if to_hf:
+            raise ConfigError("Hugging Face exports are not saved to the tiered store")
+        name, step = _name_and_step(checkpoint_id)
+        writer = TieredWriter(self._store(), step=step, name=name)
+        result: Future[Any] | AsyncSaveResponse | None
+        if async_mode == AsyncMode.DISABLED:
+            dcp_save(state_dict, storage_writer=writer)
+            result = None
+        elif async_mode == AsyncMode.ASYNC:
+            result = async_save(state_dict, storage_writer=writer, process_group=self.pg)
+        else:
+            result = async_save(state_dict, storage_writer=writer, process_group=self.pg,
+                                    async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                                    async_stager=self.stager)
+        if enable_garbage_collection:
+            GarbageCollection.collect("GC collection invoked by checkpointer.")
+        return result
+
+    def _load(self, step: int = -1) -> bool:
+        info = self._committed(step)
+        if info is None:
+            if step != -1:
+                raise CheckpointNotFound(f"no committed checkpoint of step {step}",
+                                         tier=self._store().label)
+            return bool(super()._load(step))
+        assert info.step is not None
+        log.info("loading checkpoint %s (step %d) from %s", info.name, info.step, ", ".join(info.tiers))
+        # Step 0 is torchtitan's seed checkpoint: model only, as its own loader does.
+        states = self._states_to_load(model_only=info.step == 0)
+        dcp_load(states, storage_reader=TieredReader(self._store(), name=info.name))
+        if MODEL in self.states:
+            # torchtitan flattens the model's entries into the top level of what it loads.
+            self.states[MODEL].load_state_dict(states)
+        return True
+
+    def _committed(self, step: int) -> CheckpointInfo | None:
+        found = [c for c in list_checkpoints(self._store())
+                 if c.step is not None and _STEP_DIR.fullmatch(c.name) and step in (-1, c.step)]
+        return found[-1] if found else None
+
+    def _purge_stale_checkpoints(self) -> None:
+        if self.keep_latest_k <= 0 or _dist.rank_world()[0] != 0:
+            return
+        with self._prune_lock:
+            self._prune_wanted = True
+            if self._pruning is None:  # else the running pass goes round once more
+                self._pruning = threading.Thread(target=self._prune_hot, daemon=True,
+                                                 name="tierstore-titan-prune")
+                self._pruning.start()
+
+    def _prune_hot(self) -> None:
+        while True:
+            with self._prune_lock:
+                if not self._prune_wanted:
+                    self._pruning = None
+                    return
+                self._prune_wanted = False
+            for report in prune(self._store(), hot_policy=keep_last(self.keep_latest_k),
+                                prune_cold=False):
+                for error in report.errors:
+                    log.warning("pruning the hot tier: %s", error)
+
+    def _close(self) -> None:
+        super()._close()
+        with self._prune_lock:
+            pruning = self._pruning
+        if pruning is not None:
+            pruning.join()
