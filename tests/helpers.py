@@ -131,3 +131,29 @@ def shard_per_block(model: torch.nn.Module, world: int) -> None:
     for block in model.blocks:  # type: ignore[union-attr]
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+
+
+def forge_raw_item(root: str | Path, fqn: str, mutate: Any, name: str | None = None) -> None:
+    """Rewrite the RawItem of ``fqn`` in a committed hot checkpoint's ``.metadata`` with
+    ``mutate(item)`` and re-seal ``.metadata``'s entry and the manifest's checksum, as a store
+    someone else can write would."""
+    import json
+    import pickle
+
+    from tierstore.commit.manifest import _checksum
+    from tierstore.storage.checksum import crc32c_update
+
+    mpath = Path(root, layout.manifest_key(name or layout.default_name(1)))
+    body = json.loads(mpath.read_text())
+    meta_path = Path(root, layout.file_key(body["name"], body["attempt"], ".metadata"))
+    meta = pickle.loads(meta_path.read_bytes())
+    index = next(i for i in meta.storage_data if i.fqn == fqn)
+    meta.storage_data[index] = mutate(meta.storage_data[index])
+    data = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
+    meta_path.write_bytes(data)
+    for entry in body["files"]:
+        if entry["path"] == ".metadata":
+            entry.update(size=len(data), crc32c=crc32c_update(0, data))
+    body.pop("checksum")
+    body["checksum"] = _checksum(body)
+    mpath.write_text(json.dumps(body))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import json
 import pickle
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -20,17 +19,16 @@ from typing import Any, BinaryIO, ClassVar
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import committed, file_path, flip, unwrap
+from helpers import committed, file_path, flip, forge_raw_item, unwrap
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 
 from tierstore import IntegrityError, TieredReader, TieredWriter
 from tierstore.commit import encoding, layout, raw_read
-from tierstore.commit.manifest import Manifest, _checksum
+from tierstore.commit.manifest import Manifest
 from tierstore.lifecycle.scrub import verify_store
 from tierstore.storage import registry
 from tierstore.storage.backend import Backend, ObjectInfo, ObjectWriter
-from tierstore.storage.checksum import crc32c_update
 
 ROWS, COLS = 1024, 256  # 1 MiB of float32 per tensor
 WINDOW = (256, 768)  # the rows of "b" a sliced load reads: half of it
@@ -266,30 +264,13 @@ def test_a_flipped_byte_outside_every_wanted_range_is_not_read(store: str) -> No
     assert "CRC32C mismatch" in (checks[DATA].problem or "")
 
 
-def _forge_offset(root: str, fqn: str, offset: int) -> None:
-    """Move ``fqn``'s RawItem to ``offset`` and re-seal metadata and manifest."""
-    mpath = Path(root, layout.manifest_key(layout.default_name(1)))
-    body = json.loads(mpath.read_text())
-    meta_path = Path(root, layout.file_key(body["name"], body["attempt"], ".metadata"))
-    meta = pickle.loads(meta_path.read_bytes())
-    index = next(i for i in meta.storage_data if i.fqn == fqn)
-    meta.storage_data[index] = dataclasses.replace(meta.storage_data[index], offset=offset)
-    data = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
-    meta_path.write_bytes(data)
-    for entry in body["files"]:
-        if entry["path"] == ".metadata":
-            entry.update(size=len(data), crc32c=crc32c_update(0, data))
-    body.pop("checksum")
-    body["checksum"] = _checksum(body)
-    mpath.write_text(json.dumps(body))
-
-
 @pytest.mark.parametrize("where", ["past the end", "negative"])
 def test_a_hostile_offset_is_refused_before_any_data_is_read(store: str, where: str) -> None:
     manifest = _save(store)
     entry = manifest.file(DATA)
     assert entry is not None
-    _forge_offset(store, "b", entry.size + 4096 if where == "past the end" else -4096)
+    offset = entry.size + 4096 if where == "past the end" else -4096
+    forge_raw_item(store, "b", lambda item: dataclasses.replace(item, offset=offset))
     with pytest.raises(BaseException) as info:
         _load_window(f"counted://{store}")
     err = unwrap(info.value)

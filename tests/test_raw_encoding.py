@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from helpers import blank, committed, file_path, flip, load, save, state_for, unwrap
+from helpers import blank, committed, file_path, flip, forge_raw_item, load, save, state_for, unwrap
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
@@ -24,9 +24,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 from tierstore import ConfigError, IntegrityError, TieredReader, TieredWriter, list_checkpoints
 from tierstore.commit import encoding, layout, raw_read
 from tierstore.commit.encoding import RawItem
-from tierstore.commit.manifest import _checksum
 from tierstore.errors import ChecksumMismatch
-from tierstore.storage.checksum import crc32c_update
 
 NAME = layout.default_name(1)
 DTYPES = [torch.float16, torch.float32, torch.float64, torch.bfloat16, torch.complex64,
@@ -275,24 +273,6 @@ def test_damage_in_padding_is_caught_by_a_whole_file_load(store: str, monkeypatc
 # -- hostile RawItems --------------------------------------------------------------------
 
 
-def _forge(root: Path, mutate: Callable[[RawItem], RawItem]) -> None:
-    """Rewrite the first tensor item's RawItem and re-seal metadata and manifest."""
-    mpath = root / layout.manifest_key(NAME)
-    body = json.loads(mpath.read_text())
-    meta_path = root / layout.file_key(NAME, body["attempt"], ".metadata")
-    meta = pickle.loads(meta_path.read_bytes())
-    index = next(i for i, v in meta.storage_data.items() if i.fqn == "w")
-    meta.storage_data[index] = mutate(meta.storage_data[index])
-    data = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
-    meta_path.write_bytes(data)
-    for entry in body["files"]:
-        if entry["path"] == ".metadata":
-            entry.update(size=len(data), crc32c=crc32c_update(0, data))
-    body.pop("checksum")
-    body["checksum"] = _checksum(body)
-    mpath.write_text(json.dumps(body))
-
-
 HOSTILE: dict[str, Callable[[RawItem], RawItem]] = {
     "length not numel * itemsize": lambda i: dataclasses.replace(i, length=i.length - 4),
     "past the end of the file": lambda i: dataclasses.replace(i, offset=i.offset + (1 << 30)),
@@ -313,7 +293,7 @@ HOSTILE: dict[str, Callable[[RawItem], RawItem]] = {
 @pytest.mark.parametrize("case", sorted(HOSTILE))
 def test_hostile_raw_items_are_clean_integrity_errors(store: str, case: str) -> None:
     save(store, 1)
-    _forge(Path(store), HOSTILE[case])
+    forge_raw_item(store, "w", HOSTILE[case], NAME)
     with pytest.raises(BaseException) as info:
         load(store, name=NAME)
     err = unwrap(info.value)
