@@ -21,12 +21,14 @@ from tierstore.testing import BackendContract
 
 
 class TestLocalContract(BackendContract):
+    versions = True
     @pytest.fixture
     def backend(self, tmp_path: Path) -> LocalBackend:
         return LocalBackend(str(tmp_path / "root"))
 
 
 class TestFileURLContract(BackendContract):
+    versions = True
     large_size = 8 << 20
 
     @pytest.fixture
@@ -35,6 +37,7 @@ class TestFileURLContract(BackendContract):
 
 
 class TestLocalDirectIOContract(BackendContract):
+    versions = True
     large_size = 16 << 20  # two O_DIRECT staging buffers and more
 
     @pytest.fixture
@@ -169,6 +172,7 @@ def test_free_bytes_of_missing_root_uses_parent(tmp_path: Path, monkeypatch) -> 
 
 
 class TestMemoryContract(BackendContract):
+    versions = True
     large_size = 8 << 20
     stream_memory_limit = 3 * (8 << 20)  # the store is memory: the object plus one copy
 

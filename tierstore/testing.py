@@ -10,8 +10,11 @@ subclassing :class:`BackendContract` and providing a fresh, empty backend::
         def backend(self, tmp_path):
             return MyBackend(f"my://{tmp_path}")
 
-Class attributes tune it: ``large_size`` (bytes streamed by the large-file tests) and
-``stream_memory_limit`` (the most Python-heap growth allowed while streaming it).
+Class attributes tune it: ``large_size`` (bytes streamed by the large-file tests),
+``stream_memory_limit`` (the most Python-heap growth allowed while streaming it) and
+``versions`` (``True``: the backend must report object versions; a backend that reports
+none is still correct, only slower to commit to, and the version tests then only check
+that it says so consistently).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class BackendContract:
     large_size = 48 << 20
     stream_memory_limit = 24 << 20
     racers = 8
+    versions = False
 
     @pytest.fixture
     def backend(self) -> Backend:
@@ -265,6 +269,52 @@ class BackendContract:
         backend.delete_many([])
         assert list(backend.list("dm/")) == []
         assert backend.read_bytes("dm-keep/x") == b"x"
+
+    # -- versions and the conditional delete ---------------------------------------------
+
+    def _versioned(self, backend: Backend) -> bool:
+        """Whether ``backend`` reports versions (required where ``versions`` says so)."""
+        with backend.open_write("v/probe") as out:
+            out.write(b"probe")
+        found = out.version is not None or backend.stat("v/probe").version is not None
+        assert found or not self.versions, "this backend must report object versions"
+        return found
+
+    def test_a_write_reports_the_version_stat_and_list_show(self, backend: Backend) -> None:
+        if not self._versioned(backend):
+            pytest.skip("this backend reports no versions")
+        with backend.open_write("v/a") as out:
+            out.write(b"first bytes")
+        listed = {i.key: i for i in backend.list("v/")}
+        assert out.version is not None
+        assert backend.stat("v/a").version == listed["v/a"].version == out.version
+
+    def test_other_bytes_of_the_same_size_are_another_version(self, backend: Backend) -> None:
+        if not self._versioned(backend):
+            pytest.skip("this backend reports no versions")
+        with backend.open_write("v/b") as first:
+            first.write(b"A" * 4096)
+        with backend.open_write("v/b") as second:
+            second.write(b"B" * 4096)
+        assert first.version != second.version
+        assert backend.stat("v/b").version == second.version
+        backend.delete("v/b")
+        backend.publish("v/b", b"C" * 4096)  # a publish after a delete: another version too
+        assert backend.stat("v/b").version not in (first.version, second.version)
+
+    def test_delete_if_deletes_only_the_version_it_names(self, backend: Backend) -> None:
+        if not self._versioned(backend):
+            pytest.skip("this backend reports no versions")
+        with backend.open_write("v/c") as old:
+            old.write(b"old bytes")
+        with backend.open_write("v/c") as new:
+            new.write(b"new bytes")
+        assert old.version is not None and new.version is not None
+        assert backend.delete_if("v/c", old.version) is False  # written since: it stays
+        assert backend.read_bytes("v/c") == b"new bytes"
+        assert backend.delete_if("v/c", new.version) is True
+        assert not backend.exists("v/c")
+        assert backend.delete_if("v/c", new.version) is True  # gone already: idempotent
 
     def test_open_range_reads_exactly_the_range(self, backend: Backend) -> None:
         data = bytes(range(256)) * 64 + b"tail"

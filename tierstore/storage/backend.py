@@ -33,6 +33,14 @@ root URL. tierstore needs only these guarantees, stated once here:
   removes many keys in as few requests as the backend allows (S3 ``DeleteObjects``: 1,000
   keys per request); it is not atomic: on an error some keys may be gone, none is damaged,
   and calling it again finishes the job.
+* **Versions**: :attr:`ObjectInfo.version` (in ``stat`` and ``list`` alike) and
+  :attr:`ObjectWriter.version` (once ``close()`` returned) name the stored object as it was
+  last written: S3's ETag, GCS's generation, a local file's inode, size and nanosecond
+  mtime. Writing the key again with other bytes gives another version (the same bytes may
+  or may not). ``None`` where a backend cannot tell; callers then verify the bytes instead.
+  :meth:`Backend.delete_if` deletes a key only while it still holds one version (S3
+  ``If-Match``, GCS ``ifGenerationMatch``): an object written since is never deleted by a
+  decision made about an older one.
 * **Errors** are translated into the :mod:`tierstore.errors` tree, naming key and tier;
   retryable failures are :class:`~tierstore.errors.TransientStorageError`.
 * **Thread safety**: one backend instance may be used from many threads at once. Backends
@@ -76,6 +84,7 @@ class ObjectInfo:
     size: int
     mtime: float | None = None
     crc32c: int | None = None  # set where the backend stores one (S3, GCS)
+    version: str | None = None  # names this write of the object (module docstring)
 
 
 def check_key(key: str, *, tier: str | None = None) -> list[str]:
@@ -106,6 +115,7 @@ class ObjectWriter(abc.ABC):
         self.size = 0
         self.crc32c = 0
         self.closed = False
+        self.version: str | None = None  # the stored object's version, set by close()
         # The storage error a write raised. Callers that write through C++ (torch.save)
         # get a generic RuntimeError back from it; this keeps the real one to re-raise.
         self.failure: TierstoreError | None = None
@@ -244,6 +254,20 @@ class Backend(abc.ABC):
         default deletes one at a time; backends with a batch request override it."""
         for key in keys:
             self.delete(key)
+
+    def delete_if(self, key: str, version: str) -> bool:
+        """Delete ``key`` only while it holds the object ``version`` names: ``True`` if it is
+        gone now (deleted, or already absent), ``False`` (nothing deleted) if it holds
+        another object. The default compares a ``stat`` and then deletes, which leaves a
+        moment between the two; backends with a conditional delete override it."""
+        try:
+            found = self.stat(key).version
+        except ObjectNotFound:
+            return True
+        if found is None or found != version:
+            return False
+        self.delete(key)
+        return True
 
     def exists(self, key: str) -> bool:
         try:

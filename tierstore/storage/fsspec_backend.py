@@ -164,7 +164,7 @@ class FsspecBackend(Backend):
             info = self.fs.info(path)
         if info.get("type") != "file":
             raise ObjectNotFound("no such object", key=key, tier=self.label)
-        return ObjectInfo(key=key, size=int(info["size"]), mtime=_mtime(info))
+        return ObjectInfo(key=key, size=int(info["size"]), mtime=_mtime(info), version=_version(info))
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         if prefix and not prefix.endswith("/"):
@@ -174,7 +174,8 @@ class FsspecBackend(Backend):
             return
         for path, info in sorted(self.fs.find(top, detail=True).items()):
             if info.get("type") == "file":
-                yield ObjectInfo(key=self._rel(path), size=int(info["size"]), mtime=_mtime(info))
+                yield ObjectInfo(key=self._rel(path), size=int(info["size"]), mtime=_mtime(info),
+                                 version=_version(info))
 
     def delete(self, key: str) -> None:
         path = self._path(key)
@@ -216,4 +217,14 @@ def _mtime(info: dict[str, Any]) -> float | None:
         stamp = getattr(value, "timestamp", None)
         if callable(stamp):
             return float(stamp())
+    return None
+
+
+def _version(info: dict[str, Any]) -> str | None:
+    """What the filesystem reports that changes with each write (an object store's ETag or
+    generation); ``None`` otherwise: tierstore then verifies the bytes instead."""
+    for field in ("generation", "ETag", "etag"):
+        value = info.get(field)
+        if value:
+            return str(value).strip('"')
     return None

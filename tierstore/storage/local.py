@@ -59,6 +59,12 @@ def _fsync_dir(fd: int) -> None:
     os.fsync(fd)
 
 
+def _version(st: os.stat_result) -> str:
+    """A file's version (storage/backend.py): a rewrite in place moves its nanosecond mtime,
+    a file renamed over it has another inode."""
+    return f"{st.st_ino:x}-{st.st_size:x}-{st.st_mtime_ns:x}"
+
+
 def _temp_name(base: str) -> str:
     # gc recognises ".tmp-" debris; the leading dot keeps it out of DCP's shard names.
     return f".{base}.tmp-{uuid.uuid4().hex[:12]}"
@@ -222,6 +228,7 @@ class _LocalWriter(ObjectWriter):
                     self._buffer.clear()
                 if self._backend.fsync:
                     os.fsync(self._fd)
+                self.version = _version(os.fstat(self._fd))  # a rename keeps inode and mtime
                 fd, self._fd = self._fd, -1
                 os.close(fd)
                 os.replace(self._tmp, self._base, src_dir_fd=self._dirs.fd,
@@ -507,7 +514,7 @@ class LocalBackend(Backend):
                 dirs.close()
         if not stat_mod.S_ISREG(st.st_mode):
             raise UnsafePath("not a regular file", key=key, tier=self.label)
-        return ObjectInfo(key=key, size=st.st_size, mtime=st.st_mtime)
+        return ObjectInfo(key=key, size=st.st_size, mtime=st.st_mtime, version=_version(st))
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         """Regular files only: links, FIFOs and linked directories are no objects of ours."""
@@ -537,7 +544,8 @@ class LocalBackend(Backend):
                 elif entry.is_file(follow_symlinks=False):
                     st = entry.stat(follow_symlinks=False)
                     if stat_mod.S_ISREG(st.st_mode):
-                        yield ObjectInfo(key=key, size=st.st_size, mtime=st.st_mtime)
+                        yield ObjectInfo(key=key, size=st.st_size, mtime=st.st_mtime,
+                                         version=_version(st))
                     continue
                 else:
                     continue
@@ -561,6 +569,27 @@ class LocalBackend(Backend):
                 except FileNotFoundError:
                     return
                 dirs.prune_empty()
+            finally:
+                dirs.close()
+
+    def delete_if(self, key: str, version: str) -> bool:
+        """Compare and unlink under one directory descriptor (no path walked twice)."""
+        parts = check_key(key, tier=self.label)
+        with translate_os_errors(key, self.label):
+            try:
+                dirs = self._open_dirs(key, parts[:-1], create=False)
+            except (FileNotFoundError, NotADirectoryError):
+                return True
+            try:
+                try:
+                    st = os.stat(parts[-1], dir_fd=dirs.fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    return True
+                if not stat_mod.S_ISREG(st.st_mode) or _version(st) != version:
+                    return False
+                os.unlink(parts[-1], dir_fd=dirs.fd)
+                dirs.prune_empty()
+                return True
             finally:
                 dirs.close()
 

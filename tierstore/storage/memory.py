@@ -8,6 +8,7 @@ filesystem. Nothing survives the process, so it is no tier for real checkpoints.
 from __future__ import annotations
 
 import io
+import itertools
 import threading
 import time
 from collections.abc import Iterator
@@ -18,9 +19,14 @@ from tierstore.storage.backend import Backend, ObjectInfo, ObjectWriter, check_k
 
 __all__ = ["MemoryBackend"]
 
-# Process-wide by design (see module docstring): name -> key -> (data, mtime).
-_STORES: dict[str, dict[str, tuple[bytes, float]]] = {}
+# Process-wide by design (see module docstring): name -> key -> (data, mtime, version).
+_STORES: dict[str, dict[str, tuple[bytes, float, str]]] = {}
 _LOCK = threading.Lock()
+_WRITES = itertools.count(1)  # versions: every write of any key gets the next number
+
+
+def _entry(data: bytes) -> tuple[bytes, float, str]:
+    return data, time.time(), str(next(_WRITES))
 
 
 class _MemoryWriter(ObjectWriter):
@@ -35,8 +41,10 @@ class _MemoryWriter(ObjectWriter):
     def _commit(self) -> None:
         data = b"".join(self._chunks)
         self._chunks.clear()
+        entry = _entry(data)
         with _LOCK:
-            self._backend._store[self.key] = (data, time.time())
+            self._backend._store[self.key] = entry
+        self.version = entry[2]
 
     def _abort(self) -> None:
         self._chunks.clear()
@@ -78,20 +86,32 @@ class MemoryBackend(Backend):
         with _LOCK:
             if key in self._store:
                 raise PublishConflict("already published", key=key, tier=self.label)
-            self._store[key] = (bytes(data), time.time())
+            self._store[key] = _entry(bytes(data))
 
     def stat(self, key: str) -> ObjectInfo:
-        data = self._get(key)
-        return ObjectInfo(key=key, size=len(data), mtime=self._store[key][1])
+        try:
+            data, mtime, version = self._store[self._key(key)]
+        except KeyError:
+            raise ObjectNotFound("no such object", key=key, tier=self.label) from None
+        return ObjectInfo(key=key, size=len(data), mtime=mtime, version=version)
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         if prefix and not prefix.endswith("/"):
             raise ValueError(f"list prefix must be '' or end with '/': {prefix!r}")
         with _LOCK:
             items = [(k, v) for k, v in self._store.items() if k.startswith(prefix)]
-        for key, (data, mtime) in sorted(items):
-            yield ObjectInfo(key=key, size=len(data), mtime=mtime)
+        for key, (data, mtime, version) in sorted(items):
+            yield ObjectInfo(key=key, size=len(data), mtime=mtime, version=version)
 
     def delete(self, key: str) -> None:
         with _LOCK:
             self._store.pop(self._key(key), None)
+
+    def delete_if(self, key: str, version: str) -> bool:
+        key = self._key(key)
+        with _LOCK:
+            found = self._store.get(key)
+            if found is not None and found[2] != version:
+                return False
+            self._store.pop(key, None)
+            return True

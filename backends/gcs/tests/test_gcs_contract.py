@@ -9,6 +9,7 @@ from tierstore_gcs import GCSBackend
 
 
 class TestGCSContract(BackendContract):
+    versions = True
     # 16 parts of 1 MiB. Measured: writing holds ~2 MiB (one part, plus ~1 MiB of aiohttp
     # and asyncio buffers whatever the part size), reading ~4 MiB (one block, the same
     # buffers, and the test's own two 1 MiB reads): bounded by the part, not the object.

@@ -163,6 +163,8 @@ class GCSWriter(ObjectWriter):
             self._buf = bytearray()
         # Durable and complete only once what GCS stored matches (docs/design.md invariant 2).
         self._backend._verify(self.key, resource, self.size, self.crc32c)
+        generation = resource.get("generation")
+        self.version = str(generation) if generation else None  # the generation just checked
 
     def _cleanup(self) -> None:
         # Never delete the key here: the failed request may have created the object (our

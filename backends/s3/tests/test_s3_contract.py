@@ -12,6 +12,7 @@ from tierstore_s3 import S3Backend
 
 
 class TestS3Contract(BackendContract):
+    versions = True
     # part_size 5 MiB x (max_concurrency 2 + 1) bounds a write near 15 MiB; a read holds
     # two 5 MiB ranges. 24 MiB streams through more parts than may be in flight at once.
     large_size = 24 * MiB

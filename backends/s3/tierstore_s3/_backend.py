@@ -271,7 +271,7 @@ class S3Backend(Backend):
         modified = head.get("LastModified")
         return ObjectInfo(key=key, size=int(head["ContentLength"]),
                           mtime=modified.timestamp() if modified is not None else None,
-                          crc32c=_checksum.full_object_crc32c(head))
+                          crc32c=_checksum.full_object_crc32c(head), version=_checksum.etag(head))
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         if prefix and not prefix.endswith("/"):
@@ -299,7 +299,8 @@ class S3Backend(Backend):
                 continue
             modified = obj.get("LastModified")
             yield ObjectInfo(key=rel, size=int(obj["Size"]),
-                             mtime=modified.timestamp() if modified is not None else None)
+                             mtime=modified.timestamp() if modified is not None else None,
+                             version=_checksum.etag(obj))
 
     def delete(self, key: str) -> None:
         full = self.full_key(key)
@@ -307,6 +308,19 @@ class S3Backend(Backend):
             self.retrying("delete", key, lambda: self.call("delete_object", key, Key=full))
         except ObjectNotFound:
             pass
+
+    def delete_if(self, key: str, version: str) -> bool:
+        """One DeleteObject with ``If-Match`` the ETag: S3 itself compares (412: another
+        object). A store that ignores ``If-Match`` deletes unconditionally."""
+        full = self.full_key(key)
+        try:
+            self.retrying("conditional delete", key, lambda: self.call(
+                "delete_object", key, Key=full, IfMatch=f'"{version}"'))
+        except ObjectNotFound:
+            return True
+        except PublishConflict:  # the 412 of If-Match
+            return False
+        return True
 
     def delete_many(self, keys: Iterable[str]) -> None:
         """DeleteObjects, up to 1,000 keys a request, each request one retried unit (deleting

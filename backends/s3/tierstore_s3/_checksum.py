@@ -15,7 +15,7 @@ from typing import Any
 
 from tierstore.storage.backend import crc32c_update
 
-__all__ = ["encode", "decode", "composite", "accepted_values", "full_object_crc32c"]
+__all__ = ["encode", "decode", "composite", "accepted_values", "full_object_crc32c", "etag"]
 
 
 def encode(crc: int) -> str:
@@ -66,3 +66,9 @@ def full_object_crc32c(head: Mapping[str, Any]) -> int | None:
     if kind is None and "-" in str(head.get("ETag", "")).strip('"'):
         return None
     return decode(str(value))
+
+
+def etag(answer: Mapping[str, Any]) -> str | None:
+    """An object's ETag (HEAD or listing), unquoted: its version in the backend contract."""
+    value = str(answer.get("ETag") or "").strip('"')
+    return value or None

@@ -201,6 +201,7 @@ class S3ObjectWriter(ObjectWriter):
         if stored and stored not in _checksum.accepted_values(self.crc32c, part_crcs):
             self._remove_bad(head)
             raise self._mismatch("CRC32C", _checksum.encode(self.crc32c), stored)
+        self.version = _checksum.etag(head)  # the very object this answer vouched for
 
     def _remove_bad(self, head: dict[str, Any]) -> None:
         """Delete the object S3 holds under our key with other bytes than we sent, but only
