@@ -44,6 +44,10 @@ class CountingBackend(LocalBackend):
             self.calls["delete"] += 1
         super().delete(key)
 
+    def delete_if(self, key: str, version: str) -> bool:
+        self.calls["delete"] += 1  # one request, as a conditional delete is on S3 and GCS
+        return super().delete_if(key, version)
+
     def delete_many(self, keys: Iterable[str]) -> None:
         self.calls["delete_many"] += 1
         self._batch.on = True

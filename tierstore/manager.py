@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_asyn
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from tierstore import _dist
-from tierstore.commit.manifest import checkpoint_order
+from tierstore.commit.manifest import Manifest, checkpoint_order
 from tierstore.commit.manifest_format import check_metrics
 from tierstore.commit.reader import TieredReader, is_damage
 from tierstore.commit.writer import TieredWriter, store_to_save
@@ -431,7 +431,8 @@ class CheckpointManager:
         """Below the hot tier's free-space watermark, prune it beyond policy, from hot-tier
         knowledge alone: this runs before a save, where no cold request may be made. A hot
         copy goes only if the hot tier's migrated mark names the cold tier's identity (known
-        once any background prune reached the cold tier); the rest is kept."""
+        once any background prune reached the cold tier), checked once in the listing the
+        decision is made from and again right before its un-publish; the rest is kept."""
         if self.hot_min_free is None or (self.rank != 0 and not self.node_local):
             return
         hot, cold = self._hot, self.store.cold
@@ -446,12 +447,20 @@ class CheckpointManager:
             threshold = int(newest.total_size * 1.1) if newest is not None else 0
         if free >= int(threshold):
             return
-        protect = set()
+        manifests = hot.manifests() if manifests is None else manifests
+        protect: set[str] = set()
+        still_safe = None
         if cold is not None:
-            manifests = hot.manifests() if manifests is None else manifests
             cold_id = _known_store_id(cold)
             protect = {m.name for m in manifests if not marks.was_migrated(hot, m, cold_id)}
-        report = prune_tier(hot, keep_none(), protect=protect)
+
+            def still_safe(manifest: Manifest) -> str | None:
+                if marks.was_migrated(hot, manifest, cold_id):
+                    return None
+                return "no migrated mark names the cold tier"
+
+        report = prune_tier(hot, keep_none(), protect=protect, manifests=manifests,
+                            still_safe=still_safe)
         log.warning("hot tier %s below its free-space watermark (%d bytes free, want %d): "
                     "pruned %s beyond policy; kept the newest and those not known to be in "
                     "cold (%s)", hot.label, free, threshold, list(report.deleted), sorted(protect))

@@ -225,6 +225,10 @@ class CountingBackend(Backend):
         self.counter.request(self.role, "delete", key)
         self.inner.delete(key)
 
+    def delete_if(self, key: str, version: str) -> bool:
+        self.counter.request(self.role, "delete", key)  # If-Match / ifGenerationMatch: one
+        return self.inner.delete_if(key, version)
+
     def delete_many(self, keys: Iterable[str]) -> None:
         keys = list(keys)
         if not keys:

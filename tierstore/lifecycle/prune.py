@@ -1,13 +1,21 @@
 """Pruning by retention policy, in the order that never leaves a trusted checkpoint broken.
 
-For each checkpoint a tier's policy does not keep (docs/design.md invariants 14-16):
+**One view per decision** (docs/design.md invariant 19). A round lists a tier's manifests
+once, decides from that listing, and acts only on checkpoints of that listing: one committed
+after the listing (by a save, a migration, a restore) is never touched by the round, and a
+name committed again since (a new attempt after a quarantine, the same attempt restored) is
+left alone too, since the un-publish deletes only the very root the round listed
+(:meth:`~tierstore.tiers.tier.Tier.unpublish`). For each checkpoint a tier's policy does not
+keep (invariants 14-16):
 
 1. never the newest committed checkpoint of the tier, and (when a cold tier is configured)
    never a hot checkpoint unless the *current* cold tier holds a valid manifest of the same
    attempt, or the hot tier's migrated mark names the current cold tier's identity (it was
    committed there and that tier's own policy pruned it since). A torn or invalid cold
    manifest, a cold tier that cannot be read, or one holding another attempt protects the
-   hot copy, and the report says why;
+   hot copy, and the report says why. The hot tier's protected set comes from the same
+   listing the plan is made from, and each hot checkpoint is held against the cold tier
+   *again* immediately before it is un-published (:class:`ColdGuard`);
 2. **un-publish first**: delete the manifest, so the checkpoint stops existing;
 3. then, unless a load holds a live lease on it, delete its data, manifest parts and marks
    in batches (:meth:`~tierstore.storage.backend.Backend.delete_many`: one request per 1,000
@@ -17,10 +25,16 @@ For each checkpoint a tier's policy does not keep (docs/design.md invariants 14-
 Deciding what to prune reads the tiers' manifest roots only (cached by the tier: they never
 change once published); deleting a checkpoint reads its parts, to name its files. The hot
 and the cold tier are pruned in parallel: each follows its own policy, and the hot tier's
-safety check reads the cold tier's manifests whichever order the two run in.
+safety checks read the cold tier's manifests whichever order the two run in.
 
 A failure on one checkpoint is reported (``PruneReport.errors``) and pruning goes on with
 the others: one damaged object never stops the rest.
+
+Fault points (the crash suite's gates, one between each read and the act it decides):
+``prune.after_listing`` (a tier listed, nothing decided), ``prune.after_cold_check`` (hot
+checkpoints held against the cold tier, nothing deleted), ``prune.before_unpublish`` (one
+checkpoint re-checked, not yet un-published), ``prune.after_unpublish``,
+``prune.after_file_delete``.
 """
 
 from __future__ import annotations
@@ -42,8 +56,8 @@ from tierstore.storage.backend import ObjectInfo
 from tierstore.tiers import marks
 from tierstore.tiers.tier import Store, Tier, TierURL
 
-__all__ = ["PruneReport", "ColdCheck", "prune", "prune_tier", "prune_node_local", "plan_prune",
-           "pending_in_cold", "check_cold_copies"]
+__all__ = ["PruneReport", "ColdCheck", "ColdGuard", "prune", "prune_tier", "prune_hot",
+           "prune_node_local", "plan_prune", "pending_in_cold", "check_cold_copies"]
 
 log = logging.getLogger(__name__)
 
@@ -77,20 +91,45 @@ def plan_prune(manifests: Iterable[Manifest], policy: Policy, *, protect: Iterab
     return [m for m in manifests if m.name not in kept], kept, protected
 
 
+#: Asked right before a checkpoint is un-published: ``None`` to go ahead, else why it stays.
+StillSafe = Callable[[Manifest], "str | None"]
+
+
 def prune_tier(tier: Tier, policy: Policy, *, protect: Iterable[str] = (), dry_run: bool = False,
-               now: float | None = None, warnings: Iterable[str] = ()) -> PruneReport:
-    """Apply ``policy`` to one tier (see the module docstring for the order)."""
+               now: float | None = None, warnings: Iterable[str] = (),
+               manifests: Sequence[Manifest] | None = None,
+               still_safe: StillSafe | None = None) -> PruneReport:
+    """Apply ``policy`` to one tier (see the module docstring for the order).
+
+    ``manifests``: the listing to decide from (default: the tier listed once, now); only
+    checkpoints of it are touched. ``still_safe``: asked about each doomed checkpoint right
+    before its un-publish (:class:`ColdGuard` for a hot tier); a reason keeps it, reported
+    in ``protected`` and ``warnings``.
+    """
     now = time.time() if now is None else now
-    doomed, kept, protected = plan_prune(tier.manifests(), policy, protect=protect, now=now)
+    listing = list(tier.manifests() if manifests is None else manifests)
+    faults.point("prune.after_listing")
+    doomed, kept, protected = plan_prune(listing, policy, protect=protect, now=now)
     deleted, deferred, errors, freed = [], [], [], 0
+    notes = list(warnings)
     for manifest in doomed:
-        if dry_run:
-            deleted.append(manifest.name)
-            freed += manifest.total_size
-            continue
         try:
+            why = still_safe(manifest) if still_safe is not None else None
+            if why is not None:
+                log.warning("kept %s in %s: %s", manifest.name, tier.label, why)
+                notes.append(f"{manifest.name}: {why}")
+                kept.add(manifest.name)
+                protected.add(manifest.name)
+                continue
+            if dry_run:
+                deleted.append(manifest.name)
+                freed += manifest.total_size
+                continue
             faults.point("prune.before_unpublish")
-            tier.backend.delete(layout.manifest_key(manifest.name))  # un-publish first
+            if not tier.unpublish(manifest):  # un-publish first, and only what was listed
+                log.info("left %s in %s alone: committed again since this prune listed it",
+                         manifest.name, tier.label)
+                continue
             faults.point("prune.after_unpublish")
             if live_leases(tier, manifest.name):
                 log.info("pruned %s from %s; its data stays until the load using it ends (GC)",
@@ -104,12 +143,25 @@ def prune_tier(tier: Tier, policy: Policy, *, protect: Iterable[str] = (), dry_r
             errors.append(f"{manifest.name}: {err}")
             continue
         deleted.append(manifest.name)
-    if deleted or deferred:
+    if (deleted or deferred) and not dry_run:
         log.info("pruned %s from %s (kept %s)", deleted + deferred, tier.label, sorted(kept))
     return PruneReport(tier=tier.label, kept=tuple(sorted(kept)), deleted=tuple(deleted),
                        deferred=tuple(deferred), protected=tuple(sorted(protected)),
-                       bytes_freed=freed, dry_run=dry_run, warnings=tuple(warnings),
+                       bytes_freed=freed, dry_run=dry_run, warnings=tuple(notes),
                        errors=tuple(errors))
+
+
+def prune_hot(hot: Tier, cold: Tier | None, policy: Policy, *, dry_run: bool = False,
+              now: float | None = None) -> PruneReport:
+    """Prune a (shared) hot tier: one listing, held against the cold tier, then the plan;
+    every doomed checkpoint is held against the cold tier again right before it goes."""
+    listing = hot.manifests()
+    if cold is None:
+        return prune_tier(hot, policy, dry_run=dry_run, now=now, manifests=listing)
+    check = check_cold_copies(hot, cold, listing)
+    faults.point("prune.after_cold_check")
+    return prune_tier(hot, policy, protect=check.protect, dry_run=dry_run, now=now,
+                      warnings=check.warnings, manifests=listing, still_safe=ColdGuard(hot, cold))
 
 
 def delete_data(tier: Tier, manifest: Manifest) -> int:
@@ -151,30 +203,49 @@ def prune_node_local(hot: Tier, cold: Tier, policy: Policy, *, dry_run: bool = F
     The node sees only its ranks' files (and, on the coordinator's node, hot manifests); the
     cold tier is the global catalog. Local copies of checkpoints committed in cold and not
     kept by ``policy`` (nor the newest) are deleted; anything not yet committed in cold is
-    pending and kept. Every rank runs this after each save: it reads the cold manifests'
-    roots (cached by the tier) and finds a doomed attempt's local files by one listing of
-    this node's hot root, never by the manifest's parts (every rank's files).
+    pending and kept: the decision is made from one listing of the cold tier, and only the
+    attempts that listing names are touched. Every rank runs this after each save: it reads
+    the cold manifests' roots (cached by the tier) and finds a doomed attempt's local files
+    by one listing of this node's hot root, never by the manifest's parts (every rank's
+    files). One checkpoint that fails is reported and the others go on; one a load holds a
+    lease on keeps its files (``deferred``).
     """
     now = time.time() if now is None else now
     committed = cold.manifests()
+    faults.point("prune.after_listing")
     doomed, kept, protected = plan_prune(committed, policy, now=now)
-    deleted, freed = [], 0
+    deleted, deferred, errors, freed = [], [], [], 0
     for manifest in doomed:
-        local = _held_here(hot, manifest)
-        here = hot.find_manifest(manifest.name)
-        if not local and here is None:
+        try:
+            local = _held_here(hot, manifest)
+            here = hot.find_manifest(manifest.name)
+            if here is not None and here.attempt != manifest.attempt:
+                here = None  # another attempt of the name: not this decision's to touch
+            if not local and here is None:
+                continue
+            if dry_run:
+                deleted.append(manifest.name)
+                freed += sum(info.size for info in local)
+                continue
+            faults.point("prune.before_unpublish")
+            if here is not None and not hot.unpublish(here):  # un-publish first
+                continue
+            faults.point("prune.after_unpublish")
+            if live_leases(hot, manifest.name):
+                deferred.append(manifest.name)
+                continue
+            delete_batched(hot, [info.key for info in local])
+            delete_batched(hot, _mark_keys(hot, manifest.name, manifest.attempt), fault=None)
+        except TierstoreError as err:
+            log.error("could not prune the local copy of %s from %s (going on with the "
+                      "others): %s", manifest.name, hot.label, err)
+            errors.append(f"{manifest.name}: {err}")
             continue
         deleted.append(manifest.name)
         freed += sum(info.size for info in local)
-        if dry_run:
-            continue
-        if here is not None and here.attempt == manifest.attempt:
-            hot.backend.delete(layout.manifest_key(manifest.name))  # un-publish first
-        if not live_leases(hot, manifest.name):
-            delete_batched(hot, [info.key for info in local])
-            delete_batched(hot, _mark_keys(hot, manifest.name, manifest.attempt), fault=None)
     return PruneReport(tier=hot.label, kept=tuple(sorted(kept)), deleted=tuple(deleted),
-                       protected=tuple(sorted(protected)), bytes_freed=freed, dry_run=dry_run)
+                       deferred=tuple(deferred), protected=tuple(sorted(protected)),
+                       bytes_freed=freed, dry_run=dry_run, errors=tuple(errors))
 
 
 def _held_here(hot: Tier, manifest: Manifest) -> list[ObjectInfo]:
@@ -199,15 +270,17 @@ class ColdCheck:
     warnings: tuple[str, ...] = ()  # what was wrong, beyond "not migrated yet"
 
 
-def check_cold_copies(hot: Tier, cold: Tier) -> ColdCheck:
+def check_cold_copies(hot: Tier, cold: Tier,
+                      manifests: Sequence[Manifest] | None = None) -> ColdCheck:
     """Hold each hot checkpoint against the *current* cold tier (docs/design.md invariant 15).
 
     A hot copy may go only if the cold tier holds a valid manifest of the same attempt, or
     the hot tier's migrated mark names this cold tier's identity (committed there once,
     pruned there since by its own policy). Anything else protects it: pending, a torn or
     invalid cold manifest, another attempt under the name, an unreadable cold tier.
+    ``manifests``: the hot listing a prune decides from (default: one listing now).
     """
-    hot_manifests = hot.manifests()
+    hot_manifests = list(hot.manifests() if manifests is None else manifests)
     try:
         cold_id = marks.store_id(cold)
         # One listing of the cold roots (each parsed once by the tier), not a read per name.
@@ -241,6 +314,32 @@ def check_cold_copies(hot: Tier, cold: Tier) -> ColdCheck:
     return ColdCheck(frozenset(protect), tuple(warnings))
 
 
+class ColdGuard:
+    """Holds one hot checkpoint against the cold tier right before its un-publish.
+
+    The check of the round (:func:`check_cold_copies`) may be seconds old on a slow cold
+    tier; this asks again, per checkpoint, the only question that matters: does the
+    current cold tier hold this attempt (its manifest, or a migrated mark naming its
+    identity, read afresh)? Any doubt keeps the hot copy.
+    """
+
+    def __init__(self, hot: Tier, cold: Tier) -> None:
+        self.hot, self.cold = hot, cold
+
+    def __call__(self, manifest: Manifest) -> str | None:
+        try:
+            there = self.cold.find_manifest(manifest.name)
+            if there == manifest:
+                return None
+            if there is None and marks.was_migrated(self.hot, manifest, marks.store_id(self.cold)):
+                return None
+        except TierstoreError as err:
+            return f"the cold tier {self.cold.label} could not confirm its copy ({err})"
+        if there is not None:
+            return f"the cold tier holds another attempt ({there.attempt})"
+        return f"not committed in the cold tier {self.cold.label}"
+
+
 def pending_in_cold(hot: Tier, cold: Tier) -> set[str]:
     """Hot checkpoints the current cold tier does not provably hold (see :func:`check_cold_copies`)."""
     return set(check_cold_copies(hot, cold).protect)
@@ -264,12 +363,8 @@ def prune(hot: TierURL | Store | None, cold: TierURL | None = None, *, hot_polic
         jobs.append((hot_tier, lambda: prune_node_local(
             hot_tier, cold_tier, hot_policy, dry_run=dry_run, now=now)))
     elif hot_tier is not None:
-        def prune_hot(hot_tier: Tier = hot_tier) -> PruneReport:
-            check = (check_cold_copies(hot_tier, cold_tier) if cold_tier is not None
-                     else ColdCheck(frozenset()))
-            return prune_tier(hot_tier, hot_policy, protect=check.protect, dry_run=dry_run,
-                              now=now, warnings=check.warnings)
-        jobs.append((hot_tier, prune_hot))
+        jobs.append((hot_tier, lambda: prune_hot(hot_tier, cold_tier, hot_policy,
+                                                 dry_run=dry_run, now=now)))
     if cold_tier is not None and prune_cold:
         jobs.append((cold_tier, lambda: prune_tier(cold_tier, cold_policy, dry_run=dry_run, now=now)))
     if len(jobs) == 1:

@@ -146,7 +146,7 @@ class Tier:
         return found, invalid
 
     def _scanned(self, info: ObjectInfo, name: str) -> Manifest | None:
-        ident = (info.size, info.mtime, info.crc32c)
+        ident = (info.size, info.mtime, info.crc32c, info.version)
         cached = self._manifests.get(info.key)
         if cached is not None and info.mtime is not None and cached[1] == ident:
             return cached[2]
@@ -158,6 +158,37 @@ class Tier:
             raise errors.InvalidManifest(f"invalid manifest: {err.message}", key=err.key,
                                          tier=self.label, checkpoint=name) from err
         return self._parse(info.key, name, data, ident)
+
+    def unpublish(self, manifest: Manifest) -> bool:
+        """Delete ``manifest``'s root from this tier (the first step of a prune), but only
+        while the root is still that manifest: ``False``, and nothing deleted, if the name
+        was committed again since (another attempt, or the same one re-published by a
+        restore). A decision made about one commit never deletes another (docs/design.md
+        invariant 14).
+
+        The version compared is the one this tier listed the root with (or one ``stat``,
+        then a read checking the bytes are still this manifest); the backend's conditional
+        delete does the rest (:meth:`~tierstore.storage.backend.Backend.delete_if`).
+        """
+        key = layout.manifest_key(manifest.name)
+        cached = self._manifests.get(key)
+        version = cached[1][3] if cached and cached[1] and cached[2] is manifest else None
+        if version is None:
+            try:
+                version = self.backend.stat(key).version
+                current = self.find_manifest(manifest.name)
+            except errors.ObjectNotFound:
+                return True
+            if current != manifest:
+                return current is None
+            if version is None:  # a backend without versions: compared, then deleted
+                self.backend.delete(key)
+                self._manifests.pop(key, None)
+                return True
+        gone = self.backend.delete_if(key, version)
+        if gone:
+            self._manifests.pop(key, None)
+        return gone
 
     def _find_valid(self, name: str) -> Manifest | None:
         """:meth:`find_manifest`, with an oversized manifest reported as invalid."""
