@@ -208,8 +208,8 @@ def test_tierstore_migrate_keeps_every_check_before_an_upload(tmp_path: Path) ->
     job = rank_job(manifest, 1, fresh=False)
     migrator.run(job)
     assert job.state is MigrationState.UPLOADED
-    # the mark looked for, a verified copy looked for per file, a failure mark cleared
-    assert wrapper.counts["get"] >= 1 and wrapper.counts["head"] >= F
+    # the rank's marks listed, a verified copy looked for per file, a failure mark cleared
+    assert wrapper.counts["list"] >= 1 and wrapper.counts["head"] >= F
     assert wrapper.counts["delete"] >= 1
     wrapper.counts.clear()
     migrator.run(rank_job(manifest, 1, fresh=False))  # done already: nothing uploaded again

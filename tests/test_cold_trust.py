@@ -137,12 +137,12 @@ def test_second_migrator_that_is_throttled_never_deletes_a_committed_object(stor
 def _upload_without_check(migrator: Migrator, job: _Job, entry: FileEntry) -> None:
     import tierstore.tiers.migrator as mod
 
-    original = mod.has_verified_copy
-    mod.has_verified_copy = lambda *a, **k: False  # type: ignore[assignment]
+    original = mod.verified_copy
+    mod.verified_copy = lambda *a, **k: None  # type: ignore[assignment]
     try:
-        migrator._upload_file(job, entry)
+        migrator._upload_file(job, entry, {})
     finally:
-        mod.has_verified_copy = original  # type: ignore[assignment]
+        mod.verified_copy = original  # type: ignore[assignment]
 
 
 def test_cold_commit_refuses_when_a_named_object_is_gone(store: tuple[str, str],

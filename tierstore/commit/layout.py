@@ -8,8 +8,11 @@ A store root (one per tier) looks like::
     checkpoints/<name>/<attempt>/r<k>/__<rank>_<n>.distcp   the same, spread by rank when one
                                                 directory would hold too many (see below)
     checkpoints/<name>/<attempt>/.manifest-part-<i>.json   part <i> of a two-level manifest
-    uploads/<name>/<attempt>/rank-<rank>/<digest>.json   per-rank upload marks (cold tier only),
-                                                named by a digest of the files they vouch for
+    uploads/<name>/<attempt>/rank-<rank>/<digest>.<versions>.json   per-rank upload marks
+                                                (cold tier only), named by a digest of the files
+                                                they vouch for and one of the stored objects'
+                                                versions the rank verified (tiers.marks); just
+                                                <digest>.json where the backend has no versions
     uploads/<name>/<attempt>/rank-<rank>.json   the same, as earlier versions named them
     uploads/<name>/<attempt>/rank-<rank>.failed.json   a rank's failed upload (cold tier only)
     leases/<name>/<lease>.json                  "in use by a load" marks
@@ -78,6 +81,8 @@ __all__ = [
     "failed_mark_key",
     "parse_upload_key",
     "upload_mark_digest",
+    "upload_mark_versions",
+    "rank_marks_prefix",
     "upload_prefix",
     "migrated_key",
     "migrated_prefix",
@@ -110,7 +115,7 @@ RANKS_PER_PREFIX = 64
 _RANK_FILE = re.compile(r"(?:^|/)__(0|[1-9][0-9]{0,8})_")
 _STORE_ID = re.compile(r"[0-9a-f]{32}")
 _UPLOAD_MARK = re.compile(r"rank-(0|[1-9][0-9]{0,8})(\.failed)?\.json")
-_MARK_DIGEST = re.compile(r"([0-9a-f]{16})\.json")
+_MARK_DIGEST = re.compile(r"([0-9a-f]{16})(?:\.([0-9a-f]{16}))?\.json")
 _RANK_DIR = re.compile(r"rank-(0|[1-9][0-9]{0,8})")
 
 
@@ -256,23 +261,41 @@ def upload_prefix(name: str, attempt: str) -> str:
     return f"{UPLOAD_DIR}/{check_name(name)}/{check_attempt(attempt)}/"
 
 
-def upload_mark_key(name: str, attempt: str, rank: int, digest: str | None = None) -> str:
+def upload_mark_key(name: str, attempt: str, rank: int, digest: str | None = None,
+                    versions: str | None = None) -> str:
     """Rank ``rank``'s upload mark named by ``digest`` (16 hex digits naming the files it
-    vouches for); without one, the key earlier versions used."""
+    vouches for) and ``versions`` (16 hex digits naming the stored objects' versions it
+    verified, where the backend has versions); without a digest, the key earlier versions
+    used."""
     if digest is None:
         return f"{upload_prefix(name, attempt)}rank-{rank}.json"
-    if not _MARK_DIGEST.fullmatch(f"{digest}.json"):
-        raise ConfigError(f"invalid upload mark digest {digest!r}")
-    return f"{upload_prefix(name, attempt)}rank-{rank}/{digest}.json"
+    leaf = f"{digest}.json" if versions is None else f"{digest}.{versions}.json"
+    if not _MARK_DIGEST.fullmatch(leaf):
+        raise ConfigError(f"invalid upload mark digest {digest!r} / versions {versions!r}")
+    return f"{upload_prefix(name, attempt)}rank-{rank}/{leaf}"
+
+
+def rank_marks_prefix(name: str, attempt: str, rank: int) -> str:
+    """Where rank ``rank``'s upload marks (named by their digests) live."""
+    return f"{upload_prefix(name, attempt)}rank-{rank}/"
 
 
 def upload_mark_digest(key: str) -> str | None:
-    """The digest an upload mark's key names, ``None`` for any other key."""
+    """The files digest an upload mark's key names, ``None`` for any other key."""
+    return _mark_leaf(key)[0]
+
+
+def upload_mark_versions(key: str) -> str | None:
+    """The versions digest an upload mark's key names, ``None`` if it names none."""
+    return _mark_leaf(key)[1]
+
+
+def _mark_leaf(key: str) -> tuple[str | None, str | None]:
     parts = key.split("/")
     match = _MARK_DIGEST.fullmatch(parts[-1])
     if len(parts) != 5 or match is None or parse_upload_key(key) is None:
-        return None
-    return match.group(1)
+        return None, None
+    return match.group(1), match.group(2)
 
 
 def failed_mark_key(name: str, attempt: str, rank: int) -> str:

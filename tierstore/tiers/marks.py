@@ -6,15 +6,22 @@ Migration keeps no state of its own: the tiers hold it (docs/design.md invariant
   the first migrator that commits there. It tells one cold tier from another, so a hot
   tier re-pointed at a new (or mistyped) bucket does not believe that bucket holds what an
   earlier cold tier held.
-* **Upload marks** (cold tier): ``rank-<r>/<digest>.json`` says rank ``r`` uploaded and
-  verified its files of one attempt, the files ``<digest>`` names (:func:`files_digest`);
+* **Upload marks** (cold tier): ``rank-<r>/<digest>.<versions>.json`` says rank ``r``
+  uploaded and verified its files of one attempt, the files ``<digest>`` names
+  (:func:`files_digest`), and that the objects it verified are the stored versions
+  ``<versions>`` names (:func:`versions_digest`; ``rank-<r>/<digest>.json`` where the
+  backend reports no versions);
   ``rank-<r>.failed.json`` says its upload failed (so the coordinator stops waiting). As
   the key names the content, one listing of the attempt's marks tells the coordinator which
   ranks are done (:func:`list_marks`), with no mark read: a request per 1,000 ranks, not two
   per rank. Marks are hints: a damaged one is replaced, never trusted, and the cold commit
   checks every file's presence and size from a listing whatever the marks say
-  (:func:`not_in_place`). A mark of an earlier version (``rank-<r>.json``, no digest) counts
-  for nothing: ``tierstore migrate`` redoes that rank, skipping its verified copies. Once the
+  (:func:`check_in_place`), and its bytes by the listing's CRC32C where the store lists one
+  (GCS), else by the versions: a file listed with another version than its rank verified
+  (replaced since, by anyone) is verified again, by the store's CRC32C or by reading it
+  back, before anything vouches for it (docs/design.md invariant 10). A mark of an earlier
+  version (``rank-<r>.json``, no digest) counts for nothing: ``tierstore migrate`` redoes
+  that rank, skipping its verified copies. Once the
   cold manifest is published the marks of that attempt are cleared in a batch (what a crash
   leaves, GC removes).
 * **Migrated marks** (hot tier): ``migrated/<name>/<attempt>/<store-id>.json`` says the
@@ -28,7 +35,7 @@ import json
 import logging
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tierstore.commit import layout
@@ -46,11 +53,13 @@ from tierstore.tiers.tier import Tier
 __all__ = [
     "store_id",
     "files_digest",
+    "versions_digest",
     "upload_mark_key",
     "MarkListing",
     "list_marks",
     "in_place",
     "not_in_place",
+    "check_in_place",
     "read_upload_mark",
     "publish_upload_mark",
     "already_uploaded",
@@ -115,29 +124,54 @@ def files_digest(files: Iterable[FileEntry]) -> str:
     return hashlib.sha256(json.dumps(entries).encode()).hexdigest()[:16]
 
 
-def upload_mark_key(name: str, attempt: str, rank: int, files: Iterable[FileEntry]) -> str:
-    """Where rank ``rank``'s mark for exactly ``files`` lives: its key names its content, so
-    a listing alone says which ranks are done (a mark for other files has another key)."""
-    return layout.upload_mark_key(name, attempt, rank, files_digest(files))
+def versions_digest(files: Iterable[FileEntry], versions: Mapping[str, str | None]) -> str | None:
+    """16 hex digits naming the stored objects a rank verified: each file's path and the
+    version (:attr:`~tierstore.storage.backend.ObjectInfo.version`) of the object it
+    checked; ``None`` if the backend gave no version for one of them."""
+    pairs = []
+    for f in files:
+        version = versions.get(f.path)
+        if version is None:
+            return None
+        pairs.append((f.path, version))
+    return hashlib.sha256(json.dumps(sorted(pairs)).encode()).hexdigest()[:16]
+
+
+def upload_mark_key(name: str, attempt: str, rank: int, files: Iterable[FileEntry],
+                    versions: Mapping[str, str | None] | None = None) -> str:
+    """Where rank ``rank``'s mark for exactly ``files`` (stored as ``versions``) lives: its
+    key names its content, so a listing alone says which ranks are done (a mark for other
+    files has another key) and which stored objects they verified."""
+    files = tuple(files)
+    return layout.upload_mark_key(name, attempt, rank, files_digest(files),
+                                  versions_digest(files, versions) if versions else None)
 
 
 @dataclass(frozen=True)
 class MarkListing:
     """What one listing of an attempt's upload prefix shows: the digests each rank's marks
-    name, the ranks with a failure mark, and every key there (to clear them in a batch)."""
+    name (and the versions digests beside them), the ranks with a failure mark, and every
+    key there (to clear them in a batch)."""
 
     digests: Mapping[int, frozenset[str]]
     failed: frozenset[int]
     keys: tuple[str, ...]
+    versions: Mapping[tuple[int, str], frozenset[str]] = field(default_factory=dict)
 
     def marked(self, rank: int, digest: str) -> bool:
         return digest in self.digests.get(rank, frozenset())
+
+    def vouches(self, rank: int, digest: str, versions: str | None) -> bool:
+        """Whether a mark of ``rank`` for the files ``digest`` names verified exactly the
+        stored objects ``versions`` names."""
+        return versions is not None and versions in self.versions.get((rank, digest), frozenset())
 
 
 def list_marks(tier: Tier, name: str, attempt: str) -> MarkListing:
     """One listing of the attempt's marks (a request per 1,000 keys on an object store); no
     mark is read. Marks of earlier versions (no digest in the key) count for no rank."""
     digests: dict[int, set[str]] = {}
+    versions: dict[tuple[int, str], set[str]] = {}
     failed: set[int] = set()
     keys: list[str] = []
     for info in tier.backend.list(layout.upload_prefix(name, attempt)):
@@ -148,8 +182,11 @@ def list_marks(tier: Tier, name: str, attempt: str) -> MarkListing:
             failed.add(parsed[2])
         elif parsed is not None and digest is not None:
             digests.setdefault(parsed[2], set()).add(digest)
+            verified = layout.upload_mark_versions(info.key)
+            if verified is not None:
+                versions.setdefault((parsed[2], digest), set()).add(verified)
     return MarkListing({rank: frozenset(d) for rank, d in digests.items()}, frozenset(failed),
-                       tuple(keys))
+                       tuple(keys), {k: frozenset(v) for k, v in versions.items()})
 
 
 def in_place(tier: Tier, name: str, attempt: str, entry: FileEntry) -> bool:
@@ -164,21 +201,33 @@ def in_place(tier: Tier, name: str, attempt: str, entry: FileEntry) -> bool:
 def not_in_place(tier: Tier, name: str, attempt: str,
                  files: Iterable[FileEntry]) -> list[FileEntry]:
     """The ``files`` that ``tier`` lacks, or holds with another size (or CRC32C, where a
-    listing shows one), from one listing per data prefix of the attempt (one prefix, or
-    the attempt's hashed prefixes on a backend with ``spread_keys``), not a request per file.
+    listing shows one): :func:`check_in_place` without the listing."""
+    return check_in_place(tier, name, attempt, files)[0]
 
-    What this proves: every file is there, at its size, now. What it does not: that its bytes
-    are the ones the rank verified when it uploaded them (S3 lists no checksum); a same-size
-    corruption since is caught by every read (docs/design.md invariant 5) and by
-    ``tierstore verify``, not here.
+
+def check_in_place(tier: Tier, name: str, attempt: str, files: Iterable[FileEntry]
+                   ) -> tuple[list[FileEntry], dict[str, ObjectInfo]]:
+    """The ``files`` that ``tier`` lacks or holds with another size (or CRC32C, where a
+    listing shows one), and what the listing showed of each file present (by its path),
+    from one listing per data prefix of the attempt (one prefix, or the attempt's hashed
+    prefixes on a backend with ``spread_keys``), not a request per file.
+
+    What this proves alone: every file is there, at its size, now. Its bytes are proved by
+    a listed CRC32C (GCS), or by a listed version equal to the one its rank verified at
+    upload (:meth:`MarkListing.vouches`); the cold commit verifies any other file again.
     """
     keyed = [(tier.file_key(name, attempt, f.path), f) for f in files]
     listed: dict[str, ObjectInfo] = {}
     for prefix in sorted({_data_prefix(key, f.path) for key, f in keyed}):
         listed.update((info.key, info) for info in tier.backend.list(prefix))
-    return [f for key, f in keyed
-            if (info := listed.get(key)) is None or info.size != f.size
-            or info.crc32c not in (None, f.crc32c)]
+    absent, found = [], {}
+    for key, f in keyed:
+        info = listed.get(key)
+        if info is None or info.size != f.size or info.crc32c not in (None, f.crc32c):
+            absent.append(f)
+        else:
+            found[f.path] = info
+    return absent, found
 
 
 def _data_prefix(key: str, path: str) -> str:
@@ -188,9 +237,13 @@ def _data_prefix(key: str, path: str) -> str:
     return key.rsplit("/", 1)[0] + "/"
 
 
-def _mark_body(rank: int, files: tuple[FileEntry, ...]) -> bytes:
+def _mark_body(rank: int, files: tuple[FileEntry, ...],
+               versions: Mapping[str, str | None] | None = None) -> bytes:
     entries = [{"path": f.path, "size": f.size, "crc32c": f.crc32c, "rank": f.rank} for f in files]
-    return json.dumps({"rank": rank, "files": entries}, sort_keys=True).encode()
+    body: dict[str, Any] = {"rank": rank, "files": entries}
+    if versions:  # for people reading the store: the key is what counts
+        body["versions"] = {f.path: versions.get(f.path) for f in files}
+    return json.dumps(body, sort_keys=True).encode()
 
 
 def _sorted(files: Any) -> tuple[FileEntry, ...]:
@@ -206,13 +259,18 @@ def read_upload_mark(tier: Tier, name: str, attempt: str, rank: int,
     or lists other files than its key names raises :class:`~tierstore.errors.IntegrityError`
     naming it: callers repair it.
     """
-    if files is not None:
-        return _read_mark(tier, upload_mark_key(name, attempt, rank, files), name, rank)
-    prefix = layout.upload_mark_key(name, attempt, rank).removesuffix(".json") + "/"
-    for info in tier.backend.list(prefix):
-        if layout.upload_mark_digest(info.key) is not None:
-            return _read_mark(tier, info.key, name, rank)
+    for key in _rank_marks(tier, name, attempt, rank, files):
+        return _read_mark(tier, key, name, rank)
     return None
+
+
+def _rank_marks(tier: Tier, name: str, attempt: str, rank: int,
+                files: Iterable[FileEntry] | None = None) -> list[str]:
+    """Keys of rank ``rank``'s marks (for exactly ``files``, if given): one listing."""
+    digest = files_digest(files) if files is not None else None
+    return [info.key for info in tier.backend.list(layout.rank_marks_prefix(name, attempt, rank))
+            if (found := layout.upload_mark_digest(info.key)) is not None
+            and digest in (None, found)]
 
 
 def _read_mark(tier: Tier, key: str, name: str, rank: int) -> tuple[FileEntry, ...] | None:
@@ -238,12 +296,14 @@ def _read_mark(tier: Tier, key: str, name: str, rank: int) -> tuple[FileEntry, .
 
 
 def publish_upload_mark(tier: Tier, name: str, attempt: str, rank: int,
-                        files: tuple[FileEntry, ...]) -> None:
-    """Publish rank ``rank``'s mark; an equal one already there is success, a damaged one
-    (its key names these very files) is replaced, with a warning."""
+                        files: tuple[FileEntry, ...],
+                        versions: Mapping[str, str | None] | None = None) -> None:
+    """Publish rank ``rank``'s mark for ``files``, which it verified stored as ``versions``
+    (path -> :attr:`ObjectInfo.version`); an equal one already there is success, a damaged
+    one (its key names these very files) is replaced, with a warning."""
     files = _sorted(files)
-    key = upload_mark_key(name, attempt, rank, files)
-    body = _mark_body(rank, files)
+    key = upload_mark_key(name, attempt, rank, files, versions)
+    body = _mark_body(rank, files, versions)
     for _ in range(3):
         try:
             tier.backend.publish(key, body)
@@ -261,14 +321,30 @@ def publish_upload_mark(tier: Tier, name: str, attempt: str, rank: int,
 
 
 def already_uploaded(tier: Tier, name: str, attempt: str, rank: int, files: tuple[FileEntry, ...]) -> bool:
-    """Did an earlier migrator upload exactly ``files`` for ``rank``, and are they still there?
-    A damaged mark is no proof: the rank uploads again (and publishes a good one)."""
-    try:
-        marked = read_upload_mark(tier, name, attempt, rank, files)
-    except IntegrityError as err:
-        log.warning("re-uploading rank %d of %s: %s", rank, name, err)
+    """Did an earlier migrator upload and verify exactly ``files`` for ``rank``, and are the
+    very objects it verified still there (same versions, now)? A damaged mark, a mark that
+    names no versions, or a file replaced since is no proof: the rank's files are then
+    checked one by one (and what is not intact is uploaded again)."""
+    keys = _rank_marks(tier, name, attempt, rank, files)
+    verified = {v for key in keys if (v := layout.upload_mark_versions(key)) is not None}
+    if not verified:
         return False
-    return marked == _sorted(files) and all(in_place(tier, name, attempt, e) for e in files)
+    try:
+        if _read_mark(tier, keys[0], name, rank) != _sorted(files):
+            return False
+    except IntegrityError as err:
+        log.warning("re-checking rank %d of %s: %s", rank, name, err)
+        return False
+    now: dict[str, str | None] = {}
+    for entry in files:
+        try:
+            info = tier.backend.stat(tier.file_key(name, attempt, entry.path))
+        except ObjectNotFound:
+            return False
+        if info.size != entry.size or info.crc32c not in (None, entry.crc32c):
+            return False
+        now[entry.path] = info.version
+    return versions_digest(files, now) in verified
 
 
 def clear_upload_marks(tier: Tier, name: str, attempt: str,

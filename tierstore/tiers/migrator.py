@@ -55,9 +55,10 @@ from tierstore.errors import (
 from tierstore.progress import counting
 from tierstore.retry import RetryPolicy, polling
 from tierstore.storage import faults
+from tierstore.storage.backend import ObjectInfo
 from tierstore.tiers import marks
 from tierstore.tiers.tier import Tier
-from tierstore.tiers.transfer import Throttle, copy_file, has_verified_copy
+from tierstore.tiers.transfer import Throttle, copy_file, verified_copy
 
 __all__ = [
     "MigrationConfig",
@@ -317,16 +318,18 @@ class Migrator:
         if not job.fresh and marks.already_uploaded(self.cold, job.name, job.attempt, job.rank,
                                                     job.files):
             job.add_bytes(sum(f.size for f in job.files))
-            return  # already done by an earlier migrator, and still there
-        errors = _in_parallel([functools.partial(self._upload_file, job, entry) for entry in job.files],
-                              self.config.concurrency)
+            return  # already done by an earlier migrator, and the very objects still there
+        versions: dict[str, str | None] = {}  # what each verified upload (or copy) stored
+        errors = _in_parallel([functools.partial(self._upload_file, job, entry, versions)
+                               for entry in job.files], self.config.concurrency)
         for error in errors:
             if error is not None:
                 raise error if isinstance(error, _Failed) else _Failed(job.rank, None, error)
         faults.point("migrator.before_mark_publish")
 
         def publish() -> None:
-            marks.publish_upload_mark(self.cold, job.name, job.attempt, job.rank, job.files)
+            marks.publish_upload_mark(self.cold, job.name, job.attempt, job.rank, job.files,
+                                      versions)
 
         try:
             self.config.retry.call(publish, what=f"upload mark of rank {job.rank} ({job.name})",
@@ -336,12 +339,15 @@ class Migrator:
         if not job.fresh:  # a fresh attempt has no failure mark to resolve
             marks.clear_failure(self.cold, job.name, job.attempt, job.rank)
 
-    def _upload_file(self, job: Job, entry: FileEntry) -> None:
+    def _upload_file(self, job: Job, entry: FileEntry, versions: dict[str, str | None]) -> None:
         try:
-            if not job.fresh and has_verified_copy(self.cold, job.name, job.attempt, entry,
-                                                   chunk_size=self.config.chunk_size):
-                job.add_bytes(entry.size)
-                return
+            if not job.fresh:
+                there = verified_copy(self.cold, job.name, job.attempt, entry,
+                                      chunk_size=self.config.chunk_size)
+                if there is not None:
+                    versions[entry.path] = there.version
+                    job.add_bytes(entry.size)
+                    return
             sent = [0]
 
             def attempt() -> None:
@@ -355,9 +361,10 @@ class Migrator:
                 # Never delete first: the object may be another migrator's verified copy.
                 # The write replaces the key atomically with the same verified bytes, and
                 # an aborted write leaves whatever was there (the backend contract).
-                copy_file(self.hot, self.cold, job.name, job.attempt, entry,
-                          chunk_size=self.config.chunk_size, throttle=self._throttle,
-                          progress=progress)
+                versions[entry.path] = copy_file(
+                    self.hot, self.cold, job.name, job.attempt, entry,
+                    chunk_size=self.config.chunk_size, throttle=self._throttle,
+                    progress=progress)
 
             self.config.retry.call(attempt, what=f"upload of {entry.path} ({job.name})",
                                    sleep=self._sleep)
@@ -376,18 +383,11 @@ class Migrator:
         cold_id = marks.store_id(self.cold, create=True)
         assert cold_id is not None  # created if it was missing
         faults.point("migrator.before_cold_publish")
-        # The marks say every rank uploaded; the manifest may only vouch for what is there
-        # now (another actor may have removed or replaced an object since): docs/design.md
-        # invariant 10. A listing shows presence and size; bytes damaged at the same size
-        # since the rank's verified upload are for readers and `tierstore verify` to catch.
-        absent = marks.not_in_place(self.cold, manifest.name, manifest.attempt,
-                                    (f for files in by_rank.values() for f in files))
-        if absent:
-            entry = absent[0]
-            raise _Failed(entry.rank, entry.path, ChecksumMismatch(
-                f"not in the cold tier as uploaded (missing, or its size differs; {len(absent)} "
-                "file(s) in all) at the cold commit; `tierstore migrate` uploads it again",
-                checkpoint=manifest.name, file=entry.path, tier=self.cold.label))
+        # The marks say every rank uploaded; the manifest may only vouch for bytes that are
+        # verified and in place now (another actor may have removed or replaced an object
+        # since): docs/design.md invariant 10.
+        self._check_in_place(manifest, by_rank, listing)
+        faults.point("migrator.after_cold_check")
         self._publish(manifest)
         faults.point("migrator.after_cold_publish")
         marks.mark_migrated(self.hot, manifest, cold_id)
@@ -396,6 +396,55 @@ class Migrator:
             marks.clear_upload_marks(self.cold, manifest.name, manifest.attempt, listing.keys)
         except TierstoreError as err:
             log.info("left upload marks of %s for GC: %s", manifest.name, err)
+
+    def _check_in_place(self, manifest: Manifest, by_rank: dict[int, tuple[FileEntry, ...]],
+                        listing: marks.MarkListing) -> None:
+        """Raise unless every file of ``manifest`` is in the cold tier with its verified bytes.
+
+        One listing per data prefix shows presence and size, and CRC32C where the store
+        lists it (GCS). A rank's files are proved by that CRC32C, or by being listed at the
+        very versions its mark says it verified; a rank whose files are not (one replaced
+        since the upload, by anyone, or a store without versions) has each file verified
+        again here, by the store's CRC32C or by reading it back.
+        """
+        name, attempt = manifest.name, manifest.attempt
+        absent, listed = marks.check_in_place(self.cold, name, attempt,
+                                              (f for files in by_rank.values() for f in files))
+        if absent:
+            raise self._not_as_uploaded(manifest, absent, "missing, or its size differs")
+        unproved = [f for rank, files in by_rank.items()
+                    if not self._proved(listing, rank, files, listed) for f in files]
+        if not unproved:
+            return
+        log.info("verifying %d file(s) of %s again before the cold commit: not listed as the "
+                 "objects their ranks verified", len(unproved), name)
+        bad: list[FileEntry] = []
+        checks = [functools.partial(self._recheck, manifest, entry, bad) for entry in unproved]
+        for error in _in_parallel(checks, self.config.concurrency):
+            if error is not None:
+                raise _Failed(None, None, error)
+        if bad:
+            raise self._not_as_uploaded(manifest, sorted(bad, key=lambda f: (f.rank, f.path)),
+                                        "its bytes differ from the ones uploaded")
+
+    def _proved(self, listing: marks.MarkListing, rank: int, files: tuple[FileEntry, ...],
+                listed: dict[str, ObjectInfo]) -> bool:
+        if all(listed[f.path].crc32c is not None for f in files):
+            return True  # the store's own CRC32C, compared by check_in_place
+        now = {f.path: listed[f.path].version for f in files}
+        return listing.vouches(rank, marks.files_digest(files), marks.versions_digest(files, now))
+
+    def _recheck(self, manifest: Manifest, entry: FileEntry, bad: list[FileEntry]) -> None:
+        if verified_copy(self.cold, manifest.name, manifest.attempt, entry,
+                         chunk_size=self.config.chunk_size) is None:
+            bad.append(entry)
+
+    def _not_as_uploaded(self, manifest: Manifest, files: Sequence[FileEntry], why: str) -> _Failed:
+        entry = files[0]
+        return _Failed(entry.rank, entry.path, ChecksumMismatch(
+            f"not in the cold tier as uploaded ({why}; {len(files)} file(s) in all) at the "
+            "cold commit; `tierstore migrate` uploads it again",
+            checkpoint=manifest.name, file=entry.path, tier=self.cold.label))
 
     def _publish(self, manifest: Manifest) -> None:
         def publish() -> None:

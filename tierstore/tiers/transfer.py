@@ -10,9 +10,10 @@ from tierstore.commit.manifest import FileEntry
 from tierstore.commit.verified import open_verified, verify_file
 from tierstore.errors import ChecksumMismatch, ObjectNotFound
 from tierstore.storage import faults
+from tierstore.storage.backend import ObjectInfo
 from tierstore.tiers.tier import Tier
 
-__all__ = ["Throttle", "copy_file", "check_copy", "has_verified_copy"]
+__all__ = ["Throttle", "copy_file", "check_copy", "has_verified_copy", "verified_copy"]
 
 Progress = Callable[[int], None]
 
@@ -41,8 +42,9 @@ class Throttle:
 
 def copy_file(src: Tier, dst: Tier, name: str, attempt: str, entry: FileEntry, *,
               chunk_size: int = 8 << 20, throttle: Throttle | None = None,
-              progress: Progress | None = None) -> None:
-    """Stream ``entry`` from ``src`` to ``dst``; durable and verified when it returns.
+              progress: Progress | None = None) -> str | None:
+    """Stream ``entry`` from ``src`` to ``dst``; durable and verified when it returns, with
+    the version of the object stored (``None`` where the backend reports none).
 
     The source bytes are checked against the manifest (size, CRC32C) as they stream, so a
     file damaged in the source tier is never copied as if it were good (the write is aborted
@@ -67,22 +69,31 @@ def copy_file(src: Tier, dst: Tier, name: str, attempt: str, entry: FileEntry, *
             writer.abort()
             raise
         writer.close()
+    return writer.version
 
 
 def has_verified_copy(tier: Tier, name: str, attempt: str, entry: FileEntry, *,
                       chunk_size: int = 8 << 20) -> bool:
     """Does ``tier`` already hold ``entry`` intact? Trusts a server CRC32C, else reads back."""
+    return verified_copy(tier, name, attempt, entry, chunk_size=chunk_size) is not None
+
+
+def verified_copy(tier: Tier, name: str, attempt: str, entry: FileEntry, *,
+                  chunk_size: int = 8 << 20) -> ObjectInfo | None:
+    """What :func:`check_copy` verified (its version too), ``None`` if no intact copy."""
     try:
-        check_copy(tier, name, attempt, entry, chunk_size=chunk_size)
+        return check_copy(tier, name, attempt, entry, chunk_size=chunk_size)
     except (ObjectNotFound, ChecksumMismatch):
-        return False
-    return True
+        return None
 
 
 def check_copy(tier: Tier, name: str, attempt: str, entry: FileEntry, *,
-               chunk_size: int = 8 << 20) -> None:
+               chunk_size: int = 8 << 20) -> ObjectInfo:
     """Raise unless ``tier`` holds ``entry`` intact: :class:`ObjectNotFound`, or the
-    :class:`ChecksumMismatch` of the one verified read. Trusts a server CRC32C, else reads back."""
+    :class:`ChecksumMismatch` of the one verified read; else return what was verified.
+    Trusts a server CRC32C (the stat that reports it names the version too), else reads
+    back, and then the version must be the same after the read as before it (an object
+    replaced while it was read is not the one that was verified)."""
     key = tier.file_key(name, attempt, entry.path)
     info = tier.backend.stat(key)
     if info.size != entry.size:
@@ -92,5 +103,11 @@ def check_copy(tier: Tier, name: str, attempt: str, entry: FileEntry, *,
         if info.crc32c != entry.crc32c:
             raise ChecksumMismatch.crc32c(entry.crc32c, info.crc32c, checkpoint=name,
                                           file=entry.path, tier=tier.label)
-        return
+        return info
     verify_file(tier.backend, key, entry, checkpoint=name, tier=tier.label, chunk_size=chunk_size)
+    after = tier.backend.stat(key)
+    if after.version != info.version:
+        raise ChecksumMismatch(f"replaced while it was verified (version {info.version} became "
+                               f"{after.version})", checkpoint=name, file=entry.path,
+                               tier=tier.label)
+    return info

@@ -276,8 +276,8 @@ def _upload_as_a_racing_migrator(migrator: Migrator, job: Any, entry: Any,
     import tierstore.tiers.migrator as migrator_mod
 
     with monkeypatch.context() as patch:
-        patch.setattr(migrator_mod, "has_verified_copy", lambda *a, **k: False)
-        migrator._upload_file(job, entry)
+        patch.setattr(migrator_mod, "verified_copy", lambda *a, **k: None)
+        migrator._upload_file(job, entry, {})
 
 
 def test_a_throttled_second_migrator_never_deletes_a_committed_object(
