@@ -15,6 +15,7 @@ from urllib.parse import unquote, urlparse
 from tierstore._redact import redact_url
 from tierstore.commit import layout
 from tierstore.errors import StorageError, TierstoreError
+from tierstore.storage.registry import split_scheme
 from tierstore.tiers.tier import Tier
 
 __all__ = ["CommandFailed", "require_tiers", "cold_unreachable"]
@@ -29,6 +30,7 @@ class CommandFailed(Exception):
 def _local_path(url: str) -> str | None:
     """The directory of a local tier URL, ``None`` for any other scheme."""
     if "://" not in url:
+        split_scheme(url)  # a mistyped URL (s3:/b/r) is named as such, not "does not exist"
         return os.path.expanduser(url)
     parsed = urlparse(url)
     return unquote(parsed.path) if parsed.scheme == "file" else None

@@ -9,6 +9,8 @@ errors are translated at the backend boundary with ``raise ... from err``.
 
 from __future__ import annotations
 
+import pickle
+from collections.abc import Mapping
 from typing import Any
 
 __all__ = [
@@ -24,10 +26,12 @@ __all__ = [
     "UnsafePath",
     "CheckpointNotFound",
     "CheckpointExists",
+    "UnsafeType",
     "IntegrityError",
     "InvalidManifest",
     "ChecksumMismatch",
     "SaveFailed",
+    "UnpicklableError",
     "FaultInjected",
 ]
 
@@ -115,6 +119,16 @@ class CheckpointExists(TierstoreError, FileExistsError):
     """The checkpoint is already committed; committed checkpoints are never overwritten."""
 
 
+class UnsafeType(TierstoreError, TypeError):
+    """A stored non-tensor item holds types outside torch's ``weights_only`` allow-list.
+
+    A refusal by policy, not damage: the checkpoint is intact, and loading an older one would
+    silently resume the wrong state, so no resume steps back from it. ``types`` names each
+    refused global (``module.qualname``), ``item`` the state dict key; the message says how to
+    allow them (``torch.serialization.add_safe_globals``).
+    """
+
+
 class IntegrityError(TierstoreError, ValueError):
     """Stored data failed verification; nothing unverified is ever loaded."""
 
@@ -154,8 +168,56 @@ class ChecksumMismatch(IntegrityError):
 class SaveFailed(TierstoreError, RuntimeError):
     """A checkpoint save failed; raised by the manager's next ``save``/``wait``/``close``.
 
-    ``step`` is the step whose save failed; ``errors`` maps each failing rank to its error.
+    ``step`` is the step whose save failed; ``errors`` maps each failing rank (``None``: the
+    save as a whole) to its error. The message names every error, with its checkpoint, file
+    and tier; ``checkpoint``, ``file`` and ``tier`` are the first error's. All of it survives
+    pickling (DCP's PROCESS mode, worker processes): an error that cannot make the round
+    trip travels as an :class:`UnpicklableError` with its type name and message.
     """
+
+    step: int | None
+    errors: dict[int | None, BaseException]
+
+    def __init__(self, message: str, *, step: int | None = None,
+                 errors: Mapping[int | None, BaseException] | None = None, **context: Any) -> None:
+        super().__init__(message, step=step, errors=dict(errors or {}), **context)
+
+    def _render(self) -> str:
+        return self.message  # it names what failed already; the context would say it twice
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # From the attributes, so one set after construction travels too.
+        context = {**self.context, "step": self.step,
+                   "errors": {rank: _picklable(err) for rank, err in self.errors.items()}}
+        context.update({name: getattr(self, name) for name in _CONTEXT_ORDER
+                        if getattr(self, name, None) is not None})
+        return (_rebuild, (type(self), self.message, context))
+
+
+class UnpicklableError(TierstoreError, RuntimeError):
+    """Stands in for an error of :attr:`SaveFailed.errors` that cannot be pickled or
+    unpickled (a local class, an ``__init__`` pickle cannot call): ``type_name`` is its
+    type's name, and the message is ``"<type_name>: <its message>"``."""
+
+    type_name: str
+
+    @classmethod
+    def of(cls, err: BaseException) -> UnpicklableError:
+        try:
+            text = str(err)
+        except Exception:  # a broken __str__ must not lose the rest
+            text = "(its message could not be read)"
+        name = type(err).__qualname__
+        return cls(f"{name}: {text}", type_name=name)
+
+
+def _picklable(err: BaseException) -> BaseException:
+    """``err`` if it survives a pickle round trip, else its :class:`UnpicklableError`."""
+    try:
+        pickle.loads(pickle.dumps(err))
+    except Exception:
+        return UnpicklableError.of(err)
+    return err
 
 
 class FaultInjected(TierstoreError, RuntimeError):

@@ -703,12 +703,15 @@ def _unwrap(exc: Any) -> BaseException:
 
 def _save_failed(step: int, err: BaseException) -> SaveFailed:
     failures = getattr(err, "failures", None)
-    errors = ({rank: _unwrap(e) for rank, e in failures.items()} if isinstance(failures, dict)
-              else {None: err})
-    failure = SaveFailed(f"checkpoint of step {step} failed: {_describe(err)}")
-    failure.step, failure.errors = step, errors  # type: ignore[attr-defined]
-    first = next(iter(errors.values()))
-    if isinstance(first, TierstoreError):  # already named in the message: attributes only
-        failure.checkpoint, failure.tier, failure.file = first.checkpoint, first.tier, first.file
+    errors: dict[int | None, BaseException] = (
+        {rank: _unwrap(e) for rank, e in failures.items()} if isinstance(failures, dict)
+        else {None: err})
+    first = next(iter(errors.values()), None)
+    named = ({"checkpoint": first.checkpoint, "tier": first.tier, "file": first.file}
+             if isinstance(first, TierstoreError) else {})
+    # All of it as context, not attributes set afterwards: so it survives pickling (DCP's
+    # PROCESS mode and worker processes pickle errors).
+    failure = SaveFailed(f"checkpoint of step {step} failed: {_describe(err)}", step=step,
+                         errors=errors, **named)
     failure.__cause__ = err
     return failure

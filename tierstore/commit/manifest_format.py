@@ -29,8 +29,8 @@ from typing import Any
 from tierstore.commit import layout
 from tierstore.errors import ConfigError
 
-__all__ = ["FORMAT", "PART_FORMAT", "VERSION", "PART_RANKS", "MAX_METRICS", "FileEntry", "PartRef",
-           "check_relpath", "check_metrics", "flat_body", "root_body", "part_body", "split_parts",
+__all__ = ["FORMAT", "PART_FORMAT", "VERSION", "PART_RANKS", "MAX_METRICS", "MAX_STEP", "FileEntry",
+           "PartRef", "check_relpath", "check_metrics", "flat_body", "root_body", "part_body", "split_parts",
            "validate_flat", "validate_root", "validate_part", "encode_root", "encode_part", "digest",
            "check_plan"]
 
@@ -46,6 +46,7 @@ MAX_PARTS = 1 << 16
 MAX_FILE_SIZE = 1 << 50  # 1 PiB: anything larger is a forged or corrupt entry
 MAX_WORLD_SIZE = 1 << 20
 MAX_METRICS = 64  # metrics per checkpoint: a few scores, never a log
+MAX_STEP = 1 << 62  # the largest step a manifest records (TieredWriter refuses more up front)
 _CRC_MAX = (1 << 32) - 1
 _PATH = re.compile(r"[A-Za-z0-9_.-]{1,255}(/[A-Za-z0-9_.-]{1,255}){0,7}")
 _SHA256 = re.compile(r"sha256:[0-9a-f]{64}")
@@ -224,7 +225,7 @@ def _check_header(body: Mapping[str, Any], need: Need) -> None:
         layout.check_attempt(body["attempt"])
     except ConfigError as err:
         need(False, err.message)
-    need(body["step"] is None or _is_int(body["step"], 0, 1 << 62), "step is not a non-negative int")
+    need(body["step"] is None or _is_int(body["step"], 0, MAX_STEP), "step is not a non-negative int")
     need(_is_int(body["world_size"], 1, MAX_WORLD_SIZE), "world_size is not a positive int")
     created = body["created"]
     need(isinstance(created, (int, float)) and not isinstance(created, bool)

@@ -186,6 +186,9 @@ class TieredWriter(StorageWriter):
             extensions=_extensions, serialization_format=serialization_format)
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
             raise ConfigError(f"step must be a non-negative int, got {step!r}")
+        if step is not None and step > fmt.MAX_STEP:  # else refused at the commit, all data written
+            raise ConfigError(f"step {step} is above the largest a manifest records, "
+                              f"{fmt.MAX_STEP} (2**62)")
         if thread_count < 1:
             raise ConfigError(f"thread_count must be >= 1, got {thread_count!r}")
         self.step = step

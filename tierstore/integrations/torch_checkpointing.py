@@ -13,8 +13,11 @@ and save to paths under ``hot`` (``manager.save("/nvme/ckpt/step_100", state)``)
   (invariant 9: the save never waits for it). An occupied destination (a committed name) is
   refused as the rename contract asks, never overwritten (invariant 3);
 - reads resolve ``<hot>/<name>/<file>`` by manifest in the nearest tier holding it, every byte
-  checked against the manifest (invariant 5); a damaged or missing copy read whole falls back
-  to the next tier;
+  checked against the manifest (invariant 5); a damaged or missing copy falls back to the next
+  tier, as :class:`~tierstore.TieredReader` does. A streamed read hands bytes out as they
+  come, so where a farther tier could stand in, the copy is first checked whole (one more
+  pass over the nearest copy, normally the local hot tier) before the stream starts; the
+  last tier's copy is streamed and checked at its end;
 - ``ls``/``exists``/``isdir``/``getsize`` answer from manifests: only committed checkpoints exist.
 
 The attempt id is not drawn at random, as ``TieredWriter`` does: ranks write from their own
@@ -36,28 +39,35 @@ import contextlib
 import hashlib
 import io
 import json
+import logging
 import os
 import re
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 from torch_checkpointing.storage.base_storage import ReadArgs, Storage, StorageConfig
 
 from tierstore import _dist
+from tierstore._redact import redact_url
 from tierstore._version import producer
 from tierstore.commit import layout
 from tierstore.commit.manifest import FileEntry, Manifest
-from tierstore.commit.verified import VerifiedStream, open_verified
-from tierstore.errors import CheckpointExists, ConfigError, IntegrityError, StorageError
+from tierstore.commit.verified import VerifiedStream, open_verified, verify_file
+from tierstore.errors import CheckpointExists, ChecksumMismatch, ConfigError, IntegrityError, StorageError
 from tierstore.storage.backend import ObjectWriter
+from tierstore.storage.registry import split_scheme
 from tierstore.tiers import workers
 from tierstore.tiers.tier import Store, Tier
 
 __all__ = ["TieredStorageConfig", "TieredStorage"]
+
+log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 _RECORDS = ".tierstore-files"  # per-file records inside the attempt, deleted at the commit
 _METADATA = "metadata.pkl"  # torch_checkpointing's distributed metadata, when it writes one
@@ -156,6 +166,10 @@ class TieredStorage(Storage):
     """torch_checkpointing's ``Storage`` over a tiered store (see the module doc)."""
 
     def __init__(self, config: TieredStorageConfig) -> None:
+        # Checked before abspath, which would turn any URL into a path under the cwd.
+        if split_scheme(config.hot)[0] != "file" or "://" in config.hot:
+            raise ConfigError(f"TieredStorageConfig.hot must be a local directory path, not a URL "
+                              f"(torch_checkpointing's paths are under it): {redact_url(config.hot)!r}")
         self._config = config
         self._root = os.path.abspath(config.hot)
         self._store = Store.of(self._root, config.cold)
@@ -302,29 +316,54 @@ class TieredStorage(Storage):
 
     def stream_read(self, path: Path, read_args: ReadArgs | None = None) -> io.RawIOBase:
         entry, manifest, tiers = self._entry(path)
-        if read_args is not None and not read_args.pre_read_full_file:
+        if read_args is None or read_args.pre_read_full_file:
+            return io.BytesIO(self._read_whole(entry, manifest, tiers))  # type: ignore[return-value]
+
+        def stream(tier: Tier, key: str, last: bool) -> io.RawIOBase:
+            if not last:  # bytes handed out cannot be taken back: check before the first
+                verify_file(tier.backend, key, entry, checkpoint=manifest.name, tier=tier.label)
             stack = contextlib.ExitStack()
-            tier = tiers[0]
-            stream = stack.enter_context(open_verified(
-                tier.backend, tier.file_key(manifest.name, manifest.attempt, entry.path), entry,
-                checkpoint=manifest.name, tier=tier.label))
-            return _Reading(stack, stream)
-        return io.BytesIO(self._read_whole(entry, manifest, tiers))  # type: ignore[return-value]
+            try:
+                opened = stack.enter_context(open_verified(
+                    tier.backend, key, entry, checkpoint=manifest.name, tier=tier.label))
+            except BaseException:
+                stack.close()
+                raise
+            return _Reading(stack, opened)
+
+        return self._from_nearest(entry, manifest, tiers, stream)
 
     def _read_whole(self, entry: FileEntry, manifest: Manifest, tiers: list[Tier]) -> bytes:
-        failure: Exception | None = None
-        for tier in tiers:  # nearest first; a bad copy falls back to the next (invariant 5)
+        def whole(tier: Tier, key: str, last: bool) -> bytes:
+            with open_verified(tier.backend, key, entry, checkpoint=manifest.name,
+                               tier=tier.label) as stream:
+                data = stream.read_exactly(entry.size)
+                stream.finish()
+            return data
+
+        return self._from_nearest(entry, manifest, tiers, whole)
+
+    def _from_nearest(self, entry: FileEntry, manifest: Manifest, tiers: list[Tier],
+                      consume: Callable[[Tier, str, bool], _T]) -> _T:
+        """``consume(tier, key, last)`` of the nearest good copy: a damaged or missing one
+        falls back to the next tier; with none left, the last tier's error, naming
+        checkpoint, file and tier (invariant 5; as ``TieredReader._from_nearest``)."""
+        for index, tier in enumerate(tiers):
             key = tier.file_key(manifest.name, manifest.attempt, entry.path)
+            last = index + 1 == len(tiers)
             try:
-                with open_verified(tier.backend, key, entry, checkpoint=manifest.name,
-                                   tier=tier.label) as stream:
-                    data = stream.read_exactly(entry.size)
-                    stream.finish()
-                return data
+                # The stored size first: a truncated or missing copy fails before any read.
+                stored = tier.backend.stat(key).size
+                if stored != entry.size:
+                    raise ChecksumMismatch.size(entry.size, stored, checkpoint=manifest.name,
+                                                file=entry.path, tier=tier.label)
+                return consume(tier, key, last)
             except (IntegrityError, StorageError) as err:
-                failure = err
-        assert failure is not None
-        raise failure
+                if last:
+                    raise
+                log.warning("falling back to the next tier for file %s of checkpoint %s: %s",
+                            entry.path, manifest.name, err)
+        raise AssertionError("a committed checkpoint is held by some tier")  # _manifest found one
 
     def read(self, path: Path, read_args: ReadArgs | None = None) -> bytes:
         entry, manifest, tiers = self._entry(path)

@@ -20,7 +20,10 @@ behind cannot make its own lease look expired, one far ahead cannot make it last
 the pruner's clock does not matter either. ``ttl`` is recorded in the lease; the reader's
 ``created``/``expires`` stamps are informational (for humans), and only their difference is
 used, for leases written before ``ttl`` was recorded. No lease lives longer than
-:data:`MAX_TTL`, whatever it records.
+:data:`MAX_TTL`, whatever it records, and none has more than its ``ttl`` (plus a GC's grace)
+left at any check: an mtime ahead of ``store_now`` (clock skew of a filesystem whose clients
+stamp times) counts as ``store_now``, and one ahead by more than ``ttl`` cannot be the
+store's own stamp (a file touched or restored with future times) and is expired, warned.
 
 A lease that cannot be read (oversized, not JSON, a read error other than "gone") is reported
 with a warning naming key and tier and honoured for :data:`DEFAULT_TTL` from its mtime: it
@@ -165,10 +168,21 @@ def _remaining(tier: Tier, info: ObjectInfo, clock: _Clock, grace: float) -> flo
         log.warning("lease %s in %s is unreadable (%s); honouring it for %.0f s from its mtime",
                     info.key, tier.label, err, DEFAULT_TTL)
         ttl, expires = DEFAULT_TTL, None
+    # No lease holds more than its ttl (+ grace) from now, whatever its stamps say.
+    most = ttl + grace
     if info.mtime is None:  # a store without modification times: the lease's own word
-        left = None if expires is None else expires + grace - time.time()
-        return float("inf") if left is None else (left if left > 0 else None)
-    left = info.mtime + ttl + grace - clock.now()
+        left = most if expires is None else min(expires + grace - time.time(), most)
+        return left if left > 0 else None
+    now = clock.now()
+    if info.mtime - now > ttl:
+        # The store cannot have stamped a time this far in its own future: the file was
+        # touched, restored with its times or the clock set back. Judged from that stamp it
+        # would block prune and GC until then (design.md invariants 16, 17), so it is over.
+        log.warning("lease %s in %s is stamped %.0f s ahead of the store's clock, more than its "
+                    "ttl of %.0f s; treating it as expired", info.key, tier.label,
+                    info.mtime - now, ttl)
+        return None
+    left = min(info.mtime + ttl + grace - now, most)
     return left if left > 0 else None
 
 

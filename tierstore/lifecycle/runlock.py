@@ -25,7 +25,10 @@ is not warned about its own corpse. Expired locks are deleted by whoever finds t
 leaves ``runs/`` alone.
 
 Best effort: a tier that refuses the lock (read-only) or cannot be listed gets a debug line,
-never an error; the run lock never fails or delays a save.
+never an error; the run lock never fails or delays a save. A lock this module did not write
+(not JSON, a field of the wrong type, a pid no process can have: checked strictly by
+:meth:`RunInfo.parse`) is ignored with a debug line, and no error of a scan, expected or
+not, stops the heartbeat (it is logged, and the next beat comes).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ DEFAULT_TTL = 120.0  # a killed job is forgotten this long after its last heartb
 MAX_TTL = 24 * 3600.0  # a lock claiming more (hostile or mistaken) is held to this
 _LOCK_LIMIT = 1 << 16
 _TTL_ENV = "TIERSTORE_RUN_LOCK_TTL"
+_PID_MAX = (1 << 31) - 1  # pid_t; Linux's pid_max is at most 1 << 22
 
 
 @dataclass(frozen=True)
@@ -78,14 +82,26 @@ class RunInfo:
 
     @classmethod
     def parse(cls, data: bytes) -> RunInfo:
-        body = json.loads(data)
+        """The lock ``data`` holds; :class:`ValueError` for anything but a lock this module
+        writes. Strict, as any store input is (docs/design.md invariant 6): Python's json
+        reads ``Infinity`` and ``NaN``, and a pid nothing can signal must never reach
+        ``os.kill``."""
+        try:
+            body = json.loads(data)
+        except RecursionError as err:
+            raise ValueError("a run lock nested too deeply") from err
         if not isinstance(body, dict):
-            raise TypeError("a run lock is a JSON object")
-        ttl = float(body["ttl"])
-        if not 0 < ttl < float("inf"):
-            raise ValueError(f"bad ttl {ttl!r}")
-        return cls(str(body["run"]), str(body["job"]), str(body["host"]), int(body["pid"]),
-                   str(body.get("pid_space", "")), min(ttl, MAX_TTL))
+            raise ValueError("a run lock is a JSON object")
+        text = {field: _string(body, field) for field in ("run", "job", "host")}
+        pid, ttl = body.get("pid"), body.get("ttl")
+        if not (isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid <= _PID_MAX):
+            raise ValueError(f"pid is not a positive int: {pid!r}")
+        if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 < ttl < float("inf"):
+            raise ValueError(f"ttl is not a positive number of seconds: {ttl!r}")
+        pid_space = body.get("pid_space", "")
+        if not isinstance(pid_space, str):
+            raise ValueError(f"pid_space is not a string: {pid_space!r}")
+        return cls(text["run"], text["job"], text["host"], pid, pid_space, min(float(ttl), MAX_TTL))
 
 
 class RunLock:
@@ -131,9 +147,20 @@ class RunLock:
                 self._scan(starting=False)
             except TierstoreError as err:
                 log.debug("run lock heartbeat in %s failed: %s", self.tier.label, err)
+            except Exception:  # a bug or a backend's stray error must not end the heartbeat
+                log.warning("run lock heartbeat in %s failed; it goes on", self.tier.label,
+                            exc_info=True)
 
     def _scan(self, *, starting: bool) -> None:
-        for other in live_runs(self.tier, exclude=self.info.run):
+        try:
+            others = live_runs(self.tier, exclude=self.info.run)
+        except TierstoreError as err:
+            log.debug("could not list the run locks in %s: %s", self.tier.label, err)
+            return
+        except Exception:  # best effort (module docstring): never fails a start or a beat
+            log.warning("could not check the run locks in %s", self.tier.label, exc_info=True)
+            return
+        for other in others:
             if other.run in self.warned:
                 continue
             self.warned.add(other.run)
@@ -187,7 +214,7 @@ def live_runs(tier: Tier, *, exclude: str = "") -> list[RunInfo]:
             other = RunInfo.parse(tier.backend.read_bytes(newest.key, limit=_LOCK_LIMIT))
         except ObjectNotFound:
             continue  # released, or a newer beat replaced it, meanwhile
-        except (TierstoreError, ValueError, KeyError, TypeError, RecursionError) as err:
+        except (TierstoreError, ValueError) as err:  # one bad lock never hides the others
             log.debug("ignoring unreadable run lock %s in %s: %s", newest.key, tier.label, err)
             continue
         dead = other.here() and not _pid_exists(other.pid)
@@ -198,6 +225,13 @@ def live_runs(tier: Tier, *, exclude: str = "") -> list[RunInfo]:
         else:
             live.append(other)
     return live
+
+
+def _string(body: dict[str, object], field: str) -> str:
+    value = body.get(field)
+    if not isinstance(value, str) or len(value) > 1024:
+        raise ValueError(f"{field} is not a short string: {value!r:.80}")
+    return value
 
 
 def _publish(tier: Tier, key: str, info: RunInfo) -> None:

@@ -13,7 +13,7 @@ from importlib.metadata import entry_points
 from types import MappingProxyType
 from typing import Any
 
-from tierstore._redact import redact_url
+from tierstore._redact import redact_url, scrub, url_secrets
 from tierstore.errors import BackendNotFound, ConfigError
 from tierstore.storage.backend import Backend
 
@@ -39,7 +39,13 @@ _KNOWN_PLUGINS: dict[str, str] = {
     "gcs": "tierstore-gcs",
 }
 
+# Schemes a tier URL is likely meant to have although no backend serves them here: a path
+# starting with one of them and a colon but no "//" is a mistyped URL (split_scheme).
+_WELL_KNOWN = frozenset({"file", "memory", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl",
+                         "hdfs", "webhdfs", "http", "https", "ftp", "sftp"})
+
 _SCHEME = re.compile(r"[a-z][a-z0-9+.-]*")  # RFC 3986
+_MISTYPED = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*):(?P<rest>.*)", re.S)
 _registry: dict[str, str | type[Backend]] = dict(_BUILTINS)
 _entry_points_loaded = False
 _lock = threading.Lock()
@@ -133,14 +139,37 @@ def backend_class(scheme: str) -> type[Backend]:
 
 
 def split_scheme(url: str | os.PathLike[str]) -> tuple[str, str]:
-    """``("s3", "s3://b/p")`` for URLs; ``("file", "/abs/path")`` for plain paths."""
+    """``("s3", "s3://b/p")`` for URLs; ``("file", "/abs/path")`` for plain paths.
+
+    A path that starts like a URL of a known scheme but lacks its ``//`` (``s3:/b/p``,
+    ``s3:b/p``) is a :class:`~tierstore.errors.ConfigError` naming the URL it likely is:
+    taken as a local directory it would be created in the working directory, reported
+    healthy, and the hot tier pruned against it. Paths with a colon anywhere else
+    (``/data/run:1``, ``./a:b``) stay paths.
+    """
     text = os.fspath(url)
     if not isinstance(text, str) or not text:
         raise ConfigError(f"not a tier URL or path: {url!r}")
     scheme, sep, _ = text.partition("://")
     if not sep:
+        _refuse_mistyped(text)
         return "file", text
     return scheme.lower(), text
+
+
+def _refuse_mistyped(path: str) -> None:
+    match = _MISTYPED.fullmatch(path)
+    if match is None:
+        return
+    scheme, rest = match["scheme"], match["rest"].lstrip("/")
+    lowered = scheme.lower()
+    if not (lowered in _WELL_KNOWN or lowered in _KNOWN_PLUGINS or lowered.startswith("fsspec+")
+            or lowered in registered_backends()):
+        return
+    meant = f"{scheme}://{'/' if lowered == 'file' else ''}{rest}"
+    shown = scrub(path, url_secrets(meant))  # design.md invariant 18
+    raise ConfigError(f"tier path {shown!r} looks like a mistyped {lowered}:// URL: did you mean "
+                      f"{redact_url(meant)!r}? (a local directory of that name is './{shown}')")
 
 
 def open_backend(url: str | os.PathLike[str], options: Mapping[str, Any] | None = None,

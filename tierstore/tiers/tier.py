@@ -47,6 +47,7 @@ class Tier:
     def __init__(self, role: str, url: TierURL, options: Mapping[str, Any] | None = None) -> None:
         self.role = role
         self.url = os.fspath(url)
+        split_scheme(self.url)  # a mistyped URL (``s3:/b/r``) is refused now, not used as a path
         self.options = dict(options or {})
         self._backend: Backend | None = None
         self._manifests: dict[str, _Cached] = {}
