@@ -157,3 +157,29 @@ def forge_raw_item(root: str | Path, fqn: str, mutate: Any, name: str | None = N
     body.pop("checksum")
     body["checksum"] = _checksum(body)
     mpath.write_text(json.dumps(body))
+
+
+def forge_metadata(root: str | Path, mutate: Any, name: str | None = None) -> None:
+    """Rewrite a committed hot checkpoint's ``.metadata`` with ``mutate(metadata)`` (in place)
+    and re-seal ``.metadata``'s entry and the manifest's checksum, as a store someone else can
+    write would: the general form of :func:`forge_raw_item` (a flat manifest or a root)."""
+    import json
+    import pickle
+
+    from tierstore.commit.manifest import _checksum
+    from tierstore.storage.checksum import crc32c_update
+
+    mpath = Path(root, layout.manifest_key(name or layout.default_name(1)))
+    body = json.loads(mpath.read_text())
+    meta_path = Path(root, layout.file_key(body["name"], body["attempt"], ".metadata"))
+    meta = pickle.loads(meta_path.read_bytes())
+    mutate(meta)
+    data = pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL)
+    meta_path.write_bytes(data)
+    entries = body["files"] if "files" in body else [body["metadata"]]  # flat, or a root
+    for entry in entries:
+        if entry["path"] == ".metadata":
+            entry.update(size=len(data), crc32c=crc32c_update(0, data))
+    body.pop("checksum")
+    body["checksum"] = _checksum(body)
+    mpath.write_text(json.dumps(body))

@@ -34,6 +34,7 @@ from tierstore.errors import (
     SaveFailed,
     StorageError,
     TierstoreError,
+    UnsafeType,
 )
 from tierstore.lifecycle.gc import collect_garbage, find_garbage
 from tierstore.lifecycle.prune import prune
@@ -136,6 +137,7 @@ __all__ = [
     "SaveFailed",
     "CheckpointNotFound",
     "CheckpointExists",
+    "UnsafeType",
     "IntegrityError",
     "InvalidManifest",
     "ChecksumMismatch",

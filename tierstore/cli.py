@@ -137,7 +137,7 @@ def _picked(args: argparse.Namespace, tiers: list[Tier]) -> None:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     store = _store(args)
-    _named(store, args.name)
+    _named_for_verify(store, args.name)
     checks = verify_store(store, names=[args.name] if args.name else None, progress=args.progress)
     args.progress.close()
     bad = [c for c in checks if not c.ok]
@@ -148,6 +148,21 @@ def cmd_verify(args: argparse.Namespace) -> int:
             print(f"DAMAGED  {c.tier}  {c.checkpoint}  {c.file}: {c.problem}")
         print(f"verified {len(checks)} files: {len(checks) - len(bad)} ok, {len(bad)} damaged")
     return EXIT_ERROR if bad else EXIT_OK
+
+
+def _named_for_verify(store: Store, name: str | None) -> None:
+    """:func:`_named`, where a tier holding an invalid manifest of ``name`` holds it: verify
+    reports that manifest (and checks another tier's copy) rather than stop at it."""
+    from tierstore.errors import InvalidManifest, ObjectTooLarge  # verify's alone
+
+    def holds(tier: Tier, name: str) -> bool:
+        try:
+            return tier.find_manifest(name) is not None
+        except (InvalidManifest, ObjectTooLarge):
+            return True
+
+    if name is not None and not any(holds(t, name) for t in store.tiers):
+        raise CheckpointNotFound("no committed checkpoint of that name", checkpoint=name, tier=store.label)
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
@@ -194,16 +209,22 @@ def cmd_prune(args: argparse.Namespace) -> int:
         raise UsageError("give a policy, e.g. --hot-keep-last 2 --cold-keep-last 3")
     reports = prune(_store(args), hot_policy=hot_policy or keep_all(),
                     cold_policy=cold_policy or keep_all(), dry_run=not args.yes)
+    # A checkpoint that could not be pruned is a failed operation (exit 1), as in gc.
+    code = EXIT_ERROR if any(r.errors for r in reports) else EXIT_OK
     if args.json:
         print(json.dumps([asdict(r) for r in reports], indent=1))
-        return EXIT_OK
+        return code
     for r in reports:
         verb = "pruned" if not r.dry_run else "would prune"
         print(f"{r.tier}: {verb} {list(r.deleted) + list(r.deferred)} ({_human(r.bytes_freed)}); "
               f"kept {list(r.kept)}" + (f"; kept by safety rules {list(r.protected)}" if r.protected else ""))
+        for warning in r.warnings:
+            print(f"WARNING  {r.tier}  {warning}")
+        for error in r.errors:
+            print(f"FAILED  {r.tier}  {error}")
     if reports and reports[0].dry_run:
         print("(dry run: add --yes to prune)")
-    return EXIT_OK
+    return code
 
 
 def cmd_show(args: argparse.Namespace) -> int:

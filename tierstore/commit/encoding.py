@@ -176,9 +176,14 @@ def check_fields(item: Any) -> bool:
             and isinstance(crcs, tuple) and all(_is_count(c, 1 << 32) for c in crcs))
 
 
-def check_item(item: RawItem, file_size: int) -> str | None:
-    """What makes ``item`` (fields already checked) inconsistent with itself or with a file
-    of ``file_size`` bytes; ``None`` when it is consistent."""
+def check_item(item: RawItem, file_size: int | None = None) -> str | None:
+    """What makes ``item`` (fields already checked) inconsistent with itself or, given
+    ``file_size``, with a file of that many bytes; ``None`` when it is consistent.
+
+    Without a size it is the check of ``.metadata`` alone (every item, at unpickling: no
+    manifest part needed); the reader and scrub add the size of the file the manifest vouches
+    for (docs/design.md invariants 5 and 6).
+    """
     if item.dtype == BYTES:
         if item.shape != ():
             return f"a bytes item has shape {item.shape}"
@@ -192,11 +197,11 @@ def check_item(item: RawItem, file_size: int) -> str | None:
         if item.length != numel * dtype.itemsize:
             return (f"length {item.length} is not {numel} elements of {item.dtype} "
                     f"({numel * dtype.itemsize} bytes)")
-    if item.offset + item.length > file_size:
-        return (f"item ends at byte {item.offset + item.length}, past the end of the file "
-                f"({file_size} bytes)")
     if len(item.crc32c) != item.blocks:
         return f"{len(item.crc32c)} block checksums for {item.blocks} blocks of {item.block} bytes"
+    if file_size is not None and item.offset + item.length > file_size:
+        return (f"item ends at byte {item.offset + item.length}, past the end of the file "
+                f"({file_size} bytes)")
     return None
 
 

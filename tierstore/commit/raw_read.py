@@ -33,7 +33,7 @@ from tierstore.commit import encoding
 from tierstore.commit.encoding import RawItem
 from tierstore.commit.manifest import FileEntry
 from tierstore.commit.safe_pickle import safe_byte_io
-from tierstore.errors import ChecksumMismatch, IntegrityError
+from tierstore.errors import ChecksumMismatch, IntegrityError, UnsafeType
 from tierstore.storage.checksum import crc32c_update
 
 __all__ = ["COALESCE", "Opener", "Planner", "Unit", "Want", "plan", "read_unit", "split"]
@@ -80,9 +80,10 @@ class Planner:
         with self._lock:
             self._planner.commit_tensor(req, tensor)
 
-    def load_bytes(self, req: ReadItem, payload: bytes) -> None:
+    def load_bytes(self, req: ReadItem, payload: bytes, **where: Any) -> None:
+        """``where`` (checkpoint, file, tier) names the item's place in an ``UnsafeType``."""
         with self._lock:
-            self._planner.load_bytes(req, safe_byte_io(payload))
+            self._planner.load_bytes(req, safe_byte_io(payload, item=req.storage_index.fqn, **where))
 
 
 def plan(files: Mapping[str, Sequence[ReadItem]], storage: Mapping[MetadataIndex, Any],
@@ -293,7 +294,10 @@ def _deliver(reader: _Reader, want: Want, planner: Planner) -> None:
             if req.type != LoadItemType.BYTE_IO:
                 raise reader.corrupt(f"item {want.index.fqn!r} is stored as bytes, read as a tensor")
             try:
-                planner.load_bytes(req, bytes(data))
+                planner.load_bytes(req, bytes(data), checkpoint=reader.checkpoint,
+                                   file=reader.entry.path, tier=reader.tier)
+            except UnsafeType:
+                raise  # a refusal by policy of verified bytes, not damage (safe_pickle)
             except Exception as err:
                 raise reader.corrupt(f"item {want.index.fqn!r} cannot be loaded safely: "
                                      f"{type(err).__name__}: {err}") from err

@@ -59,6 +59,7 @@ from tierstore.errors import (
     StorageError,
     TierstoreError,
     UnsafePath,
+    UnsafeType,
 )
 from tierstore.lifecycle import leases
 from tierstore.storage import faults
@@ -97,10 +98,11 @@ class TieredReader(StorageReader):
         name: load the checkpoint of this name (a ``checkpoint_id`` given to ``dcp.load``
             does the same: a name, or a directory directly under a tier's root). With
             neither, the newest committed checkpoint in any tier that is not found damaged
-            before loading: one whose manifest is invalid, or whose
-            ``.metadata`` or some data file is missing or damaged, in every tier holding it is
-            skipped with a warning (bytes inside data files are verified only while they
-            stream; ``CheckpointManager.load_latest`` also falls back on those).
+            before loading: one whose manifest is invalid (a two-level manifest's part missing
+            included), or whose ``.metadata`` or some data file is missing or damaged, in every
+            tier holding it is skipped with a warning (bytes inside data files, and inside a
+            part that is present at its size, are verified only when read;
+            ``CheckpointManager.load_latest`` also falls back on those).
         hot_options / cold_options: options for the tiers' backends.
         node_local: the hot tier is per node (NVMe), so each rank's hot root holds only its
             node's files and the cold manifest is the global commit: pick checkpoints by cold
@@ -314,9 +316,10 @@ class TieredReader(StorageReader):
         """Open the named checkpoint; without a name, the newest one that opens verified.
 
         Without a name, a candidate is skipped (warning naming it and what was wrong) when
-        its ``.metadata`` is missing, damaged or unloadable in every tier holding it, or one
-        of its data files is missing or of the wrong size in every tier (one ``stat`` per
-        file; bytes are checked only while streaming, in :meth:`read_data`). Candidates with
+        its ``.metadata`` is missing, damaged or unloadable in every tier holding it, one
+        of its data files is missing or of the wrong size in every tier, or a part of its
+        two-level manifest is missing (listings: :meth:`_check_data_files`; bytes are checked
+        only while streaming, in :meth:`read_data`). Candidates with
         a manifest invalid in every tier are never picked (:func:`tierstore.tiers.catalog.resolve`).
         If every candidate is damaged, the newest one's error is raised.
         """
@@ -334,7 +337,7 @@ class TieredReader(StorageReader):
                     raise IntegrityError("DCP metadata has no storage data", checkpoint=manifest.name,
                                          file=manifest.metadata_file)
                 if self.name is None:
-                    self._check_data_files(manifest, holders)
+                    self._check_data_files(manifest, holders, metadata.storage_data)
                 return metadata
             except TierstoreError as err:
                 if self.name is not None or not is_damage(err):
@@ -346,18 +349,23 @@ class TieredReader(StorageReader):
                             ", ".join(t.label for t in holders), err)
         raise next(iter(skipped.values()))
 
-    def _check_data_files(self, manifest: Manifest, holders: Sequence[Tier]) -> None:
+    def _check_data_files(self, manifest: Manifest, holders: Sequence[Tier],
+                          storage: Mapping[MetadataIndex, Any]) -> None:
         """Raise if some data file is missing or of the wrong size in every tier in ``holders``
-        (the error of the farthest tier, as a read would).
+        (the error of the farthest tier, as a read would), or a manifest part is missing or
+        unreadable.
 
         Listings, not a request per file: a tier whose attempt lives under known prefixes (its
         directory; on an object store, one prefix per 64 ranks: :func:`layout.attempt_prefixes`)
-        is listed and, where its files add up to the root's file count and bytes, vouches for
-        every file without reading a manifest part (the coordinator of a 16k-rank job reads the
-        root only). Otherwise each tier is listed per data prefix against the file entries
-        (:func:`tierstore.tiers.marks.not_in_place`), parts loaded as needed.
+        is listed and, where it holds every part and every file DCP's metadata stores an item
+        in and its files add up to the root's file count and bytes, vouches for every file
+        without reading a manifest part (the coordinator of a 16k-rank job reads the root
+        only). Otherwise each tier is listed per data prefix against the file entries
+        (:func:`tierstore.tiers.marks.not_in_place`), parts loaded as needed: a part that is
+        missing or altered raises its ``InvalidManifest`` here, so a reader without a name
+        skips the checkpoint rather than fail its reads.
         """
-        if manifest.parts and any(self._complete_by_totals(manifest, t) for t in holders):
+        if manifest.parts and any(self._complete_by_listing(manifest, t, storage) for t in holders):
             return
         wanted = [f for f in manifest.files if f.path != manifest.metadata_file]
         for i, tier in enumerate(holders):
@@ -380,17 +388,38 @@ class TieredReader(StorageReader):
                                    checkpoint=manifest.name, file=entry.path, tier=tier.label)
 
     @staticmethod
-    def _complete_by_totals(manifest: Manifest, tier: Tier) -> bool:
+    def _complete_by_listing(manifest: Manifest, tier: Tier,
+                             storage: Mapping[MetadataIndex, Any]) -> bool:
+        """Whether one listing of the attempt shows it whole without reading a part: every
+        part at its recorded size, every file DCP's metadata names at least as long as its
+        last item, and totals that add up. Totals alone are not enough: a deleted shard and a
+        stray file of its size would add up the same."""
         prefixes = layout.attempt_prefixes(manifest.name, manifest.attempt, manifest.world_size,
                                            spread=tier.backend.spread_keys)
         if prefixes is None:
             return False  # spread over any of 256 hashed prefixes: only the parts say where
+        parts = {tier.file_key(manifest.name, manifest.attempt, ref.path): ref.size
+                 for ref in manifest.parts}
+        by_path = {manifest.metadata_file: 0}
+        for item in storage.values():  # O(items), from .metadata: no part needed
+            by_path[item.relative_path] = max(by_path.get(item.relative_path, 0),
+                                              item.offset + item.length)
+        ends = {tier.file_key(manifest.name, manifest.attempt, path): end
+                for path, end in by_path.items()}
         count = size = 0
         for info in (i for prefix in prefixes for i in tier.backend.list(prefix)):
-            if layout.is_manifest_part(info.key) or layout.is_temporary(info.key):
+            if layout.is_temporary(info.key):
                 continue
+            if layout.is_manifest_part(info.key):
+                if parts.pop(info.key, None) != info.size:
+                    return False
+                continue
+            end = ends.pop(info.key, None)
+            if end is not None and info.size < end:
+                return False
             count, size = count + 1, size + info.size
-        return count == manifest.num_files and size == manifest.total_size
+        return (not parts and not ends and count == manifest.num_files
+                and size == manifest.total_size)
 
     def _open(self, manifest: Manifest, holders: list[Tier]) -> Metadata:
         if self.node_local:
@@ -601,7 +630,11 @@ class TieredReader(StorageReader):
             try:
                 # The stored size first: a truncated file fails fast, and no length claimed by
                 # a forged manifest or metadata can make a read allocate more than is stored.
-                stored = tier.backend.stat(key).size
+                try:
+                    stored = tier.backend.stat(key).size
+                except ObjectNotFound as err:  # say whose file: the key alone may be hashed
+                    context = {**err.context, "checkpoint": self.manifest.name, "file": entry.path}
+                    raise ObjectNotFound(err.message, **context) from err
                 if stored != entry.size:
                     raise ChecksumMismatch.size(entry.size, stored, checkpoint=self.manifest.name,
                                                 file=entry.path, tier=tier.label)
@@ -633,12 +666,17 @@ def _deliver(req: ReadItem, payload: bytes, planner: LoadPlanner, stream: _ItemS
             payload = transforms.transform_load_stream(req, descriptors,
                                                        io.BytesIO(payload)).read(-1)
         if req.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(req, safe_byte_io(payload))
+            f = stream.verified
+            planner.load_bytes(req, safe_byte_io(payload, item=req.storage_index.fqn,
+                                                 checkpoint=f.checkpoint, file=f.entry.path,
+                                                 tier=f.tier))
             return
         tensor = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"found a {type(tensor).__name__}, not a tensor")
         tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+    except UnsafeType:
+        raise  # a refusal by policy, not damage: raised after the file verified (deliver_all)
     except Exception as err:
         raise stream.corrupt(f"item {req.storage_index.fqn!r} cannot be loaded safely: "
                              f"{type(err).__name__}: {err}") from err
@@ -655,6 +693,10 @@ class _ItemStream:
 
     def __init__(self, verified: VerifiedStream) -> None:
         self._file = verified
+
+    @property
+    def verified(self) -> VerifiedStream:
+        return self._file
 
     def corrupt(self, message: str) -> IntegrityError:
         """An error about this file's contents or the metadata describing them."""

@@ -101,12 +101,19 @@ def open_verified(backend: Backend, key: str, entry: FileEntry, *, checkpoint: s
 
 def verify_file(backend: Backend, key: str, entry: FileEntry, *, checkpoint: str | None,
                 tier: str | None, chunk_size: int = CHUNK,
-                progress: Callable[[int], None] | None = None) -> None:
-    """Read ``key`` through and discard it; raise :class:`ChecksumMismatch` unless intact."""
+                progress: Callable[[int], None] | None = None,
+                inspect: Callable[[int, memoryview], None] | None = None) -> None:
+    """Read ``key`` through and discard it; raise :class:`ChecksumMismatch` unless intact.
+
+    ``inspect(offset, data)`` sees every chunk read, in order, before the file is known to
+    be intact (scrub checks the raw encoding's block checksums in the same pass with it).
+    """
     # Small files get a small buffer; a file longer than its entry still streams in 64 KiB reads.
     buffer = memoryview(bytearray(min(chunk_size, max(entry.size, 1 << 16))))
     with open_verified(backend, key, entry, checkpoint=checkpoint, tier=tier) as stream:
         while n := stream.readinto(buffer):
+            if inspect is not None:
+                inspect(stream.pos - n, buffer[:n])
             if progress is not None:
                 progress(n)
         stream.finish()
