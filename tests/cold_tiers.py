@@ -9,7 +9,8 @@ scenario that involves the cold tier runs against all of these, real servers onl
   request (a slow link to a healthy bucket);
 * ``gcs``: fake-gcs-server.
 
-Use the ``cold`` fixture (parametrized over ``KINDS``) or ``cold_of(request, kind)``. A
+Use the ``any_cold`` fixture (parametrized over ``KINDS``; tests/conftest.py makes it
+visible everywhere) or ``cold_of(request, kind, tmp_path)``. A
 :class:`Cold` gives the URL and options the product is handed, a :class:`Tier` that
 reaches the server directly (to look behind the product's back), and for the proxied
 kinds the proxy, so a test can take the tier down (``cold.down()``).
@@ -103,5 +104,5 @@ def cold_of(request: pytest.FixtureRequest, kind: str, tmp_path: Path) -> Iterat
 
 
 @pytest.fixture(params=KINDS)
-def cold(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cold]:
+def any_cold(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cold]:
     yield from cold_of(request, request.param, tmp_path)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed.checkpoint as dcp
-from cold_tiers import Cold, cold  # noqa: F401  (the fixture)
+from cold_tiers import Cold
 from helpers import blank, matches, state_for
 from test_cold_commit_scale import rank_job, write_attempt
 
@@ -61,7 +61,8 @@ def loads_from_cold_alone(cold: Cold, step: int) -> bool:
 
 
 def test_tierstore_migrate_never_commits_an_object_replaced_after_its_upload(
-        cold: Cold, tmp_path: Path) -> None:
+        any_cold: Cold, tmp_path: Path) -> None:
+    cold = any_cold
     hot = str(tmp_path / "hot")
     manifest = saved(hot, 1)
     # A first `tierstore migrate` uploads and marks every file, then dies before its commit.
@@ -85,7 +86,8 @@ def test_tierstore_migrate_never_commits_an_object_replaced_after_its_upload(
 
 
 def test_the_commit_refuses_an_object_replaced_between_its_mark_and_the_commit(
-        cold: Cold, tmp_path: Path) -> None:
+        any_cold: Cold, tmp_path: Path) -> None:
+    cold = any_cold
     hot = Tier("hot", str(tmp_path / "hot"))
     manifest = write_attempt(hot, world=2)
     migrator = Migrator(hot, Tier("cold", cold.url, cold.options), FAST)
@@ -112,8 +114,9 @@ def test_the_commit_refuses_an_object_replaced_between_its_mark_and_the_commit(
     assert all(has_verified_copy(cold.tier, manifest.name, manifest.attempt, f) for f in manifest.files)
 
 
-def test_an_unchanged_upload_is_committed_from_listings_alone(cold: Cold, tmp_path: Path) -> None:
+def test_an_unchanged_upload_is_committed_from_listings_alone(any_cold: Cold, tmp_path: Path) -> None:
     """The check costs nothing when nothing changed: no object is read back or HEADed."""
+    cold = any_cold
     hot_root = str(tmp_path / "hot")
     manifest = saved(hot_root, 1)
     migrator = Migrator(Tier("hot", hot_root), Tier("cold", cold.url, cold.options), FAST)
