@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tierstore import CheckpointManager, list_checkpoints
-from tierstore.errors import BackendNotFound, CheckpointExists, NoSpaceLeft, SaveFailed
+from tierstore.errors import BackendNotFound, CheckpointExists, MigrationFailed, NoSpaceLeft, SaveFailed
 from tierstore.retry import RetryPolicy
 from tierstore.storage import faults
 from tierstore.tiers.migrator import MigrationConfig
@@ -100,7 +100,10 @@ def test_failed_migrations_show_in_health_and_saves_still_commit(tmp_path: Path)
         warnings.simplefilter("ignore")
         for step in (1, 2, 3):
             assert manager.save(step, state())
-        manager.close()
+        with pytest.raises(MigrationFailed) as raised:  # the end of the run says so
+            manager.close()
+    assert raised.value.checkpoints == tuple(f"step-{s:010d}" for s in (1, 2, 3))
+    assert "not-a-dir" in str(raised.value) and "tierstore migrate" in str(raised.value)
     assert [c.step for c in list_checkpoints(hot)] == [1, 2, 3]  # every save committed hot
     health = manager.health()
     assert health.saves_ok == 3 and health.saves_failed == 0

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from tierstore import CheckpointManager, TieredReader
 from tierstore.commit import layout
-from tierstore.errors import ChecksumMismatch, InvalidManifest
+from tierstore.errors import CheckpointNotFound, ChecksumMismatch, InvalidManifest
 
 DAMAGES = {
     "metadata flipped": lambda root, m: flip(file_path(root, m, ".metadata")),
@@ -107,9 +107,12 @@ def test_manager_falls_back_past_a_flipped_byte_inside_a_shard(store: str, caplo
         assert matches(target, 1)  # what the failed try copied in is overwritten
         again = blank()
         assert manager.load(again) == 1 and matches(again, 1)
-        with pytest.raises(CheckpointException) as info:  # named: never another checkpoint
+        # Set aside (quarantined): a load naming it says so, and never loads another one.
+        assert manager.health().quarantined == (newest.name,)
+        with pytest.raises(CheckpointException) as info:
             manager.load(blank(), name=newest.name)
-    assert isinstance(unwrap(info.value), ChecksumMismatch)
+    assert isinstance(unwrap(info.value), CheckpointNotFound)
+    assert "quarantined" in str(unwrap(info.value))
     warned = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
     assert warned and newest.name in warned[0] and "__0_0.distcp" in warned[0]
 

@@ -31,6 +31,7 @@ __all__ = [
     "InvalidManifest",
     "ChecksumMismatch",
     "SaveFailed",
+    "MigrationFailed",
     "UnpicklableError",
     "FaultInjected",
 ]
@@ -192,6 +193,28 @@ class SaveFailed(TierstoreError, RuntimeError):
         context.update({name: getattr(self, name) for name in _CONTEXT_ORDER
                         if getattr(self, name, None) is not None})
         return (_rebuild, (type(self), self.message, context))
+
+
+class MigrationFailed(TierstoreError, RuntimeError):
+    """Checkpoints that did not reach the cold tier: raised by ``CheckpointManager.close``
+    (and ``wait``) as save failures are, once they are certain. Nothing is lost: each stays
+    committed and pending in the hot tier, and the next job's manager (or
+    ``tierstore migrate``) finishes it.
+
+    ``checkpoints`` names them, oldest first; ``errors`` maps each to why ("still uploading
+    when close() ran out of time", or the failure the migrator reported).
+    """
+
+    checkpoints: tuple[str, ...]
+    errors: dict[str, str]
+
+    def __init__(self, message: str, *, checkpoints: tuple[str, ...] = (),
+                 errors: Mapping[str, str] | None = None, **context: Any) -> None:
+        super().__init__(message, checkpoints=tuple(checkpoints), errors=dict(errors or {}),
+                         **context)
+
+    def _render(self) -> str:
+        return self.message  # it names the checkpoints and the tiers itself
 
 
 class UnpicklableError(TierstoreError, RuntimeError):

@@ -22,13 +22,28 @@ no save.
 Failures are loud: a save that fails (in the background, under ``async_save``) is raised as
 :class:`~tierstore.errors.SaveFailed` by the next :meth:`CheckpointManager.save`, or by
 :meth:`~CheckpointManager.wait` / :meth:`~CheckpointManager.close` if no save follows, once.
-Migration and pruning never raise into training; :meth:`CheckpointManager.health` reports
-them (and every failure is logged).
+Migration and pruning never raise into training (``save``); :meth:`CheckpointManager.health`
+reports them, every failure is logged, and :meth:`~CheckpointManager.wait` and
+:meth:`~CheckpointManager.close` raise :class:`~tierstore.errors.MigrationFailed` for a
+checkpoint that did not reach the cold tier.
+
+The end of a run delivers its last checkpoints, or says loudly that it did not (docs/design.md
+invariant 22): ``close()`` waits for the pending migrations up to ``close_timeout`` seconds
+in all (default 300; the deadline covers every wait of close, not each in turn), logging
+what it waits for, then stops whatever is left (nothing of it runs after close returns) and
+raises :class:`~tierstore.errors.MigrationFailed` naming each checkpoint that stays pending
+in the hot tier. A manager with a cold tier resumes, in the background, the migrations it
+finds pending: at start (a killed run's) and after each commit (those a cold outage failed).
+
+A checkpoint a resume proved damaged (in every tier holding it) is quarantined
+(:mod:`tierstore.lifecycle.quarantine`): un-published, its data kept, so the step it held is
+saved again as a new attempt and retention counts only good checkpoints.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -51,14 +66,16 @@ from tierstore.commit.manifest import Manifest, checkpoint_order
 from tierstore.commit.manifest_format import check_metrics
 from tierstore.commit.reader import TieredReader, is_damage
 from tierstore.commit.writer import TieredWriter, store_to_save
-from tierstore.errors import ConfigError, SaveFailed, TierstoreError
+from tierstore.errors import ConfigError, MigrationFailed, SaveFailed, TierstoreError
 from tierstore.lifecycle import runlock
-from tierstore.lifecycle.prune import PruneReport, prune, prune_tier
+from tierstore.lifecycle.prune import PruneReport, check_cold_copies, prune, prune_tier
+from tierstore.lifecycle.quarantine import quarantine
 from tierstore.lifecycle.retention import DEFAULT_COLD, DEFAULT_HOT, Policy, keep_none
 from tierstore.resume.state import ResumePlanner, is_per_rank_key
 from tierstore.staging import ReusedStaging, staging_options
 from tierstore.tiers import marks
 from tierstore.tiers.catalog import CheckpointInfo, list_checkpoints
+from tierstore.tiers.delivery import await_delivery, describe, resume_pending, undelivered
 from tierstore.tiers.migrator import (
     MigrationConfig,
     MigrationState,
@@ -66,7 +83,7 @@ from tierstore.tiers.migrator import (
     Migrator,
 )
 from tierstore.tiers.tier import Store, Tier, TierURL
-from tierstore.tiers.workers import active_migrators
+from tierstore.tiers.workers import active_migrators, migrator_for
 
 if TYPE_CHECKING:
     from tierstore.resume.check import ResumeReport
@@ -76,6 +93,7 @@ __all__ = ["CheckpointManager", "Health"]
 log = logging.getLogger(__name__)
 
 Cadence = Callable[[int], bool]
+DEFAULT_CLOSE_TIMEOUT = 300.0  # seconds close() waits for migrations, in all
 
 
 @dataclass(frozen=True)
@@ -95,6 +113,9 @@ class Health:
     migration_lag_seconds: float  # age of the oldest migration not finished
     migration_lag_bytes: int  # bytes not yet in the cold tier
     prune_errors: tuple[str, ...]
+    # Checkpoints a resume of this manager found damaged and set aside, or found set aside
+    # (their data kept: `tierstore quarantine` lists and removes them).
+    quarantined: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -124,6 +145,9 @@ class CheckpointManager:
             taken; the caller must not change the state until :meth:`wait_staged` returns
             (the next ``save``, ``wait`` and ``close`` wait for it too). Needs async
             ``"reuse"`` staging.
+        close_timeout: the most seconds :meth:`close` waits for migrations, pruning and
+            checks in all (default 300); what is left then stays pending in the hot tier
+            and :meth:`close` raises :class:`~tierstore.errors.MigrationFailed`.
 
     ``stalls`` maps each saved step to the seconds ``save()`` blocked the caller;
     ``staging_allocated`` maps it to the bytes of staging buffers that save allocated: the
@@ -137,7 +161,8 @@ class CheckpointManager:
                  cold_options: Mapping[str, Any] | None = None, node_local: bool = False,
                  migration: MigrationConfig | None = None, hot_min_free: int | str | None = "auto",
                  process_group: Any = None, writer_options: Mapping[str, Any] | None = None,
-                 staging: str = "reuse", overlap_staging: bool = False) -> None:
+                 staging: str = "reuse", overlap_staging: bool = False,
+                 close_timeout: float = DEFAULT_CLOSE_TIMEOUT) -> None:
         if async_mode not in ("thread", "process"):
             raise ConfigError(f"async_mode must be 'thread' or 'process', got {async_mode!r}")
         if staging not in ("reuse", "fresh"):
@@ -147,6 +172,8 @@ class CheckpointManager:
                               "(other saves copy the state before save() returns)")
         if isinstance(save_every, int) and save_every <= 0:
             raise ConfigError(f"save_every must be positive, got {save_every}")
+        if not (isinstance(close_timeout, (int, float)) and 0 <= close_timeout < float("inf")):
+            raise ConfigError(f"close_timeout must be a number of seconds >= 0, got {close_timeout!r}")
         self.store = store_to_save(hot, cold, hot_options=hot_options, cold_options=cold_options,
                                    owner="CheckpointManager")
         if node_local and self.store.cold is None:
@@ -158,7 +185,9 @@ class CheckpointManager:
         self.save_every, self.hot_min_free = save_every, hot_min_free
         self.async_save, self.async_mode = async_save, async_mode
         self.node_local, self.migration = node_local, migration
+        self.close_timeout = float(close_timeout)
         self.writer_options = dict(writer_options or {})
+        self._writer(0, {})  # a typo in writer_options fails here, not at the first save
         self.staging, self.overlap_staging = staging, overlap_staging
         self._stager: ReusedStaging | None = None  # made by the first save, freed by close()
         self._staging: Future[None] | None = None  # the last save's copy of the state
@@ -168,8 +197,11 @@ class CheckpointManager:
         self._owns_group = process_group is None and self.distributed
         self.group = dist.new_group(backend="gloo") if self._owns_group else process_group
         self._pending: Future[None] | None = None  # settles once the save is recorded
-        self._pruning: Future[None] | None = None  # the background prune, if one runs
+        self._pruning: Future[None] | None = None  # the background round, if one runs
         self._prune_again = False  # a commit landed while it ran: prune once more
+        self._quarantined: list[str] = []
+        self._closing = False  # close() began: rounds prune, but queue no more migrations
+        self._reported: set[str] = set()  # migration failures wait() raised already
         self._lock = threading.Lock()
         self.last_error: BaseException | None = None
         self._unraised: SaveFailed | None = None  # a failed save not yet raised to the caller
@@ -182,6 +214,8 @@ class CheckpointManager:
         # Another live job saving into this hot directory is warned about now, once.
         self._run_lock = (runlock.acquire(self.store.hot)
                           if self.rank == 0 and self.store.hot is not None else None)
+        if self._resumes_pending:  # a killed run's pending migrations: finished in the background
+            self._prune_in_background(prune=False)
 
     # -- cadence -------------------------------------------------------------------------
 
@@ -211,13 +245,14 @@ class CheckpointManager:
         if not (force or self.should_save(step)):
             return False
         metrics = check_metrics(metrics, source="metrics", error=ConfigError) if metrics else {}
+        writer = self._writer(step, metrics)  # a step no manifest can record raises here
         start = time.perf_counter()
         self._finish_previous()  # block the next save only until the previous flush is done
         self._raise_failure()
         if not self.async_save:
             self._relieve_disk_pressure()
             try:
-                dcp_save(state, storage_writer=self._writer(step, metrics), process_group=self.group)
+                dcp_save(state, storage_writer=writer, process_group=self.group)
             except (Exception, CheckpointException) as err:  # a BaseException, in DCP
                 self._failed(step, err)
                 self._raise_failure()
@@ -228,31 +263,35 @@ class CheckpointManager:
             # planning); the manager's own thread pays that too, with the copy after it.
             staged: Future[None] = Future()
             self._staging, self._pending = staged, Future()
-            self._submitter().submit(self._start_guarded, step, state, metrics, staged, self._pending)
+            self._submitter().submit(self._start_guarded, step, state, writer, staged, self._pending)
         else:
             staged = Future()
             self._staging, self._pending = staged, Future()
-            self._start_async(step, state, metrics, staged, self._pending)
+            self._start_async(step, state, writer, staged, self._pending)
             self.wait_staged()
         self.stalls[step] = time.perf_counter() - start
         return True
 
     def _writer(self, step: int, metrics: Mapping[str, float]) -> TieredWriter:
-        return TieredWriter(self.store, step=step, migration=self.migration,
-                            node_local=self.node_local, metrics=metrics, **self.writer_options)
+        try:
+            return TieredWriter(self.store, step=step, migration=self.migration,
+                                node_local=self.node_local, metrics=metrics, **self.writer_options)
+        except TypeError as err:  # an unknown keyword: say which options TieredWriter takes
+            raise ConfigError(f"writer_options {sorted(self.writer_options)} are not all "
+                              f"TieredWriter arguments: {err}") from err
 
     def _submitter(self) -> ThreadPoolExecutor:
         if self._thread is None:  # one thread: saves start in the order they were asked for
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="tierstore-save")
         return self._thread
 
-    def _start_guarded(self, step: int, state: dict[str, Any], metrics: Mapping[str, float],
+    def _start_guarded(self, step: int, state: dict[str, Any], writer: TieredWriter,
                        staged: Future[None], settled: Future[None]) -> None:
         """:meth:`_start_async` on the manager's thread, where nothing would see an error it
         raised: whatever it raises fails the save, so no waiter on ``staged`` or ``settled``
         waits for ever."""
         try:
-            self._start_async(step, state, metrics, staged, settled)
+            self._start_async(step, state, writer, staged, settled)
         except BaseException as err:
             if not settled.done():
                 self._failed(step, err)
@@ -260,7 +299,7 @@ class CheckpointManager:
             if not staged.done():
                 staged.set_exception(err)
 
-    def _start_async(self, step: int, state: dict[str, Any], metrics: Mapping[str, float],
+    def _start_async(self, step: int, state: dict[str, Any], writer: TieredWriter,
                      staged: Future[None], settled: Future[None]) -> None:
         """Start DCP's async save; ``staged`` completes when the copy is taken (or failed),
         ``settled`` once the save is recorded as committed or failed."""
@@ -268,7 +307,7 @@ class CheckpointManager:
                 else AsyncCheckpointerType.THREAD)
         try:
             self._relieve_disk_pressure()
-            response = dcp_async_save(state, storage_writer=self._writer(step, metrics),
+            response = dcp_async_save(state, storage_writer=writer,
                                       process_group=self.group,
                                       async_checkpointer_type=kind,
                                       async_stager=self._stager_for_save())
@@ -360,21 +399,29 @@ class CheckpointManager:
         if self.rank == 0 or self.node_local:
             self._prune_in_background()
 
-    def _prune_in_background(self) -> Future[None]:
-        """Prune on a daemon thread, at most one at a time: commits that land meanwhile fold
-        into one more round, so a slow or stalled cold tier never queues a prune per save
-        (and an exiting process never waits on one)."""
+    @property
+    def _resumes_pending(self) -> bool:
+        """Whether this process finishes pending migrations it finds: the coordinator of a
+        store whose hot tier holds every rank's files (node-local ones hold their node's)."""
+        return self.rank == 0 and not self.node_local and self.store.cold is not None
+
+    def _prune_in_background(self, *, prune: bool = True) -> Future[None]:
+        """Run a maintenance round on a daemon thread, at most one at a time: prune (unless
+        ``prune`` is false) and resume the pending migrations that round found. Commits
+        that land meanwhile fold into one more round, so a slow or stalled cold tier never
+        queues a round per save (and an exiting process never waits on one)."""
         with self._lock:
             if self._pruning is not None and not self._pruning.done():
-                self._prune_again = True
+                self._prune_again = self._prune_again or prune
                 return self._pruning
             future: Future[None] = Future()
             self._pruning, self._prune_again = future, False
 
         def rounds() -> None:
+            pruning = prune
             while True:
                 try:
-                    self.prune()
+                    self._maintain(prune=pruning)
                 except Exception as err:
                     log.error("pruning failed: %s", err)
                     with self._lock:
@@ -383,10 +430,26 @@ class CheckpointManager:
                     if not self._prune_again:
                         future.set_result(None)
                         return
-                    self._prune_again = False
+                    self._prune_again, pruning = False, True
 
         threading.Thread(target=rounds, name="tierstore-prune", daemon=True).start()
         return future
+
+    def _maintain(self, *, prune: bool) -> None:
+        """One round: prune, then queue the migration of every hot checkpoint the round
+        found never committed in cold and no migrator of this process works on."""
+        if prune:
+            reports = self.prune()
+            pending = [name for r in reports for name in r.pending]
+        elif self._resumes_pending:
+            assert self.store.cold is not None
+            pending = sorted(check_cold_copies(self._hot, self.store.cold).pending)
+        else:
+            pending = []
+        if pending and self._resumes_pending and not (self._closing or _interpreter_exiting()):
+            assert self.store.cold is not None
+            resume_pending(migrator_for(self._hot, self.store.cold, self.migration),
+                           self._hot, pending)
 
     def health(self) -> Health:
         """Saves, migrations and pruning as this process knows them (never raises, never
@@ -404,6 +467,7 @@ class CheckpointManager:
                 migration_lag_seconds=max((now - s.created for s in busy), default=0.0),
                 migration_lag_bytes=sum(s.lag_bytes for s in busy),
                 prune_errors=tuple(self._prune_errors),
+                quarantined=tuple(dict.fromkeys(self._quarantined)),
             )
 
     @property
@@ -514,10 +578,11 @@ class CheckpointManager:
         """
         coordinator = not self.distributed or dist.get_rank(self.group) == 0
         candidates = [name] if name is not None else []  # newest first; known to the coordinator
-        if name is None and coordinator:
-            found = list_checkpoints(self.catalog)
-            candidates = [c.name for c in reversed(found) if step is None or c.step == step]
+        if name is None:
+            candidates = self._candidates(step, coordinator)
         damaged: list[CheckpointException] = []
+        # The damaged ones, quarantined once an older one loads.
+        set_aside: list[tuple[Manifest, CheckpointException]] = []
         while True:
             chosen = candidates[len(damaged)] if len(damaged) < len(candidates) else None
             if self.distributed:  # every rank loads what the coordinator picked
@@ -535,6 +600,8 @@ class CheckpointManager:
                 if name is not None or not is_damage(err):
                     raise
                 damaged.append(err)
+                if reader.manifest is not None:
+                    set_aside.append((reader.manifest, err))
                 log.warning("checkpoint %s is damaged in every tier holding it, loading the next "
                             "older one instead: %s", chosen, _describe(err))
                 continue
@@ -544,10 +611,46 @@ class CheckpointManager:
                 # before the reads that would have released it.
                 reader.release()
             assert reader.manifest is not None
+            if coordinator:
+                self._quarantine(set_aside, loaded=reader.manifest.name)
             return reader.manifest.step
-        if damaged:
+        if damaged:  # nothing loads: kept as they are, for a person to look at (loudly)
             raise damaged[0]
         return None
+
+    def _candidates(self, step: int | None, coordinator: bool) -> list[str]:
+        """The checkpoints to try, newest first, known to the coordinator (others get an
+        empty list); its listing's error reaches every rank, so none waits for ever on a
+        coordinator that gave up (node-local with the cold tier down)."""
+        found: Any = None
+        if coordinator:
+            try:
+                found = [c.name for c in reversed(list_checkpoints(self.catalog))
+                         if step is None or c.step == step]
+            except Exception as err:  # raised below on every rank alike
+                found = err
+        if self.distributed:
+            found = _dist.broadcast(found, self.group)
+        if isinstance(found, BaseException):
+            raise found
+        return list(found) if coordinator else []
+
+    def _quarantine(self, damaged: list[tuple[Manifest, CheckpointException]], *,
+                    loaded: str) -> None:
+        """Set aside each checkpoint a resume fell back past (invariant 21): its step is
+        trained again and saved as a new attempt, and retention never counts it again."""
+        for manifest, err in damaged:
+            reason = f"a resume found it damaged in every tier holding it and loaded {loaded} " \
+                     f"instead: {_describe(err)}"
+            for tier in self.store.tiers:
+                try:
+                    here = tier.find_manifest(manifest.name)
+                    if here is not None and here.attempt == manifest.attempt:
+                        quarantine(tier, here, reason)
+                except TierstoreError as failure:  # kept published: the next resume retries
+                    log.error("could not quarantine %s in %s: %s", manifest.name, tier.label, failure)
+            with self._lock:
+                self._quarantined.append(manifest.name)
 
     def verify_resume(self, probe: Any, state: dict[str, Any], *, name: str | None = None,
                       step: int | None = None, rtol: float = 0.0, atol: float = 0.0,
@@ -570,41 +673,73 @@ class CheckpointManager:
 
     def wait(self, *, migrations: bool = True, timeout: float | None = None) -> None:
         """Wait for the last save; by default also for its pruning and this process's
-        migrations (each up to ``timeout`` seconds). ``migrations=False`` waits for the save
-        alone, and so never for the cold tier.
+        migrations (up to ``timeout`` seconds in all). ``migrations=False`` waits for the
+        save alone, and so never for the cold tier.
 
-        Raises :class:`~tierstore.errors.SaveFailed` for a failed save not raised before.
-        Failed migrations and pruning are not raised: see :meth:`health`.
+        Raises :class:`~tierstore.errors.SaveFailed` for a failed save not raised before, then
+        :class:`~tierstore.errors.MigrationFailed` for checkpoints whose migration failed
+        (and that the cold tier does not hold since), each once. Pruning errors are not
+        raised: see :meth:`health`.
         """
+        deadline = None if timeout is None else time.monotonic() + timeout
         self._finish_previous()
         if migrations:
             with self._lock:
                 pruning = self._pruning
             if pruning is not None:
                 try:
-                    pruning.result(timeout)
+                    pruning.result(_left(deadline))
                 except TimeoutError:
                     log.warning("pruning still running after %ss (the cold tier is slow?)", timeout)
-            for migrator in self._migrators():
-                migrator.wait(timeout)
+            await_delivery(self._migrators(), deadline)
         self._raise_failure()
+        if migrations:
+            failed = {name: why for name, why in self._undelivered(deadline).items()
+                      if name not in self._reported and not why.startswith("still ")}
+            self._reported.update(failed)
+            if failed:
+                raise self._migration_failed(failed)
 
     def close(self, *, timeout: float | None = None) -> None:
-        """Wait for the last save and migrations (up to ``timeout`` seconds each; migrations
-        left unfinished are completed later by ``tierstore migrate``), prune once more,
-        release the group. Raises :class:`~tierstore.errors.SaveFailed` like :meth:`wait`,
-        after releasing everything."""
-        failure: SaveFailed | None = None
+        """End the run: wait for the last save, deliver its checkpoints to the cold tier,
+        prune once more, release the group (docs/design.md invariant 22).
+
+        Everything waits against one deadline, ``timeout`` seconds from now (default: the
+        manager's ``close_timeout``, 300 s), logging what it waits for. What has not reached
+        the cold tier by then is stopped (nothing of it runs after close returns) and stays
+        committed and pending in the hot tier; close says so at ERROR, naming each
+        checkpoint and how it will be finished (the next job's manager, or
+        ``tierstore migrate``), and raises :class:`~tierstore.errors.MigrationFailed` after
+        releasing everything. A failed save raises :class:`~tierstore.errors.SaveFailed`
+        instead (it comes first), as :meth:`wait` does.
+        """
+        deadline = time.monotonic() + (self.close_timeout if timeout is None else timeout)
+        failure: TierstoreError | None = None
         try:
-            self.wait(timeout=timeout)
+            self.wait(timeout=_left(deadline))
         except SaveFailed as err:
             failure = err
+        except MigrationFailed:
+            pass  # named again below, with whatever else is left
+        self._closing = True
         if self.rank == 0 or self.node_local:
             # Now that migrations drained, hot copies kept only as pending can go.
-            try:  # joins a running prune, which then runs one more round
-                self._prune_in_background().result(timeout)
+            try:  # joins a running round, which then runs one more
+                self._prune_in_background().result(_left(deadline, floor=0.0))
             except TimeoutError:
-                log.warning("final pruning still running after %ss; left to the next run", timeout)
+                log.warning("final pruning still running at close's deadline; left to the next run")
+        undelivered = self._undelivered(deadline)
+        for migrator in self._migrators():
+            migrator.stop(set(undelivered))  # nothing of them runs once close returns
+        if undelivered:
+            late = self._migration_failed(undelivered)
+            log.error("%s", late)
+            failure = failure or late
+        self._release()
+        if failure is not None:
+            raise failure
+
+    def _release(self) -> None:
         if self._thread is not None:  # idle: wait() above saw its last save settle
             self._thread.shutdown(wait=True)
             self._thread = None
@@ -616,14 +751,40 @@ class CheckpointManager:
             self.group = None
         if self._run_lock is not None:
             self._run_lock.release()
-        if failure is not None:
-            raise failure
+
+    def _undelivered(self, deadline: float | None) -> dict[str, str]:
+        cold = self.store.cold
+        if cold is None:
+            return {}
+        # Looking each one up in the cold tier: bounded even when close's time is spent.
+        lookup = 30.0 if deadline is None else _left(deadline, floor=5.0)
+        return undelivered(self._migrators(), cold, timeout=lookup)
+
+    def _migration_failed(self, failures: dict[str, str]) -> MigrationFailed:
+        assert self.store.cold is not None
+        return MigrationFailed(describe(failures, self._hot, self.store.cold),
+                               checkpoints=tuple(failures), errors=failures)
 
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # an error is on its way out already: it is the one to raise
+            self.close()
+        except TierstoreError as err:
+            log.error("while closing on %s: %s", exc_type.__name__, err)
+
+
+def _left(deadline: float | None, *, floor: float = 0.0) -> float | None:
+    """Seconds until ``deadline`` (a ``time.monotonic()`` value), at least ``floor``."""
+    return None if deadline is None else max(floor, deadline - time.monotonic())
+
+
+def _interpreter_exiting() -> bool:
+    return sys.is_finalizing() or getattr(threading, "_SHUTTING_DOWN", False)
 
 
 def _saved_world(reader: TieredReader, world: int) -> int | None:

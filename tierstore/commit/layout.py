@@ -20,6 +20,10 @@ A store root (one per tier) looks like::
                                                 tierstore.lifecycle.runlock; gc leaves them)
     migrated/<name>/<attempt>/<store-id>.json   hot tier: "committed in the cold tier whose
                                                 identity is <store-id>" (survives a cold prune)
+    quarantine/<name>/<attempt>.json            a checkpoint a verified load proved damaged,
+                                                un-published; its record keeps its manifest,
+                                                and its data stays until removed by hand
+                                                (tierstore.lifecycle.quarantine)
     tierstore-store.json                        cold tier: the tier's identity, written once
 
 On object stores (backends with ``spread_keys``) data files live under
@@ -87,6 +91,9 @@ __all__ = [
     "migrated_key",
     "migrated_prefix",
     "parse_migrated_key",
+    "quarantine_key",
+    "quarantine_prefix",
+    "parse_quarantine_key",
     "KeyKind",
     "kind_of",
     "is_temporary",
@@ -104,6 +111,7 @@ UPLOAD_DIR = "uploads"
 LEASE_DIR = "leases"
 RUN_DIR = "runs"
 MIGRATED_DIR = "migrated"
+QUARANTINE_DIR = "quarantine"
 STORE_ID_KEY = "tierstore-store.json"
 METADATA_FILE = ".metadata"  # DCP's own name, so an attempt directory is plain DCP
 MANIFEST_SUFFIX = ".json"
@@ -388,6 +396,26 @@ def parse_migrated_key(key: str) -> tuple[str, str, str | None] | None:
     return None
 
 
+def quarantine_prefix(name: str | None = None) -> str:
+    """Where the quarantine records live (of ``name``, if given)."""
+    return f"{QUARANTINE_DIR}/" if name is None else f"{QUARANTINE_DIR}/{check_name(name)}/"
+
+
+def quarantine_key(name: str, attempt: str) -> str:
+    return f"{quarantine_prefix(name)}{check_attempt(attempt)}{MANIFEST_SUFFIX}"
+
+
+def parse_quarantine_key(key: str) -> tuple[str, str] | None:
+    """``(name, attempt)`` of a quarantine record's key, else ``None``."""
+    parts = key.split("/")
+    if len(parts) != 3 or parts[0] != QUARANTINE_DIR or not parts[2].endswith(MANIFEST_SUFFIX):
+        return None
+    attempt = parts[2][: -len(MANIFEST_SUFFIX)]
+    if _NAME.fullmatch(parts[1]) and _ATTEMPT.fullmatch(attempt):
+        return parts[1], attempt
+    return None
+
+
 class KeyKind(str, Enum):
     """What a key in a store root is, by where it lives (see the module docstring)."""
 
@@ -399,6 +427,7 @@ class KeyKind(str, Enum):
     MIGRATED_MARK = "migrated-mark"
     LEASE = "lease"
     CLOCK_PROBE = "clock-probe"
+    QUARANTINE = "quarantine"  # a quarantine record (never garbage: removed by hand)
     OTHER = "other"  # not a key tierstore writes
 
 
@@ -423,6 +452,8 @@ def kind_of(key: str) -> KeyKind:
         return KeyKind.UPLOAD_MARK
     if top == MIGRATED_DIR:
         return KeyKind.MIGRATED_MARK
+    if top == QUARANTINE_DIR:
+        return KeyKind.QUARANTINE
     if top == LEASE_DIR:
         # One level under leases/: not in any checkpoint's lease prefix (clock_probe_key).
         return KeyKind.LEASE if "/" in rest else KeyKind.CLOCK_PROBE

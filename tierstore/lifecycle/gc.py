@@ -13,6 +13,9 @@ Garbage is, per tier:
   (lease expiry is judged by the store's clock: :mod:`tierstore.lifecycle.leases`);
 * backend debris such as S3 incomplete multipart uploads older than ``grace``.
 
+A quarantined attempt (:mod:`tierstore.lifecycle.quarantine`) is never garbage: its record,
+in any tier, keeps every object of that attempt in every tier until a person removes it.
+
 Manifests of other tiers count: cold uploads of a checkpoint still pending (only its hot
 manifest exists) are never garbage. The grace period protects attempts still being written
 and migrations in flight, so keep it well above your longest save.
@@ -95,6 +98,7 @@ class _Scan:
     grace: float
     referenced: dict[tuple[str, str], Manifest]
     damaged_names: set[str]
+    quarantined: set[tuple[str, str]] = field(default_factory=set)
     garbage: list[Garbage] = field(default_factory=list)
     failures: list[Problem] = field(default_factory=list)
 
@@ -119,6 +123,9 @@ def _scan(tiers: Sequence[Tier], now: float, grace: float) -> tuple[_Scan, list[
     scan = _Scan(now, grace, referenced={(m.name, m.attempt): m for _, ms, _ in scans for m in ms},
                  damaged_names={err.checkpoint for _, _, invalid in scans for err in invalid
                                 if err.checkpoint is not None})
+    scan.quarantined = {parsed for tier in tiers
+                        for info in tier.backend.list(layout.quarantine_prefix())
+                        if (parsed := layout.parse_quarantine_key(info.key)) is not None}
     for tier, manifests, _ in scans:
         try:
             _tier_garbage(tier, scan, {(m.name, m.attempt) for m in manifests})
@@ -151,7 +158,7 @@ def _tier_garbage(tier: Tier, scan: _Scan, committed_here: set[tuple[str, str]])
     for info in expired_leases(tier, lease_infos, grace=scan.grace):
         scan.add(tier, info, "expired lease")
     for (name, attempt), infos in attempts.items():
-        if name not in scan.damaged_names:
+        if name not in scan.damaged_names and (name, attempt) not in scan.quarantined:
             _attempt_garbage(tier, scan, name, attempt, infos)
 
 

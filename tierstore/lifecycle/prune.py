@@ -40,10 +40,10 @@ checkpoint re-checked, not yet un-published), ``prune.after_unpublish``,
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tierstore.commit import layout
@@ -76,6 +76,7 @@ class PruneReport:
     details: dict[str, Any] = field(default_factory=dict, compare=False)
     warnings: tuple[str, ...] = ()  # why hot copies were kept beyond the plain rules
     errors: tuple[str, ...] = ()  # checkpoints (or the whole tier) that could not be pruned
+    pending: tuple[str, ...] = ()  # hot checkpoints never committed in the cold tier
 
 
 def plan_prune(manifests: Iterable[Manifest], policy: Policy, *, protect: Iterable[str] = (),
@@ -160,8 +161,9 @@ def prune_hot(hot: Tier, cold: Tier | None, policy: Policy, *, dry_run: bool = F
         return prune_tier(hot, policy, dry_run=dry_run, now=now, manifests=listing)
     check = check_cold_copies(hot, cold, listing)
     faults.point("prune.after_cold_check")
-    return prune_tier(hot, policy, protect=check.protect, dry_run=dry_run, now=now,
-                      warnings=check.warnings, manifests=listing, still_safe=ColdGuard(hot, cold))
+    report = prune_tier(hot, policy, protect=check.protect, dry_run=dry_run, now=now,
+                        warnings=check.warnings, manifests=listing, still_safe=ColdGuard(hot, cold))
+    return replace(report, pending=tuple(sorted(check.pending)))
 
 
 def delete_data(tier: Tier, manifest: Manifest) -> int:
@@ -268,6 +270,7 @@ class ColdCheck:
 
     protect: frozenset[str]  # hot copies that must stay
     warnings: tuple[str, ...] = ()  # what was wrong, beyond "not migrated yet"
+    pending: frozenset[str] = frozenset()  # of those, never committed in this cold tier
 
 
 def check_cold_copies(hot: Tier, cold: Tier,
@@ -288,10 +291,10 @@ def check_cold_copies(hot: Tier, cold: Tier,
     except TierstoreError as err:
         why = f"cold tier {cold.label} cannot be read ({err}); every hot checkpoint kept"
         log.warning("%s", why)
-        return ColdCheck(frozenset(m.name for m in hot_manifests), (why,))
+        return ColdCheck(frozenset(m.name for m in hot_manifests), (why,))  # pending: unknown
     in_cold = {m.name: m for m in found}
     damaged = {err.checkpoint: err for err in invalid}
-    protect, warnings = set(), []
+    protect, warnings, pending = set(), [], set()
     for manifest in hot_manifests:
         there = in_cold.get(manifest.name)
         if there is None and manifest.name in damaged:
@@ -309,9 +312,10 @@ def check_cold_copies(hot: Tier, cold: Tier,
             continue
         if not marks.was_migrated(hot, manifest, cold_id):
             protect.add(manifest.name)  # pending: never committed in this cold tier
+            pending.add(manifest.name)
     for why in warnings:
         log.warning("%s", why)
-    return ColdCheck(frozenset(protect), tuple(warnings))
+    return ColdCheck(frozenset(protect), tuple(warnings), frozenset(pending))
 
 
 class ColdGuard:
@@ -369,8 +373,27 @@ def prune(hot: TierURL | Store | None, cold: TierURL | None = None, *, hot_polic
         jobs.append((cold_tier, lambda: prune_tier(cold_tier, cold_policy, dry_run=dry_run, now=now)))
     if len(jobs) == 1:
         return [_guarded(*jobs[0])]
-    with ThreadPoolExecutor(len(jobs), thread_name_prefix="tierstore-prune") as pool:
-        return list(pool.map(lambda job: _guarded(*job), jobs))
+    # Plain threads, not a pool: a background prune still running as the interpreter shuts
+    # down must not meet "cannot schedule new futures after interpreter shutdown".
+    reports: list[PruneReport | None] = [None] * len(jobs)
+    raised: list[BaseException] = []
+
+    def run(index: int) -> None:
+        try:
+            reports[index] = _guarded(*jobs[index])
+        except BaseException as err:  # raised below, on the caller's thread
+            raised.append(err)
+
+    threads = [threading.Thread(target=run, args=(i,), name="tierstore-prune", daemon=True)
+               for i in range(1, len(jobs))]
+    for thread in threads:
+        thread.start()
+    run(0)
+    for thread in threads:
+        thread.join()
+    if raised:
+        raise raised[0]
+    return [r for r in reports if r is not None]
 
 
 def _guarded(tier: Tier, run: Callable[[], PruneReport]) -> PruneReport:

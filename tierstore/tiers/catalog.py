@@ -11,8 +11,9 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tierstore.commit import layout
 from tierstore.commit.manifest import Manifest, checkpoint_order
-from tierstore.errors import CheckpointNotFound, InvalidManifest
+from tierstore.errors import CheckpointNotFound, InvalidManifest, TierstoreError
 from tierstore.tiers.tier import Store, Tier, TierURL
 
 __all__ = ["CheckpointInfo", "list_checkpoints", "latest_checkpoint", "resolve"]
@@ -125,6 +126,21 @@ def _find(tier: Tier, name: str) -> Manifest | InvalidManifest | None:
         return err
 
 
+def _quarantined(tiers: Sequence[Tier], name: str) -> str:
+    """`` (quarantined in ...)`` when a tier holds a quarantine record of ``name``."""
+    held = []
+    for tier in tiers:
+        try:
+            if any(True for _ in tier.backend.list(layout.quarantine_prefix(name))):
+                held.append(tier.label)
+        except TierstoreError:
+            continue  # only a hint for the message
+    if not held:
+        return ""
+    return (f": it is quarantined (found damaged by a resume) in {', '.join(held)}; "
+            "`tierstore quarantine` shows why")
+
+
 def _resolve_name(tiers: Sequence[Tier], name: str, where: str) -> tuple[Manifest, list[Tier]]:
     found = [(_find(tier, name), tier) for tier in tiers]
     holders = [(m, tier) for m, tier in found if isinstance(m, Manifest)]
@@ -132,7 +148,8 @@ def _resolve_name(tiers: Sequence[Tier], name: str, where: str) -> tuple[Manifes
     if not holders:
         if invalid:
             raise invalid[0]
-        raise CheckpointNotFound("no committed checkpoint of that name", checkpoint=name, tier=where)
+        raise CheckpointNotFound("no committed checkpoint of that name" + _quarantined(tiers, name),
+                                 checkpoint=name, tier=where)
     for bad in invalid:
         log.warning("ignoring an invalid manifest of checkpoint %s, reading the valid one in %s: %s",
                     name, holders[0][1].label, bad)

@@ -51,6 +51,7 @@ from tierstore.errors import (
     ConfigError,
     IntegrityError,
     TierstoreError,
+    TransientStorageError,
 )
 from tierstore.progress import counting
 from tierstore.retry import RetryPolicy, polling
@@ -149,13 +150,21 @@ class Job:
     failed_rank: int | None = None
     failed_file: str | None = None
     listener: Callable[[int], None] | None = None
+    stopped: bool = False  # set by Migrator.stop: it ends at its next chunk, or never starts
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add_bytes(self, n: int) -> None:
+        if self.stopped:
+            raise _Stopped(f"migration of {self.name} stopped")
         with self.lock:
             self.bytes_done += n
         if self.listener is not None:
             self.listener(n)
+
+    @property
+    def done(self) -> bool:
+        return self.state in (MigrationState.UPLOADED, MigrationState.COMMITTED,
+                              MigrationState.FAILED)
 
     def status(self, now: float) -> MigrationStatus:
         total = sum(f.size for f in self.files)
@@ -166,6 +175,10 @@ class Job:
             error=self.error, failed_rank=self.failed_rank, failed_file=self.failed_file,
             lag_seconds=(self.finished or now) - self.created,
         )
+
+
+class _Stopped(Exception):
+    """Raised inside a job that :meth:`Migrator.stop` ended (never retried)."""
 
 
 class _Failed(Exception):
@@ -179,11 +192,22 @@ class _Failed(Exception):
 class Migrator:
     """Migrates checkpoints hot -> cold on background threads of this process.
 
-    :meth:`submit_rank` and :meth:`submit_commit` only enqueue: nothing they start ever
-    raises into the caller. Jobs run in order, one checkpoint at a time, each uploading up to
-    ``config.concurrency`` files at once. :meth:`status` reports every job, :meth:`wait`
-    drains the queue.
+    :meth:`submit_rank`, :meth:`submit_commit` and :meth:`submit_checkpoint` only enqueue:
+    nothing they start ever raises into the caller. Jobs run in order, one checkpoint at a
+    time, each uploading up to ``config.concurrency`` files at once. :meth:`status` reports
+    every job, :meth:`wait` drains the queue, :meth:`stop` ends jobs (nothing of them runs
+    after it: a process ending gives up on them cleanly, and the tiers keep them pending).
+
+    **An unreachable cold tier is met once, not once per queued job.** A job that failed
+    for a transient reason (retries exhausted: the cold tier down, stalled, refusing) opens
+    a breaker: for ``BREAKER_SECONDS`` the jobs behind it fail at once, sending nothing,
+    instead of each spending its own retries on a tier that is down (a queue of ten
+    checkpoints took minutes to fail). The next job after that tries again; whatever
+    failed stays pending in the tiers and is submitted again (``CheckpointManager`` does
+    after each commit and at start; ``tierstore migrate`` by hand).
     """
+
+    BREAKER_SECONDS = 30.0
 
     def __init__(self, hot: Tier, cold: Tier, config: MigrationConfig | None = None, *,
                  clock: Callable[[], float] = time.time,
@@ -197,6 +221,7 @@ class Migrator:
         self._unfinished = 0
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._unreachable: tuple[float, str] | None = None  # (since, why): the breaker
 
     # -- control ------------------------------------------------------------------------
 
@@ -215,6 +240,32 @@ class Migrator:
         self._enqueue(Job(manifest.name, manifest.attempt, manifest.step, rank,
                           manifest.files_of_rank(rank), manifest.created, manifest=manifest,
                           fresh=fresh))
+
+    def submit_checkpoint(self, manifest: Manifest) -> None:
+        """Migrate every rank's files of ``manifest`` from this hot tier and commit it, in the
+        background: how a checkpoint found pending (a killed run's, or one whose migration
+        failed while the cold tier was down) is finished. Checks what is already in the
+        cold tier first, as ``tierstore migrate`` does."""
+        by_rank = sorted(_files_by_rank(manifest).items())
+        for index, (rank, files) in enumerate(by_rank):
+            last = index == len(by_rank) - 1
+            self._enqueue(Job(manifest.name, manifest.attempt, manifest.step, rank, files,
+                              manifest.created, manifest=manifest if last else None))
+
+    def busy(self, name: str, attempt: str) -> bool:
+        """Whether a job of this attempt is queued or running here."""
+        with self._cond:
+            return any(not job.done for (n, a, _), job in self._jobs.items()
+                       if (n, a) == (name, attempt))
+
+    def stop(self, names: set[str] | None = None) -> None:
+        """End the jobs of ``names`` (default: all) that have not finished: queued ones never
+        start, running ones end at their next chunk; each is recorded failed ("stopped")
+        and stays pending in the tiers. Returns at once."""
+        with self._cond:
+            for job in self._jobs.values():
+                if not job.done and (names is None or job.name in names):
+                    job.stopped = True
 
     def _enqueue(self, job: Job) -> None:
         with self._cond:
@@ -289,12 +340,16 @@ class Migrator:
         """Run one job to its end state, recording (never raising) failure."""
         job.state = MigrationState.UPLOADING
         try:
+            if job.stopped:
+                raise _Failed(job.rank, None, "stopped before it started")
+            self._check_breaker()
             self._upload_rank(job)
             if job.manifest is None:
                 job.state = MigrationState.UPLOADED
             else:
                 self._commit(job.manifest)
                 job.state = MigrationState.COMMITTED
+            self._unreachable = None
             log.info("migrated %s rank %d to %s (%s)", job.name, job.rank, self.cold.label, job.state.value)
         except _Failed as failure:
             self._record_failure(job, failure)
@@ -303,16 +358,41 @@ class Migrator:
         finally:
             job.finished = self._clock()
 
+    def _check_breaker(self) -> None:
+        unreachable = self._unreachable
+        if unreachable is None:
+            return
+        since, why = unreachable
+        if self._clock() - since < self.BREAKER_SECONDS:
+            raise _Failed(None, None, TransientStorageError(
+                f"not attempted: the cold tier was unreachable {self._clock() - since:.0f}s ago "
+                f"({why}); the next commit (or `tierstore migrate`) tries again",
+                tier=self.cold.label))
+        self._unreachable = None  # long enough: this job tries again
+
     def _record_failure(self, job: Job, failure: _Failed) -> None:
         job.state = MigrationState.FAILED
+        if isinstance(failure.error, _Stopped) or (job.stopped and failure.rank is not None):
+            failure = _Failed(None, None, "stopped: the process gave up on it (close() ran out "
+                                          "of time, or it is exiting)")
         job.error = f"{type(failure.error).__name__}: {failure.error}" \
             if isinstance(failure.error, BaseException) else str(failure.error)
         job.failed_rank, job.failed_file = failure.rank, failure.file
+        if job.stopped:
+            log.info("migration of %s to %s stopped; it stays pending", job.name, self.cold.label)
+            return
         log.error("migration of checkpoint %s to %s failed: rank %s, file %s: %s",
                   job.name, self.cold.label, failure.rank, failure.file, job.error)
-        if failure.rank == job.rank:  # tell the coordinator not to wait for us
-            marks.publish_failure(self.cold, job.name, job.attempt, job.rank, failure.file,
-                                  job.error)
+        transient = isinstance(failure.error, TransientStorageError)
+        if transient and self._unreachable is None:
+            self._unreachable = (self._clock(), job.error)
+        if failure.rank == job.rank:
+            # Tell the coordinator not to wait for us; on a thread of its own, so a cold tier
+            # out of reach spends the mark's retries there, not the queue's time.
+            threading.Thread(target=marks.publish_failure, daemon=True,
+                             name="tierstore-failure-mark",
+                             args=(self.cold, job.name, job.attempt, job.rank, failure.file,
+                                   job.error)).start()
 
     def _upload_rank(self, job: Job) -> None:
         if not job.fresh and marks.already_uploaded(self.cold, job.name, job.attempt, job.rank,

@@ -5,7 +5,13 @@ Writers are built per save, but the uploads they hand over outlive them, so the 
 writer uses is kept here, per process. Nothing else is global: a forked child starts with none
 (threads do not survive fork), and an exit hook gives uploads still in flight a bounded chance
 to finish (``TIERSTORE_EXIT_WAIT`` seconds, default 600) before the process goes; whatever
-is left is pending in the tiers, for ``tierstore migrate``.
+is left is stopped (nothing of it is attempted after that) and stays pending in the tiers,
+for the next job's manager or ``tierstore migrate``.
+
+The hook runs when the interpreter begins to shut down, before ``concurrent.futures`` refuses
+new work (``threading``'s exit hooks, not ``atexit``'s, which run after it): uploads that use
+a thread pool (the S3 plugin's parts) still work while it waits. A ``CheckpointManager``
+closed by the program has waited (boundedly) already, and left nothing for the hook.
 """
 
 from __future__ import annotations
@@ -75,8 +81,25 @@ def _drain_at_exit() -> None:
     timeout = float(os.environ.get(EXIT_WAIT_ENV, "600"))
     log.warning("waiting up to %.0fs for checkpoint migrations before exit", timeout)
     if not drain(timeout):
-        log.error("exiting with migrations pending; `tierstore migrate` will finish them")
+        left = sorted({s.name for m in active_migrators() for s in m.pending()})
+        for migrator in active_migrators():
+            migrator.stop()  # nothing more is attempted once the interpreter shuts down
+        log.error("exiting with the migrations of %s unfinished: they stay pending in the hot "
+                  "tier; the next job's CheckpointManager or `tierstore migrate` finishes them",
+                  ", ".join(left))
+
+
+def _register_exit_hook() -> None:
+    # concurrent.futures registers its own shutdown with threading first (importing it
+    # does), so ours, registered after, runs before it (the hooks run last in, first out).
+    import concurrent.futures.thread  # noqa: F401
+
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        register(_drain_at_exit)
+    else:  # an interpreter without the hook: atexit, where thread pools refuse new work
+        atexit.register(_drain_at_exit)
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
-atexit.register(_drain_at_exit)
+_register_exit_hook()
