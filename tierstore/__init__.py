@@ -30,6 +30,7 @@ from tierstore.errors import (
     ConfigError,
     IntegrityError,
     InvalidManifest,
+    MigrationFailed,
     PublishConflict,
     SaveFailed,
     StorageError,
@@ -38,6 +39,7 @@ from tierstore.errors import (
 )
 from tierstore.lifecycle.gc import collect_garbage, find_garbage
 from tierstore.lifecycle.prune import prune
+from tierstore.lifecycle.quarantine import list_quarantined
 from tierstore.lifecycle.retention import (
     keep_all,
     keep_best,
@@ -110,6 +112,7 @@ __all__ = [
     "restore_checkpoint",
     "RestoreReport",
     "prune",
+    "list_quarantined",
     "collect_garbage",
     "find_garbage",
     "keep_last",
@@ -135,6 +138,7 @@ __all__ = [
     "StorageError",
     "PublishConflict",
     "SaveFailed",
+    "MigrationFailed",
     "CheckpointNotFound",
     "CheckpointExists",
     "UnsafeType",

@@ -53,6 +53,9 @@ _ABOUT = {
     "prune": ("apply retention policies to each tier (a dry run unless --yes)",
               "tierstore prune --hot /nvme/run1 --cold s3://ckpt/run1 --hot-keep-last 2 --cold-keep-last 3",
               "the prune failed"),
+    "quarantine": ("list checkpoints a resume found damaged and set aside; remove or restore one",
+                   "tierstore quarantine --hot /nvme/run1 --cold s3://ckpt/run1 --delete step-0000002000",
+                   "--delete or --restore names no quarantined checkpoint, or the name is committed again"),
     "verify-resume": ("load a checkpoint in fresh processes and check it restores the run",
                       "tierstore verify-resume --hot /nvme/run1 --probe train.py:probe --record /tmp/rec",
                       "the resumed run differs from the record, or a fresh process failed"),
@@ -162,6 +165,16 @@ def _restore_args(p: argparse.ArgumentParser) -> None:
     _pick_args(p, "cold ")
 
 
+def _quarantine_args(p: argparse.ArgumentParser) -> None:
+    act = p.add_mutually_exclusive_group()
+    act.add_argument("--delete", metavar="NAME",
+                     help="remove this quarantined checkpoint's data and record (a dry run unless --yes)")
+    act.add_argument("--restore", metavar="NAME",
+                     help="publish it again (the damage was not real); refused if the name is taken again")
+    p.add_argument("--attempt", help="only this attempt of NAME (as the list shows it)")
+    p.add_argument("--yes", action="store_true", help="really delete (with --delete)")
+
+
 _EXTRA: dict[str, Callable[[argparse.ArgumentParser], None]] = {
     "ls": _cold_wait,
     "show": lambda p: _pick_args(p, ""),
@@ -171,6 +184,7 @@ _EXTRA: dict[str, Callable[[argparse.ArgumentParser], None]] = {
     "verify": _only_name,
     "gc": _gc_args,
     "prune": _prune_args,
+    "quarantine": _quarantine_args,
     "verify-resume": _verify_resume_args,
 }
 

@@ -27,6 +27,7 @@ from tierstore.commit.manifest import Manifest
 from tierstore.errors import CheckpointNotFound, TierstoreError
 from tierstore.lifecycle.gc import collect_garbage
 from tierstore.lifecycle.prune import prune
+from tierstore.lifecycle.quarantine import delete_quarantined, list_quarantined, restore_quarantined
 from tierstore.lifecycle.retention import Policy, keep_all, keep_every, keep_last, keep_within
 from tierstore.lifecycle.scrub import verify_store
 from tierstore.progress import ProgressDisplay, size_text
@@ -98,8 +99,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
     unknown = "unknown" if down else "-"
     rows = [{**asdict(i), "age_seconds": now - i.created,
              "migration": states.get(i.name, "committed" if "cold" in i.tiers else unknown)} for i in infos]
+    aside = _quarantine_rows(store)
     if args.json:
-        print(json.dumps(rows, indent=1))
+        print(json.dumps([*rows, *({**q, "quarantined": True} for q in aside)], indent=1))
     elif not infos:
         print("no committed checkpoints")
     else:
@@ -113,6 +115,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
                   f"{','.join(i.tiers):<10}"
                   + (f"{row['migration']:<12}{_metrics_text(i.metrics)}".rstrip() if measured
                      else row["migration"]))
+    if not args.json:
+        _print_quarantined(aside)
     if down is not None:
         _say_unreachable(args, down)
         return EXIT_ERROR
@@ -321,6 +325,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     for s in statuses:
         moved = f"{_human(s.bytes_done)}/{_human(s.bytes_total)}"
         print(f"{s.name:<24}{s.state.value:<11}{moved:>22}{s.lag_seconds:>9.0f}s  {s.error or ''}")
+    _print_quarantined(_quarantine_rows(store))
     return EXIT_ERROR if failed else EXIT_OK  # a failed migration is damage to act on
 
 
@@ -338,6 +343,51 @@ def _status_cold_down(args: argparse.Namespace, store: Store, why: str) -> int:
     return EXIT_ERROR
 
 
+def _quarantine_rows(store: Store) -> list[dict[str, Any]]:
+    return [{"name": q.name, "attempt": q.attempt, "step": q.step, "tier": q.tier,
+             "size": q.size, "reason": q.reason, "when": q.when} for q in list_quarantined(store)]
+
+
+def _print_quarantined(rows: list[dict[str, Any]]) -> None:
+    """The quarantined checkpoints under a listing (``ls``, ``status``), if there are any."""
+    if not rows:
+        return
+    print(f"\nquarantined (found damaged by a resume, un-published, data kept; "
+          f"`tierstore quarantine` to remove): {len(rows)}")
+    for row in rows:
+        step = "-" if row["step"] is None else str(row["step"])
+        print(f"  {row['name']:<24}{step:>10}{_human(row['size']):>12}  {row['tier']}  {row['reason']}")
+
+
+def cmd_quarantine(args: argparse.Namespace) -> int:
+    store = _store(args)
+    if args.delete is None and args.restore is None:
+        rows = _quarantine_rows(store)
+        if args.json:
+            print(json.dumps(rows, indent=1))
+        elif not rows:
+            print("no quarantined checkpoints")
+        else:
+            print(f"{'name':<24}{'step':>10}{'size':>12}  {'attempt':<30}{'tier':<8}reason")
+            for row in rows:
+                step = "-" if row["step"] is None else str(row["step"])
+                print(f"{row['name']:<24}{step:>10}{_human(row['size']):>12}  {row['attempt']:<30}"
+                      f"{row['tier'].split()[0]:<8}{row['reason']}")
+        return EXIT_OK
+    if args.restore is not None:
+        done = restore_quarantined(store, args.restore, args.attempt)
+        for q in done:
+            print(f"restored  {q.name}  {q.attempt}  {q.tier}")
+        return EXIT_OK
+    done = delete_quarantined(store, args.delete, args.attempt, dry_run=not args.yes)
+    verb = "deleted" if args.yes else "would delete"
+    for q in done:
+        print(f"{verb}  {q.name}  {q.attempt}  {_human(q.size)}  {q.tier}")
+    if not args.yes:
+        print("(dry run: pass --yes to delete)")
+    return EXIT_OK
+
+
 def cmd_verify_resume(args: argparse.Namespace) -> int:
     from tierstore.resume.check import verify_checkpoint  # imports torch only in the fresh processes
 
@@ -352,7 +402,7 @@ def cmd_verify_resume(args: argparse.Namespace) -> int:
 
 COMMANDS = {"ls": cmd_ls, "show": cmd_show, "migrate": cmd_migrate, "restore": cmd_restore,
             "status": cmd_status, "verify": cmd_verify, "gc": cmd_gc, "prune": cmd_prune,
-            "verify-resume": cmd_verify_resume}
+            "quarantine": cmd_quarantine, "verify-resume": cmd_verify_resume}
 
 # What an interrupted command has done, and why running it again finishes the job: every
 # object write is atomic and every manifest is published last (docs/design.md invariants 2
