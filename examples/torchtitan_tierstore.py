@@ -54,6 +54,8 @@ def main() -> None:
     parser.add_argument("--interval", type=int, default=2)
     parser.add_argument("--kill-at", type=int, default=None)
     parser.add_argument("--async-mode", default="disabled", choices=["disabled", "async"])
+    parser.add_argument("--cold", default=None,
+                        help="cold tier URL (default <workdir>/cold); S3 credentials from the AWS chain")
     args = parser.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
@@ -69,7 +71,8 @@ def main() -> None:
         optimizers=optimizers, training_steps=args.steps)
     state = TrainState()
     checkpointer = TieredCheckpointManager.Config(
-        enable=True, folder=os.path.join(args.workdir, "hot"), cold=os.path.join(args.workdir, "cold"),
+        enable=True, folder=os.path.join(args.workdir, "hot"),
+        cold=args.cold or os.path.join(args.workdir, "cold"),
         interval=args.interval, keep_latest_k=2, async_mode=args.async_mode, last_save_model_only=False,
     ).build(dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers,
             states={"train_state": state}, sd_adapter=None)

@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,30 @@ def test_killed_run_resumes_from_cold_and_matches_the_uninterrupted_run(tmp_path
     assert [c.step for c in list_checkpoints(str(hot))][-2:] == [6, 8]
     # The process waited at exit for its migrations: cold holds every save of both runs.
     assert [c.step for c in list_checkpoints(None, str(cold))] == [*committed, *range(start + 2, 9, 2)]
+
+
+@pytest.mark.dist
+def test_the_last_save_reaches_an_s3_cold_tier_before_the_run_ends(
+        tmp_path: Path, s3_env: dict[str, str], s3_bucket: str) -> None:
+    """torchtitan's trainer ends with close(): the drop-in delivers the last checkpoint then,
+    not in an exit hook after thread pools refuse work (issue 22, item 4)."""
+    pytest.importorskip("tierstore_s3", reason="the S3 backend is installed by make test")
+    cold = f"s3://{s3_bucket}/titan"
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "torchtitan_tierstore.py"), "--workdir",
+         str(tmp_path / "run"), "--steps", "8", "--interval", "2", "--async-mode", "async",
+         "--cold", cold],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, **s3_env, "OMP_NUM_THREADS": "1", "TIERSTORE_EXIT_WAIT": "0"})
+    took = time.monotonic() - started
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "cannot schedule new futures" not in done.stderr
+    assert took < 120, f"the run took {took:.0f}s to end"
+    cold_steps = [c.step for c in list_checkpoints(None, cold, cold_options={
+        "endpoint_url": s3_env["AWS_ENDPOINT_URL"], "key": "testing", "secret": "testing",
+        "region": "us-west-2"})]
+    assert cold_steps == [2, 4, 6, 8]  # the last one included, with no exit hook's help
 
 
 def test_hugging_face_export_is_refused_with_what_to_do(tmp_path: Path) -> None:

@@ -55,7 +55,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from tierstore import _dist
 from tierstore.commit.writer import store_to_save
-from tierstore.errors import CheckpointNotFound, ConfigError, TierstoreError
+from tierstore.errors import CheckpointNotFound, ConfigError, MigrationFailed, TierstoreError
 from tierstore.lifecycle.retention import Policy, keep_all, keep_best, keep_last
 from tierstore.manager import CheckpointManager
 from tierstore.tiers.catalog import list_checkpoints
@@ -177,7 +177,10 @@ class TierstoreCheckpoint(ModelCheckpoint):
         self._restore_originals.clear()
         if self.manager is not None:
             manager, self.manager = self.manager, None
-            manager.close()
+            try:
+                manager.close()  # waits, boundedly, for the last checkpoints to reach cold
+            except MigrationFailed:
+                pass  # close() said at ERROR which stay pending; the next run resumes them
         super().teardown(trainer, pl_module, stage)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule,

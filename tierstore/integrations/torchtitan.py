@@ -18,7 +18,14 @@ becomes the hot tier, ``cold`` the optional cold tier. What maps to what:
   start), so a run moved from a plain folder resumes from its last plain checkpoint;
 - ``keep_latest_k`` prunes the hot tier with ``keep_last(k)`` on rank 0, in the background;
   prune keeps every hot checkpoint the cold tier does not hold yet (invariant 15), and the
-  cold tier keeps everything (prune it with ``tierstore prune``).
+  cold tier keeps everything (prune it with ``tierstore prune``);
+- rank 0 resumes the migrations it finds pending (a killed run's, or ones a cold outage
+  failed): at start and after each prune, as ``CheckpointManager`` does;
+- ``close()`` (torchtitan's trainer calls it at the end) waits for the last save and then,
+  up to ``close_timeout`` seconds (300), for its migrations, logging what it waits for; what
+  is left is logged at ERROR, naming each checkpoint that stays pending in the hot tier
+  (the next run resumes it), and nothing of it runs after close (docs/design.md
+  invariant 22).
 
 Not supported: ``last_save_in_hf`` (a Hugging Face export is a plain folder of safetensors,
 not a checkpoint of the store; export after training instead), refused when the manager is
@@ -29,7 +36,10 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 import threading
+import time
+from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -49,10 +59,13 @@ from tierstore import _dist
 from tierstore.commit.reader import TieredReader
 from tierstore.commit.writer import TieredWriter
 from tierstore.errors import CheckpointNotFound, ConfigError
-from tierstore.lifecycle.prune import prune
+from tierstore.lifecycle.prune import check_cold_copies, prune
 from tierstore.lifecycle.retention import keep_last
 from tierstore.tiers.catalog import CheckpointInfo, list_checkpoints
+from tierstore.tiers.delivery import await_delivery, describe, resume_pending, undelivered
+from tierstore.tiers.migrator import Migrator
 from tierstore.tiers.tier import Store
+from tierstore.tiers.workers import migrator_for
 
 __all__ = ["TieredCheckpointManager"]
 
@@ -80,20 +93,47 @@ class TieredCheckpointManager(CheckpointManager):  # type: ignore[misc]
         cold: str | None = None
         """Cold tier URL (``s3://``, ``gs://``, any fsspec URL, a directory); None: hot only."""
 
+        close_timeout: float = 300.0
+        """Seconds ``close()`` waits for the last checkpoints to reach the cold tier."""
+
     def __init__(self, config: TieredCheckpointManager.Config, **kwargs: Any) -> None:
         if config.enable and config.last_save_in_hf:
             raise ConfigError("last_save_in_hf writes a plain Hugging Face folder, not a checkpoint "
                               "of the tiered store: set it to False and export after training")
         self._cold = config.cold
+        self._close_timeout = float(config.close_timeout)
         self._pruning: threading.Thread | None = None
         self._prune_wanted = False
         self._prune_lock = threading.Lock()
+        self._closed = False
+        self._built: Store | None = None
         super().__init__(config, **kwargs)
         if self.enable:
             self._store().check_schemes()  # a missing backend plugin fails here, not at step N
+            if self._cold is not None and _dist.rank_world()[0] == 0:
+                threading.Thread(target=self._resume_pending, daemon=True,
+                                 name="tierstore-titan-resume").start()
 
     def _store(self) -> Store:
-        return Store.of(self.folder, self._cold)
+        if self._built is None:  # one store: its tiers share their clients and caches
+            self._built = Store.of(self.folder, self._cold)
+        return self._built
+
+    def _migrator(self) -> Migrator | None:
+        store = self._store()
+        if store.hot is None or store.cold is None:
+            return None
+        return migrator_for(store.hot, store.cold)
+
+    def _resume_pending(self, pending: Iterable[str] | None = None) -> None:
+        store, migrator = self._store(), self._migrator()
+        if migrator is None or store.hot is None or store.cold is None or self._closed:
+            return
+        try:
+            names = check_cold_copies(store.hot, store.cold).pending if pending is None else pending
+            resume_pending(migrator, store.hot, names)
+        except Exception as err:  # background work: logged, never raised into training
+            log.error("could not resume pending migrations: %s", err)
 
     @torch.no_grad()
     def dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: AsyncMode,
@@ -160,10 +200,28 @@ class TieredCheckpointManager(CheckpointManager):  # type: ignore[misc]
                                 prune_cold=False):
                 for error in report.errors:
                     log.warning("pruning the hot tier: %s", error)
+                if report.pending:
+                    self._resume_pending(report.pending)
 
     def _close(self) -> None:
+        """Wait for the last save and deliver it (module docstring); once, and never as the
+        interpreter shuts down (torchtitan's ``__del__`` calls this too)."""
+        if self._closed or sys.is_finalizing():
+            return
+        self._closed = True
+        deadline = time.monotonic() + self._close_timeout
+        if self.save_future is not None:
+            self.maybe_wait_for_saving()  # the last async save is committed in hot
         super()._close()
         with self._prune_lock:
             pruning = self._pruning
         if pruning is not None:
-            pruning.join()
+            pruning.join(max(0.0, deadline - time.monotonic()))
+        migrator, store = self._migrator(), self._store()
+        if migrator is None or store.hot is None or store.cold is None:
+            return
+        await_delivery([migrator], deadline)
+        left = undelivered([migrator], store.cold, timeout=max(5.0, deadline - time.monotonic()))
+        migrator.stop(set(left))
+        if left:
+            log.error("%s", describe(left, store.hot, store.cold))
