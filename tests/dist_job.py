@@ -17,6 +17,7 @@ import datetime
 import hashlib
 import json
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -239,11 +240,47 @@ def manager_fallback(spec: dict[str, Any]) -> None:
     (out / f"fallback-rank{rank}.json").write_text(json.dumps(result))
 
 
+def manager_cold_down(spec: dict[str, Any]) -> None:
+    """Node-local hot tiers, the cold tier down (a closed port): ``load_latest`` must raise
+    the same error on every rank, none left waiting; then ``close(timeout=T)`` after a save
+    returns in about T, not once per wait inside it."""
+    from tierstore import CheckpointManager
+    from tierstore.retry import RetryPolicy
+    from tierstore.tiers.migrator import MigrationConfig
+
+    rank, out = dist.get_rank(), Path(spec["out"])
+    retry = RetryPolicy(attempts=2, deadline=2.0, initial=0.01, maximum=0.05)
+    options = {"endpoint_url": spec["endpoint"], "key": "testing", "secret": "testing",
+               "region": "us-west-2", "retry": retry}
+    mgr = CheckpointManager(tiers(spec)["hot"], spec["cold"], cold_options=options, node_local=True,
+                            hot_min_free=None, migration=MigrationConfig(retry=retry, commit_timeout=5))
+    model, optim = build(0, dist.get_world_size())
+    msd, osd = get_state_dict(model, optim)
+    state = {"model": msd, "optim": osd, "extra": {"step": -1}}
+    result: dict[str, Any] = {}
+    started = time.monotonic()
+    try:
+        mgr.load_latest(state)
+        result["load"] = "returned"
+    except Exception as err:
+        result["load"] = type(err).__name__
+    result["load_seconds"] = time.monotonic() - started
+    mgr.save(1, state, force=True)
+    started = time.monotonic()
+    try:
+        mgr.close(timeout=spec["close_timeout"])
+        result["close"] = "returned"
+    except Exception as err:
+        result["close"] = type(err).__name__
+    result["close_seconds"] = time.monotonic() - started
+    (out / f"cold-down-rank{rank}.json").write_text(json.dumps(result))
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     ops = {"train_save": train_save, "load": load, "manager": manager, "manager_load": manager_load,
-           "manager_fallback": manager_fallback}
+           "manager_fallback": manager_fallback, "manager_cold_down": manager_cold_down}
     ops[spec["op"]](spec)
     leave_cleanly()
 

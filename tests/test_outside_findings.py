@@ -351,3 +351,28 @@ def test_torch_checkpointing_streamed_read_without_a_good_copy_names_file_and_ti
     err = raised.value
     assert err.checkpoint == "step_5" and err.file == "model.pt" and err.tier is not None
     assert err.tier.startswith("cold")
+
+
+# -- node-local, the cold tier down: every rank gets the same error; close(T) takes ~T ----------
+
+@pytest.mark.dist
+def test_a_node_local_resume_with_the_cold_tier_down_fails_alike_on_every_rank(tmp_path: Path) -> None:
+    import socket
+
+    from launch import run_job
+
+    with socket.socket() as sock:  # a port nothing listens on: the cold tier is down
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = tmp_path / "out"
+    out.mkdir()
+    spec = {"op": "manager_cold_down", "hot": [str(tmp_path / f"node{r}") for r in (0, 1)],
+            "cold": "s3://bucket/run", "endpoint": f"http://127.0.0.1:{port}", "out": str(out),
+            "close_timeout": 10}
+    job = run_job(spec, 2, timeout=150)
+    assert job.ok, job.describe()
+    results = [json.loads((out / f"cold-down-rank{r}.json").read_text()) for r in (0, 1)]
+    assert {r["load"] for r in results} == {"TransientStorageError"}, results  # none hung
+    for r in results:
+        assert r["close"] == "MigrationFailed", results
+        assert r["close_seconds"] < 10 + 10, results  # the deadline, not one per wait
