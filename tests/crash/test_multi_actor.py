@@ -1,5 +1,5 @@
 """Many actors on one store at once: writers, two migrators of the same checkpoint (the
-trainer's background migrator and `tierstore migrate` in another process), a pruner, GC and
+trainer's background migrator and `tierstore migrate` in another process), pruners, GC and
 loaders, interleaved at fault points hypothesis picks, with the object store throttling,
 resetting, stalling and refusing on the wire.
 
@@ -9,14 +9,23 @@ object-store faults drawn for it); then A is released (with faults of its own) o
 The cold tier is moto's S3 behind the fault proxy (s3_fault_proxy.py) for part of the
 examples and a local directory (cheaper, no wire faults) for the others.
 
+**A gate between every read and the act that depends on it** (docs/design.md invariant 19):
+a prune held after its listing, after its cold check, between its re-check and its
+un-publish, between its lease check and its deletes; a migration held between its marks
+listing and its in-place check, and between that check and the cold commit; GC held between
+its scan and its deletes; a load held after its lease. A prune of one tier runs on one
+thread, so where it is held says exactly which view it decided from: the model plans each
+prune from the store as it was when that prune listed it, and nothing else.
+
 Invariants, after every step (checked through a direct, fault-free connection):
 
 1. every file a manifest names is present in its tier and matches its CRC32C (nothing
    committed is lost or damaged in any tier: this machine damages nothing itself);
 2. every checkpoint committed in a tier loads bit-exact from that tier alone;
-3. a checkpoint leaves a tier only by a prune whose plan dropped it, and leaves the hot tier
-   only once committed in cold (nothing un-migrated is pruned from hot; a hot prune never
-   deletes the last copy);
+3. a checkpoint leaves a tier only by a prune whose plan (from its own listing) dropped it;
+   and, judged absolutely, a checkpoint attempt leaves the hot tier only once it has been
+   committed in cold: the cold tier is looked at before and after every actor, so any
+   commit an actor made is seen before a later prune could remove it again;
 4. actors that returned did what they promised, and once the faults stop, `tierstore
    migrate` commits every pending checkpoint (a damaged upload mark must not block it).
 """
@@ -51,11 +60,12 @@ from tierstore import TieredReader, TieredWriter, list_checkpoints
 from tierstore.commit import layout
 from tierstore.commit.manifest import Manifest
 from tierstore.lifecycle.gc import collect_garbage
-from tierstore.lifecycle.prune import pending_in_cold, plan_prune, prune
+from tierstore.lifecycle.prune import pending_in_cold, plan_prune, prune, prune_hot, prune_tier
 from tierstore.lifecycle.retention import keep_last
 from tierstore.retry import RetryPolicy
 from tierstore.tiers.migrator import MigrationState
 from tierstore.tiers.status import migrate_pending, migration_status
+from tierstore.tiers.tier import Store as TierStore
 from tierstore.tiers.tier import Tier
 from tierstore.tiers.transfer import has_verified_copy
 
@@ -66,17 +76,23 @@ PROFILE = os.environ.get("TIERSTORE_CRASH_PROFILE", "ci")
 # wait costs the CI budget.
 CONFIG = replace(model.FAST, commit_timeout=5)
 
-# Where each actor may be held (gc has no fault points: it only ever runs to its end).
+# Where each actor may be held: every gate between a read and the act it decides.
+MIGRATION = ("transfer.after_chunk", "migrator.after_file_upload", "migrator.before_mark_publish",
+             "migrator.before_cold_publish", "migrator.after_cold_check",
+             "migrator.after_cold_publish")
+PRUNE = ("prune.after_listing", "prune.before_unpublish", "prune.after_unpublish",
+         "prune.after_lease_check", "prune.after_file_delete")
 POINTS: dict[str, tuple[str, ...]] = {
-    "save": ("writer.after_file_write", "writer.before_manifest_publish", "transfer.after_chunk",
-             "migrator.after_file_upload", "migrator.before_mark_publish",
-             "migrator.before_cold_publish", "migrator.after_cold_publish"),
-    "migrate": ("transfer.after_chunk", "migrator.after_file_upload", "migrator.before_mark_publish",
-                "migrator.before_cold_publish", "migrator.after_cold_publish"),
-    "prune": ("prune.before_unpublish", "prune.after_unpublish", "prune.after_file_delete"),
+    "save": ("writer.after_file_write", "writer.before_manifest_publish", *MIGRATION),
+    "migrate": MIGRATION,
+    "prune-hot": ("prune.after_cold_check", *PRUNE),
+    "prune-cold": PRUNE,
     "load": ("reader.after_lease", "reader.before_file"),
+    "gc": ("gc.after_scan",),
 }
-ACTORS = ("save", "migrate", "prune", "load", "gc")
+# What may run while A is held: "prune" is both tiers at once, as the manager and
+# `tierstore prune` run them.
+ACTORS = ("save", "saves", "migrate", "prune", "prune-hot", "prune-cold", "load", "gc")
 # Wire faults, on the proxy between the actors and moto (S3 examples only). Writes only:
 # the invariants are about what is stored; reads fail the same way through the same code.
 WIRE = ("none", "slowdown", "slowdown-storm", "reset", "lose-answer", "delay", "stall", "refuse",
@@ -105,9 +121,7 @@ class Step:
     fn: Callable[[int], Any]
     world: int = 1
     save_step: int | None = None
-    doomed: tuple[set[str], set[str]] = (set(), set())
-    keeps: tuple[int, int] | None = None  # a prune's policies: keep_last(hot), keep_last(cold)
-    must_go: tuple[set[str], set[str]] | None = None  # what every plan it may follow deletes
+    doomed: tuple[set[str], set[str]] = (set(), set())  # a prune's plan: hot, cold
 
 
 class MultiActor(RuleBasedStateMachine):
@@ -129,7 +143,8 @@ class MultiActor(RuleBasedStateMachine):
                                {**base, "endpoint_url": self.s3["endpoint"]})
         self.next_step = 1
         self.seen: dict[str, set[str]] = {"hot": set(), "cold": set()}
-        self.ever_cold: set[str] = set()
+        self.ever_hot: set[tuple[str, str]] = set()  # (name, attempt) ever committed there
+        self.ever_cold: set[tuple[str, str]] = set()
         self.may_vanish: dict[str, set[str]] = {"hot": set(), "cold": set()}
         self.loaded: set[tuple[str, str, str]] = set()
         self.tiers = {"hot": Tier("hot", self.store.hot), "cold": Tier("cold", self.store.cold, self.store.direct)}
@@ -151,47 +166,71 @@ class MultiActor(RuleBasedStateMachine):
         """The checkpoints committed in ``role``: name -> manifest."""
         return {m.name: m for m in self.tier(role).manifests()}
 
-    def plan_prune(self, hot_keep: int, cold_keep: int) -> tuple[set[str], set[str]]:
+    def plan_prune(self, hot_keep: int | None, cold_keep: int | None) -> tuple[set[str], set[str]]:
+        """What a prune that lists the store now deletes (``None``: that tier not pruned)."""
         hot, cold = self.tier("hot"), self.tier("cold")
         now = time.time()
-        doomed_hot = plan_prune(hot.manifests(), keep_last(hot_keep), protect=pending_in_cold(hot, cold), now=now)[0]
-        doomed_cold = plan_prune(cold.manifests(), keep_last(cold_keep), now=now)[0]
+        doomed_hot = [] if hot_keep is None else plan_prune(
+            hot.manifests(), keep_last(hot_keep), protect=pending_in_cold(hot, cold), now=now)[0]
+        doomed_cold = [] if cold_keep is None else plan_prune(
+            cold.manifests(), keep_last(cold_keep), now=now)[0]
         return {m.name for m in doomed_hot}, {m.name for m in doomed_cold}
+
+    def look(self) -> None:
+        """Remember every attempt committed in either tier now (invariant 3's evidence)."""
+        self.ever_hot |= {(m.name, m.attempt) for m in self.tier("hot").manifests()}
+        self.ever_cold |= {(m.name, m.attempt) for m in self.tier("cold").manifests()}
 
     # -- actors ----------------------------------------------------------------------------
 
     def actor(self, kind: str, data: st.DataObject, *, a_in_flight: str | None = None,
               migrate: bool | None = None) -> Step:
         s = self.store
-        if kind == "save":
-            step, self.next_step = self.next_step, self.next_step + 1
+        if kind in ("save", "saves"):
+            # "saves": a job saving twice while another actor is held (quick saves: two
+            # commits inside one window of the other actor's).
+            count = 2 if kind == "saves" else 1
+            first_step, self.next_step = self.next_step, self.next_step + count
             world = data.draw(st.sampled_from(self.worlds), label="ranks")
             if migrate is None:
                 migrate = data.draw(st.booleans(), label="the trainer migrates")
             mode = data.draw(st.sampled_from(["sync", "thread"]), label="save mode")
 
             def save(rank: int) -> list[tuple[str, str, str | None]]:
-                writer = TieredWriter(s.hot, s.cold if migrate else None, step=step,
-                                      cold_options=s.options, migration=CONFIG)
-                return model.save_and_migrate(writer, step, mode, 90)
+                states = []
+                for step in range(first_step, first_step + count):
+                    writer = TieredWriter(s.hot, s.cold if migrate else None, step=step,
+                                          cold_options=s.options, migration=CONFIG)
+                    states = model.save_and_migrate(writer, step, mode, 90)
+                return states
 
-            return Step("save", save, world, save_step=step)
+            return Step("save", save, world, save_step=first_step + count - 1)
         if kind == "migrate":
             def migrate(rank: int) -> list[tuple[str, str, str | None]]:
                 return [(st_.name, st_.state.value, st_.error)
                         for st_ in migrate_pending(s.hot, s.cold, cold_options=s.options, config=CONFIG)]
 
             return Step("migrate", migrate)
-        if kind == "prune":
-            hot_keep = data.draw(st.integers(1, 3), label="hot keeps")
-            cold_keep = data.draw(st.integers(1, 3), label="cold keeps")
+        if kind in ("prune", "prune-hot", "prune-cold"):
+            hot_keep = data.draw(st.integers(1, 3), label="hot keeps") if kind != "prune-cold" else None
+            cold_keep = data.draw(st.integers(1, 3), label="cold keeps") if kind != "prune-hot" else None
+            # Planned from the store as the prune is about to list it: nothing runs between
+            # here and its listing (A starts now; B runs while A is held after its listing).
             doomed = self.plan_prune(hot_keep, cold_keep)
 
             def prune_(rank: int) -> None:
-                prune(s.hot, s.cold, hot_policy=keep_last(hot_keep), cold_policy=keep_last(cold_keep),
-                      cold_options=s.options)
+                store = TierStore.of_tiers(Tier("hot", s.hot), Tier("cold", s.cold, s.options))
+                hot_tier, cold_tier = store.hot, store.cold
+                assert hot_tier is not None and cold_tier is not None
+                if kind == "prune-hot":
+                    prune_hot(hot_tier, cold_tier, keep_last(hot_keep or 1))
+                elif kind == "prune-cold":
+                    prune_tier(cold_tier, keep_last(cold_keep or 1))
+                else:
+                    prune(store, hot_policy=keep_last(hot_keep or 1),
+                          cold_policy=keep_last(cold_keep or 1))
 
-            return Step("prune", prune_, doomed=doomed, keeps=(hot_keep, cold_keep))
+            return Step(kind, prune_, doomed=doomed)
         if kind == "load":
             def load(rank: int) -> tuple[str, bool] | None:
                 if not list_checkpoints(s.hot, s.cold, cold_options=s.options):
@@ -277,16 +316,12 @@ class MultiActor(RuleBasedStateMachine):
         job = forking.start(first.fn, world=first.world, block=point, env=gate.env)
         try:
             held = gate.wait_reached(point, timeout=60, pid=job.pids[0])
+            self.look()  # what A committed before its gate, before B can prune it
             second = self.actor(b, data, a_in_flight=a if held else None)
             with self.wire(wire_b):
                 outcome_b = forking.run(second.fn, world=second.world)
+            self.look()
             self.check(second, outcome_b, faulted=wire_b != "none")
-            if first.keeps is not None:
-                # A prune held before it listed a tier plans from what B left there: both
-                # plans are its policy's (the soak found the model judging by the first alone).
-                later = self.plan_prune(*first.keeps)
-                first.must_go = (first.doomed[0] & later[0], first.doomed[1] & later[1])
-                first.doomed = (first.doomed[0] | later[0], first.doomed[1] | later[1])
             with self.wire(wire_a):
                 if finish == "kill" and held:
                     job.kill()
@@ -302,6 +337,30 @@ class MultiActor(RuleBasedStateMachine):
             STATS.crash_points.add(point)
         self.last = (a, point, b, wire_b, wire_a, finish)
         self.check(first, outcome_a, faulted=wire_a != "none" or wire_b != "none")
+
+    @rule(pick=st.integers(0, 1 << 16))
+    def replace_an_uploaded_object(self, pick: int) -> None:
+        """Someone who can write the bucket puts other bytes of the same size where a pending
+        checkpoint's rank uploaded and verified a file (docs/design.md invariant 10): no cold
+        commit may vouch for them, and the next migration uploads the file again."""
+        hot, cold = self.tier("hot"), self.tier("cold")
+        uploaded = []
+        for name in sorted(pending_in_cold(hot, cold)):
+            manifest = hot.find_manifest(name)
+            if manifest is None or not list(cold.backend.list(layout.upload_prefix(name, manifest.attempt))):
+                continue
+            for entry in manifest.files:
+                key = cold.file_key(name, manifest.attempt, entry.path)
+                if cold.backend.exists(key) and entry.size:
+                    uploaded.append((key, entry))
+        if not uploaded:
+            return
+        key, entry = uploaded[pick % len(uploaded)]
+        data = bytearray(cold.backend.read_bytes(key))
+        data[pick % len(data)] ^= 0xFF
+        with cold.backend.open_write(key) as out:
+            out.write(bytes(data))
+        STATS.faults += 1
 
     @rule(kind=st.sampled_from(["truncated", "wrong-rank", "garbage", "other-files"]),
           pick=st.integers(0, 1 << 16))
@@ -342,7 +401,7 @@ class MultiActor(RuleBasedStateMachine):
     # -- what each actor promised ------------------------------------------------------------
 
     def check(self, step: Step, outcome: forking.Outcome, *, faulted: bool) -> None:
-        if step.kind == "prune":
+        if step.kind.startswith("prune"):
             self.may_vanish["hot"] |= step.doomed[0]
             self.may_vanish["cold"] |= step.doomed[1]
         if outcome.killed:
@@ -359,9 +418,11 @@ class MultiActor(RuleBasedStateMachine):
         elif step.kind == "migrate" and not faulted:
             stuck = [x for x in outcome.results[0] if x[1] != "committed"]
             assert not stuck, f"migration failed with no fault injected: {stuck}"
-        elif step.kind == "prune":
-            must = step.must_go or step.doomed
-            left = (must[0] & set(self.listed("hot"))) | (must[1] & set(self.listed("cold")))
+        elif step.kind.startswith("prune") and not faulted:
+            # What its plan dropped is gone (un-published) once it returns: a prune that
+            # could not confirm a cold copy keeps the hot one, but only under wire faults.
+            doomed_hot, doomed_cold = step.doomed
+            left = (doomed_hot & set(self.listed("hot"))) | (doomed_cold & set(self.listed("cold")))
             assert not left, f"prune returned but left {sorted(left)}"
         elif step.kind == "load" and outcome.results[0] is not None:
             name, exact = outcome.results[0]
@@ -399,18 +460,17 @@ class MultiActor(RuleBasedStateMachine):
     @invariant()
     def nothing_leaves_a_tier_but_by_policy_and_hot_only_once_in_cold(self) -> None:
         now = {role: set(self.listed(role)) for role in ("hot", "cold")}
-        self.ever_cold |= now["cold"]
+        self.look()
         for role in ("hot", "cold"):
             gone = self.seen[role] - now[role]
             assert gone <= self.may_vanish[role], f"{role}: {sorted(gone - self.may_vanish[role])} vanished"
             self.seen[role] = now[role]
             self.may_vanish[role] = set()
-        lost = (self.seen_ever_hot() - now["hot"]) - self.ever_cold
-        assert not lost, f"pruned from hot before it was ever committed in cold: {sorted(lost)}"
-
-    def seen_ever_hot(self) -> set[str]:
-        self._ever_hot = getattr(self, "_ever_hot", set()) | self.seen["hot"]
-        return self._ever_hot
+        # Absolute (no plan excuses it): an attempt leaves the hot tier only once committed
+        # in cold, as seen before or after some actor ran.
+        in_hot = {(m.name, m.attempt) for m in self.tier("hot").manifests()}
+        lost = (self.ever_hot - in_hot) - self.ever_cold
+        assert not lost, f"left the hot tier without ever being committed in cold: {sorted(lost)}"
 
 
 def _forget_the_proxy() -> None:

@@ -5,7 +5,16 @@ wrapping one public method, never by copying product code:
 * the commit order broken (the manifest published before DCP's metadata file is in place):
   the state machine must find a checkpoint listed as committed that does not load;
 * the migrator's old delete-then-write upload (7cc5efe) put back: the multi-actor machine
-  must find a cold manifest naming a missing object.
+  must find a cold manifest naming a missing object;
+* a hot prune that plans from a second listing, taken after its cold check (the bug an S3
+  cold tier slower than the saves exposed: checkpoints committed in between were neither
+  protected nor migrated): the multi-actor machine, holding the prune between its check and
+  its plan while a job saves twice, must find an attempt that left the hot tier un-migrated;
+* a cold commit that checks sizes only (and a migration that trusts a mark without the
+  versions it names): the machine, with someone replacing an uploaded object by other bytes
+  of the same size, must find a cold manifest that vouches for damaged bytes;
+* a resume that does not quarantine the damaged checkpoint it fell back past: the lifecycle
+  scenario must find the step's new save refused, or the damaged one kept by retention.
 
 (Missing fsyncs: see test_power_loss.py.)"""
 
@@ -17,13 +26,15 @@ from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, Phase, settings
-from hypothesis.stateful import INVARIANT_MARKER, run_state_machine_as_test
+from hypothesis import strategies as st
+from hypothesis.stateful import INVARIANT_MARKER, rule, run_state_machine_as_test
 from machine import CrashConsistency
 from stats import STATS
 from test_multi_actor import MultiActor, s3_cold
 
 from tierstore.commit import layout
 from tierstore.commit.manifest import Manifest
+from tierstore.lifecycle.prune import check_cold_copies, prune_tier
 from tierstore.storage import faults
 from tierstore.storage.backend import Backend, ObjectWriter
 from tierstore.tiers.tier import Tier
@@ -103,3 +114,81 @@ def test_multi_actor_machine_catches_a_retry_deleting_a_committed_object(monkeyp
         expect_caught(TwoMigrators, "names missing or damaged|does not load", settings(
             max_examples=10, stateful_step_count=5, phases=[Phase.generate], derandomize=True,
             database=None, deadline=None, suppress_health_check=list(HealthCheck)))
+
+
+class PruneRacingSaves(MultiActor):
+    """A hot prune held after its cold check (or its plan) while a job saves twice."""
+
+    worlds = (1,)
+
+    save_alone = interleave = two_migrators_of_one_checkpoint = damage_an_upload_mark = None  # type: ignore[assignment]
+    replace_an_uploaded_object = migrate_once_the_faults_stop = None  # type: ignore[assignment]
+
+    @rule(data=st.data(), point=st.sampled_from(("prune.after_cold_check", "prune.after_listing")))
+    def prune_held_while_a_job_saves_twice(self, data: st.DataObject, point: str) -> None:
+        self.force(data, "prune-hot", point, "saves", "none", "none", "release")
+
+
+def prune_from_a_second_listing(hot: Tier, cold: Tier | None, policy: Any, *, dry_run: bool = False,
+                                now: float | None = None) -> Any:
+    """``prune_hot`` with the bug: the protected set from one listing, the plan from another
+    (made later), no re-check before the un-publish."""
+    if cold is None:
+        return prune_tier(hot, policy, dry_run=dry_run, now=now)
+    check = check_cold_copies(hot, cold)  # BUG: its own listing...
+    faults.point("prune.after_cold_check")
+    return prune_tier(hot, policy, protect=check.protect, dry_run=dry_run, now=now)  # ...and another
+
+
+def test_multi_actor_machine_catches_a_prune_that_plans_from_a_second_listing(monkeypatch) -> None:
+    import test_multi_actor
+
+    from tierstore.lifecycle import prune as prune_mod
+
+    for module in (prune_mod, test_multi_actor):  # forked actors inherit the patch
+        monkeypatch.setattr(module, "prune_hot", prune_from_a_second_listing)
+    expect_caught(PruneRacingSaves, "without ever being committed in cold|vanished", settings(
+        max_examples=25, stateful_step_count=4, phases=[Phase.generate], derandomize=True,
+        database=None, deadline=None, suppress_health_check=list(HealthCheck)))
+
+
+class HostileUploads(MultiActor):
+    """Saves whose migration dies before the cold commit, someone replacing an uploaded
+    object, and `tierstore migrate`."""
+
+    worlds = (1,)
+
+    save_alone = interleave = two_migrators_of_one_checkpoint = damage_an_upload_mark = None  # type: ignore[assignment]
+
+    @rule(data=st.data())
+    def save_whose_migration_dies_before_the_commit(self, data: st.DataObject) -> None:
+        self.force(data, "save", "migrator.before_cold_publish", "load", "none", "none", "kill",
+                   migrate=True)
+
+
+def test_multi_actor_machine_catches_a_cold_commit_that_checks_sizes_only(monkeypatch) -> None:
+    from tierstore.tiers import marks
+    from tierstore.tiers.migrator import Migrator
+
+    # The old commit (sizes from a listing) and the old resume check (a mark and sizes).
+    monkeypatch.setattr(Migrator, "_proved", lambda self, *args: True)
+    monkeypatch.setattr(marks, "already_uploaded", lambda tier, name, attempt, rank, files: bool(
+        marks._rank_marks(tier, name, attempt, rank, files))
+        and all(marks.in_place(tier, name, attempt, e) for e in files))
+    expect_caught(HostileUploads, "names missing or damaged|does not load", settings(
+        max_examples=25, stateful_step_count=6, phases=[Phase.generate], derandomize=True,
+        database=None, deadline=None, suppress_health_check=list(HealthCheck)))
+
+
+def test_the_lifecycle_scenario_catches_a_resume_that_does_not_quarantine(
+        monkeypatch, tmp_path) -> None:
+    import test_lifecycle_e2e
+    from cold_tiers import Cold
+
+    from tierstore.manager import CheckpointManager
+
+    monkeypatch.setattr(CheckpointManager, "_quarantine", lambda self, damaged, *, loaded: None)
+    cold = Cold("local", str(tmp_path / "cold"), {}, {})
+    with pytest.raises(Exception) as caught:
+        test_lifecycle_e2e.test_a_damaged_newest_checkpoint_is_quarantined_and_saved_again(cold, tmp_path)
+    assert isinstance(caught.value, AssertionError) or "already exists" in str(caught.value)

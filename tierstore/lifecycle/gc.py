@@ -48,6 +48,7 @@ from tierstore.commit.layout import KeyKind
 from tierstore.commit.manifest import Manifest
 from tierstore.errors import TierstoreError
 from tierstore.lifecycle.leases import expired_leases, live_leases
+from tierstore.storage import faults
 from tierstore.storage.backend import ObjectInfo
 from tierstore.tiers import marks
 from tierstore.tiers.tier import Store, Tier, TierURL
@@ -266,6 +267,7 @@ def collect_garbage(hot: TierURL | Store | None, cold: TierURL | None = None, *,
         except TierstoreError as err:
             scan.fail(tier, "", err)
     if not dry_run:
+        faults.point("gc.after_scan")  # decided from the scan, nothing deleted yet
         doomed: dict[str, list[str]] = defaultdict(list)
         for item in scan.garbage:
             doomed[item.tier].append(item.key)

@@ -33,7 +33,8 @@ the others: one damaged object never stops the rest.
 Fault points (the crash suite's gates, one between each read and the act it decides):
 ``prune.after_listing`` (a tier listed, nothing decided), ``prune.after_cold_check`` (hot
 checkpoints held against the cold tier, nothing deleted), ``prune.before_unpublish`` (one
-checkpoint re-checked, not yet un-published), ``prune.after_unpublish``,
+checkpoint re-checked, not yet un-published), ``prune.after_unpublish`` (before the lease
+check), ``prune.after_lease_check`` (no live lease seen, data not yet deleted),
 ``prune.after_file_delete``.
 """
 
@@ -137,6 +138,7 @@ def prune_tier(tier: Tier, policy: Policy, *, protect: Iterable[str] = (), dry_r
                          manifest.name, tier.label)
                 deferred.append(manifest.name)
                 continue
+            faults.point("prune.after_lease_check")
             freed += delete_data(tier, manifest)
         except TierstoreError as err:
             log.error("could not prune %s from %s (going on with the others): %s",
@@ -236,6 +238,7 @@ def prune_node_local(hot: Tier, cold: Tier, policy: Policy, *, dry_run: bool = F
             if live_leases(hot, manifest.name):
                 deferred.append(manifest.name)
                 continue
+            faults.point("prune.after_lease_check")
             delete_batched(hot, [info.key for info in local])
             delete_batched(hot, _mark_keys(hot, manifest.name, manifest.attempt), fault=None)
         except TierstoreError as err:
