@@ -276,11 +276,48 @@ def manager_cold_down(spec: dict[str, Any]) -> None:
     (out / f"cold-down-rank{rank}.json").write_text(json.dumps(result))
 
 
+def manager_node_local_resume(spec: dict[str, Any]) -> None:
+    """Node-local hot tiers: a run whose cold tier was unreachable leaves its saves pending;
+    the next run's managers (every rank its own files, the coordinator the commits) finish
+    them at start."""
+    from tierstore import CheckpointManager, list_checkpoints
+    from tierstore.errors import MigrationFailed
+    from tierstore.retry import RetryPolicy
+    from tierstore.tiers.migrator import MigrationConfig
+
+    rank, out = dist.get_rank(), Path(spec["out"])
+    retry = RetryPolicy(attempts=2, deadline=2.0, initial=0.01, maximum=0.05)
+    config = MigrationConfig(retry=retry, commit_timeout=20, poll_interval=0.05)
+    model, optim = build(0, dist.get_world_size())
+    blocked = Path(spec["blocker"])
+    mgr = CheckpointManager(tiers(spec)["hot"], str(blocked / "cold"), node_local=True,
+                            hot_min_free=None, migration=config)
+    for step in (1, 2):
+        msd, osd = get_state_dict(model, optim)
+        mgr.save(step, {"model": msd, "optim": osd, "extra": {"step": step}}, force=True)
+    try:
+        mgr.close(timeout=10)
+        first = "returned"
+    except MigrationFailed:
+        first = "MigrationFailed"
+    dist.barrier()
+    if rank == 0:
+        blocked.unlink()  # the cold tier is reachable again
+    dist.barrier()
+    again = CheckpointManager(tiers(spec)["hot"], str(blocked / "cold"), node_local=True,
+                              hot_min_free=None, migration=config)
+    again.close(timeout=60)
+    result = {"first": first,
+              "cold": [c.step for c in list_checkpoints(None, str(blocked / "cold"))]}
+    (out / f"node-local-resume-rank{rank}.json").write_text(json.dumps(result))
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     ops = {"train_save": train_save, "load": load, "manager": manager, "manager_load": manager_load,
-           "manager_fallback": manager_fallback, "manager_cold_down": manager_cold_down}
+           "manager_fallback": manager_fallback, "manager_cold_down": manager_cold_down,
+           "manager_node_local_resume": manager_node_local_resume}
     ops[spec["op"]](spec)
     leave_cleanly()
 

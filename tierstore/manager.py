@@ -81,6 +81,7 @@ from tierstore.tiers.migrator import (
     MigrationState,
     MigrationStatus,
     Migrator,
+    files_by_rank,
 )
 from tierstore.tiers.tier import Store, Tier, TierURL
 from tierstore.tiers.workers import active_migrators, migrator_for
@@ -94,6 +95,7 @@ log = logging.getLogger(__name__)
 
 Cadence = Callable[[int], bool]
 DEFAULT_CLOSE_TIMEOUT = 300.0  # seconds close() waits for migrations, in all
+RESUME_LOOK = 10.0  # seconds a node-local start waits for the cold tier to find what is pending
 
 
 @dataclass(frozen=True)
@@ -216,6 +218,8 @@ class CheckpointManager:
                           if self.rank == 0 and self.store.hot is not None else None)
         if self._resumes_pending:  # a killed run's pending migrations: finished in the background
             self._prune_in_background(prune=False)
+        elif self.node_local and self.store.cold is not None:
+            self._resume_node_local()
 
     # -- cadence -------------------------------------------------------------------------
 
@@ -434,6 +438,47 @@ class CheckpointManager:
 
         threading.Thread(target=rounds, name="tierstore-prune", daemon=True).start()
         return future
+
+    def _resume_node_local(self) -> None:
+        """Node-local tiers: every rank queues its own files of the checkpoints its job left
+        pending, and the coordinator their commits, as the writer does after a save. Only
+        the coordinator knows them (its node holds the hot manifests): one broadcast at start,
+        after a look at the cold tier bounded by ``RESUME_LOOK`` seconds (a cold tier that is
+        down delays the start by at most that, and nothing is resumed then)."""
+        cold, rank = self.store.cold, _dist.group_rank_world(self.group)[0]
+        assert cold is not None
+        found: list[Manifest] = []
+        if rank == 0:
+            looker = threading.Thread(target=lambda: found.extend(self._pending_manifests()),
+                                      name="tierstore-resume-look", daemon=True)
+            looker.start()
+            looker.join(RESUME_LOOK)
+            if looker.is_alive():
+                log.warning("the cold tier %s did not answer within %.0fs: pending migrations "
+                            "are not resumed at this start", cold.label, RESUME_LOOK)
+                found = []
+        jobs = [(m.name, m.attempt, m.step, files_by_rank(m)) for m in found]
+        if self.distributed:
+            jobs = _dist.broadcast(jobs, self.group)
+        migrator = migrator_for(self._hot, cold, self.migration)
+        for manifest in found:  # the coordinator: its own files, then the commit
+            migrator.submit_commit(manifest, rank)
+        if rank != 0:
+            for name, attempt, step, by_rank in jobs:
+                if by_rank.get(rank):
+                    migrator.submit_rank(name, attempt, step, rank, by_rank[rank])
+        if jobs:
+            log.info("resuming the migration of %s to %s", ", ".join(j[0] for j in jobs), cold.label)
+
+    def _pending_manifests(self) -> list[Manifest]:
+        cold = self.store.cold
+        assert cold is not None
+        try:
+            pending = check_cold_copies(self._hot, cold).pending
+        except TierstoreError as err:
+            log.warning("could not look for pending migrations: %s", err)
+            return []
+        return [m for m in self._hot.manifests() if m.name in pending]
 
     def _maintain(self, *, prune: bool) -> None:
         """One round: prune, then queue the migration of every hot checkpoint the round

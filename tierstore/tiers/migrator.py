@@ -67,6 +67,7 @@ __all__ = [
     "MigrationStatus",
     "Migrator",
     "Job",
+    "files_by_rank",
 ]
 
 log = logging.getLogger(__name__)
@@ -246,7 +247,7 @@ class Migrator:
         background: how a checkpoint found pending (a killed run's, or one whose migration
         failed while the cold tier was down) is finished. Checks what is already in the
         cold tier first, as ``tierstore migrate`` does."""
-        by_rank = sorted(_files_by_rank(manifest).items())
+        by_rank = sorted(files_by_rank(manifest).items())
         for index, (rank, files) in enumerate(by_rank):
             last = index == len(by_rank) - 1
             self._enqueue(Job(manifest.name, manifest.attempt, manifest.step, rank, files,
@@ -325,7 +326,7 @@ class Migrator:
         ``progress(name, bytes_done, bytes_total)``; failure is in the status, not raised."""
         total = manifest.total_size
         jobs = [Job(manifest.name, manifest.attempt, manifest.step, rank, files, manifest.created)
-                for rank, files in sorted(_files_by_rank(manifest).items())]
+                for rank, files in sorted(files_by_rank(manifest).items())]
         jobs[-1].manifest = manifest  # the last rank's job also commits
         advance = counting(manifest.name, total, progress)
         for job in jobs:
@@ -453,7 +454,7 @@ class Migrator:
             raise _Failed(job.rank, entry.path, err) from err
 
     def _commit(self, manifest: Manifest) -> None:
-        by_rank = _files_by_rank(manifest)
+        by_rank = files_by_rank(manifest)
         listing = self._await_marks(manifest, by_rank)
         if listing is None:  # another migrator committed it meanwhile
             cold_id = marks.store_id(self.cold, create=True)
@@ -586,7 +587,7 @@ class Migrator:
             return False  # an invalid cold manifest commits nothing; the publish will say so
 
 
-def _files_by_rank(manifest: Manifest) -> dict[int, tuple[FileEntry, ...]]:
+def files_by_rank(manifest: Manifest) -> dict[int, tuple[FileEntry, ...]]:
     """Each rank's files of ``manifest``, in one pass over them (not one pass per rank)."""
     by_rank: dict[int, list[FileEntry]] = {}
     for entry in manifest.files:
