@@ -115,8 +115,8 @@ class Health:
     migration_lag_seconds: float  # age of the oldest migration not finished
     migration_lag_bytes: int  # bytes not yet in the cold tier
     prune_errors: tuple[str, ...]
-    # Checkpoints a resume of this manager found damaged and set aside, or found set aside
-    # (their data kept: `tierstore quarantine` lists and removes them).
+    # Checkpoints this manager's resumes found damaged and set aside (their data kept:
+    # `tierstore quarantine` lists every quarantined one, and removes them).
     quarantined: tuple[str, ...] = ()
 
     @property

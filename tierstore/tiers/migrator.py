@@ -348,7 +348,7 @@ class Migrator:
             if job.manifest is None:
                 job.state = MigrationState.UPLOADED
             else:
-                self._commit(job.manifest)
+                self._commit(job.manifest, job)
                 job.state = MigrationState.COMMITTED
             self._unreachable = None
             log.info("migrated %s rank %d to %s (%s)", job.name, job.rank, self.cold.label, job.state.value)
@@ -453,9 +453,9 @@ class Migrator:
         except Exception as err:
             raise _Failed(job.rank, entry.path, err) from err
 
-    def _commit(self, manifest: Manifest) -> None:
+    def _commit(self, manifest: Manifest, job: Job | None = None) -> None:
         by_rank = files_by_rank(manifest)
-        listing = self._await_marks(manifest, by_rank)
+        listing = self._await_marks(manifest, by_rank, job)
         if listing is None:  # another migrator committed it meanwhile
             cold_id = marks.store_id(self.cold, create=True)
             assert cold_id is not None
@@ -546,8 +546,8 @@ class Migrator:
         except Exception as err:
             raise _Failed(None, None, err) from err
 
-    def _await_marks(self, manifest: Manifest,
-                     by_rank: dict[int, tuple[FileEntry, ...]]) -> marks.MarkListing | None:
+    def _await_marks(self, manifest: Manifest, by_rank: dict[int, tuple[FileEntry, ...]],
+                     job: Job | None = None) -> marks.MarkListing | None:
         """Wait until one listing shows every rank marked for its files of ``manifest`` (that
         listing), or until another migrator has committed this very attempt (``None``: it also
         removed the marks, so waiting on would only run into the timeout)."""
@@ -557,6 +557,8 @@ class Migrator:
 
         def missing() -> list[int] | None:
             """Ranks still to mark; ``None`` once another migrator committed the attempt."""
+            if job is not None and job.stopped:  # stop() ends the wait too, not only uploads
+                raise _Failed(None, None, _Stopped(f"migration of {manifest.name} stopped"))
             listing = marks.list_marks(self.cold, manifest.name, manifest.attempt)
             last[:] = [listing]
             seen.update(rank for rank, digest in expected.items()
