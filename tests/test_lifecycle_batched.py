@@ -20,6 +20,7 @@ import pytest
 from tierstore import collect_garbage, list_checkpoints
 from tierstore.commit import layout
 from tierstore.commit.manifest import FileEntry, Manifest
+from tierstore.errors import StorageError
 from tierstore.lifecycle.prune import prune, prune_node_local, prune_tier
 from tierstore.lifecycle.retention import keep_all, keep_last
 from tierstore.storage import registry
@@ -233,3 +234,37 @@ def test_gc_keeps_an_attempt_whose_part_is_damaged(tmp_path: Path) -> None:
         layout.attempt_prefix(manifest.name, manifest.attempt)]
     assert "part" in report.failures[0].error
     assert len(stored(root, manifest)) == 7 + 3 + 1  # its files cannot be known: all kept
+
+
+def test_node_local_prune_goes_on_past_a_failing_checkpoint_and_defers_a_leased_one(
+        tmp_path: Path) -> None:
+    """One checkpoint whose files cannot be deleted is reported and the others go on; one a
+    load holds a lease on keeps its files and is reported deferred, not deleted (issue 22)."""
+    from tierstore.lifecycle import leases
+
+    node, cold_root = tmp_path / "node1", tmp_path / "cold"
+    store = Store(f"counting://{node}", f"counting://{cold_root}")
+    hot, cold = store.hot, store.cold
+    assert hot is not None and cold is not None
+    checkpoints = []
+    for step in (1, 2, 3, 4):
+        manifest = commit(cold, step, 4, files_here=())
+        commit_files_only(hot, manifest, ranks=range(2, 4))
+        checkpoints.append(manifest)
+    failing, leased = checkpoints[0], checkpoints[1]
+    real = hot.backend.delete_many
+
+    def refusing(keys: Iterable[str]) -> None:  # the disk refuses this checkpoint's files
+        keys = list(keys)
+        if any(failing.attempt in key for key in keys):
+            raise StorageError("EIO: input/output error", key=keys[0], tier=hot.label)
+        real(keys)
+
+    hot.backend.delete_many = refusing  # type: ignore[method-assign]
+    assert leases.take(hot, leased.name) is not None
+    report = prune_node_local(hot, cold, keep_last(1))
+    assert [e.split(":")[0] for e in report.errors] == [failing.name]
+    assert report.deferred == (leased.name,)
+    assert set(report.deleted) == {checkpoints[2].name}
+    assert stored(node, failing) and stored(node, leased)
+    assert not stored(node, checkpoints[2]) and stored(node, checkpoints[3])

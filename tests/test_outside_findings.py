@@ -393,3 +393,26 @@ def test_a_node_local_runs_pending_checkpoints_are_finished_by_the_next_run(tmp_
     results = [json.loads((out / f"node-local-resume-rank{r}.json").read_text()) for r in (0, 1)]
     assert all(r["first"] == "MigrationFailed" for r in results), results
     assert all(r["cold"] == [1, 2] for r in results), results
+
+
+def test_a_writer_option_with_a_typo_is_refused_when_the_manager_is_built(tmp_path: Path) -> None:
+    from tierstore import CheckpointManager
+    from tierstore.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="thread_cont"):
+        CheckpointManager(str(tmp_path / "hot"), writer_options={"thread_cont": 2})
+    assert not (tmp_path / "hot" / "checkpoints").exists()
+
+
+def test_the_manager_refuses_a_step_no_manifest_can_record_before_writing(tmp_path: Path) -> None:
+    import torch
+
+    from tierstore import CheckpointManager
+    from tierstore.commit.manifest_format import MAX_STEP
+    from tierstore.errors import ConfigError
+
+    with CheckpointManager(str(tmp_path / "hot"), hot_min_free=None) as manager:
+        with pytest.raises(ConfigError, match="2\\*\\*62"):
+            manager.save(MAX_STEP + 1, {"w": torch.zeros(4)})
+        assert manager.health().saves_failed == 0  # refused, not a failed save
+    assert not (tmp_path / "hot" / "checkpoints").exists()
