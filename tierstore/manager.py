@@ -75,7 +75,14 @@ from tierstore.resume.state import ResumePlanner, is_per_rank_key
 from tierstore.staging import ReusedStaging, staging_options
 from tierstore.tiers import marks
 from tierstore.tiers.catalog import CheckpointInfo, list_checkpoints
-from tierstore.tiers.delivery import await_delivery, describe, resume_pending, undelivered
+from tierstore.tiers.delivery import (
+    PROBE_WAIT,
+    await_delivery,
+    describe,
+    resume_pending,
+    undelivered,
+    unreachable,
+)
 from tierstore.tiers.migrator import (
     MigrationConfig,
     MigrationState,
@@ -203,6 +210,7 @@ class CheckpointManager:
         self._prune_again = False  # a commit landed while it ran: prune once more
         self._quarantined: list[str] = []
         self._closing = False  # close() began: rounds prune, but queue no more migrations
+        self._cold_down = False  # close() found the cold tier unreachable: nothing to look up
         self._reported: set[str] = set()  # migration failures wait() raised already
         self._lock = threading.Lock()
         self.last_error: BaseException | None = None
@@ -750,7 +758,8 @@ class CheckpointManager:
         prune once more, release the group (docs/design.md invariant 22).
 
         Everything waits against one deadline, ``timeout`` seconds from now (default: the
-        manager's ``close_timeout``, 300 s), logging what it waits for. What has not reached
+        manager's ``close_timeout``, 300 s), logging what it waits for; a cold tier that does
+        not answer one listing within 10 s is not waited for at all. What has not reached
         the cold tier by then is stopped (nothing of it runs after close returns) and stays
         committed and pending in the hot tier; close says so at ERROR, naming each
         checkpoint and how it will be finished (the next job's manager, or
@@ -760,6 +769,16 @@ class CheckpointManager:
         """
         deadline = time.monotonic() + (self.close_timeout if timeout is None else timeout)
         failure: TierstoreError | None = None
+        self._finish_previous()  # the last save (hot only: it never waits on the cold tier)
+        cold = self.store.cold
+        if cold is not None and any(m.pending() for m in self._migrators()):
+            # A cold tier that is down is not waited for: one listing tells (a migration
+            # would only find out after minutes of retries).
+            why = unreachable(cold, min(PROBE_WAIT, _left(deadline) or 0.0))
+            if why is not None:
+                log.error("the cold tier %s is unreachable (%s): close() does not wait for its "
+                          "migrations", cold.label, why)
+                deadline, self._cold_down = time.monotonic(), True
         try:
             self.wait(timeout=_left(deadline))
         except SaveFailed as err:
@@ -767,7 +786,7 @@ class CheckpointManager:
         except MigrationFailed:
             pass  # named again below, with whatever else is left
         self._closing = True
-        if self.rank == 0 or self.node_local:
+        if (self.rank == 0 or self.node_local) and not self._cold_down:
             # Now that migrations drained, hot copies kept only as pending can go.
             try:  # joins a running round, which then runs one more
                 self._prune_in_background().result(_left(deadline, floor=0.0))
@@ -801,8 +820,9 @@ class CheckpointManager:
         cold = self.store.cold
         if cold is None:
             return {}
-        # Looking each one up in the cold tier: bounded even when close's time is spent.
-        lookup = 30.0 if deadline is None else _left(deadline, floor=5.0)
+        # Looking each one up in the cold tier: bounded even when close's time is spent, and
+        # not at all in a cold tier close() found unreachable.
+        lookup = 0.0 if self._cold_down else 30.0 if deadline is None else _left(deadline, floor=5.0)
         return undelivered(self._migrators(), cold, timeout=lookup)
 
     def _migration_failed(self, failures: dict[str, str]) -> MigrationFailed:

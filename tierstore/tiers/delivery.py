@@ -25,15 +25,19 @@ import time
 from collections.abc import Iterable, Sequence
 
 from tierstore._redact import redact_url
-from tierstore.errors import TierstoreError
+from tierstore.commit import layout
+from tierstore.errors import StorageError, TierstoreError
 from tierstore.tiers.migrator import MigrationState, MigrationStatus, Migrator
 from tierstore.tiers.tier import Tier
 
-__all__ = ["resume_pending", "await_delivery", "undelivered", "describe", "PROGRESS_EVERY"]
+__all__ = ["resume_pending", "await_delivery", "undelivered", "describe", "unreachable",
+           "PROGRESS_EVERY", "PROBE_WAIT"]
 
 log = logging.getLogger(__name__)
 
 PROGRESS_EVERY = 30.0  # seconds between "still waiting for ..." lines
+PROBE_WAIT = 10.0  # seconds the end of a run gives the cold tier to answer one listing
+_PROBE_THREAD = "tierstore-cold-probe"
 _DONE = (MigrationState.UPLOADED, MigrationState.COMMITTED)
 
 
@@ -67,8 +71,10 @@ def await_delivery(migrators: Sequence[Migrator], deadline: float | None) -> boo
         if deadline is not None and now >= deadline:
             return False
         step = PROGRESS_EVERY if deadline is None else min(PROGRESS_EVERY, deadline - now)
-        if all(m.wait(step / max(1, len(migrators))) for m in migrators):
-            return True
+        ends = now + step
+        while _unfinished(migrators) and time.monotonic() < ends:  # a job ends, or the step does
+            for m in migrators:
+                m.wait(min(0.5, max(0.0, ends - time.monotonic())))
         left = _unfinished(migrators)
         if left:
             lag = sum(s.lag_bytes for s in left)
@@ -127,3 +133,56 @@ def describe(failures: dict[str, str], hot: Tier, cold: Tier) -> str:
             f"Nothing is lost: they stay committed and pending in the hot tier {hot.label}; "
             f"the next job's CheckpointManager with these tiers resumes their migration, or run "
             f"`tierstore migrate --hot {redact_url(hot.url)} --cold {redact_url(cold.url)}`")
+
+
+class _ProbeRetries(logging.Filter):
+    """Keeps the probe's retry warnings out of the log, remembering the last error: the
+    outcome is reported in one line (a probe left behind may retry long after)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last: str | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.threadName != _PROBE_THREAD:
+            return True
+        error = record.args[-1] if isinstance(record.args, tuple) and record.args else None
+        if isinstance(error, BaseException):
+            self.last = error.message if isinstance(error, TierstoreError) else str(error)
+        return False
+
+
+_PROBE_RETRIES = _ProbeRetries()
+logging.getLogger("tierstore.retry").addFilter(_PROBE_RETRIES)
+
+
+def unreachable(cold: Tier, wait: float) -> str | None:
+    """Why ``cold`` cannot be listed within ``wait`` seconds; ``None`` if it can.
+
+    The listing runs on a daemon thread, left behind if it has not returned by then: a
+    backend's own retries and timeouts (minutes, for S3) suit an upload that may succeed,
+    not a question asked at a prompt or at the end of a run. Errors other than storage
+    errors (a bad URL or option) are the caller's to fix and are raised.
+    """
+    box: dict[str, BaseException | bool] = {}
+
+    def probe() -> None:
+        try:
+            next(iter(cold.backend.list(layout.manifests_prefix())), None)
+            box["ok"] = True
+        except BaseException as err:  # handed to the caller's thread
+            box["error"] = err
+
+    _PROBE_RETRIES.last = None
+    thread = threading.Thread(target=probe, name=_PROBE_THREAD, daemon=True)
+    thread.start()
+    thread.join(wait)
+    error = box.get("error")
+    if isinstance(error, StorageError):
+        return f"{type(error).__name__}: {error.message}"
+    if isinstance(error, BaseException):
+        raise error
+    if box.get("ok"):
+        return None
+    last = _PROBE_RETRIES.last
+    return f"no answer within {wait:g} s" + (f"; last error: {last}" if last else "")

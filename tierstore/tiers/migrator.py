@@ -285,9 +285,12 @@ class Migrator:
         return [job.status(now) for job in jobs]
 
     def pending(self) -> list[MigrationStatus]:
-        """Jobs not yet finished (queued or uploading)."""
-        done = (MigrationState.UPLOADED, MigrationState.COMMITTED, MigrationState.FAILED)
-        return [s for s in self.status() if s.state not in done]
+        """Jobs not yet finished (queued or uploading), those :meth:`stop` ended excepted
+        (one stuck in a request's retries ends when they do, and nothing waits for it)."""
+        now = self._clock()
+        with self._cond:
+            jobs = [job for job in self._jobs.values() if not job.done and not job.stopped]
+        return [job.status(now) for job in jobs]
 
     def failures(self) -> list[MigrationStatus]:
         return [s for s in self.status() if s.state is MigrationState.FAILED]
