@@ -163,6 +163,25 @@ def test_cold_tier_down_close_returns_in_bounded_time_and_the_next_run_resumes(
     assert steps(None, hot) == [3]
 
 
+@pytest.mark.parametrize("kind", ["s3", "gcs"])
+def test_close_returns_in_seconds_with_the_cold_tier_down_and_default_retries(
+        kind: str, request: pytest.FixtureRequest, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The outside test's case: a closed port and the backend's own retry policy (minutes of
+    backoff). close() asks the cold tier once, finds it down, and returns (issue 22)."""
+    cold = next(iter(cold_of(request, kind, tmp_path)))
+    url, options = down(cold, tmp_path)
+    options = {k: v for k, v in options.items() if k != "retry"}  # the default policy
+    run = CheckpointManager(str(tmp_path / "hot"), url, cold_options=options, hot_min_free=None)
+    for step in (1, 2):
+        run.save(step, state(step))
+    started = time.monotonic()
+    with caplog.at_level(logging.ERROR, logger="tierstore"), pytest.raises(MigrationFailed):
+        run.close()
+    assert time.monotonic() - started < 10 + 8
+    assert any("unreachable" in r.getMessage() for r in caplog.records)
+
+
 def test_a_killed_runs_pending_checkpoints_are_migrated_by_the_next_run(any_cold: Cold,
                                                                          tmp_path: Path) -> None:
     """What a run killed before its migrations ran leaves: hot commits, nothing cold."""
