@@ -76,8 +76,9 @@ soak: $(STAMP)
 	TIERSTORE_CRASH_PROFILE=soak $(BIN)/python -m pytest tests/crash -q -p no:cacheprovider $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(BIN)/python -m pip install -q mypy ruff
+	$(BIN)/python -m pip install -q mypy ruff import-linter
 	$(BIN)/ruff check tierstore tests backends examples benchmarks conftest.py
+	$(BIN)/lint-imports
 	$(BIN)/mypy
 	$(BIN)/mypy --strict --ignore-missing-imports backends/s3/tierstore_s3 backends/gcs/tierstore_gcs
 

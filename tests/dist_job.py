@@ -209,7 +209,7 @@ def manager_fallback(spec: dict[str, Any]) -> None:
     """Save steps 1 and 2 with a CheckpointManager, flip a byte inside rank 1's shard of
     step 2, then ``load_latest`` on every rank: all must fall back to step 1 together."""
     from tierstore import CheckpointManager
-    from tierstore.commit import layout
+    from tierstore.format import layout
     from tierstore.tiers.tier import Tier
 
     world, rank = dist.get_world_size(), dist.get_rank()

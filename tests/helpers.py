@@ -15,8 +15,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tierstore import TieredReader, TieredWriter, list_checkpoints
-from tierstore.commit import layout
-from tierstore.commit.manifest import Manifest
+from tierstore.format import layout
+from tierstore.format.manifest import Manifest
 from tierstore.tiers.tier import Tier
 
 SHAPE = (64, 33)  # odd width: shards never fall on a round size
@@ -140,7 +140,7 @@ def forge_raw_item(root: str | Path, fqn: str, mutate: Any, name: str | None = N
     import json
     import pickle
 
-    from tierstore.commit.manifest import _checksum
+    from tierstore.format.manifest import _checksum
     from tierstore.storage.checksum import crc32c_update
 
     mpath = Path(root, layout.manifest_key(name or layout.default_name(1)))
@@ -166,7 +166,7 @@ def forge_metadata(root: str | Path, mutate: Any, name: str | None = None) -> No
     import json
     import pickle
 
-    from tierstore.commit.manifest import _checksum
+    from tierstore.format.manifest import _checksum
     from tierstore.storage.checksum import crc32c_update
 
     mpath = Path(root, layout.manifest_key(name or layout.default_name(1)))

@@ -15,7 +15,7 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from tierstore import TieredWriter
-from tierstore.commit.manifest import Manifest
+from tierstore.format.manifest import Manifest
 from tierstore.tiers.tier import Store
 
 

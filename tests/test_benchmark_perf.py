@@ -77,7 +77,7 @@ def test_accepts_reads_a_signature() -> None:
 
 
 def test_the_unverified_arm_disables_verify_blocks_only_inside() -> None:
-    encoding = pytest.importorskip("tierstore.commit.encoding")
+    encoding = pytest.importorskip("tierstore.format.encoding")
     if not hasattr(encoding, "verify_blocks"):
         pytest.skip("verify_blocks not landed")
     from benchmarks.jobs.perf_io import verification

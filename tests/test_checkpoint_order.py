@@ -17,8 +17,8 @@ import torch.distributed.checkpoint as dcp
 from helpers import save, state_for
 
 from tierstore import CheckpointManager, TieredWriter, keep_all, list_checkpoints
-from tierstore.commit import layout
-from tierstore.commit.manifest import checkpoint_order
+from tierstore.format import layout
+from tierstore.format.manifest import checkpoint_order
 from tierstore.lifecycle.scrub import verify_store
 from tierstore.storage import registry
 from tierstore.storage.local import LocalBackend

@@ -14,7 +14,7 @@ import pytest
 from helpers import committed, file_path, flip, load, matches, save
 
 from tierstore import list_checkpoints
-from tierstore.commit import layout
+from tierstore.format import layout
 
 pytest.importorskip("tierstore_s3", reason="the S3 backend is installed by make test")
 

@@ -25,7 +25,7 @@ from helpers import save
 from tierstore import list_checkpoints
 from tierstore._cli_parser import build_parser
 from tierstore.cli import COMMANDS
-from tierstore.commit import layout
+from tierstore.format import layout
 
 BIG = (1024, 1024)  # 4 MiB a checkpoint: seconds to copy at --bandwidth 1
 DOCS = Path(__file__).parents[1] / "docs" / "operations.md"

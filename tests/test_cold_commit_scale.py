@@ -21,8 +21,8 @@ from typing import Any, BinaryIO
 
 import pytest
 
-from tierstore.commit import layout
-from tierstore.commit.manifest import FileEntry, Manifest
+from tierstore.format import layout
+from tierstore.format.manifest import FileEntry, Manifest
 from tierstore.retry import RetryPolicy
 from tierstore.storage.backend import Backend, ObjectInfo, ObjectWriter
 from tierstore.storage.checksum import crc32c_update

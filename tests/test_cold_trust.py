@@ -25,9 +25,9 @@ import torch.distributed.checkpoint as dcp
 from helpers import load, matches, save, state_for
 
 from tierstore import TieredWriter, list_checkpoints
-from tierstore.commit import layout
-from tierstore.commit.manifest import FileEntry
 from tierstore.errors import BackendNotFound
+from tierstore.format import layout
+from tierstore.format.manifest import FileEntry
 from tierstore.lifecycle.prune import prune
 from tierstore.lifecycle.retention import keep_last
 from tierstore.retry import RetryPolicy

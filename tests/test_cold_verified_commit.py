@@ -19,7 +19,7 @@ from helpers import blank, matches, state_for
 from test_cold_commit_scale import rank_job, write_attempt
 
 from tierstore import TieredReader, TieredWriter
-from tierstore.commit.manifest import FileEntry, Manifest
+from tierstore.format.manifest import FileEntry, Manifest
 from tierstore.lifecycle.prune import prune
 from tierstore.lifecycle.retention import keep_last, keep_none
 from tierstore.retry import RetryPolicy

@@ -26,10 +26,10 @@ from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTra
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import SerializationFormat
 
-from tierstore.commit import layout
-from tierstore.commit.reader import TieredReader
-from tierstore.commit.writer import TieredWriter
+from tierstore.dcp.reader import TieredReader
+from tierstore.dcp.writer import TieredWriter
 from tierstore.errors import CheckpointExists, ChecksumMismatch, ConfigError
+from tierstore.format import layout
 from tierstore.storage.checksum import crc32c_update
 from tierstore.tiers.catalog import list_checkpoints
 
@@ -251,7 +251,7 @@ _READ_ONLY_LOAD = textwrap.dedent("""
     warnings.simplefilter("ignore")
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(message)s")
     import torch, torch.distributed.checkpoint as dcp
-    from tierstore.commit.reader import TieredReader
+    from tierstore.dcp.reader import TieredReader
     for _ in range(3):  # an eval job loading again and again
         state = {"w": torch.zeros(8)}
         dcp.load(state, storage_reader=TieredReader(sys.argv[1]))

@@ -11,7 +11,7 @@ import pytest
 from launch import run_job
 
 from tierstore import list_checkpoints
-from tierstore.commit import layout
+from tierstore.format import layout
 from tierstore.tiers.tier import Tier
 
 pytestmark = pytest.mark.dist

@@ -206,7 +206,7 @@ def test_dir_lists_the_public_api_and_nothing_else() -> None:
     listed = dir(tierstore)
     assert set(listed) == set(tierstore.__all__)
     assert {"TieredWriter", "TieredReader", "CheckpointManager", "TrainingState"} <= set(listed)
-    for internal in ("importlib", "TYPE_CHECKING", "annotations", "sys", "Any", "_LAZY", "_compat"):
+    for internal in ("importlib", "TYPE_CHECKING", "annotations", "sys", "Any", "_LAZY"):
         assert internal not in listed
     for name in listed:
         assert getattr(tierstore, name) is not None

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from helpers import assert_every_listed_checkpoint_loads, save
 
-from tierstore.commit import layout
+from tierstore.format import layout
 from tierstore.lifecycle.gc import collect_garbage, find_garbage
 from tierstore.tiers.migrator import MigrationConfig
 from tierstore.tiers.status import wait_for_migrations

@@ -15,7 +15,7 @@ from pathlib import Path
 from helpers import saved
 
 from tierstore import list_checkpoints
-from tierstore.commit import layout
+from tierstore.format import layout
 from tierstore.lifecycle.gc import collect_garbage, find_garbage
 from tierstore.lifecycle.prune import prune
 from tierstore.lifecycle.retention import keep_last

@@ -18,8 +18,8 @@ import torch.distributed.checkpoint as dcp
 from helpers import unwrap
 
 from tierstore import IntegrityError, TieredReader, TieredWriter
-from tierstore.commit import layout
-from tierstore.commit.manifest import _checksum
+from tierstore.format import layout
+from tierstore.format.manifest import _checksum
 from tierstore.storage.backend import crc32c_update
 
 NAME = layout.default_name(1)

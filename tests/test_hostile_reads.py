@@ -38,10 +38,10 @@ from torch.distributed.checkpoint.metadata import (
 
 from tierstore import CheckpointManager, IntegrityError, TieredReader, TieredWriter, errors
 from tierstore.cli import main
-from tierstore.commit import layout
-from tierstore.commit.encoding import RawItem
-from tierstore.commit.reader import is_damage
-from tierstore.commit.safe_pickle import load_metadata
+from tierstore.dcp.reader import is_damage
+from tierstore.format import layout
+from tierstore.format.encoding import RawItem
+from tierstore.format.safe_pickle import load_metadata
 from tierstore.lifecycle.scrub import verify_store
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -15,9 +15,9 @@ import torch.distributed.checkpoint as dcp
 from simulated_ranks import holds_saved, load_state, save_ranks
 
 from tierstore import TieredReader, list_checkpoints
-from tierstore.commit import layout
-from tierstore.commit.manifest import Manifest
 from tierstore.errors import ConfigError
+from tierstore.format import layout
+from tierstore.format.manifest import Manifest
 from tierstore.lifecycle.gc import find_garbage
 from tierstore.retry import RetryPolicy
 from tierstore.tiers.migrator import MigrationConfig

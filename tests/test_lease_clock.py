@@ -17,11 +17,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tierstore import TieredWriter, list_checkpoints
-from tierstore.commit import layout
-from tierstore.lifecycle import leases
+from tierstore.format import layout
 from tierstore.lifecycle.gc import collect_garbage, find_garbage
 from tierstore.lifecycle.prune import prune
 from tierstore.lifecycle.retention import keep_last
+from tierstore.tiers import leases
 from tierstore.tiers.tier import Tier
 
 HOUR = 3600.0

@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 
 from tierstore import collect_garbage, list_checkpoints
-from tierstore.commit import layout
-from tierstore.commit.manifest import FileEntry, Manifest
 from tierstore.errors import StorageError
+from tierstore.format import layout
+from tierstore.format.manifest import FileEntry, Manifest
 from tierstore.lifecycle.prune import prune, prune_node_local, prune_tier
 from tierstore.lifecycle.retention import keep_all, keep_last
 from tierstore.storage import registry
@@ -240,7 +240,7 @@ def test_node_local_prune_goes_on_past_a_failing_checkpoint_and_defers_a_leased_
         tmp_path: Path) -> None:
     """One checkpoint whose files cannot be deleted is reported and the others go on; one a
     load holds a lease on keeps its files and is reported deferred, not deleted (issue 22)."""
-    from tierstore.lifecycle import leases
+    from tierstore.tiers import leases
 
     node, cold_root = tmp_path / "node1", tmp_path / "cold"
     store = Store(f"counting://{node}", f"counting://{cold_root}")

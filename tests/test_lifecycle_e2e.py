@@ -43,8 +43,8 @@ from tierstore import (
     keep_last,
     list_checkpoints,
 )
-from tierstore.commit import layout
 from tierstore.errors import MigrationFailed
+from tierstore.format import layout
 from tierstore.lifecycle.quarantine import list_quarantined
 from tierstore.retry import RetryPolicy
 from tierstore.tiers.migrator import MigrationConfig

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tierstore.commit import layout
-from tierstore.commit.manifest import FileEntry, Manifest, _checksum
 from tierstore.errors import ConfigError, InvalidManifest
+from tierstore.format import layout
+from tierstore.format.manifest import FileEntry, Manifest, _checksum
 
 ATTEMPT = "20261129T081814Z-3fa2b1c4"
 

@@ -22,10 +22,10 @@ from helpers import unwrap
 from simulated_ranks import holds_saved, load_state, save_ranks
 
 from tierstore import TieredReader, list_checkpoints
-from tierstore.commit import layout
-from tierstore.commit import manifest_format as fmt
-from tierstore.commit.manifest import FileEntry, Manifest, PartRef, _checksum
 from tierstore.errors import ConfigError, IntegrityError, InvalidManifest
+from tierstore.format import layout
+from tierstore.format import manifest_format as fmt
+from tierstore.format.manifest import FileEntry, Manifest, PartRef, _checksum
 from tierstore.retry import RetryPolicy
 from tierstore.storage.backend import Backend, ObjectInfo
 from tierstore.tiers.migrator import MigrationConfig

@@ -21,10 +21,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tierstore import CheckpointManager, TieredReader, TieredWriter, keep_last, list_checkpoints, prune
-from tierstore.commit import layout
-from tierstore.commit import manifest_format as fmt
-from tierstore.commit.manifest import Manifest
 from tierstore.errors import ConfigError, InvalidManifest
+from tierstore.format import layout
+from tierstore.format import manifest_format as fmt
+from tierstore.format.manifest import Manifest
 from tierstore.lifecycle.retention import keep_best, keep_every
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -18,8 +18,8 @@ import torch.distributed.checkpoint as dcp
 from helpers import file_path, flip, load, load_error, matches, save
 
 from tierstore import TieredReader, list_checkpoints
-from tierstore.commit import layout
-from tierstore.commit.manifest import FileEntry, Manifest
+from tierstore.format import layout
+from tierstore.format.manifest import FileEntry, Manifest
 from tierstore.retry import RetryPolicy
 from tierstore.storage import registry
 from tierstore.tiers.migrator import MigrationConfig, MigrationState, Migrator

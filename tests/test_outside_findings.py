@@ -22,13 +22,13 @@ from helpers import committed, file_path, save, state_for
 
 from tierstore import TieredReader, TieredWriter
 from tierstore.cli import main
-from tierstore.commit import layout
 from tierstore.errors import CheckpointExists, ConfigError, SaveFailed, TierstoreError
-from tierstore.lifecycle import leases, runlock
+from tierstore.format import layout
 from tierstore.lifecycle.gc import collect_garbage
 from tierstore.lifecycle.prune import prune
 from tierstore.lifecycle.retention import keep_last
 from tierstore.manager import CheckpointManager, _save_failed
+from tierstore.tiers import leases, runlock
 from tierstore.tiers.tier import Tier
 
 YEAR = 365 * 24 * 3600.0
@@ -83,7 +83,9 @@ def test_a_hostile_run_lock_planted_later_does_not_kill_the_heartbeat(tmp_path: 
         while lock.beat < planted_at + 5 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert lock._thread.is_alive() and lock.beat >= planted_at + 5
-        assert (hot / lock.key).exists()  # still beating: the newest beat is in place
+        # Still beating: a beat of this run is in place (the newest, or the one before it
+        # while the next is being published).
+        assert list((hot / layout.run_lock_prefix(lock.info.run)).glob("*.json"))
     finally:
         lock.release()
 
@@ -138,7 +140,7 @@ def test_a_lease_a_little_ahead_still_protects_its_load(tmp_path: Path) -> None:
 # -- 3. a step no manifest can record ----------------------------------------------------------
 
 def test_a_step_above_the_manifest_limit_is_refused_before_anything_is_written(tmp_path: Path) -> None:
-    from tierstore.commit import manifest_format
+    from tierstore.format import manifest_format
 
     hot, limit = tmp_path / "hot", 1 << 62
     with pytest.raises(ConfigError, match=str(limit)):
@@ -408,8 +410,8 @@ def test_the_manager_refuses_a_step_no_manifest_can_record_before_writing(tmp_pa
     import torch
 
     from tierstore import CheckpointManager
-    from tierstore.commit.manifest_format import MAX_STEP
     from tierstore.errors import ConfigError
+    from tierstore.format.manifest_format import MAX_STEP
 
     with CheckpointManager(str(tmp_path / "hot"), hot_min_free=None) as manager:
         with pytest.raises(ConfigError, match="2\\*\\*62"):

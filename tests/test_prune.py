@@ -12,11 +12,11 @@ import pytest
 from helpers import assert_every_listed_checkpoint_loads, load, matches, save
 
 from tierstore import TieredReader, list_checkpoints
-from tierstore.commit import layout
-from tierstore.lifecycle import leases
+from tierstore.format import layout
 from tierstore.lifecycle.gc import collect_garbage, find_garbage
 from tierstore.lifecycle.prune import prune, prune_tier
 from tierstore.lifecycle.retention import keep_last, keep_steps
+from tierstore.tiers import leases
 from tierstore.tiers.migrator import MigrationConfig
 from tierstore.tiers.status import migrate_pending, wait_for_migrations
 from tierstore.tiers.tier import Tier

@@ -12,8 +12,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from tierstore import CheckpointManager, keep_last, list_checkpoints
 from tierstore.cli import main
-from tierstore.commit import layout
 from tierstore.errors import CheckpointExists, CheckpointNotFound
+from tierstore.format import layout
 from tierstore.lifecycle.gc import collect_garbage
 from tierstore.lifecycle.prune import prune
 from tierstore.lifecycle.quarantine import (

@@ -24,8 +24,9 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 
 from tierstore import IntegrityError, TieredReader, TieredWriter
-from tierstore.commit import encoding, layout, raw_read
-from tierstore.commit.manifest import Manifest
+from tierstore.dcp import raw_read
+from tierstore.format import encoding, layout
+from tierstore.format.manifest import Manifest
 from tierstore.lifecycle.scrub import verify_store
 from tierstore.storage import registry
 from tierstore.storage.backend import Backend, ObjectInfo, ObjectWriter

@@ -22,9 +22,10 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 
 from tierstore import ConfigError, IntegrityError, TieredReader, TieredWriter, list_checkpoints
-from tierstore.commit import encoding, layout, raw_read
-from tierstore.commit.encoding import RawItem
+from tierstore.dcp import raw_read
 from tierstore.errors import ChecksumMismatch
+from tierstore.format import encoding, layout
+from tierstore.format.encoding import RawItem
 
 NAME = layout.default_name(1)
 DTYPES = [torch.float16, torch.float32, torch.float64, torch.bfloat16, torch.complex64,

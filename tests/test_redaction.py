@@ -14,8 +14,8 @@ import torch.distributed.checkpoint as dcp
 from helpers import unwrap
 
 from tierstore import TieredReader, TieredWriter
-from tierstore.commit import layout
 from tierstore.errors import TierstoreError
+from tierstore.format import layout
 from tierstore.tiers.tier import Tier
 
 SECRET = "Sup3rS3cretPw"

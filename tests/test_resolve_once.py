@@ -25,7 +25,7 @@ WORLD = 3
 # -- the rank side -------------------------------------------------------------------------
 
 def _counting_backend() -> Any:
-    from tierstore.commit import layout
+    from tierstore.format import layout
     from tierstore.storage.local import LocalBackend
 
     class CountingBackend(LocalBackend):
@@ -187,7 +187,7 @@ def test_no_checkpoint_fails_every_rank_alike(tmp_path: Path) -> None:
 def test_every_candidate_damaged_fails_every_rank_alike(two_saves: str, tmp_path: Path) -> None:
     from helpers import committed, file_path, flip
 
-    from tierstore.commit import layout
+    from tierstore.format import layout
 
     for step in (1, 2):
         flip(file_path(two_saves, committed(two_saves, step), layout.METADATA_FILE))

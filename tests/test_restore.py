@@ -11,7 +11,7 @@ import pytest
 from helpers import file_path, load, matches, save
 
 from tierstore import list_checkpoints
-from tierstore.commit import layout
+from tierstore.format import layout
 from tierstore.retry import RetryPolicy
 from tierstore.tiers.migrator import MigrationConfig
 from tierstore.tiers.restore import restore

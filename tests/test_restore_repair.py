@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from helpers import file_path, flip, load, matches, saved
 
-from tierstore.commit import layout
-from tierstore.commit.manifest import Manifest
 from tierstore.errors import ChecksumMismatch
+from tierstore.format import layout
+from tierstore.format.manifest import Manifest
 from tierstore.tiers.restore import restore, restore_checkpoint
 from tierstore.tiers.tier import Tier
 

@@ -16,8 +16,8 @@ from launch import run_job
 from torch.distributed.checkpoint.api import CheckpointException
 
 from tierstore import CheckpointManager, TieredReader
-from tierstore.commit import layout
 from tierstore.errors import CheckpointNotFound, ChecksumMismatch, InvalidManifest
+from tierstore.format import layout
 
 DAMAGES = {
     "metadata flipped": lambda root, m: flip(file_path(root, m, ".metadata")),

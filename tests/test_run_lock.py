@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from tierstore.commit import layout
-from tierstore.lifecycle import runlock
-from tierstore.lifecycle.leases import store_time
+from tierstore.format import layout
+from tierstore.tiers import runlock
+from tierstore.tiers.leases import store_time
 from tierstore.tiers.tier import Tier
 
 pytestmark = pytest.mark.slow

@@ -26,10 +26,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tierstore import IntegrityError, TieredReader, TieredWriter
-from tierstore.commit import layout
-from tierstore.commit import safe_pickle as _safe_pickle
-from tierstore.commit.manifest import _checksum
-from tierstore.commit.safe_pickle import load_metadata
+from tierstore.format import layout
+from tierstore.format import safe_pickle as _safe_pickle
+from tierstore.format.manifest import _checksum
+from tierstore.format.safe_pickle import load_metadata
 from tierstore.storage.backend import crc32c_update
 
 DCP = "torch.distributed.checkpoint.metadata"
@@ -300,8 +300,8 @@ FSDP_JOB = textwrap.dedent("""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from tierstore import TieredReader, TieredWriter
-    from tierstore.commit import layout
-    from tierstore.commit.safe_pickle import ALLOWED, load_metadata
+    from tierstore.format import layout
+    from tierstore.format.safe_pickle import ALLOWED, load_metadata
     dist.init_process_group("gloo", init_method="file://" + sys.argv[1] + ".store", rank=0, world_size=1)
     mesh = init_device_mesh("cpu", (1,))
     def build(seed):

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from tierstore.commit import layout
-from tierstore.commit.manifest import FileEntry, Manifest
 from tierstore.errors import UnsafePath
-from tierstore.lifecycle.leases import take
+from tierstore.format import layout
+from tierstore.format.manifest import FileEntry, Manifest
 from tierstore.lifecycle.prune import prune_tier
 from tierstore.lifecycle.retention import keep_last
 from tierstore.storage.backend import crc32c_update
 from tierstore.storage.local import LocalBackend
+from tierstore.tiers.leases import take
 from tierstore.tiers.tier import Tier
 
 VICTIMS = {"__0_0.distcp": b"outside the store" * 64, ".metadata": b"not ours"}

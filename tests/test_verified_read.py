@@ -17,10 +17,10 @@ import crc32c
 import pytest
 from helpers import DATA_FILE, committed, file_path, flip, load_error, save
 
-from tierstore.commit import layout
-from tierstore.commit.manifest import Manifest, _checksum
-from tierstore.commit.verified import verify_file
 from tierstore.errors import ChecksumMismatch
+from tierstore.format import layout
+from tierstore.format.manifest import Manifest, _checksum
+from tierstore.format.verified import verify_file
 from tierstore.lifecycle.scrub import verify_store
 from tierstore.tiers.restore import restore
 from tierstore.tiers.tier import Tier

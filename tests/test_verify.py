@@ -74,7 +74,7 @@ def test_probe_specs_name_importable_functions(tmp_path: Path) -> None:
     factory = load_probe(f"{script}:probe")
     made = factory()
     assert isinstance(made, Probe) and made.loss({}) == 1.5
-    assert probe_spec(load_probe) == "tierstore.resume.check:load_probe"
+    assert probe_spec(load_probe) == "tierstore.resume.probes:load_probe"
     with pytest.raises(ConfigError):
         probe_spec(lambda: made)
     with pytest.raises(ConfigError):

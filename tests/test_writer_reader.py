@@ -15,8 +15,6 @@ import torch.distributed.checkpoint as dcp
 from helpers import assert_same, blank, file_path, flip, load, load_error, save, state_for, unwrap
 
 from tierstore import TieredReader, TieredWriter, latest_checkpoint, list_checkpoints
-from tierstore.commit import layout
-from tierstore.commit.manifest import Manifest, _checksum
 from tierstore.errors import (
     CheckpointExists,
     CheckpointNotFound,
@@ -28,6 +26,8 @@ from tierstore.errors import (
     ObjectNotFound,
     UnsafePath,
 )
+from tierstore.format import layout
+from tierstore.format.manifest import Manifest, _checksum
 from tierstore.storage import faults
 from tierstore.tiers.tier import Tier
 

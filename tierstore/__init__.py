@@ -16,12 +16,9 @@ importing torch.
 from __future__ import annotations
 
 import importlib
-import sys
 from typing import TYPE_CHECKING, Any
 
-from tierstore import _compat
 from tierstore._version import __version__
-from tierstore.commit.manifest import FileEntry, Manifest
 from tierstore.errors import (
     BackendNotFound,
     CheckpointExists,
@@ -37,6 +34,7 @@ from tierstore.errors import (
     TierstoreError,
     UnsafeType,
 )
+from tierstore.format.manifest import FileEntry, Manifest
 from tierstore.lifecycle.gc import collect_garbage, find_garbage
 from tierstore.lifecycle.prune import prune
 from tierstore.lifecycle.quarantine import list_quarantined
@@ -59,14 +57,14 @@ from tierstore.tiers.status import migrate_pending, migration_status, wait_for_m
 from tierstore.tiers.tier import Store
 
 if TYPE_CHECKING:
-    from tierstore.commit.reader import TieredReader
-    from tierstore.commit.writer import TieredWriter
+    from tierstore.dcp.reader import TieredReader
+    from tierstore.dcp.writer import TieredWriter
     from tierstore.manager import CheckpointManager, Health
     from tierstore.resume.state import ResumePlanner, TrainingState
 
 _LAZY = {
-    "TieredWriter": "tierstore.commit.writer",
-    "TieredReader": "tierstore.commit.reader",
+    "TieredWriter": "tierstore.dcp.writer",
+    "TieredReader": "tierstore.dcp.reader",
     "CheckpointManager": "tierstore.manager",
     "Health": "tierstore.manager",
     "TrainingState": "tierstore.resume.state",
@@ -87,7 +85,6 @@ def __dir__() -> list[str]:
     return sorted(__all__)
 
 
-_compat.install(sys.modules[__name__])
 
 __all__ = [
     "__version__",

@@ -22,9 +22,9 @@ from typing import Any
 from tierstore._cli_checks import CommandFailed, cold_unreachable, require_tiers
 from tierstore._cli_parser import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError, build_parser
 from tierstore._redact import redact_url
-from tierstore.commit import layout
-from tierstore.commit.manifest import Manifest
 from tierstore.errors import CheckpointNotFound, TierstoreError
+from tierstore.format import layout
+from tierstore.format.manifest import Manifest
 from tierstore.lifecycle.gc import collect_garbage
 from tierstore.lifecycle.prune import prune
 from tierstore.lifecycle.quarantine import delete_quarantined, list_quarantined, restore_quarantined

@@ -62,18 +62,17 @@ from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_asyn
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from tierstore import _dist
-from tierstore.commit.manifest import Manifest, checkpoint_order
-from tierstore.commit.manifest_format import check_metrics
-from tierstore.commit.reader import TieredReader, is_damage
-from tierstore.commit.writer import TieredWriter, store_to_save
+from tierstore.dcp.reader import TieredReader, is_damage
+from tierstore.dcp.writer import TieredWriter, store_to_save
 from tierstore.errors import ConfigError, MigrationFailed, SaveFailed, TierstoreError
-from tierstore.lifecycle import runlock
+from tierstore.format.manifest import Manifest, checkpoint_order
+from tierstore.format.manifest_format import check_metrics
 from tierstore.lifecycle.prune import PruneReport, check_cold_copies, prune, prune_tier
 from tierstore.lifecycle.quarantine import quarantine
 from tierstore.lifecycle.retention import DEFAULT_COLD, DEFAULT_HOT, Policy, keep_none
 from tierstore.resume.state import ResumePlanner, is_per_rank_key
 from tierstore.staging import ReusedStaging, staging_options
-from tierstore.tiers import marks
+from tierstore.tiers import marks, runlock
 from tierstore.tiers.catalog import CheckpointInfo, list_checkpoints
 from tierstore.tiers.delivery import (
     PROBE_WAIT,

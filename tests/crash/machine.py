@@ -36,7 +36,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from stats import STATS
 
 from tierstore import TieredWriter, list_checkpoints
-from tierstore.commit import layout
+from tierstore.format import layout
 from tierstore.lifecycle.gc import collect_garbage, find_garbage
 from tierstore.lifecycle.prune import pending_in_cold, plan_prune, prune
 from tierstore.lifecycle.retention import Policy, keep_every, keep_last

@@ -12,8 +12,8 @@ import torch.distributed.checkpoint as dcp
 from stats import STATS
 
 from tierstore import TieredWriter, list_checkpoints
-from tierstore.commit import layout
 from tierstore.errors import NoSpaceLeft
+from tierstore.format import layout
 from tierstore.lifecycle.gc import collect_garbage, find_garbage
 from tierstore.storage import faults
 from tierstore.storage.local import LocalBackend

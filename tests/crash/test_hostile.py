@@ -17,9 +17,9 @@ import torch.distributed.checkpoint as dcp
 from stats import STATS
 
 from tierstore import TieredWriter
-from tierstore.commit import layout
-from tierstore.commit.manifest import _checksum
 from tierstore.errors import ChecksumMismatch, IntegrityError, InvalidManifest, UnsafePath
+from tierstore.format import layout
+from tierstore.format.manifest import _checksum
 from tierstore.storage.backend import crc32c_update
 
 OPENED: list[str] = []

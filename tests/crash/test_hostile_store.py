@@ -44,9 +44,9 @@ from hypothesis import strategies as st
 from stats import STATS
 
 from tierstore import TieredWriter, cli, list_checkpoints
-from tierstore.commit import layout
-from tierstore.commit.manifest import _checksum
 from tierstore.errors import CheckpointNotFound, ObjectNotFound, PublishConflict, TierstoreError
+from tierstore.format import layout
+from tierstore.format.manifest import _checksum
 from tierstore.lifecycle.gc import collect_garbage
 from tierstore.lifecycle.prune import prune
 from tierstore.lifecycle.retention import keep_last

@@ -57,8 +57,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 from stats import STATS
 
 from tierstore import TieredReader, TieredWriter, list_checkpoints
-from tierstore.commit import layout
-from tierstore.commit.manifest import Manifest
+from tierstore.format import layout
+from tierstore.format.manifest import Manifest
 from tierstore.lifecycle.gc import collect_garbage
 from tierstore.lifecycle.prune import pending_in_cold, plan_prune, prune, prune_hot, prune_tier
 from tierstore.lifecycle.retention import keep_last

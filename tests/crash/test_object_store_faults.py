@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 from stats import STATS
 
 from tierstore import TieredReader, TieredWriter, list_checkpoints
-from tierstore.commit import layout
+from tierstore.format import layout
 from tierstore.lifecycle.scrub import verify_store
 from tierstore.retry import RetryPolicy
 from tierstore.tiers.migrator import MigrationConfig, MigrationState

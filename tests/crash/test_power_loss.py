@@ -21,7 +21,7 @@ from stats import STATS
 
 import tierstore.storage.local as local_module
 from tierstore import TieredWriter, list_checkpoints
-from tierstore.commit import layout
+from tierstore.format import layout
 
 
 @dataclass

@@ -14,7 +14,7 @@ from gates import Gate
 from stats import STATS
 
 from tierstore import TieredWriter, list_checkpoints
-from tierstore.commit import layout
+from tierstore.format import layout
 from tierstore.lifecycle.gc import collect_garbage
 from tierstore.lifecycle.prune import prune
 from tierstore.lifecycle.retention import keep_last

@@ -32,8 +32,8 @@ from machine import CrashConsistency
 from stats import STATS
 from test_multi_actor import MultiActor, s3_cold
 
-from tierstore.commit import layout
-from tierstore.commit.manifest import Manifest
+from tierstore.format import layout
+from tierstore.format.manifest import Manifest
 from tierstore.lifecycle.prune import check_cold_copies, prune_tier
 from tierstore.storage import faults
 from tierstore.storage.backend import Backend, ObjectWriter

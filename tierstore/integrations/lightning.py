@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from tierstore import _dist
-from tierstore.commit.writer import store_to_save
+from tierstore.dcp.writer import store_to_save
 from tierstore.errors import CheckpointNotFound, ConfigError, MigrationFailed, TierstoreError
 from tierstore.lifecycle.retention import Policy, keep_all, keep_best, keep_last
 from tierstore.manager import CheckpointManager

@@ -55,10 +55,10 @@ from torch_checkpointing.storage.base_storage import ReadArgs, Storage, StorageC
 from tierstore import _dist
 from tierstore._redact import redact_url
 from tierstore._version import producer
-from tierstore.commit import layout
-from tierstore.commit.manifest import FileEntry, Manifest
-from tierstore.commit.verified import VerifiedStream, open_verified, verify_file
 from tierstore.errors import CheckpointExists, ChecksumMismatch, ConfigError, IntegrityError, StorageError
+from tierstore.format import layout
+from tierstore.format.manifest import FileEntry, Manifest
+from tierstore.format.verified import VerifiedStream, open_verified, verify_file
 from tierstore.storage.backend import ObjectWriter
 from tierstore.storage.registry import split_scheme
 from tierstore.tiers import workers

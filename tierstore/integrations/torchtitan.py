@@ -56,8 +56,8 @@ from torchtitan.components.checkpointer import MODEL, AsyncMode, CheckpointManag
 from torchtitan.tools.utils import GarbageCollection
 
 from tierstore import _dist
-from tierstore.commit.reader import TieredReader
-from tierstore.commit.writer import TieredWriter
+from tierstore.dcp.reader import TieredReader
+from tierstore.dcp.writer import TieredWriter
 from tierstore.errors import CheckpointNotFound, ConfigError
 from tierstore.lifecycle.prune import check_cold_copies, prune
 from tierstore.lifecycle.retention import keep_last

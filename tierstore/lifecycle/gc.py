@@ -10,7 +10,7 @@ Garbage is, per tier:
   and damaged upload marks (a key no mark has, unreadable JSON, another rank) once old;
 * "migrated" marks of attempts not committed in the (hot) tier;
 * leftover publish temporaries, clock probes and expired leases, older than ``grace``
-  (lease expiry is judged by the store's clock: :mod:`tierstore.lifecycle.leases`);
+  (lease expiry is judged by the store's clock: :mod:`tierstore.tiers.leases`);
 * backend debris such as S3 incomplete multipart uploads older than ``grace``.
 
 A quarantined attempt (:mod:`tierstore.lifecycle.quarantine`) is never garbage: its record,
@@ -43,14 +43,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from tierstore.commit import layout
-from tierstore.commit.layout import KeyKind
-from tierstore.commit.manifest import Manifest
 from tierstore.errors import TierstoreError
-from tierstore.lifecycle.leases import expired_leases, live_leases
+from tierstore.format import layout
+from tierstore.format.layout import KeyKind
+from tierstore.format.manifest import Manifest
 from tierstore.storage import faults
 from tierstore.storage.backend import ObjectInfo
 from tierstore.tiers import marks
+from tierstore.tiers.leases import expired_leases, live_leases
 from tierstore.tiers.tier import Store, Tier, TierURL
 
 __all__ = ["Garbage", "Problem", "GCReport", "find_garbage", "collect_garbage", "DEFAULT_GRACE"]

@@ -47,14 +47,14 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from tierstore.commit import layout
-from tierstore.commit.manifest import Manifest, checkpoint_order
 from tierstore.errors import ObjectNotFound, TierstoreError
-from tierstore.lifecycle.leases import live_leases
+from tierstore.format import layout
+from tierstore.format.manifest import Manifest, checkpoint_order
 from tierstore.lifecycle.retention import DEFAULT_COLD, DEFAULT_HOT, Policy
 from tierstore.storage import faults
 from tierstore.storage.backend import ObjectInfo
 from tierstore.tiers import marks
+from tierstore.tiers.leases import live_leases
 from tierstore.tiers.tier import Store, Tier, TierURL
 
 __all__ = ["PruneReport", "ColdCheck", "ColdGuard", "prune", "prune_tier", "prune_hot",

@@ -28,8 +28,6 @@ import logging
 import time
 from dataclasses import dataclass
 
-from tierstore.commit import layout
-from tierstore.commit.manifest import MAX_MANIFEST_BYTES, Manifest
 from tierstore.errors import (
     CheckpointExists,
     CheckpointNotFound,
@@ -38,6 +36,8 @@ from tierstore.errors import (
     PublishConflict,
     TierstoreError,
 )
+from tierstore.format import layout
+from tierstore.format.manifest import MAX_MANIFEST_BYTES, Manifest
 from tierstore.lifecycle.prune import delete_data
 from tierstore.tiers.tier import Store, Tier
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
 
-from tierstore.commit.manifest import Checkpoint, checkpoint_order
-from tierstore.commit.manifest_format import check_metrics
+from tierstore.format.manifest import Checkpoint, checkpoint_order
+from tierstore.format.manifest_format import check_metrics
 
 __all__ = [
     "Policy",

@@ -3,7 +3,7 @@
 For each committed checkpoint of each tier: its manifest (a two-level one's parts are read
 here), then ``.metadata``, verified and checked as a reader checks it (each tensor's chunks
 tile it, each ``RawItem`` is what its chunk says, no two items share a byte:
-:func:`tierstore.commit.safe_pickle.load_metadata`), then every file read whole against its
+:func:`tierstore.format.safe_pickle.load_metadata`), then every file read whole against its
 size and CRC32C, each of its items inside it and, raw encoding, each block CRC32C over exactly
 the item's bytes, in that same pass. Loads check only the blocks they read (docs/design.md
 invariant 5); this is where the rest is checked. A damaged checkpoint is reported file by
@@ -17,9 +17,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tierstore.commit.manifest import FileEntry, Manifest, checkpoint_order
-from tierstore.commit.verified import CHUNK, open_verified, verify_file
 from tierstore.errors import IntegrityError, InvalidManifest, TierstoreError
+from tierstore.format.manifest import FileEntry, Manifest, checkpoint_order
+from tierstore.format.verified import CHUNK, open_verified, verify_file
 from tierstore.progress import counting
 from tierstore.storage.checksum import crc32c_update
 from tierstore.tiers.tier import Store, Tier, TierURL
@@ -78,7 +78,7 @@ def _verify_checkpoint(tier: Tier, manifest: Manifest,
 def _check_metadata(tier: Tier, manifest: Manifest, entry: FileEntry, listed: set[str],
                     progress: _Progress) -> tuple[FileCheck, _Items]:
     """``.metadata`` verified and loaded as a reader loads it; its items by file."""
-    from tierstore.commit.safe_pickle import load_metadata  # torch: `tierstore` starts without it
+    from tierstore.format.safe_pickle import load_metadata  # torch: `tierstore` starts without it
 
     key = tier.file_key(manifest.name, manifest.attempt, entry.path)
     try:
@@ -134,7 +134,7 @@ def _failed(tier: Tier, manifest: Manifest, entry: FileEntry, problem: str) -> F
 def _item_problem(items: Sequence[tuple[str, Any]], size: int) -> str | None:
     """What makes an item of a file of ``size`` bytes inconsistent with it, as the reader
     checks the items it reads (raw_read.read_unit), here for every item."""
-    from tierstore.commit.encoding import RawItem, check_item
+    from tierstore.format.encoding import RawItem, check_item
 
     for fqn, info in items:
         if isinstance(info, RawItem):
@@ -153,7 +153,7 @@ class _Blocks:
     by in order (items sorted and disjoint: checked with ``.metadata``)."""
 
     def __init__(self, items: Sequence[tuple[str, Any]]) -> None:
-        from tierstore.commit.encoding import RawItem
+        from tierstore.format.encoding import RawItem
 
         self._items = [(fqn, i) for fqn, i in items if isinstance(i, RawItem) and i.length]
         self._next = self._block = self._crc = 0  # the item, its block, that block's CRC so far

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from tierstore._dist import rank_world
-from tierstore.resume.check import Probe, load_probe
+from tierstore.resume.probes import Probe, load_probe
 from tierstore.resume.state import ResumePlanner, capture_rng, restore_rng
 
 __all__ = ["capture", "digest_state", "probe_loss", "rank_world", "main"]
@@ -80,7 +80,7 @@ def capture(probe: Probe, state: dict[str, Any]) -> dict[str, Any]:
 
 
 def _fresh(spec: dict[str, Any]) -> dict[str, Any]:
-    from tierstore.commit.reader import TieredReader
+    from tierstore.dcp.reader import TieredReader
 
     probe = load_probe(spec["probe"])()
     state = probe.build()

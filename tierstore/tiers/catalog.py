@@ -11,9 +11,9 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tierstore.commit import layout
-from tierstore.commit.manifest import Manifest, checkpoint_order
 from tierstore.errors import CheckpointNotFound, InvalidManifest, TierstoreError
+from tierstore.format import layout
+from tierstore.format.manifest import Manifest, checkpoint_order
 from tierstore.tiers.tier import Store, Tier, TierURL
 
 __all__ = ["CheckpointInfo", "list_checkpoints", "latest_checkpoint", "resolve"]

@@ -25,8 +25,8 @@ import time
 from collections.abc import Iterable, Sequence
 
 from tierstore._redact import redact_url
-from tierstore.commit import layout
 from tierstore.errors import StorageError, TierstoreError
+from tierstore.format import layout
 from tierstore.tiers.migrator import MigrationState, MigrationStatus, Migrator
 from tierstore.tiers.tier import Tier
 

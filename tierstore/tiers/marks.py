@@ -38,8 +38,6 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tierstore.commit import layout
-from tierstore.commit.manifest import FileEntry, Manifest
 from tierstore.errors import (
     IntegrityError,
     ObjectNotFound,
@@ -47,6 +45,8 @@ from tierstore.errors import (
     PublishConflict,
     TierstoreError,
 )
+from tierstore.format import layout
+from tierstore.format.manifest import FileEntry, Manifest
 from tierstore.storage.backend import ObjectInfo
 from tierstore.tiers.tier import Tier
 

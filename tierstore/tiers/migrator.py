@@ -38,13 +38,10 @@ import logging
 import queue
 import threading
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Any
 
-from tierstore.commit.manifest import FileEntry, Manifest
 from tierstore.errors import (
     CheckpointExists,
     ChecksumMismatch,
@@ -53,6 +50,7 @@ from tierstore.errors import (
     TierstoreError,
     TransientStorageError,
 )
+from tierstore.format.manifest import FileEntry, Manifest
 from tierstore.progress import counting
 from tierstore.retry import RetryPolicy, polling
 from tierstore.storage import faults
@@ -629,17 +627,3 @@ def _in_parallel(calls: Sequence[Callable[[], None]], width: int) -> list[BaseEx
     for thread in threads:
         thread.join()
     return errors
-
-
-_MOVED = {"migrator_for", "active_migrators", "EXIT_WAIT_ENV"}
-
-
-def __getattr__(name: str) -> Any:
-    # The per-process registry moved to tierstore.tiers.workers in 0.3; old imports still work.
-    if name in _MOVED:
-        warnings.warn(f"tierstore.tiers.migrator.{name} moved to tierstore.tiers.workers; import it "
-                      "from there (the old path goes in 0.4)", DeprecationWarning, stacklevel=2)
-        from tierstore.tiers import workers
-
-        return getattr(workers, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

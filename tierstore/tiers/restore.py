@@ -18,8 +18,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tierstore.commit import layout
-from tierstore.commit.manifest import FileEntry, Manifest
 from tierstore.errors import (
     CheckpointExists,
     ChecksumMismatch,
@@ -28,6 +26,8 @@ from tierstore.errors import (
     ObjectTooLarge,
     StorageError,
 )
+from tierstore.format import layout
+from tierstore.format.manifest import FileEntry, Manifest
 from tierstore.progress import counting
 from tierstore.tiers.catalog import resolve
 from tierstore.tiers.migrator import MigrationConfig

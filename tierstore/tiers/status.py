@@ -19,8 +19,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import Any
 
-from tierstore.commit.manifest import Manifest, checkpoint_order
 from tierstore.errors import InvalidManifest
+from tierstore.format.manifest import Manifest, checkpoint_order
 from tierstore.retry import polling
 from tierstore.tiers import marks
 from tierstore.tiers.migrator import MigrationConfig, MigrationState, MigrationStatus, Migrator

@@ -17,9 +17,9 @@ from typing import Any
 
 from tierstore import errors
 from tierstore._redact import redact_url
-from tierstore.commit import layout
-from tierstore.commit.manifest import MAX_MANIFEST_BYTES, Manifest, PartRef
 from tierstore.errors import ConfigError
+from tierstore.format import layout
+from tierstore.format.manifest import MAX_MANIFEST_BYTES, Manifest, PartRef
 from tierstore.storage.backend import Backend, ObjectInfo
 from tierstore.storage.registry import backend_class, open_backend, split_scheme
 

@@ -6,9 +6,9 @@ import threading
 import time
 from collections.abc import Callable
 
-from tierstore.commit.manifest import FileEntry
-from tierstore.commit.verified import open_verified, verify_file
 from tierstore.errors import ChecksumMismatch, ObjectNotFound
+from tierstore.format.manifest import FileEntry
+from tierstore.format.verified import open_verified, verify_file
 from tierstore.storage import faults
 from tierstore.storage.backend import ObjectInfo
 from tierstore.tiers.tier import Tier

@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 from s3_fault_proxy import MODES, FaultProxy
 
 from tierstore import TieredReader, TieredWriter
-from tierstore.commit import layout
+from tierstore.format import layout
 from tierstore.manager import CheckpointManager
 from tierstore.retry import RetryPolicy
 from tierstore.testing import in_background, returns_within

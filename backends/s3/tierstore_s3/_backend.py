@@ -28,6 +28,8 @@ from tierstore.retry import DEFAULT, RetryPolicy
 from tierstore.storage.backend import Backend, ObjectInfo, ObjectWriter, check_key, crc32c_update
 from tierstore_s3 import _checksum
 from tierstore_s3._errors import _TRANSIENT_CODES, client_error_code, translate
+from tierstore_s3._reader import open_ranged
+from tierstore_s3._writer import S3ObjectWriter
 
 __all__ = ["S3Backend"]
 
@@ -188,14 +190,10 @@ class S3Backend(Backend):
     # -- the contract -------------------------------------------------------------------
 
     def open_write(self, key: str, *, defer_dir_sync: bool = False) -> ObjectWriter:
-        from tierstore_s3._writer import S3ObjectWriter
-
         self.full_key(key)
         return S3ObjectWriter(key, self)
 
     def open_read(self, key: str) -> BinaryIO:
-        from tierstore_s3._reader import open_ranged
-
         return open_ranged(self, key, self.head(key))
 
     def open_range(self, key: str, offset: int, length: int) -> BinaryIO:

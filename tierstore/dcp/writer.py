@@ -6,7 +6,7 @@ Call order (DCP's, across ranks) and what each step does here:
 2. coordinator ``prepare_global_plan``: refuses a checkpoint already committed in the hot
    tier or whose manifest would break a limit (docs/format.md: checked here, before any byte
    is written), picks a fresh attempt id and whether shards go to ``r<k>/`` subdirectories
-   (:func:`~tierstore.commit.layout.ranks_per_dir`), and hands both to every rank through
+   (:func:`~tierstore.format.layout.ranks_per_dir`), and hands both to every rank through
    ``SavePlan.storage_data``
 3. all ranks  ``write_data``: each rank writes only its own files, under the attempt's
    directory, checksumming (CRC32C) as it writes and making each file durable (one
@@ -23,7 +23,7 @@ unreachable or denying writes never delays or fails a save (docs/design.md invar
 The cold tier's own "never overwrite a committed checkpoint" check happens at the cold
 commit, in the migrator, where a different committed attempt is a reported conflict.
 
-Data files are raw-encoded by default (:mod:`tierstore.commit.encoding`: each tensor's bytes
+Data files are raw-encoded by default (:mod:`tierstore.format.encoding`: each tensor's bytes
 as they are, block checksums in the metadata); ``encoding="dcp"`` writes what
 ``FileSystemWriter`` writes (one ``torch.save`` per item), which plain DCP readers load.
 """
@@ -56,11 +56,12 @@ from torch.futures import Future
 
 from tierstore._redact import redact_url
 from tierstore._version import producer
-from tierstore.commit import dcp_args, layout
-from tierstore.commit import encoding as raw
-from tierstore.commit import manifest_format as fmt
-from tierstore.commit.manifest import FileEntry, Manifest
+from tierstore.dcp import dcp_args
 from tierstore.errors import CheckpointExists, ConfigError, NoSpaceLeft
+from tierstore.format import encoding as raw
+from tierstore.format import layout
+from tierstore.format import manifest_format as fmt
+from tierstore.format.manifest import FileEntry, Manifest
 from tierstore.storage import faults
 from tierstore.storage.backend import ObjectWriter
 from tierstore.tiers.migrator import MigrationConfig, Migrator
@@ -141,7 +142,7 @@ class TieredWriter(StorageWriter):
             docs/format.md.
         sync_files, per_thread_copy_ahead, cache_staged_state_dict, overwrite, _extensions,
             serialization_format: ``FileSystemWriter``'s, accepted with DCP's meaning or
-            refused with what to do instead (:mod:`tierstore.commit.dcp_args`).
+            refused with what to do instead (:mod:`tierstore.dcp.dcp_args`).
         manifest_part_ranks: ranks per part of a two-level manifest; a checkpoint of no
             more ranks keeps the flat manifest (default 1024, or the environment variable
             ``TIERSTORE_MANIFEST_PART_RANKS``). See docs/format.md.

@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import BinaryIO
 
-from tierstore.commit.manifest import FileEntry
 from tierstore.errors import ChecksumMismatch
+from tierstore.format.manifest import FileEntry
 from tierstore.storage.backend import Backend
 from tierstore.storage.checksum import crc32c_update
 

@@ -35,9 +35,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from tierstore.commit import encoding
-from tierstore.commit.encoding import RawItem
 from tierstore.errors import UnsafeType
+from tierstore.format import encoding
+from tierstore.format.encoding import RawItem
 
 __all__ = ["load_metadata", "safe_byte_io", "ALLOWED"]
 
@@ -57,7 +57,7 @@ ALLOWED: frozenset[tuple[str, str]] = frozenset({
     (_DCP, "TensorProperties"),
     (_DCP, "_MEM_FORMAT_ENCODING"),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("tierstore.commit.encoding", "RawItem"),
+    ("tierstore.format.encoding", "RawItem"),
     ("torch.serialization", "_get_layout"),  # name -> torch.layout, a dict lookup
     ("torch", "Size"),
     ("collections", "OrderedDict"),

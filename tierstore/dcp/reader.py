@@ -9,7 +9,7 @@ actual values (docs/design.md invariant 5).
 
 A dcp-encoded file (``_StorageInfo`` in the metadata) is verified per file as its bytes
 stream by, so a corrupt file is detected after some of its items may already have been
-copied into the target state. A raw-encoded file (``RawItem``: :mod:`tierstore.commit.raw_read`)
+copied into the target state. A raw-encoded file (``RawItem``: :mod:`tierstore.dcp.raw_read`)
 is read only where the load plan needs it, in ranged requests, and verified per 4 MiB block
 (CRC32C in the ``RawItem``) as each item arrives; bytes outside every wanted block are never
 read, so damage there is found by ``tierstore verify``, not by a load. Either way the load
@@ -43,11 +43,7 @@ from torch.futures import Future
 
 from tierstore import _dist
 from tierstore._redact import redact_url
-from tierstore.commit import dcp_args, layout, raw_read
-from tierstore.commit.encoding import RawItem
-from tierstore.commit.manifest import FileEntry, Manifest
-from tierstore.commit.safe_pickle import load_metadata, safe_byte_io
-from tierstore.commit.verified import VerifiedStream, open_verified, verify_file
+from tierstore.dcp import dcp_args, raw_read
 from tierstore.errors import (
     CheckpointNotFound,
     ChecksumMismatch,
@@ -61,9 +57,13 @@ from tierstore.errors import (
     UnsafePath,
     UnsafeType,
 )
-from tierstore.lifecycle import leases
+from tierstore.format import layout
+from tierstore.format.encoding import RawItem
+from tierstore.format.manifest import FileEntry, Manifest
+from tierstore.format.safe_pickle import load_metadata, safe_byte_io
+from tierstore.format.verified import VerifiedStream, open_verified, verify_file
 from tierstore.storage import faults
-from tierstore.tiers import marks
+from tierstore.tiers import leases, marks
 from tierstore.tiers.catalog import resolve
 from tierstore.tiers.tier import Store, Tier, TierURL
 
@@ -108,7 +108,7 @@ class TieredReader(StorageReader):
             node's files and the cold manifest is the global commit: pick checkpoints by cold
             manifest, read each file from the local hot tier when it is there and intact,
             else from cold.
-        lease: announce the load with a lease in each tier read (see :mod:`tierstore.lifecycle.leases`)
+        lease: announce the load with a lease in each tier read (see :mod:`tierstore.tiers.leases`)
             so a concurrent prune leaves the files alone. Without write access to a tier
             (read-only credentials) the load goes on unleased there, with one warning.
         thread_count: read threads per rank for raw-encoded files: files in parallel, and a

@@ -1,4 +1,4 @@
-"""Reading a raw-encoded data file (:mod:`tierstore.commit.encoding`) into DCP's targets.
+"""Reading a raw-encoded data file (:mod:`tierstore.format.encoding`) into DCP's targets.
 
 One :class:`Unit` is a run of a file's items that one thread reads from one tier. It reads
 only the byte ranges its items' reads need, widened to whole blocks (each block is verified
@@ -29,11 +29,11 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
-from tierstore.commit import encoding
-from tierstore.commit.encoding import RawItem
-from tierstore.commit.manifest import FileEntry
-from tierstore.commit.safe_pickle import safe_byte_io
 from tierstore.errors import ChecksumMismatch, IntegrityError, UnsafeType
+from tierstore.format import encoding
+from tierstore.format.encoding import RawItem
+from tierstore.format.manifest import FileEntry
+from tierstore.format.safe_pickle import safe_byte_io
 from tierstore.storage.checksum import crc32c_update
 
 __all__ = ["COALESCE", "Opener", "Planner", "Unit", "Want", "plan", "read_unit", "split"]

@@ -8,7 +8,7 @@ Leases of crashed readers simply expire. A reader without write access to a tier
 credentials: an eval job reading the cold tier) loads unleased there, warned once per tier
 per process, not once per load. A job loads under one lease per tier, not one per
 rank: its coordinator takes it while picking the checkpoint for every rank, and releases it
-once every rank's reads are over (:class:`~tierstore.commit.reader.TieredReader`).
+once every rank's reads are over (:class:`~tierstore.dcp.reader.TieredReader`).
 
 **Time comes from the store, never from a machine's clock.** A lease is live while
 ``store_now - lease.mtime < ttl``. ``lease.mtime`` is the modification time the store gave the
@@ -45,8 +45,8 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from tierstore.commit import layout
 from tierstore.errors import ObjectNotFound, TierstoreError, TransientStorageError
+from tierstore.format import layout
 from tierstore.storage.backend import ObjectInfo
 from tierstore.tiers.tier import Tier
 

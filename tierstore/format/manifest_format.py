@@ -11,7 +11,7 @@ Two forms (docs/format.md):
   part names its checkpoint, attempt and index, so a part swapped in from elsewhere is refused
   (invariant 4). A rank reads the root and its own part, never every rank's entries.
 
-No I/O here; :mod:`tierstore.commit.manifest` holds the value built from these forms.
+No I/O here; :mod:`tierstore.format.manifest` holds the value built from these forms.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tierstore.commit import layout
 from tierstore.errors import ConfigError
+from tierstore.format import layout
 
 __all__ = ["FORMAT", "PART_FORMAT", "VERSION", "PART_RANKS", "MAX_METRICS", "MAX_STEP", "FileEntry",
            "PartRef", "check_relpath", "check_metrics", "flat_body", "root_body", "part_body", "split_parts",
@@ -59,7 +59,7 @@ _OPTIONAL_KEYS = {"encoding", "metrics"}  # flat form; absent means "dcp" and no
 _ROOT_OPTIONAL_KEYS = {"metrics"}
 _FILE_KEYS = {"path", "size", "crc32c", "rank"}
 _REF_KEYS = {"path", "first_rank", "last_rank", "files", "size", "sha256"}
-_ENCODINGS = ("dcp", "raw")  # tierstore.commit.encoding.ENCODINGS; "dcp" when absent
+_ENCODINGS = ("dcp", "raw")  # tierstore.format.encoding.ENCODINGS; "dcp" when absent
 
 
 def check_relpath(path: object) -> str:

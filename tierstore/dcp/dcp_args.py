@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from torch.distributed.checkpoint._extension import StreamTransformExtension
 from torch.distributed.checkpoint.filesystem import SerializationFormat
 
-from tierstore.commit import encoding as raw
-from tierstore.commit import layout
 from tierstore.errors import ConfigError
+from tierstore.format import encoding as raw
+from tierstore.format import layout
 from tierstore.storage.registry import split_scheme
 from tierstore.tiers.tier import Store, TierURL
 

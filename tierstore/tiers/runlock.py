@@ -6,7 +6,7 @@ of a step is refused), and a resume picks whichever job's checkpoint is newest. 
 refused here (the store stays consistent: design.md invariants 1-3 hold across jobs); the
 second job is told, loudly and once, so a person can stop it.
 
-A job's coordinator publishes ``runs/<run>/<beat>.json`` (:func:`~tierstore.commit.layout.run_lock_key`:
+A job's coordinator publishes ``runs/<run>/<beat>.json`` (:func:`~tierstore.format.layout.run_lock_key`:
 host, pid, a job label, ttl) when it starts, then lists ``runs/``: every *live* lock of
 another job is named in one ``logging.WARNING`` naming both jobs and the directory. Every
 ``ttl / 4`` (the heartbeat) it publishes the next beat and deletes the one before (``publish``
@@ -14,9 +14,9 @@ never replaces an object, and the new one first leaves no moment without a lock)
 again, and warns once about each job that arrived later. :meth:`RunLock.release` (``CheckpointManager.close``,
 or interpreter exit) stops the heartbeat and deletes the lock.
 
-**Liveness is judged by the store's clock**, as leases are (:mod:`tierstore.lifecycle.leases`):
+**Liveness is judged by the store's clock**, as leases are (:mod:`tierstore.tiers.leases`):
 a lock is live while ``store_now - mtime < ttl``, ``mtime`` stamped by the store on its
-newest beat and ``store_now`` by :func:`~tierstore.lifecycle.leases.store_time`. So a
+newest beat and ``store_now`` by :func:`~tierstore.tiers.leases.store_time`. So a
 SIGKILLed job's lock stops counting ``ttl`` seconds after its last heartbeat, whatever the
 machines' clocks say. One shortcut: a lock written on this machine (same boot id, not just
 the same host name, which machines can share) in this pid namespace by a process that no
@@ -44,10 +44,10 @@ import uuid
 import weakref
 from dataclasses import asdict, dataclass
 
-from tierstore.commit import layout
 from tierstore.errors import ConfigError, ObjectNotFound, TierstoreError
-from tierstore.lifecycle.leases import store_time
+from tierstore.format import layout
 from tierstore.storage.backend import ObjectInfo
+from tierstore.tiers.leases import store_time
 from tierstore.tiers.tier import Tier
 
 __all__ = ["RunInfo", "RunLock", "acquire", "DEFAULT_TTL"]

@@ -2,13 +2,13 @@
 
 A frozen value: what a checkpoint is and every file of one attempt with its size, CRC32C and
 writing rank (invariant 4); readers trust nothing it does not vouch for. Its JSON forms and
-their validation live in :mod:`tierstore.commit.manifest_format`: flat (version 1) for a
+their validation live in :mod:`tierstore.format.manifest_format`: flat (version 1) for a
 checkpoint of at most ``part_ranks`` ranks, else a root (version 2) plus parts of about
 ``part_ranks`` ranks each. Read from a store, a two-level manifest holds only its root; a
 part is read, through the loader of the tier that read the root, the first time an entry
 of its ranks is asked for, verified against the root's sha256, and then kept. No I/O here.
 
-``encoding`` says how the data files are laid out (:mod:`tierstore.commit.encoding`). A flat
+``encoding`` says how the data files are laid out (:mod:`tierstore.format.encoding`). A flat
 manifest writes it only when it is not "dcp", the format of every checkpoint written before
 the field existed, so a dcp-encoded checkpoint's manifest stays readable by older versions.
 ``metrics`` (validation scores a save was given, for ``keep_best``) is likewise written only
@@ -23,9 +23,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from tierstore.commit import layout
-from tierstore.commit import manifest_format as fmt
-from tierstore.commit.manifest_format import (
+from tierstore.errors import ConfigError, InvalidManifest
+from tierstore.format import layout
+from tierstore.format import manifest_format as fmt
+from tierstore.format.manifest_format import (
     FORMAT,
     MAX_MANIFEST_BYTES,
     PART_RANKS,
@@ -34,8 +35,7 @@ from tierstore.commit.manifest_format import (
     PartRef,
     check_relpath,
 )
-from tierstore.commit.manifest_format import checksum as _checksum
-from tierstore.errors import ConfigError, InvalidManifest
+from tierstore.format.manifest_format import checksum as _checksum
 
 __all__ = ["FORMAT", "VERSION", "PART_RANKS", "MAX_MANIFEST_BYTES", "Checkpoint", "FileEntry",
            "Manifest", "PartRef", "PartLoader", "check_relpath", "checkpoint_order", "_checksum"]
