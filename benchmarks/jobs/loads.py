@@ -25,8 +25,8 @@ from benchmarks.jobs.saves import rotated, save_once
 @contextmanager
 def unverified_reads(enabled: bool) -> Iterator[None]:
     """TieredReader without CRC32C (size checks kept): only to price the verification."""
-    from tierstore.commit import reader as reader_mod
-    from tierstore.commit.verified import VerifiedStream
+    from tierstore.dcp import reader as reader_mod
+    from tierstore.format.verified import VerifiedStream
 
     class Unchecked(VerifiedStream):
         def read(self, n: int) -> bytes:

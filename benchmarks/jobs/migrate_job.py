@@ -35,7 +35,7 @@ def hot_files(hot: str, name: str) -> tuple[list[tuple[str, str]], int]:
 def forget_migration(hot: str, name: str) -> None:
     """Make the hot checkpoint pending again: drop the hot tier's "migrated" mark, if this
     tierstore keeps one (benchmark only: every measurement migrates the same files)."""
-    from tierstore.commit import layout
+    from tierstore.format import layout
     from tierstore.tiers.tier import Tier
 
     tier = Tier("hot", hot)

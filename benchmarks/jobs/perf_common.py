@@ -76,15 +76,15 @@ def accepts(func: Any, name: str) -> bool:
 def features() -> dict[str, str | None]:
     """Issue 14's features by name: ``None`` if this tree has it, else why not."""
     probes: dict[str, tuple[str, str, Callable[[Any], bool]]] = {
-        "encoding": ("tierstore.commit.writer", "TieredWriter",
+        "encoding": ("tierstore.dcp.writer", "TieredWriter",
                      lambda c: accepts(c, "encoding")),
-        "reader_threads": ("tierstore.commit.reader", "TieredReader",
+        "reader_threads": ("tierstore.dcp.reader", "TieredReader",
                            lambda c: accepts(c, "thread_count")),
         "staging": ("tierstore.manager", "CheckpointManager", lambda c: accepts(c, "staging")),
         # LocalBackend takes **options: its source names the option once it is there.
         "direct_io": ("tierstore.storage.local", "LocalBackend",
                       lambda c: "direct_io" in inspect.getsource(c)),
-        "verify_blocks": ("tierstore.commit.encoding", "verify_blocks", callable),
+        "verify_blocks": ("tierstore.format.encoding", "verify_blocks", callable),
     }
     found: dict[str, str | None] = {}
     for feature, (module, name, has) in probes.items():

@@ -16,7 +16,7 @@ process (every thread); the report compares the best of the reps of each side.
   only; tmpfs has no device behind its cache): every file fsynced and dropped from the page
   cache (``POSIX_FADV_DONTNEED``) right before.
 - **CRC32C share**: the raw load with its block verification, and with
-  ``tierstore.commit.encoding.verify_blocks`` replaced by a no-op, back to back.
+  ``tierstore.format.encoding.verify_blocks`` replaced by a no-op, back to back.
 """
 
 from __future__ import annotations
@@ -239,7 +239,7 @@ def verification(enabled: bool) -> Iterator[None]:
     if enabled:
         yield
         return
-    from tierstore.commit import encoding
+    from tierstore.format import encoding
 
     original = encoding.verify_blocks
 

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, cast
 
-from tierstore.commit import layout
+from tierstore.format import layout
 from tierstore.storage.backend import Backend, ObjectInfo, ObjectWriter
 
 __all__ = ["COORDINATOR", "Tally", "RequestCounter", "CountingBackend", "counting_backend"]

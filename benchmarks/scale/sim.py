@@ -31,10 +31,10 @@ from typing import Any
 
 from benchmarks.scale import workload
 from benchmarks.scale.counting import COORDINATOR, RequestCounter, counting_backend
-from tierstore.commit import layout
-from tierstore.commit.manifest import FileEntry, Manifest
-from tierstore.commit.reader import TieredReader
-from tierstore.commit.writer import TieredWriter
+from tierstore.dcp.reader import TieredReader
+from tierstore.dcp.writer import TieredWriter
+from tierstore.format import layout
+from tierstore.format.manifest import FileEntry, Manifest
 from tierstore.lifecycle.gc import collect_garbage
 from tierstore.lifecycle.prune import prune
 from tierstore.lifecycle.retention import keep_last
@@ -118,7 +118,7 @@ class Tiers:
 
 def tree_part_ranks() -> int:
     """The tree's ranks per manifest part (1,024 where the two-level manifest is absent)."""
-    for module in ("tierstore.commit.manifest", "tierstore.commit.manifest_format"):
+    for module in ("tierstore.format.manifest", "tierstore.format.manifest_format"):
         try:
             value = getattr(importlib.import_module(module), "PART_RANKS", None)
         except ImportError:
