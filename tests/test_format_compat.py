@@ -16,7 +16,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from helpers import flip
 
-from tierstore import ChecksumMismatch, TieredReader, TieredWriter, list_checkpoints
+from tierstore import TieredReader, TieredWriter, list_checkpoints
+from tierstore.errors import ChecksumMismatch
 from tierstore.lifecycle.scrub import verify_store
 
 GOLDEN = Path(__file__).with_name("data") / "store-0.2"

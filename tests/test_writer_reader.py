@@ -14,7 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from helpers import assert_same, blank, file_path, flip, load, load_error, save, state_for, unwrap
 
-from tierstore import TieredReader, TieredWriter, latest_checkpoint, list_checkpoints
+from tierstore import TieredReader, TieredWriter, list_checkpoints
 from tierstore.errors import (
     CheckpointExists,
     CheckpointNotFound,
@@ -29,6 +29,7 @@ from tierstore.errors import (
 from tierstore.format import layout
 from tierstore.format.manifest import Manifest, _checksum
 from tierstore.storage import faults
+from tierstore.tiers.catalog import latest_checkpoint
 from tierstore.tiers.tier import Tier
 
 # -- the happy paths -------------------------------------------------------------------

@@ -8,34 +8,32 @@
     dcp.async_save(state, storage_writer=TieredWriter(hot="/nvme/run1", step=1200))
     dcp.load(state, storage_reader=TieredReader(hot="/nvme/run1"))  # newest committed
 
-Names that need torch (the DCP writer and reader, the manager, ``TrainingState``) are
-imported on first use, so the ``tierstore`` command and storage-only tools start without
-importing torch.
+The public API is one name per job, in three groups (docs/index.md): the core (saving,
+loading, the manager, retention, resume), operations on a store, and the errors one catches.
+Every other error is in :mod:`tierstore.errors`, and the types of reports in the module that
+returns them. Names that need torch (the DCP writer and reader, the manager,
+``TrainingState``) are imported on first use, so the ``tierstore`` command and storage-only
+tools start without importing torch.
 """
 
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from tierstore._version import __version__
 from tierstore.errors import (
-    BackendNotFound,
     CheckpointExists,
     CheckpointNotFound,
-    ChecksumMismatch,
     ConfigError,
     IntegrityError,
-    InvalidManifest,
     MigrationFailed,
-    PublishConflict,
     SaveFailed,
     StorageError,
     TierstoreError,
-    UnsafeType,
 )
-from tierstore.format.manifest import FileEntry, Manifest
-from tierstore.lifecycle.gc import collect_garbage, find_garbage
+from tierstore.lifecycle.gc import collect_garbage
 from tierstore.lifecycle.prune import prune
 from tierstore.lifecycle.quarantine import list_quarantined
 from tierstore.lifecycle.retention import (
@@ -46,29 +44,47 @@ from tierstore.lifecycle.retention import (
     keep_steps,
     keep_within,
 )
-from tierstore.resume.cadence import CadencePlan, TimeCadence, optimal_interval
-from tierstore.resume.check import Probe, ResumeReport, verify_checkpoint, verify_resume
+from tierstore.resume.cadence import TimeCadence, optimal_interval
+from tierstore.resume.check import Probe, verify_resume
 from tierstore.resume.data import ResumableLoader, ResumableSampler
 from tierstore.storage.registry import register_backend
-from tierstore.tiers.catalog import CheckpointInfo, latest_checkpoint, list_checkpoints
-from tierstore.tiers.migrator import MigrationConfig, MigrationState, MigrationStatus
-from tierstore.tiers.restore import RestoreReport, restore, restore_checkpoint
+from tierstore.tiers.catalog import CheckpointInfo, list_checkpoints
+from tierstore.tiers.migrator import MigrationConfig
+from tierstore.tiers.restore import restore
 from tierstore.tiers.status import migrate_pending, migration_status, wait_for_migrations
 from tierstore.tiers.tier import Store
 
 if TYPE_CHECKING:
     from tierstore.dcp.reader import TieredReader
     from tierstore.dcp.writer import TieredWriter
-    from tierstore.manager import CheckpointManager, Health
+    from tierstore.manager import CheckpointManager
     from tierstore.resume.state import ResumePlanner, TrainingState
 
 _LAZY = {
     "TieredWriter": "tierstore.dcp.writer",
     "TieredReader": "tierstore.dcp.reader",
     "CheckpointManager": "tierstore.manager",
-    "Health": "tierstore.manager",
     "TrainingState": "tierstore.resume.state",
     "ResumePlanner": "tierstore.resume.state",
+}
+
+# Names the package exported before it kept one name per job: they still work, for one
+# release, with a DeprecationWarning saying where they live (or what does their job).
+_DEPRECATED = {
+    "latest_checkpoint": ("tierstore.tiers.catalog", "list_checkpoints(...)[-1]"),
+    "find_garbage": ("tierstore.lifecycle.gc", "collect_garbage(..., dry_run=True).garbage"),
+    "restore_checkpoint": ("tierstore.tiers.restore", "tierstore.tiers.restore.restore_checkpoint"),
+    "verify_checkpoint": ("tierstore.resume.check", "tierstore.resume.check.verify_checkpoint"),
+    "Health": ("tierstore.manager", "tierstore.manager.Health"),
+    "Manifest": ("tierstore.format.manifest", "tierstore.format.manifest.Manifest"),
+    "FileEntry": ("tierstore.format.manifest", "tierstore.format.manifest.FileEntry"),
+    "MigrationState": ("tierstore.tiers.migrator", "tierstore.tiers.migrator.MigrationState"),
+    "MigrationStatus": ("tierstore.tiers.migrator", "tierstore.tiers.migrator.MigrationStatus"),
+    "RestoreReport": ("tierstore.tiers.restore", "tierstore.tiers.restore.RestoreReport"),
+    "CadencePlan": ("tierstore.resume.cadence", "tierstore.resume.cadence.CadencePlan"),
+    "ResumeReport": ("tierstore.resume.report", "tierstore.resume.report.ResumeReport"),
+    **{name: ("tierstore.errors", f"tierstore.errors.{name}") for name in (
+        "BackendNotFound", "PublishConflict", "UnsafeType", "InvalidManifest", "ChecksumMismatch")},
 }
 
 
@@ -77,6 +93,11 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value
         return value
+    if name in _DEPRECATED:
+        module, instead = _DEPRECATED[name]
+        warnings.warn(f"tierstore.{name} is deprecated: use {instead} (the old name goes in the "
+                      "next release)", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(module), name)
     raise AttributeError(f"module 'tierstore' has no attribute {name!r}")
 
 
@@ -85,61 +106,46 @@ def __dir__() -> list[str]:
     return sorted(__all__)
 
 
-
 __all__ = [
     "__version__",
+    # the core: save, load, manage, retain, resume
     "TieredWriter",
     "TieredReader",
     "CheckpointManager",
-    "Health",
     "Store",
     "list_checkpoints",
-    "latest_checkpoint",
     "CheckpointInfo",
-    "Manifest",
-    "FileEntry",
-    "register_backend",
-    "MigrationConfig",
-    "MigrationState",
-    "MigrationStatus",
+    "keep_last",
+    "keep_every",
+    "keep_steps",
+    "keep_within",
+    "keep_best",
+    "keep_all",
+    "TrainingState",
+    "ResumePlanner",
+    "ResumableLoader",
+    "ResumableSampler",
+    "TimeCadence",
+    "optimal_interval",
+    # operations on a store
+    "prune",
+    "collect_garbage",
     "migrate_pending",
     "migration_status",
     "wait_for_migrations",
     "restore",
-    "restore_checkpoint",
-    "RestoreReport",
-    "prune",
     "list_quarantined",
-    "collect_garbage",
-    "find_garbage",
-    "keep_last",
-    "keep_best",
-    "keep_every",
-    "keep_steps",
-    "keep_within",
-    "keep_all",
-    "TrainingState",
-    "ResumePlanner",
-    "ResumableSampler",
-    "ResumableLoader",
-    "optimal_interval",
-    "CadencePlan",
-    "TimeCadence",
-    "Probe",
-    "ResumeReport",
     "verify_resume",
-    "verify_checkpoint",
+    "Probe",
+    "MigrationConfig",
+    "register_backend",
+    # the errors one catches (every error: tierstore.errors)
     "TierstoreError",
     "ConfigError",
-    "BackendNotFound",
     "StorageError",
-    "PublishConflict",
-    "SaveFailed",
-    "MigrationFailed",
+    "IntegrityError",
     "CheckpointNotFound",
     "CheckpointExists",
-    "UnsafeType",
-    "IntegrityError",
-    "InvalidManifest",
-    "ChecksumMismatch",
+    "SaveFailed",
+    "MigrationFailed",
 ]

@@ -73,7 +73,7 @@ from tierstore.lifecycle.retention import DEFAULT_COLD, DEFAULT_HOT, Policy, kee
 from tierstore.resume.state import ResumePlanner, is_per_rank_key
 from tierstore.staging import ReusedStaging, staging_options
 from tierstore.tiers import marks, runlock
-from tierstore.tiers.catalog import CheckpointInfo, list_checkpoints
+from tierstore.tiers.catalog import list_checkpoints
 from tierstore.tiers.delivery import (
     PROBE_WAIT,
     await_delivery,
@@ -582,11 +582,6 @@ class CheckpointManager:
                     "cold (%s)", hot.label, free, threshold, list(report.deleted), sorted(protect))
 
     # -- resuming ------------------------------------------------------------------------
-
-    def latest(self) -> CheckpointInfo | None:
-        """The newest committed checkpoint (by cold manifest in node-local mode)."""
-        found = list_checkpoints(self.catalog)
-        return found[-1] if found else None
 
     def steps(self) -> list[int]:
         found = list_checkpoints(self.catalog)

@@ -44,7 +44,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from tierstore.errors import ObjectNotFound, TierstoreError
@@ -74,7 +74,6 @@ class PruneReport:
     protected: tuple[str, ...] = ()  # the policy would drop them; a safety rule keeps them
     bytes_freed: int = 0
     dry_run: bool = False
-    details: dict[str, Any] = field(default_factory=dict, compare=False)
     warnings: tuple[str, ...] = ()  # why hot copies were kept beyond the plain rules
     errors: tuple[str, ...] = ()  # checkpoints (or the whole tier) that could not be pruned
     pending: tuple[str, ...] = ()  # hot checkpoints never committed in the cold tier

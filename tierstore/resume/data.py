@@ -104,10 +104,6 @@ class ResumableSampler:
             self._order = (self.epoch, epoch_order(self.size, self.seed, self.epoch, self.shuffle))
         return self._order[1]
 
-    def epoch_end(self) -> int:
-        """The global position at which this epoch ends for this world size."""
-        return self.position + (self.size - self.position) // self.world_size * self.world_size
-
     def pending(self) -> list[int]:
         """This rank's indices not yet consumed in the current epoch."""
         return rank_indices(self.order(), self.position, self.rank, self.world_size)
