@@ -307,6 +307,7 @@ def manager_node_local_resume(spec: dict[str, Any]) -> None:
     again = CheckpointManager(tiers(spec)["hot"], str(blocked / "cold"), node_local=True,
                               hot_min_free=None, migration=config)
     again.close(timeout=60)
+    dist.barrier()  # the coordinator's close returns once it has committed: then look
     result = {"first": first,
               "cold": [c.step for c in list_checkpoints(None, str(blocked / "cold"))]}
     (out / f"node-local-resume-rank{rank}.json").write_text(json.dumps(result))

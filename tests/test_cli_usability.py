@@ -23,8 +23,8 @@ import pytest
 from helpers import save
 
 from tierstore import list_checkpoints
-from tierstore._cli_parser import build_parser
 from tierstore.cli import COMMANDS
+from tierstore.cli.parser import build_parser
 from tierstore.format import layout
 
 BIG = (1024, 1024)  # 4 MiB a checkpoint: seconds to copy at --bandwidth 1

@@ -1,6 +1,6 @@
 """The ``tierstore`` command's options, help texts, examples and exit codes.
 
-Kept apart from :mod:`tierstore.cli` (what each command does) so that ``tierstore --help``
+Kept apart from :mod:`tierstore.cli` (the commands) (what each command does) so that ``tierstore --help``
 reads as one document here, and docs/operations.md ("Command reference") is checked against
 it by tests/test_cli_usability.py.
 """

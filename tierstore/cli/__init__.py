@@ -1,0 +1,89 @@
+"""The ``tierstore`` command: inspect and operate a store (``python -m tierstore`` too).
+
+Exit codes: 0 success; 1 the operation failed, found damage (``verify``, ``gc``), left
+something unmigrated (``migrate``, ``status``), a tier path does not exist, or the cold tier
+could not be reached; 2 bad usage; 130 interrupted (Ctrl-C). The options, help texts and
+examples are in :mod:`tierstore.cli.parser`; docs/operations.md, "Command reference", lists
+them too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+
+from tierstore.cli.checks import CommandFailed, require_tiers
+from tierstore.cli.inspect import cmd_ls, cmd_quarantine, cmd_show, cmd_status, cmd_verify
+from tierstore.cli.operate import cmd_gc, cmd_migrate, cmd_prune, cmd_restore, cmd_verify_resume
+from tierstore.cli.parser import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE, UsageError, build_parser
+from tierstore.errors import TierstoreError
+from tierstore.progress import ProgressDisplay, size_text
+
+__all__ = ["main", "COMMANDS"]
+
+# The tier a command creates when it is missing (tierstore.cli.checks.require_tiers).
+_CREATES = {"migrate": "cold", "restore": "hot"}
+
+
+COMMANDS = {"ls": cmd_ls, "show": cmd_show, "migrate": cmd_migrate, "restore": cmd_restore,
+            "status": cmd_status, "verify": cmd_verify, "gc": cmd_gc, "prune": cmd_prune,
+            "quarantine": cmd_quarantine, "verify-resume": cmd_verify_resume}
+
+
+# What an interrupted command has done, and why running it again finishes the job: every
+# object write is atomic and every manifest is published last (docs/design.md invariants 2
+# and 12), so an interruption leaves nothing a rerun cannot complete.
+_RESUME = {
+    "migrate": ("uploaded {done} of {total}, {finished} checkpoint(s) copied in full",
+                "run the same `tierstore migrate` again to finish; verified uploads are not sent again"),
+    "restore": ("copied {done} of {total}",
+                "run the same `tierstore restore` again to finish; verified files are not copied again"),
+    "verify": ("read {done} of {total}, {finished} checkpoint copies verified in full",
+               "nothing was changed; run `tierstore verify` again to check everything"),
+    "gc": ("only garbage is deleted, in batches",
+           "run the same `tierstore gc` again to finish"),
+    "prune": ("a checkpoint is un-published before its data is deleted",
+              "run the same `tierstore prune` again to finish; `tierstore gc` removes stray data"),
+}
+
+
+def _interrupted(args: argparse.Namespace) -> int:
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not print a traceback
+    progress: ProgressDisplay = args.progress
+    progress.close()
+    done, resume = _RESUME.get(args.command, ("stopped", "nothing was changed"))
+    done = done.format(done=size_text(progress.bytes_done), total=size_text(progress.bytes_total),
+                       finished=len(progress.finished))
+    print(f"tierstore {args.command}: interrupted: {done}; {resume}", file=sys.stderr, flush=True)
+    return EXIT_INTERRUPTED
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser(COMMANDS).parse_args(argv)
+    if threading.current_thread() is threading.main_thread():
+        # Interrupted by Ctrl-C even where the shell started us with SIGINT ignored.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    args.progress = ProgressDisplay(show=not args.json)
+    try:
+        if args.hot is None and args.cold is None:
+            raise UsageError("give --hot and/or --cold")
+        if args.command in ("migrate", "restore", "status") and not (args.hot and args.cold):
+            raise UsageError("--hot and --cold are both required")
+        require_tiers({"hot": args.hot, "cold": args.cold}, _CREATES.get(args.command))
+        return int(args.func(args))
+    except UsageError as err:
+        print(f"tierstore {args.command}: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except CommandFailed as err:
+        print(f"tierstore {args.command}: {err}", file=sys.stderr)
+        return EXIT_ERROR
+    except TierstoreError as err:
+        print(f"tierstore: {type(err).__name__}: {err}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return _interrupted(args)
+

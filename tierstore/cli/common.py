@@ -1,0 +1,99 @@
+"""What the commands share: the store the options name, and how values are shown (one
+byte formatter, :func:`tierstore.progress.size_text`, for every size a command prints)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Mapping
+from dataclasses import asdict
+from typing import Any
+
+from tierstore._redact import redact_url
+from tierstore.cli.parser import UsageError
+from tierstore.errors import CheckpointNotFound
+from tierstore.lifecycle.quarantine import list_quarantined
+from tierstore.progress import size_text
+from tierstore.tiers.catalog import resolve
+from tierstore.tiers.tier import Store, Tier
+
+__all__ = ["store_of", "options_of", "age_text", "metrics_text", "say_unreachable",
+           "require_named", "require_picked", "quarantine_rows", "print_quarantined",
+           "status_json", "size_text"]
+
+
+def store_of(args: argparse.Namespace) -> Store:
+    return Store.of(args.hot, args.cold, hot_options=options_of(args.hot_option),
+                    cold_options=options_of(args.cold_option))
+
+
+def options_of(pairs: list[str] | None) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for pair in pairs or ():
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise UsageError(f"option {pair!r} is not KEY=VALUE")
+        try:
+            options[key] = json.loads(value)  # numbers, booleans, lists
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
+
+
+
+
+def age_text(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h" if seconds < 172800 else f"{seconds / 86400:.1f} d"
+
+
+def metrics_text(metrics: Mapping[str, float]) -> str:
+    return " ".join(f"{name}={value:.6g}" for name, value in sorted(metrics.items()))
+
+
+def say_unreachable(args: argparse.Namespace, why: str) -> None:
+    print(f"tierstore {args.command}: the cold tier {redact_url(args.cold)} is unreachable "
+          f"({why}); showing the hot tier only", file=sys.stderr)
+
+
+def require_named(store: Store, name: str | None) -> None:
+    """Refuse a ``--name`` that no tier of ``store`` commits."""
+    if name is not None and not any(t.find_manifest(name) for t in store.tiers):
+        raise CheckpointNotFound("no committed checkpoint of that name", checkpoint=name, tier=store.label)
+
+
+def require_picked(args: argparse.Namespace, tiers: list[Tier]) -> None:
+    """Refuse ``--step`` and ``--name`` naming different checkpoints (a usage error)."""
+    if args.name is None or args.step is None:
+        return
+    manifest, _ = resolve(tiers, name=args.name)
+    if manifest.step != args.step:
+        raise UsageError(f"--step {args.step} and --name {args.name} contradict each other: "
+                         f"{args.name} is step {manifest.step}")
+
+
+def quarantine_rows(store: Store) -> list[dict[str, Any]]:
+    return [{"name": q.name, "attempt": q.attempt, "step": q.step, "tier": q.tier,
+             "size": q.size, "reason": q.reason, "when": q.when} for q in list_quarantined(store)]
+
+
+def print_quarantined(rows: list[dict[str, Any]]) -> None:
+    """The quarantined checkpoints under a listing (``ls``, ``status``), if there are any."""
+    if not rows:
+        return
+    print(f"\nquarantined (found damaged by a resume, un-published, data kept; "
+          f"`tierstore quarantine` to remove): {len(rows)}")
+    for row in rows:
+        step = "-" if row["step"] is None else str(row["step"])
+        print(f"  {row['name']:<24}{step:>10}{size_text(row['size']):>12}  {row['tier']}  {row['reason']}")
+
+
+def status_json(status: Any) -> dict[str, Any]:
+    body = asdict(status)
+    body["state"] = status.state.value
+    body["lag_bytes"] = status.lag_bytes
+    return body

@@ -1,0 +1,187 @@
+"""The commands that look at a store: ``ls``, ``show``, ``status``, ``verify``, ``quarantine``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict
+
+from tierstore.cli.checks import cold_unreachable
+from tierstore.cli.common import (
+    age_text,
+    metrics_text,
+    print_quarantined,
+    quarantine_rows,
+    require_picked,
+    say_unreachable,
+    status_json,
+    store_of,
+)
+from tierstore.cli.parser import EXIT_ERROR, EXIT_OK
+from tierstore.errors import CheckpointNotFound
+from tierstore.format import layout
+from tierstore.format.manifest import Manifest
+from tierstore.lifecycle.quarantine import delete_quarantined, restore_quarantined
+from tierstore.lifecycle.scrub import verify_store
+from tierstore.progress import size_text
+from tierstore.tiers.catalog import list_checkpoints, resolve
+from tierstore.tiers.migrator import MigrationState
+from tierstore.tiers.status import migration_status
+from tierstore.tiers.tier import Store, Tier
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    store = store_of(args)
+    down = cold_unreachable(store.cold, args.cold_wait)
+    if down is not None:
+        store = Store.of_tiers(store.hot, None)
+    infos = list_checkpoints(store)
+    states: dict[str, str] = {}
+    if store.hot and store.cold:
+        states = {s.name: s.state.value for s in migration_status(store)}
+    now = time.time()
+    unknown = "unknown" if down else "-"
+    rows = [{**asdict(i), "age_seconds": now - i.created,
+             "migration": states.get(i.name, "committed" if "cold" in i.tiers else unknown)} for i in infos]
+    aside = quarantine_rows(store)
+    if args.json:
+        print(json.dumps([*rows, *({**q, "quarantined": True} for q in aside)], indent=1))
+    elif not infos:
+        print("no committed checkpoints")
+    else:
+        measured = any(i.metrics for i in infos)  # the column only when a save recorded some
+        print(f"{'name':<24}{'step':>10}{'size':>12}{'files':>7}{'age':>10}  {'tiers':<10}"
+              + (f"{'migration':<12}metrics" if measured else "migration"))
+        for i, row in zip(infos, rows):
+            step = "-" if i.step is None else str(i.step)
+            age = age_text(row["age_seconds"])
+            print(f"{i.name:<24}{step:>10}{size_text(i.size):>12}{i.num_files:>7}{age:>10}  "
+                  f"{','.join(i.tiers):<10}"
+                  + (f"{row['migration']:<12}{metrics_text(i.metrics)}".rstrip() if measured
+                     else row["migration"]))
+    if not args.json:
+        print_quarantined(aside)
+    if down is not None:
+        say_unreachable(args, down)
+        return EXIT_ERROR
+    return EXIT_OK
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    store = store_of(args)
+    _named_for_verify(store, args.name)
+    checks = verify_store(store, names=[args.name] if args.name else None, progress=args.progress)
+    args.progress.close()
+    bad = [c for c in checks if not c.ok]
+    if args.json:
+        print(json.dumps([asdict(c) for c in checks], indent=1))
+    else:
+        for c in bad:
+            print(f"DAMAGED  {c.tier}  {c.checkpoint}  {c.file}: {c.problem}")
+        print(f"verified {len(checks)} files: {len(checks) - len(bad)} ok, {len(bad)} damaged")
+    return EXIT_ERROR if bad else EXIT_OK
+
+
+def _named_for_verify(store: Store, name: str | None) -> None:
+    """:func:`require_named`, where a tier holding an invalid manifest of ``name`` holds it: verify
+    reports that manifest (and checks another tier's copy) rather than stop at it."""
+    from tierstore.errors import InvalidManifest, ObjectTooLarge  # verify's alone
+
+    def holds(tier: Tier, name: str) -> bool:
+        try:
+            return tier.find_manifest(name) is not None
+        except (InvalidManifest, ObjectTooLarge):
+            return True
+
+    if name is not None and not any(holds(t, name) for t in store.tiers):
+        raise CheckpointNotFound("no committed checkpoint of that name", checkpoint=name, tier=store.label)
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    tiers = store_of(args).tiers
+    require_picked(args, tiers)
+    manifest, holders = resolve(tiers, step=args.step, name=args.name)
+    if args.json:
+        body = json.loads(manifest.to_json())
+        body.setdefault("files", [f.to_dict() for f in manifest.files])  # a root lists parts only
+        body.setdefault("metrics", {})  # as `ls --json` has it
+        body["tiers"] = [t.role for t in holders]
+        print(json.dumps(body, indent=1))
+        return EXIT_OK
+    _print_manifest(manifest, holders)
+    return EXIT_OK
+
+
+def _print_manifest(manifest: Manifest, holders: list[Tier]) -> None:
+    print(f"checkpoint {manifest.name}  step {manifest.step}  attempt {manifest.attempt}")
+    created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(manifest.created))
+    print(f"world size {manifest.world_size}  created {created}"
+          f"  size {size_text(manifest.total_size)}  in {', '.join(t.label for t in holders)}")
+    if manifest.metrics:
+        print(f"metrics: {metrics_text(manifest.metrics)}")
+    print(f"data: {layout.attempt_prefix(manifest.name, manifest.attempt)}")
+    for f in manifest.files:
+        print(f"  rank {f.rank:>4}  {f.path:<24}{size_text(f.size):>12}  crc32c {f.crc32c:08x}")
+
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    store = store_of(args)
+    down = cold_unreachable(store.cold, args.cold_wait)
+    if down is not None:
+        return _status_cold_down(args, store, down)
+    statuses = migration_status(store)
+    failed = any(s.state is MigrationState.FAILED for s in statuses)
+    if args.json:
+        print(json.dumps([status_json(s) for s in statuses], indent=1))
+        return EXIT_ERROR if failed else EXIT_OK
+    print(f"{'name':<24}{'state':<11}{'uploaded':>22}{'lag':>10}  error")
+    for s in statuses:
+        moved = f"{size_text(s.bytes_done)}/{size_text(s.bytes_total)}"
+        print(f"{s.name:<24}{s.state.value:<11}{moved:>22}{s.lag_seconds:>9.0f}s  {s.error or ''}")
+    print_quarantined(quarantine_rows(store))
+    return EXIT_ERROR if failed else EXIT_OK  # a failed migration is damage to act on
+
+
+def _status_cold_down(args: argparse.Namespace, store: Store, why: str) -> int:
+    """The hot checkpoints, each of unknown migration state."""
+    infos = list_checkpoints(Store.of_tiers(store.hot, None))
+    if args.json:
+        print(json.dumps([{"name": i.name, "step": i.step, "state": "unknown", "bytes_total": i.size}
+                          for i in infos], indent=1))
+    else:
+        print(f"{'name':<24}{'state':<11}{'size':>22}")
+        for i in infos:
+            print(f"{i.name:<24}{'unknown':<11}{size_text(i.size):>22}")
+    say_unreachable(args, why)
+    return EXIT_ERROR
+
+
+def cmd_quarantine(args: argparse.Namespace) -> int:
+    store = store_of(args)
+    if args.delete is None and args.restore is None:
+        rows = quarantine_rows(store)
+        if args.json:
+            print(json.dumps(rows, indent=1))
+        elif not rows:
+            print("no quarantined checkpoints")
+        else:
+            print(f"{'name':<24}{'step':>10}{'size':>12}  {'attempt':<30}{'tier':<8}reason")
+            for row in rows:
+                step = "-" if row["step"] is None else str(row["step"])
+                print(f"{row['name']:<24}{step:>10}{size_text(row['size']):>12}  {row['attempt']:<30}"
+                      f"{row['tier'].split()[0]:<8}{row['reason']}")
+        return EXIT_OK
+    if args.restore is not None:
+        done = restore_quarantined(store, args.restore, args.attempt)
+        for q in done:
+            print(f"restored  {q.name}  {q.attempt}  {q.tier}")
+        return EXIT_OK
+    done = delete_quarantined(store, args.delete, args.attempt, dry_run=not args.yes)
+    verb = "deleted" if args.yes else "would delete"
+    for q in done:
+        print(f"{verb}  {q.name}  {q.attempt}  {size_text(q.size)}  {q.tier}")
+    if not args.yes:
+        print("(dry run: pass --yes to delete)")
+    return EXIT_OK
