@@ -241,7 +241,7 @@ def test_overlapped_save_returns_before_the_copy_is_taken(tmp_path: Path) -> Non
 
 def test_an_error_on_the_managers_save_thread_fails_the_save_instead_of_hanging(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import tierstore.manager as manager_module
+    import tierstore.manager.saving as manager_module
 
     def broken(*args: Any) -> None:
         raise RuntimeError("lost on the save thread")

@@ -22,12 +22,13 @@ from helpers import committed, file_path, save, state_for
 
 from tierstore import TieredReader, TieredWriter
 from tierstore.cli import main
+from tierstore.dcp.failures import save_failed
 from tierstore.errors import CheckpointExists, ConfigError, SaveFailed, TierstoreError
 from tierstore.format import layout
 from tierstore.lifecycle.gc import collect_garbage
 from tierstore.lifecycle.prune import prune
 from tierstore.lifecycle.retention import keep_last
-from tierstore.manager import CheckpointManager, _save_failed
+from tierstore.manager import CheckpointManager
 from tierstore.tiers import leases, runlock
 from tierstore.tiers.tier import Tier
 
@@ -235,7 +236,7 @@ def test_save_failed_keeps_step_and_errors_through_pickle() -> None:
 
     exists = CheckpointExists("already committed", checkpoint="step-0000000007", tier="hot /x")
     failures = {0: exists, 1: (Local("lost"), None), 2: NeedsTwo("a", "b")}
-    failure = _save_failed(7, CheckpointException("save failed", failures))  # type: ignore[arg-type]
+    failure = save_failed(7, CheckpointException("save failed", failures))  # type: ignore[arg-type]
     back = pickle.loads(pickle.dumps(failure))
     assert type(back) is SaveFailed and str(back) == str(failure)
     assert back.step == 7 and sorted(back.errors) == [0, 1, 2]

@@ -6,10 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
 from helpers import save
 
-from tierstore.tiers import workers
 from tierstore.tiers.migrator import MigrationConfig, MigrationState
 from tierstore.tiers.tier import Tier
 from tierstore.tiers.workers import active_migrators, drain, migrator_for
@@ -41,12 +39,3 @@ def test_drain_waits_for_the_saves_of_this_process(tmp_path: Path) -> None:
     assert drain(60)
     [status] = writer.migrator.status()
     assert status.state is MigrationState.COMMITTED and not writer.migrator.pending()
-
-
-def test_the_old_import_path_warns_and_gives_the_same_function() -> None:
-    from tierstore.tiers import migrator
-
-    with pytest.warns(DeprecationWarning, match="tierstore.tiers.workers"):
-        assert migrator.migrator_for is workers.migrator_for
-    with pytest.warns(DeprecationWarning):
-        assert migrator.active_migrators is workers.active_migrators

@@ -44,6 +44,7 @@ from torch.futures import Future
 from tierstore import _dist
 from tierstore._redact import redact_url
 from tierstore.dcp import dcp_args, raw_read
+from tierstore.dcp.failures import causes
 from tierstore.errors import (
     CheckpointNotFound,
     ChecksumMismatch,
@@ -80,11 +81,10 @@ def is_damage(err: BaseException) -> bool:
     the checkpoint's stored data is damaged or missing, rather than anything about the
     caller, the state dict or a passing storage failure.
     """
-    failures = getattr(err, "failures", None)
-    if isinstance(failures, dict):
-        causes = [f[0] if isinstance(f, tuple) else f for f in failures.values()]
-        return bool(causes) and all(is_damage(c) for c in causes)
-    return isinstance(err, _DAMAGE)
+    found = causes(err)
+    if found == [err]:
+        return isinstance(err, _DAMAGE)
+    return bool(found) and all(is_damage(c) for c in found)
 
 
 class TieredReader(StorageReader):

@@ -34,6 +34,7 @@ built.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import sys
@@ -41,6 +42,7 @@ import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +63,7 @@ from tierstore.dcp.writer import TieredWriter
 from tierstore.errors import CheckpointNotFound, ConfigError
 from tierstore.lifecycle.prune import check_cold_copies, prune
 from tierstore.lifecycle.retention import keep_last
+from tierstore.lifecycle.rounds import BackgroundRounds
 from tierstore.tiers.catalog import CheckpointInfo, list_checkpoints
 from tierstore.tiers.delivery import await_delivery, describe, resume_pending, undelivered
 from tierstore.tiers.migrator import Migrator
@@ -102,9 +105,7 @@ class TieredCheckpointManager(CheckpointManager):  # type: ignore[misc]
                               "of the tiered store: set it to False and export after training")
         self._cold = config.cold
         self._close_timeout = float(config.close_timeout)
-        self._pruning: threading.Thread | None = None
-        self._prune_wanted = False
-        self._prune_lock = threading.Lock()
+        self._pruning = BackgroundRounds(lambda _: self._prune_hot(), name="tierstore-titan-prune")
         self._closed = False
         self._built: Store | None = None
         super().__init__(config, **kwargs)
@@ -180,28 +181,16 @@ class TieredCheckpointManager(CheckpointManager):  # type: ignore[misc]
         return found[-1] if found else None
 
     def _purge_stale_checkpoints(self) -> None:
-        if self.keep_latest_k <= 0 or _dist.rank_world()[0] != 0:
-            return
-        with self._prune_lock:
-            self._prune_wanted = True
-            if self._pruning is None:  # else the running pass goes round once more
-                self._pruning = threading.Thread(target=self._prune_hot, daemon=True,
-                                                 name="tierstore-titan-prune")
-                self._pruning.start()
+        if self.keep_latest_k > 0 and _dist.rank_world()[0] == 0:
+            self._pruning.request()  # one round at a time, as the manager prunes
 
     def _prune_hot(self) -> None:
-        while True:
-            with self._prune_lock:
-                if not self._prune_wanted:
-                    self._pruning = None
-                    return
-                self._prune_wanted = False
-            for report in prune(self._store(), hot_policy=keep_last(self.keep_latest_k),
-                                prune_cold=False):
-                for error in report.errors:
-                    log.warning("pruning the hot tier: %s", error)
-                if report.pending:
-                    self._resume_pending(report.pending)
+        for report in prune(self._store(), hot_policy=keep_last(self.keep_latest_k),
+                            prune_cold=False):
+            for error in report.errors:
+                log.warning("pruning the hot tier: %s", error)
+            if report.pending:
+                self._resume_pending(report.pending)
 
     def _close(self) -> None:
         """Wait for the last save and deliver it (module docstring); once, and never as the
@@ -213,10 +202,10 @@ class TieredCheckpointManager(CheckpointManager):  # type: ignore[misc]
         if self.save_future is not None:
             self.maybe_wait_for_saving()  # the last async save is committed in hot
         super()._close()
-        with self._prune_lock:
-            pruning = self._pruning
+        pruning = self._pruning.running()
         if pruning is not None:
-            pruning.join(max(0.0, deadline - time.monotonic()))
+            with contextlib.suppress(FutureTimeout):
+                pruning.result(max(0.0, deadline - time.monotonic()))
         migrator, store = self._migrator(), self._store()
         if migrator is None or store.hot is None or store.cold is None:
             return

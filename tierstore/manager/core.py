@@ -1,0 +1,167 @@
+"""``CheckpointManager`` itself: what it is built from, the cadence, and what it knows of
+itself (:meth:`health`); saving, maintenance, loading and the end of a run are its other
+modules (:mod:`tierstore.manager`)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from tierstore import _dist
+from tierstore.dcp.writer import store_to_save
+from tierstore.errors import ConfigError, SaveFailed
+from tierstore.lifecycle.retention import DEFAULT_COLD, DEFAULT_HOT, Policy
+from tierstore.lifecycle.rounds import BackgroundRounds
+from tierstore.manager.ending import Ending
+from tierstore.manager.health import Health
+from tierstore.manager.loading import Loading
+from tierstore.manager.maintenance import Maintenance
+from tierstore.manager.saving import Saving
+from tierstore.staging import ReusedStaging
+from tierstore.tiers import runlock
+from tierstore.tiers.migrator import (
+    MigrationConfig,
+    MigrationState,
+)
+from tierstore.tiers.tier import Store, TierURL
+
+if TYPE_CHECKING:
+    pass
+
+__all__ = ["CheckpointManager", "DEFAULT_CLOSE_TIMEOUT"]
+
+log = logging.getLogger(__name__)
+
+Cadence = Callable[[int], bool]
+DEFAULT_CLOSE_TIMEOUT = 300.0  # seconds close() waits for migrations, in all
+
+
+class CheckpointManager(Saving, Maintenance, Loading, Ending):
+    """Save every ``save_every`` steps, resume from the newest checkpoint, keep tiers pruned.
+
+    Args:
+        hot, cold: the store's tiers (URLs), or a :class:`~tierstore.Store` as ``hot``.
+        hot_policy / cold_policy: retention per tier (defaults: hot keeps the last 2, cold the
+            last 3; add milestones with ``keep_last(3) | keep_every(1000)``).
+        save_every: an int (every N steps), a callable ``step -> bool`` (e.g. a
+            :class:`tierstore.resume.cadence.TimeCadence`), or ``None`` to save whenever asked.
+        async_save: save with ``dcp.async_save`` (default) or ``dcp.save``.
+        async_mode: ``"thread"`` or ``"process"`` (DCP's checkpointer types).
+        node_local: the hot tier is per node (see ``TieredReader``).
+        hot_min_free: before each save, if the hot tier has less free space than this many
+            bytes (``"auto"``: 1.1x the newest checkpoint), prune down to what the invariants
+            force (the newest, and checkpoints not yet in cold) and warn.
+        process_group: group for checkpoint collectives; by default a new gloo group.
+        writer_options: extra ``TieredWriter`` arguments (``thread_count``, ...).
+        staging: ``"reuse"`` (default) copies the state into buffers kept from save to save;
+            ``"fresh"`` is DCP's default, new buffers on every save (for comparison).
+        overlap_staging: ``save()`` returns as soon as the copy has started, not once it is
+            taken; the caller must not change the state until :meth:`wait_staged` returns
+            (the next ``save``, ``wait`` and ``close`` wait for it too). Needs async
+            ``"reuse"`` staging.
+        close_timeout: the most seconds :meth:`close` waits for migrations, pruning and
+            checks in all (default 300); what is left then stays pending in the hot tier
+            and :meth:`close` raises :class:`~tierstore.errors.MigrationFailed`.
+
+    ``stalls`` maps each saved step to the seconds ``save()`` blocked the caller;
+    ``staging_allocated`` maps it to the bytes of staging buffers that save allocated: the
+    whole state on the first save and after the state's structure changed, else 0.
+    """
+
+    def __init__(self, hot: TierURL | Store, cold: TierURL | None = None, *,
+                 hot_policy: Policy | None = None, cold_policy: Policy | None = None,
+                 save_every: int | Cadence | None = None, async_save: bool = True,
+                 async_mode: str = "thread", hot_options: Mapping[str, Any] | None = None,
+                 cold_options: Mapping[str, Any] | None = None, node_local: bool = False,
+                 migration: MigrationConfig | None = None, hot_min_free: int | str | None = "auto",
+                 process_group: Any = None, writer_options: Mapping[str, Any] | None = None,
+                 staging: str = "reuse", overlap_staging: bool = False,
+                 close_timeout: float = DEFAULT_CLOSE_TIMEOUT) -> None:
+        if async_mode not in ("thread", "process"):
+            raise ConfigError(f"async_mode must be 'thread' or 'process', got {async_mode!r}")
+        if staging not in ("reuse", "fresh"):
+            raise ConfigError(f"staging must be 'reuse' or 'fresh', got {staging!r}")
+        if overlap_staging and not (async_save and staging == "reuse"):
+            raise ConfigError("overlap_staging needs async_save=True and staging='reuse' "
+                              "(other saves copy the state before save() returns)")
+        if isinstance(save_every, int) and save_every <= 0:
+            raise ConfigError(f"save_every must be positive, got {save_every}")
+        if not (isinstance(close_timeout, (int, float)) and 0 <= close_timeout < float("inf")):
+            raise ConfigError(f"close_timeout must be a number of seconds >= 0, got {close_timeout!r}")
+        self.store = store_to_save(hot, cold, hot_options=hot_options, cold_options=cold_options,
+                                   owner="CheckpointManager")
+        if node_local and self.store.cold is None:
+            raise ConfigError("node_local=True needs both a hot and a cold tier")
+        # Node-local hot tiers each hold some ranks' files: the cold tier is the shared catalog.
+        self.catalog = Store.of_tiers(None, self.store.cold) if node_local else self.store
+        self.hot_policy = hot_policy or DEFAULT_HOT
+        self.cold_policy = cold_policy or DEFAULT_COLD
+        self.save_every, self.hot_min_free = save_every, hot_min_free
+        self.async_save, self.async_mode = async_save, async_mode
+        self.node_local, self.migration = node_local, migration
+        self.close_timeout = float(close_timeout)
+        self.writer_options = dict(writer_options or {})
+        self._writer(0, {})  # a typo in writer_options fails here, not at the first save
+        self.staging, self.overlap_staging = staging, overlap_staging
+        self._stager: ReusedStaging | None = None  # made by the first save, freed by close()
+        self._staging: Future[None] | None = None  # the last save's copy of the state
+        self._thread: ThreadPoolExecutor | None = None  # starts saves with overlap_staging
+        self.distributed = _dist.initialized()
+        self.rank = _dist.rank_world()[0]
+        self._owns_group = process_group is None and self.distributed
+        self.group = dist.new_group(backend="gloo") if self._owns_group else process_group
+        self._pending: Future[None] | None = None  # settles once the save is recorded
+        self._rounds = BackgroundRounds(lambda full: self._maintain(prune=full),
+                                        name="tierstore-prune", on_error=self._round_failed)
+        self._quarantined: list[str] = []
+        self._closing = False  # close() began: rounds prune, but queue no more migrations
+        self._cold_down = False  # close() found the cold tier unreachable: nothing to look up
+        self._reported: set[str] = set()  # migration failures wait() raised already
+        self._lock = threading.Lock()
+        self.last_error: BaseException | None = None
+        self._unraised: SaveFailed | None = None  # a failed save not yet raised to the caller
+        self._last_failure: str | None = None
+        self._saves_ok = self._saves_failed = 0
+        self._last_saved_step: int | None = None
+        self._prune_errors: list[str] = []
+        self.stalls: dict[int, float] = {}  # step -> seconds the caller was blocked by save()
+        self.staging_allocated: dict[int, int] = {}  # step -> bytes its staging allocated
+        # Another live job saving into this hot directory is warned about now, once.
+        self._run_lock = (runlock.acquire(self.store.hot)
+                          if self.rank == 0 and self.store.hot is not None else None)
+        if self._resumes_pending:  # a killed run's pending migrations: finished in the background
+            self._prune_in_background(prune=False)
+        elif self.node_local and self.store.cold is not None:
+            self._resume_node_local()
+
+    def should_save(self, step: int) -> bool:
+        if self.save_every is None:
+            return True
+        if callable(self.save_every):
+            return bool(self.save_every(step))
+        return step % self.save_every == 0
+
+    def health(self) -> Health:
+        """Saves, migrations and pruning as this process knows them (never raises, never
+        sends a request to a tier)."""
+        now = time.time()
+        statuses = [s for m in self._migrators() for s in m.status()]
+        failed = tuple(s for s in statuses if s.state is MigrationState.FAILED)
+        busy = [s for s in statuses if s.state in (MigrationState.PENDING, MigrationState.UPLOADING)]
+        with self._lock:
+            return Health(
+                saves_ok=self._saves_ok, saves_failed=self._saves_failed,
+                last_saved_step=self._last_saved_step,
+                last_error=self._last_failure,
+                migrations_pending=len(busy), migrations_failed=failed,
+                migration_lag_seconds=max((now - s.created for s in busy), default=0.0),
+                migration_lag_bytes=sum(s.lag_bytes for s in busy),
+                prune_errors=tuple(self._prune_errors),
+                quarantined=tuple(dict.fromkeys(self._quarantined)),
+            )

@@ -1,0 +1,155 @@
+"""The end of a run: waiting for the last save and delivering its checkpoints, boundedly, or
+saying which it did not (docs/design.md invariant 22)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import TimeoutError
+from typing import TYPE_CHECKING, TypeVar
+
+import torch.distributed as dist
+
+from tierstore.errors import MigrationFailed, SaveFailed, TierstoreError
+from tierstore.manager.base import Base
+from tierstore.tiers.delivery import (
+    PROBE_WAIT,
+    await_delivery,
+    describe,
+    undelivered,
+    unreachable,
+)
+
+if TYPE_CHECKING:
+    pass
+
+__all__ = ["Ending"]
+
+log = logging.getLogger(__name__)
+_M = TypeVar("_M", bound="Ending")
+
+
+class Ending(Base):
+    """Ending of :class:`~tierstore.manager.CheckpointManager` (module docstring)."""
+
+    def wait(self, *, migrations: bool = True, timeout: float | None = None) -> None:
+        """Wait for the last save; by default also for its pruning and this process's
+        migrations (up to ``timeout`` seconds in all). ``migrations=False`` waits for the
+        save alone, and so never for the cold tier.
+
+        Raises :class:`~tierstore.errors.SaveFailed` for a failed save not raised before, then
+        :class:`~tierstore.errors.MigrationFailed` for checkpoints whose migration failed
+        (and that the cold tier does not hold since), each once. Pruning errors are not
+        raised: see :meth:`health`.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._finish_previous()
+        if migrations:
+            pruning = self._rounds.running()
+            if pruning is not None:
+                try:
+                    pruning.result(_left(deadline))
+                except TimeoutError:
+                    log.warning("pruning still running after %ss (the cold tier is slow?)", timeout)
+            await_delivery(self._migrators(), deadline)
+        self._raise_failure()
+        if migrations:
+            failed = {name: why for name, why in self._undelivered(deadline).items()
+                      if name not in self._reported and not why.startswith("still ")}
+            self._reported.update(failed)
+            if failed:
+                raise self._migration_failed(failed)
+
+    def close(self, *, timeout: float | None = None) -> None:
+        """End the run: wait for the last save, deliver its checkpoints to the cold tier,
+        prune once more, release the group (docs/design.md invariant 22).
+
+        Everything waits against one deadline, ``timeout`` seconds from now (default: the
+        manager's ``close_timeout``, 300 s), logging what it waits for; a cold tier that does
+        not answer one listing within 10 s is not waited for at all. What has not reached
+        the cold tier by then is stopped (nothing of it runs after close returns) and stays
+        committed and pending in the hot tier; close says so at ERROR, naming each
+        checkpoint and how it will be finished (the next job's manager, or
+        ``tierstore migrate``), and raises :class:`~tierstore.errors.MigrationFailed` after
+        releasing everything. A failed save raises :class:`~tierstore.errors.SaveFailed`
+        instead (it comes first), as :meth:`wait` does.
+        """
+        deadline = time.monotonic() + (self.close_timeout if timeout is None else timeout)
+        failure: TierstoreError | None = None
+        self._finish_previous()  # the last save (hot only: it never waits on the cold tier)
+        cold = self.store.cold
+        if cold is not None and any(m.pending() for m in self._migrators()):
+            # A cold tier that is down is not waited for: one listing tells (a migration
+            # would only find out after minutes of retries).
+            why = unreachable(cold, min(PROBE_WAIT, _left(deadline) or 0.0))
+            if why is not None:
+                log.error("the cold tier %s is unreachable (%s): close() does not wait for its "
+                          "migrations", cold.label, why)
+                deadline, self._cold_down = time.monotonic(), True
+        try:
+            self.wait(timeout=_left(deadline))
+        except SaveFailed as err:
+            failure = err
+        except MigrationFailed:
+            pass  # named again below, with whatever else is left
+        self._closing = True
+        if (self.rank == 0 or self.node_local) and not self._cold_down:
+            # Now that migrations drained, hot copies kept only as pending can go.
+            try:  # joins a running round, which then runs one more
+                self._prune_in_background().result(_left(deadline, floor=0.0))
+            except TimeoutError:
+                log.warning("final pruning still running at close's deadline; left to the next run")
+        undelivered = self._undelivered(deadline)
+        for migrator in self._migrators():
+            migrator.stop(set(undelivered))  # nothing of them runs once close returns
+        if undelivered:
+            late = self._migration_failed(undelivered)
+            log.error("%s", late)
+            failure = failure or late
+        self._release()
+        if failure is not None:
+            raise failure
+
+    def _release(self) -> None:
+        if self._thread is not None:  # idle: wait() above saw its last save settle
+            self._thread.shutdown(wait=True)
+            self._thread = None
+        if self._stager is not None:  # frees the staging buffers; a later save makes new ones
+            self._stager.close()
+            self._stager = None
+        if self._owns_group and self.group is not None:
+            dist.destroy_process_group(self.group)
+            self.group = None
+        if self._run_lock is not None:
+            self._run_lock.release()
+
+    def _undelivered(self, deadline: float | None) -> dict[str, str]:
+        cold = self.store.cold
+        if cold is None:
+            return {}
+        # Looking each one up in the cold tier: bounded even when close's time is spent, and
+        # not at all in a cold tier close() found unreachable.
+        lookup = 0.0 if self._cold_down else 30.0 if deadline is None else _left(deadline, floor=5.0)
+        return undelivered(self._migrators(), cold, timeout=lookup)
+
+    def _migration_failed(self, failures: dict[str, str]) -> MigrationFailed:
+        assert self.store.cold is not None
+        return MigrationFailed(describe(failures, self._hot, self.store.cold),
+                               checkpoints=tuple(failures), errors=failures)
+
+    def __enter__(self: _M) -> _M:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # an error is on its way out already: it is the one to raise
+            self.close()
+        except TierstoreError as err:
+            log.error("while closing on %s: %s", exc_type.__name__, err)
+
+
+def _left(deadline: float | None, *, floor: float = 0.0) -> float | None:
+    """Seconds until ``deadline`` (a ``time.monotonic()`` value), at least ``floor``."""
+    return None if deadline is None else max(floor, deadline - time.monotonic())

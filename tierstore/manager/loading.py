@@ -1,0 +1,203 @@
+"""Loading: the newest checkpoint that loads verified, falling back past damaged ones (which
+are quarantined: docs/design.md invariant 21), under the world size it was saved by or another."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+from tierstore import _dist
+from tierstore.dcp.failures import causes
+from tierstore.dcp.failures import describe as describe_failure
+from tierstore.dcp.reader import TieredReader, is_damage
+from tierstore.errors import ConfigError, TierstoreError
+from tierstore.format.manifest import Manifest
+from tierstore.lifecycle.quarantine import quarantine
+from tierstore.manager.base import Base
+from tierstore.resume.state import ResumePlanner, is_per_rank_key
+from tierstore.tiers.catalog import list_checkpoints
+
+if TYPE_CHECKING:
+    from tierstore.resume.check import ResumeReport
+
+__all__ = ["Loading"]
+
+log = logging.getLogger(__name__)
+
+
+class Loading(Base):
+    """Loading of :class:`~tierstore.manager.CheckpointManager` (module docstring)."""
+
+    def steps(self) -> list[int]:
+        found = list_checkpoints(self.catalog)
+        return [c.step for c in found if c.step is not None]
+
+    def load_latest(self, state: dict[str, Any], *, planner: Any = None) -> int | None:
+        """Load the newest checkpoint that loads verified into ``state``; its step, or ``None``
+        if the store holds no checkpoint.
+
+        The coordinator picks the checkpoint and tells every rank, so all ranks load the same
+        one even if a save commits meanwhile. A checkpoint found damaged while loading is
+        skipped with a warning and the next older one is loaded: its manifest invalid, or its
+        ``.metadata`` or a data file missing, truncated or corrupt (a byte flipped inside a
+        shard included), in every tier holding it. DCP hands every rank each rank's read
+        errors, so all ranks agree to move on, and the coordinator picks the next name. The
+        failed attempt may have copied some items into ``state``; the retry overwrites them.
+        Any other failure raises at once (a state dict that does not match the checkpoint, a
+        tier that cannot be reached); so does the newest checkpoint's error if none loads.
+
+        ``planner`` is DCP's load planner; by default DCP's own, or, when the checkpoint was
+        saved by another world size, :class:`~tierstore.resume.state.ResumePlanner` (see
+        :meth:`load`).
+        """
+        return self.load(state, planner=planner)
+
+    def load(self, state: dict[str, Any], *, name: str | None = None, step: int | None = None,
+             planner: Any = None) -> int | None:
+        """Like :meth:`load_latest`, for a chosen checkpoint (``name``/``step``) or DCP planner.
+
+        With ``name``, exactly that checkpoint: if it is damaged the error raises. Without,
+        the newest checkpoint (of ``step``, if given) that loads verified, skipping damaged
+        ones as :meth:`load_latest` does.
+
+        Under a world size other than the checkpoint's, without a ``planner``, the load goes
+        through :class:`~tierstore.resume.state.ResumePlanner`: per-rank keys the checkpoint
+        lacks (a ``TrainingState``'s RNG entries of new ranks) are left as they are, while
+        every other key stays required; sharded tensors are resharded as DCP does. A key
+        still missing then raises :class:`~tierstore.errors.ConfigError` naming the key and
+        both world sizes, and how to load it, instead of DCP's bare missing-key error. A
+        ``planner`` given is used as it is, at any world size.
+        """
+        coordinator = not self.distributed or dist.get_rank(self.group) == 0
+        candidates = [name] if name is not None else []  # newest first; known to the coordinator
+        if name is None:
+            candidates = self._candidates(step, coordinator)
+        damaged: list[CheckpointException] = []
+        # The damaged ones, quarantined once an older one loads.
+        set_aside: list[tuple[Manifest, CheckpointException]] = []
+        while True:
+            chosen = candidates[len(damaged)] if len(damaged) < len(candidates) else None
+            if self.distributed:  # every rank loads what the coordinator picked
+                chosen = _dist.broadcast(chosen, self.group)
+            if chosen is None:
+                break
+            reader = TieredReader(self.store, name=chosen, node_local=self.node_local,
+                                  resolve_once=True, process_group=self.group)
+            world = dist.get_world_size(self.group) if self.distributed else 1
+            try:
+                dcp_load(state, storage_reader=reader, process_group=self.group,
+                         planner=planner if planner is not None else _default_planner(reader, world))
+            except CheckpointException as err:  # the same on every rank: DCP gathers failures
+                _raise_if_resized(err, reader, world, chosen)
+                if name is not None or not is_damage(err):
+                    raise
+                damaged.append(err)
+                if reader.manifest is not None:
+                    set_aside.append((reader.manifest, err))
+                log.warning("checkpoint %s is damaged in every tier holding it, loading the next "
+                            "older one instead: %s", chosen, describe_failure(err))
+                continue
+            finally:
+                # dcp.load returned or raised on this rank only once no rank reads (its last
+                # step is a collective), so the job's lease may go, even if planning failed
+                # before the reads that would have released it.
+                reader.release()
+            assert reader.manifest is not None
+            if coordinator:
+                self._quarantine(set_aside, loaded=reader.manifest.name)
+            return reader.manifest.step
+        if damaged:  # nothing loads: kept as they are, for a person to look at (loudly)
+            raise damaged[0]
+        return None
+
+    def _candidates(self, step: int | None, coordinator: bool) -> list[str]:
+        """The checkpoints to try, newest first, known to the coordinator (others get an
+        empty list); its listing's error reaches every rank, so none waits for ever on a
+        coordinator that gave up (node-local with the cold tier down)."""
+        found: Any = None
+        if coordinator:
+            try:
+                found = [c.name for c in reversed(list_checkpoints(self.catalog))
+                         if step is None or c.step == step]
+            except Exception as err:  # raised below on every rank alike
+                found = err
+        if self.distributed:
+            found = _dist.broadcast(found, self.group)
+        if isinstance(found, BaseException):
+            raise found
+        return list(found) if coordinator else []
+
+    def _quarantine(self, damaged: list[tuple[Manifest, CheckpointException]], *,
+                    loaded: str) -> None:
+        """Set aside each checkpoint a resume fell back past (invariant 21): its step is
+        trained again and saved as a new attempt, and retention never counts it again."""
+        for manifest, err in damaged:
+            reason = f"a resume found it damaged in every tier holding it and loaded {loaded} " \
+                     f"instead: {describe_failure(err)}"
+            for tier in self.store.tiers:
+                try:
+                    here = tier.find_manifest(manifest.name)
+                    if here is not None and here.attempt == manifest.attempt:
+                        quarantine(tier, here, reason)
+                except TierstoreError as failure:  # kept published: the next resume retries
+                    log.error("could not quarantine %s in %s: %s", manifest.name, tier.label, failure)
+            with self._lock:
+                self._quarantined.append(manifest.name)
+
+    def verify_resume(self, probe: Any, state: dict[str, Any], *, name: str | None = None,
+                      step: int | None = None, rtol: float = 0.0, atol: float = 0.0,
+                      timeout: float = 600.0, record_dir: str | None = None) -> ResumeReport:
+        """Prove the newest (or a chosen) checkpoint restores ``state``: see :mod:`tierstore.resume.check`.
+
+        Call on every rank right after :meth:`save`, before the next training step. Waits for
+        the pending save to commit, then loads it in fresh processes (one per rank) built by
+        ``probe`` (``"module:function"`` or the function) and returns a
+        :class:`tierstore.resume.check.ResumeReport`, the same on every rank.
+        """
+        from tierstore.resume.check import verify_resume
+
+        self.wait(migrations=False)
+        return verify_resume(probe, state, hot=self.store, name=name, step=step,
+                             node_local=self.node_local, group=self.group, rtol=rtol, atol=atol,
+                             timeout=timeout, record_dir=record_dir)
+
+
+def _saved_world(reader: TieredReader, world: int) -> int | None:
+    """The world size that saved the checkpoint ``reader`` opened, when it is not ``world``
+    (the manifest is known once DCP asked the reader for the metadata, before planning)."""
+    saved = reader.manifest.world_size if reader.manifest is not None else None
+    return saved if saved != world else None
+
+
+@dataclass(frozen=True)
+class _PerRankIfResized:
+    """``ResumePlanner``'s ``optional``: per-rank keys may be absent only under a world size
+    other than the checkpoint's; at the same world size every key stays required."""
+
+    reader: TieredReader
+    world: int
+
+    def __call__(self, key: str) -> bool:
+        return _saved_world(self.reader, self.world) is not None and is_per_rank_key(key)
+
+
+def _default_planner(reader: TieredReader, world: int) -> ResumePlanner:
+    return ResumePlanner(optional=_PerRankIfResized(reader, world))
+
+
+def _raise_if_resized(err: CheckpointException, reader: TieredReader, world: int, name: str) -> None:
+    """Under a new world size, DCP's "Missing key" error becomes one that says what to do."""
+    saved = _saved_world(reader, world)
+    missing = next((str(c) for c in causes(err) if "Missing key" in str(c)), None)
+    if saved is None or missing is None:
+        return
+    raise ConfigError(
+        f"checkpoint saved by {saved} ranks cannot be loaded as it is by {world} ranks: {missing} "
+        "Per-rank state must be optional under a new world size: load with planner="
+        "tierstore.ResumePlanner(optional=lambda key: ...) accepting that key, or save such "
+        "state under keys every world size has", checkpoint=name) from err

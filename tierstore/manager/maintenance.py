@@ -1,0 +1,161 @@
+"""Keeping a store pruned and its pending migrations moving, in the background, and the
+free-space relief before a save (docs/design.md invariants 15, 19, 22)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from concurrent.futures import Future
+
+from tierstore import _dist
+from tierstore.errors import TierstoreError
+from tierstore.format.manifest import Manifest, checkpoint_order
+from tierstore.lifecycle.prune import PruneReport, check_cold_copies, prune, prune_tier
+from tierstore.lifecycle.retention import keep_none
+from tierstore.manager.base import Base
+from tierstore.tiers import marks
+from tierstore.tiers.delivery import (
+    resume_pending,
+)
+from tierstore.tiers.migrator import (
+    files_by_rank,
+)
+from tierstore.tiers.tier import Tier
+from tierstore.tiers.workers import migrator_for
+
+__all__ = ["Maintenance"]
+
+log = logging.getLogger(__name__)
+
+RESUME_LOOK = 10.0  # seconds a node-local start waits for the cold tier to find what is pending
+
+
+class Maintenance(Base):
+    """Maintenance of :class:`~tierstore.manager.CheckpointManager` (module docstring)."""
+
+    def _prune_in_background(self, *, prune: bool = True) -> Future[None]:
+        """A maintenance round on the manager's background thread (one at a time, commits
+        landing meanwhile fold into one more: :mod:`tierstore.lifecycle.rounds`): prune
+        (unless ``prune`` is false) and resume the pending migrations that round found."""
+        return self._rounds.request(prune)
+
+    def _round_failed(self, err: Exception) -> None:
+        log.error("pruning failed: %s", err)
+        with self._lock:
+            self._prune_errors.append(str(err))
+
+    def _maintain(self, *, prune: bool) -> None:
+        """One round: prune, then queue the migration of every hot checkpoint the round
+        found never committed in cold and no migrator of this process works on."""
+        if prune:
+            reports = self.prune()
+            pending = [name for r in reports for name in r.pending]
+        elif self._resumes_pending:
+            assert self.store.cold is not None
+            pending = sorted(check_cold_copies(self._hot, self.store.cold).pending)
+        else:
+            pending = []
+        if pending and self._resumes_pending and not (self._closing or _interpreter_exiting()):
+            assert self.store.cold is not None
+            resume_pending(migrator_for(self._hot, self.store.cold, self.migration),
+                           self._hot, pending)
+
+    def _resume_node_local(self) -> None:
+        """Node-local tiers: every rank queues its own files of the checkpoints its job left
+        pending, and the coordinator their commits, as the writer does after a save. Only
+        the coordinator knows them (its node holds the hot manifests): one broadcast at start,
+        after a look at the cold tier bounded by ``RESUME_LOOK`` seconds (a cold tier that is
+        down delays the start by at most that, and nothing is resumed then)."""
+        cold, rank = self.store.cold, _dist.group_rank_world(self.group)[0]
+        assert cold is not None
+        found: list[Manifest] = []
+        if rank == 0:
+            looker = threading.Thread(target=lambda: found.extend(self._pending_manifests()),
+                                      name="tierstore-resume-look", daemon=True)
+            looker.start()
+            looker.join(RESUME_LOOK)
+            if looker.is_alive():
+                log.warning("the cold tier %s did not answer within %.0fs: pending migrations "
+                            "are not resumed at this start", cold.label, RESUME_LOOK)
+                found = []
+        jobs = [(m.name, m.attempt, m.step, files_by_rank(m)) for m in found]
+        if self.distributed:
+            jobs = _dist.broadcast(jobs, self.group)
+        migrator = migrator_for(self._hot, cold, self.migration)
+        for manifest in found:  # the coordinator: its own files, then the commit
+            migrator.submit_commit(manifest, rank)
+        if rank != 0:
+            for name, attempt, step, by_rank in jobs:
+                if by_rank.get(rank):
+                    migrator.submit_rank(name, attempt, step, rank, by_rank[rank])
+        if jobs:
+            log.info("resuming the migration of %s to %s", ", ".join(j[0] for j in jobs), cold.label)
+
+    def _pending_manifests(self) -> list[Manifest]:
+        cold = self.store.cold
+        assert cold is not None
+        try:
+            pending = check_cold_copies(self._hot, cold).pending
+        except TierstoreError as err:
+            log.warning("could not look for pending migrations: %s", err)
+            return []
+        return [m for m in self._hot.manifests() if m.name in pending]
+
+    def prune(self) -> list[PruneReport]:
+        """Apply the retention policies now (the coordinator does this after each commit)."""
+        reports = prune(self.store, hot_policy=self.hot_policy, cold_policy=self.cold_policy,
+                        node_local=self.node_local, prune_cold=not self.node_local or self.rank == 0)
+        errors = [e for r in reports for e in r.errors]
+        if errors:
+            with self._lock:
+                self._prune_errors[:] = errors
+        return reports
+
+    def _relieve_disk_pressure(self) -> None:
+        """Below the hot tier's free-space watermark, prune it beyond policy, from hot-tier
+        knowledge alone: this runs before a save, where no cold request may be made. A hot
+        copy goes only if the hot tier's migrated mark names the cold tier's identity (known
+        once any background prune reached the cold tier), checked once in the listing the
+        decision is made from and again right before its un-publish; the rest is kept."""
+        if self.hot_min_free is None or (self.rank != 0 and not self.node_local):
+            return
+        hot, cold = self._hot, self.store.cold
+        free = hot.backend.free_bytes()
+        if free is None:
+            return
+        manifests = None  # listed only where needed: this runs before every save
+        threshold = self.hot_min_free
+        if threshold == "auto":
+            manifests = hot.manifests()
+            newest = max(manifests, key=checkpoint_order, default=None)
+            threshold = int(newest.total_size * 1.1) if newest is not None else 0
+        if free >= int(threshold):
+            return
+        manifests = hot.manifests() if manifests is None else manifests
+        protect: set[str] = set()
+        still_safe = None
+        if cold is not None:
+            cold_id = _known_store_id(cold)
+            protect = {m.name for m in manifests if not marks.was_migrated(hot, m, cold_id)}
+
+            def still_safe(manifest: Manifest) -> str | None:
+                if marks.was_migrated(hot, manifest, cold_id):
+                    return None
+                return "no migrated mark names the cold tier"
+
+        report = prune_tier(hot, keep_none(), protect=protect, manifests=manifests,
+                            still_safe=still_safe)
+        log.warning("hot tier %s below its free-space watermark (%d bytes free, want %d): "
+                    "pruned %s beyond policy; kept the newest and those not known to be in "
+                    "cold (%s)", hot.label, free, threshold, list(report.deleted), sorted(protect))
+
+
+def _interpreter_exiting() -> bool:
+    return sys.is_finalizing() or getattr(threading, "_SHUTTING_DOWN", False)
+
+
+def _known_store_id(cold: Tier) -> str | None:
+    """The cold tier's identity if this process already read it (no request is sent)."""
+    known = getattr(cold, "_store_id", None)
+    return str(known) if known is not None else None

@@ -1,0 +1,223 @@
+"""Saving: the futures pipeline of one save at a time (``dcp.save`` or ``dcp.async_save``
+through a ``TieredWriter``), staged into reused buffers, its failure recorded and raised once."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict_saver import (
+    AsyncCheckpointerType,
+    AsyncSaveResponse,
+)
+from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from tierstore.dcp.failures import save_failed
+from tierstore.dcp.writer import TieredWriter
+from tierstore.errors import ConfigError
+from tierstore.format.manifest_format import check_metrics
+from tierstore.manager.base import Base
+from tierstore.staging import ReusedStaging, staging_options
+
+if TYPE_CHECKING:
+    pass
+
+__all__ = ["Saving"]
+
+log = logging.getLogger(__name__)
+
+
+class Saving(Base):
+    """Saving of :class:`~tierstore.manager.CheckpointManager` (module docstring)."""
+
+    def save(self, step: int, state: dict[str, Any], *, force: bool = False,
+             metrics: Mapping[str, float] | None = None) -> bool:
+        """Checkpoint ``state`` as ``step`` if the cadence wants it (or ``force``); ``True`` if saved.
+
+        Returns once the state is copied (unless ``overlap_staging``): training may change
+        it from then on. Raises :class:`~tierstore.errors.SaveFailed` if the previous
+        (background) save failed; this save is then not started (call again to save). A
+        synchronous save, or a copy of the state, that fails raises it at once.
+
+        ``metrics`` (``{"val_loss": 0.41}``: at most 64 names, finite numbers) are recorded
+        in this checkpoint's manifest, for :class:`~tierstore.lifecycle.retention.keep_best`
+        and ``CheckpointInfo.metrics``; the coordinator's are the ones recorded. Invalid
+        metrics raise :class:`~tierstore.errors.ConfigError` before anything is saved.
+        """
+        if not (force or self.should_save(step)):
+            return False
+        metrics = check_metrics(metrics, source="metrics", error=ConfigError) if metrics else {}
+        writer = self._writer(step, metrics)  # a step no manifest can record raises here
+        start = time.perf_counter()
+        self._finish_previous()  # block the next save only until the previous flush is done
+        self._raise_failure()
+        if not self.async_save:
+            self._relieve_disk_pressure()
+            try:
+                dcp_save(state, storage_writer=writer, process_group=self.group)
+            except (Exception, CheckpointException) as err:  # a BaseException, in DCP
+                self._failed(step, err)
+                self._raise_failure()
+                raise
+            self._committed(step, None)
+        elif self.overlap_staging:
+            # Even starting an async save costs tens of ms in DCP (flattening the state,
+            # planning); the manager's own thread pays that too, with the copy after it.
+            staged: Future[None] = Future()
+            self._staging, self._pending = staged, Future()
+            self._submitter().submit(self._start_guarded, step, state, writer, staged, self._pending)
+        else:
+            staged = Future()
+            self._staging, self._pending = staged, Future()
+            self._start_async(step, state, writer, staged, self._pending)
+            self.wait_staged()
+        self.stalls[step] = time.perf_counter() - start
+        return True
+
+    def _writer(self, step: int, metrics: Mapping[str, float]) -> TieredWriter:
+        try:
+            return TieredWriter(self.store, step=step, migration=self.migration,
+                                node_local=self.node_local, metrics=metrics, **self.writer_options)
+        except TypeError as err:  # an unknown keyword: say which options TieredWriter takes
+            raise ConfigError(f"writer_options {sorted(self.writer_options)} are not all "
+                              f"TieredWriter arguments: {err}") from err
+
+    def _submitter(self) -> ThreadPoolExecutor:
+        if self._thread is None:  # one thread: saves start in the order they were asked for
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="tierstore-save")
+        return self._thread
+
+    def _start_guarded(self, step: int, state: dict[str, Any], writer: TieredWriter,
+                       staged: Future[None], settled: Future[None]) -> None:
+        """:meth:`_start_async` on the manager's thread, where nothing would see an error it
+        raised: whatever it raises fails the save, so no waiter on ``staged`` or ``settled``
+        waits for ever."""
+        try:
+            self._start_async(step, state, writer, staged, settled)
+        except BaseException as err:
+            if not settled.done():
+                self._failed(step, err)
+                settled.set_result(None)
+            if not staged.done():
+                staged.set_exception(err)
+
+    def _start_async(self, step: int, state: dict[str, Any], writer: TieredWriter,
+                     staged: Future[None], settled: Future[None]) -> None:
+        """Start DCP's async save; ``staged`` completes when the copy is taken (or failed),
+        ``settled`` once the save is recorded as committed or failed."""
+        kind = (AsyncCheckpointerType.PROCESS if self.async_mode == "process"
+                else AsyncCheckpointerType.THREAD)
+        try:
+            self._relieve_disk_pressure()
+            response = dcp_async_save(state, storage_writer=writer,
+                                      process_group=self.group,
+                                      async_checkpointer_type=kind,
+                                      async_stager=self._stager_for_save())
+        except (Exception, CheckpointException) as err:  # staging or planning failed
+            self._failed(step, err)
+            staged.set_exception(err)
+            settled.set_result(None)
+            return
+        if isinstance(response, AsyncSaveResponse):
+            future, staging = response.upload_completion, response.staging_completion
+        else:  # staged before async_save returned
+            future, staging = response, None
+        _chain(staging, staged)
+        stager = self._stager
+
+        # A waiter on DCP's future can wake before its done callbacks ran; waiting on
+        # ``settled`` instead sees the save recorded (its failure raised by wait/close/save).
+        def settle(done: Future[Any]) -> None:
+            try:
+                if stager is not None:  # counted before the writer could read the copy
+                    self.staging_allocated[step] = stager.new_bytes
+                self._committed(step, done)
+            finally:
+                settled.set_result(None)
+
+        future.add_done_callback(settle)
+
+    def _stager_for_save(self) -> ReusedStaging | None:
+        if self.staging == "fresh":
+            return None  # DCP's default: a stager of its own per save, closed after it
+        if self._stager is None:
+            self._stager = ReusedStaging(staging_options(self.async_mode))
+        return self._stager
+
+    def wait_staged(self) -> None:
+        """Block until the last save's copy of the state is taken: from then on the state may
+        change. ``save()`` calls this itself unless ``overlap_staging=True``.
+
+        Raises :class:`~tierstore.errors.SaveFailed` if taking the copy failed (that save
+        then failed).
+        """
+        staging, self._staging = self._staging, None
+        if staging is None:
+            return
+        try:
+            staging.result()
+        except BaseException:  # DCP fails the save with it: record and raise that
+            self._finish_previous()
+            self._raise_failure()
+            raise
+
+    def _finish_previous(self) -> None:
+        staging, self._staging = self._staging, None
+        if staging is not None:  # a save can settle before its staging future does
+            try:
+                staging.result()
+            except BaseException:  # the save fails with it: raised by _raise_failure
+                pass
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            try:
+                pending.result()
+            except BaseException:  # recorded by _committed, raised by _raise_failure
+                pass
+
+    def _failed(self, step: int, err: BaseException) -> None:
+        failure = save_failed(step, err)
+        log.error("%s", failure)
+        with self._lock:
+            self.last_error = err
+            self._last_failure = str(failure)
+            self._saves_failed += 1
+            self._unraised = failure
+
+    def _raise_failure(self) -> None:
+        with self._lock:
+            failure, self._unraised = self._unraised, None
+        if failure is not None:
+            raise failure
+
+    def _committed(self, step: int, future: Future[Any] | None) -> None:
+        error = future.exception() if future is not None else None
+        if error is not None:
+            self._failed(step, error)
+            return
+        with self._lock:
+            self._saves_ok += 1
+            self._last_saved_step = step
+        if self.rank == 0 or self.node_local:
+            self._prune_in_background()
+
+
+def _chain(source: Future[Any] | None, target: Future[None]) -> None:
+    """Complete ``target`` as ``source`` completes (at once if there is none)."""
+    if source is None:
+        target.set_result(None)
+        return
+
+    def forward(done: Future[Any]) -> None:
+        error = done.exception()
+        if error is not None:
+            target.set_exception(error)
+        else:
+            target.set_result(None)
+
+    source.add_done_callback(forward)
