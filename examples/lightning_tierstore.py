@@ -53,12 +53,24 @@ class TinyRegressor(L.LightningModule):
 def fit(args: argparse.Namespace, epochs: int) -> L.Trainer:
     torch.manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
-    checkpoint = TierstoreCheckpoint(str(args.workdir / "hot"), args.cold or str(args.workdir / "cold"),
-                                     monitor="train_loss", save_top_k=2, every_n_epochs=1)
-    trainer = L.Trainer(accelerator="cpu", devices=2, max_epochs=epochs, callbacks=[checkpoint],
-                        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
-                        default_root_dir=str(args.workdir), logger=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    checkpoint = TierstoreCheckpoint(
+        str(args.workdir / "hot"),
+        args.cold or str(args.workdir / "cold"),
+        monitor="train_loss",
+        save_top_k=2,
+        every_n_epochs=1,
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        max_epochs=epochs,
+        callbacks=[checkpoint],
+        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+        default_root_dir=str(args.workdir),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(TinyRegressor(), torch.utils.data.DataLoader(data, batch_size=8), ckpt_path="last")
     return trainer
 

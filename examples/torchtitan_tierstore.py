@@ -54,8 +54,11 @@ def main() -> None:
     parser.add_argument("--interval", type=int, default=2)
     parser.add_argument("--kill-at", type=int, default=None)
     parser.add_argument("--async-mode", default="disabled", choices=["disabled", "async"])
-    parser.add_argument("--cold", default=None,
-                        help="cold tier URL (default <workdir>/cold); S3 credentials from the AWS chain")
+    parser.add_argument(
+        "--cold",
+        default=None,
+        help="cold tier URL (default <workdir>/cold); S3 credentials from the AWS chain",
+    )
     args = parser.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
@@ -64,18 +67,29 @@ def main() -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
     optimizers = OptimizersContainer.Config(
-        param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW",
-                                       optimizer_kwargs={"lr": 1e-2})],
-        implementation="for-loop").build(model_parts=[model])
+        param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2})],
+        implementation="for-loop",
+    ).build(model_parts=[model])
     schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(
-        optimizers=optimizers, training_steps=args.steps)
+        optimizers=optimizers, training_steps=args.steps
+    )
     state = TrainState()
     checkpointer = TieredCheckpointManager.Config(
-        enable=True, folder=os.path.join(args.workdir, "hot"),
+        enable=True,
+        folder=os.path.join(args.workdir, "hot"),
         cold=args.cold or os.path.join(args.workdir, "cold"),
-        interval=args.interval, keep_latest_k=2, async_mode=args.async_mode, last_save_model_only=False,
-    ).build(dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers,
-            states={"train_state": state}, sd_adapter=None)
+        interval=args.interval,
+        keep_latest_k=2,
+        async_mode=args.async_mode,
+        last_save_model_only=False,
+    ).build(
+        dataloader=None,
+        model_parts=[model],
+        optimizers=optimizers,
+        lr_schedulers=schedulers,
+        states={"train_state": state},
+        sd_adapter=None,
+    )
 
     if checkpointer.load():
         print(f"resumed from step {state.step}", flush=True)

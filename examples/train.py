@@ -66,7 +66,8 @@ class Block(nn.Module):
         b, n, d = x.shape
         q, k, v = self.qkv(self.norm1(x)).view(b, n, 3, self.heads, d // self.heads).unbind(2)
         att = nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
         x = x + self.proj(att.transpose(1, 2).reshape(b, n, d))
         return x + self.mlp(self.norm2(x))
 
@@ -91,8 +92,26 @@ def synthetic_corpus(lines: int = 2000) -> str:
     import random
 
     rng = random.Random(1234)
-    words = ["tier", "store", "shard", "rank", "save", "load", "hot", "cold", "disk", "bucket",
-             "manifest", "commit", "step", "node", "crash", "resume", "flush", "verify"]
+    words = [
+        "tier",
+        "store",
+        "shard",
+        "rank",
+        "save",
+        "load",
+        "hot",
+        "cold",
+        "disk",
+        "bucket",
+        "manifest",
+        "commit",
+        "step",
+        "node",
+        "crash",
+        "resume",
+        "flush",
+        "verify",
+    ]
     out = []
     for i in range(lines):
         a, b, c = rng.choice(words), rng.choice(words), rng.choice(words)
@@ -194,26 +213,46 @@ def worker(args: argparse.Namespace) -> None:
 
 def torchrun(args: argparse.Namespace, *, events: Path, checkpoints: bool) -> int:
     """Run one 2-rank job; torchrun's own messages go to a log next to the events."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(args.nproc), "--max-restarts", "1" if checkpoints else "0", "--monitor-interval", "0.2",
-           str(Path(__file__).resolve()), "--worker", "--steps", str(args.steps), "--events", str(events)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(args.nproc),
+        "--max-restarts",
+        "1" if checkpoints else "0",
+        "--monitor-interval",
+        "0.2",
+        str(Path(__file__).resolve()),
+        "--worker",
+        "--steps",
+        str(args.steps),
+        "--events",
+        str(events),
+    ]
     if checkpoints:
         cmd += ["--hot", args.hot, "--save-every", str(args.save_every), "--kill-at", str(args.kill_at)]
         cmd += ["--cold", args.cold] if args.cold else []
         cmd += [] if args.verify else ["--no-verify"]
     else:
         cmd += ["--save-every", "0", "--kill-at", "0"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "LOGLEVEL": "ERROR",
-           # torchrun shares its rendezvous store with the workers; after a restart, groups made
-           # with new_group (the manager's checkpoint group) would read the dead attempt's
-           # addresses from it and fail to connect (pytorch/pytorch#135712).
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+        "LOGLEVEL": "ERROR",
+        # torchrun shares its rendezvous store with the workers; after a restart, groups made
+        # with new_group (the manager's checkpoint group) would read the dead attempt's
+        # addresses from it and fail to connect (pytorch/pytorch#135712).
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    }
     log = events.with_suffix(".torchrun.log")
     with log.open("w") as stderr:
         code = subprocess.run(cmd, env=env, stderr=stderr).returncode
     for line in log.read_text().splitlines():
         if "exitcode" in line:  # torchrun saw a worker die: show that much of its log here
-            print("   torchrun: " + line[line.index("failed"):] if "failed" in line else line)
+            print("   torchrun: " + line[line.index("failed") :] if "failed" in line else line)
     if code != 0:
         print(log.read_text()[-4000:], file=sys.stderr)
     return code
@@ -264,8 +303,9 @@ def print_curves(reference: list[dict[str, Any]], events: list[dict[str, Any]]) 
     print(f"\nidentical: {'yes' if identical else 'NO'} ({same}/{len(ref)} steps bit-identical{twice})")
     if killed:
         how = f", which resumed from step {restart['step']} in {restart['seconds']:.2f} s" if restart else ""
-        print(f"rank {killed['rank']} was SIGKILLed mid-step {killed['step']}; "
-              f"torchrun restarted the job{how}")
+        print(
+            f"rank {killed['rank']} was SIGKILLed mid-step {killed['step']}; torchrun restarted the job{how}"
+        )
     return identical
 
 
@@ -275,13 +315,16 @@ def print_stalls(events: list[dict[str, Any]]) -> None:
     print("  " + ", ".join(f"step {s}: {v * 1000:.0f} ms" for s, v in sorted(stalls.items())))
     if stalls:
         plan = optimal_interval(nodes=64, mtbf_node=30 * 86400, stall=max(stalls.values()))
-        print("  cadence (tierstore.resume.cadence): with this stall, a 64-node job whose nodes fail every "
-              f"30 days on average should\n    {plan.describe()}")
+        print(
+            "  cadence (tierstore.resume.cadence): with this stall, a 64-node job whose nodes fail every "
+            f"30 days on average should\n    {plan.describe()}"
+        )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--workdir", default=str(Path.cwd() / "demo-run"), help="where the demo writes")
     parser.add_argument("--hot", help="hot tier path or URL (default: WORKDIR/hot)")
     parser.add_argument("--cold", help="cold tier path or URL, e.g. s3://bucket/run (default: WORKDIR/cold)")
@@ -308,9 +351,12 @@ def main() -> None:
     print(f"== reference: {args.nproc} ranks, FSDP2 on CPU, {args.steps} steps, no checkpoints", flush=True)
     if torchrun(args, events=reference, checkpoints=False) != 0:
         raise SystemExit("the reference run failed")
-    print(f"== interrupted: the same run, async_save every {args.save_every} steps into hot {args.hot} "
-          f"(migrating to cold {args.cold}); a rank is SIGKILLed at step {args.kill_at}, torchrun restarts "
-          "the job and it resumes", flush=True)
+    print(
+        f"== interrupted: the same run, async_save every {args.save_every} steps into hot {args.hot} "
+        f"(migrating to cold {args.cold}); a rank is SIGKILLed at step {args.kill_at}, torchrun restarts "
+        "the job and it resumes",
+        flush=True,
+    )
     if torchrun(args, events=interrupted, checkpoints=True) != 0:
         raise SystemExit("the interrupted run failed even after its restart")
     identical = report(args, reference, interrupted)

@@ -80,16 +80,25 @@ def cold_of(request: pytest.FixtureRequest, kind: str, tmp_path: Path) -> Iterat
         bucket = request.getfixturevalue("s3_bucket")
         base = {"key": "testing", "secret": "testing", "region": "us-west-2", "retry": RETRY}
         if kind == "s3":
-            yield Cold(kind, f"s3://{bucket}/{prefix}", {**base, "endpoint_url": endpoint},
-                       {**base, "endpoint_url": endpoint})
+            yield Cold(
+                kind,
+                f"s3://{bucket}/{prefix}",
+                {**base, "endpoint_url": endpoint},
+                {**base, "endpoint_url": endpoint},
+            )
             return
         from s3_fault_proxy import FaultProxy
 
         proxy = FaultProxy(endpoint)
         proxy.add("delay", delay=LATENCY, times=10**9)
         try:
-            yield Cold(kind, f"s3://{bucket}/{prefix}", {**base, "endpoint_url": proxy.url},
-                       {**base, "endpoint_url": endpoint}, proxy)
+            yield Cold(
+                kind,
+                f"s3://{bucket}/{prefix}",
+                {**base, "endpoint_url": proxy.url},
+                {**base, "endpoint_url": endpoint},
+                proxy,
+            )
         finally:
             proxy.close()
         return

@@ -91,7 +91,10 @@ def digest(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, str]:
                 walk(f"{prefix}.{i}", v)
         elif isinstance(obj, torch.Tensor):
             t = obj.detach().reshape(-1).contiguous().cpu()
-            out[prefix] = f"{t.dtype}{tuple(obj.shape)}:" + hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()
+            out[prefix] = (
+                f"{t.dtype}{tuple(obj.shape)}:"
+                + hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()
+            )
         else:
             out[prefix] = repr(obj)
 
@@ -144,8 +147,12 @@ def load(spec: dict[str, Any]) -> None:
         model, optim = build(12345, world)  # different init: the load must overwrite all
         msd, osd = get_state_dict(model, optim)
         state = {"model": msd, "optim": osd, "extra": {"step": -1}}
-        reader = TieredReader(**tiers(spec), step=entry.get("step"), name=entry.get("name"),
-                              node_local=spec.get("node_local", False))
+        reader = TieredReader(
+            **tiers(spec),
+            step=entry.get("step"),
+            name=entry.get("name"),
+            node_local=spec.get("node_local", False),
+        )
         dcp.load(state, storage_reader=reader)
         set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
         d = digest(model, optim)
@@ -159,8 +166,9 @@ def load(spec: dict[str, Any]) -> None:
 def policy(text: str):  # "last:2|every:10" -> keep_last(2) | keep_every(10)
     from tierstore.lifecycle import retention
 
-    parts = [getattr(retention, f"keep_{kind}")(int(arg)) for kind, arg in
-             (p.split(":") for p in text.split("|"))]
+    parts = [
+        getattr(retention, f"keep_{kind}")(int(arg)) for kind, arg in (p.split(":") for p in text.split("|"))
+    ]
     result = parts[0]
     for part in parts[1:]:
         result = result | part
@@ -174,8 +182,12 @@ def manager(spec: dict[str, Any]) -> None:
     world = dist.get_world_size()
     model, optim = build(0, world)
     out = Path(spec["out"])
-    mgr = CheckpointManager(**tiers(spec), save_every=spec["save_every"],
-                            hot_policy=policy(spec["hot_policy"]), cold_policy=policy(spec["cold_policy"]))
+    mgr = CheckpointManager(
+        **tiers(spec),
+        save_every=spec["save_every"],
+        hot_policy=policy(spec["hot_policy"]),
+        cold_policy=policy(spec["cold_policy"]),
+    )
     msd, osd = get_state_dict(model, optim)
     assert mgr.load_latest({"model": msd, "optim": osd, "extra": {"step": -1}}) is None
     for step in range(1, spec["steps"] + 1):
@@ -250,10 +262,21 @@ def manager_cold_down(spec: dict[str, Any]) -> None:
 
     rank, out = dist.get_rank(), Path(spec["out"])
     retry = RetryPolicy(attempts=2, deadline=2.0, initial=0.01, maximum=0.05)
-    options = {"endpoint_url": spec["endpoint"], "key": "testing", "secret": "testing",
-               "region": "us-west-2", "retry": retry}
-    mgr = CheckpointManager(tiers(spec)["hot"], spec["cold"], cold_options=options, node_local=True,
-                            hot_min_free=None, migration=MigrationConfig(retry=retry, commit_timeout=5))
+    options = {
+        "endpoint_url": spec["endpoint"],
+        "key": "testing",
+        "secret": "testing",
+        "region": "us-west-2",
+        "retry": retry,
+    }
+    mgr = CheckpointManager(
+        tiers(spec)["hot"],
+        spec["cold"],
+        cold_options=options,
+        node_local=True,
+        hot_min_free=None,
+        migration=MigrationConfig(retry=retry, commit_timeout=5),
+    )
     model, optim = build(0, dist.get_world_size())
     msd, osd = get_state_dict(model, optim)
     state = {"model": msd, "optim": osd, "extra": {"step": -1}}
@@ -290,8 +313,9 @@ def manager_node_local_resume(spec: dict[str, Any]) -> None:
     config = MigrationConfig(retry=retry, commit_timeout=20, poll_interval=0.05)
     model, optim = build(0, dist.get_world_size())
     blocked = Path(spec["blocker"])
-    mgr = CheckpointManager(tiers(spec)["hot"], str(blocked / "cold"), node_local=True,
-                            hot_min_free=None, migration=config)
+    mgr = CheckpointManager(
+        tiers(spec)["hot"], str(blocked / "cold"), node_local=True, hot_min_free=None, migration=config
+    )
     for step in (1, 2):
         msd, osd = get_state_dict(model, optim)
         mgr.save(step, {"model": msd, "optim": osd, "extra": {"step": step}}, force=True)
@@ -304,21 +328,27 @@ def manager_node_local_resume(spec: dict[str, Any]) -> None:
     if rank == 0:
         blocked.unlink()  # the cold tier is reachable again
     dist.barrier()
-    again = CheckpointManager(tiers(spec)["hot"], str(blocked / "cold"), node_local=True,
-                              hot_min_free=None, migration=config)
+    again = CheckpointManager(
+        tiers(spec)["hot"], str(blocked / "cold"), node_local=True, hot_min_free=None, migration=config
+    )
     again.close(timeout=60)
     dist.barrier()  # the coordinator's close returns once it has committed: then look
-    result = {"first": first,
-              "cold": [c.step for c in list_checkpoints(None, str(blocked / "cold"))]}
+    result = {"first": first, "cold": [c.step for c in list_checkpoints(None, str(blocked / "cold"))]}
     (out / f"node-local-resume-rank{rank}.json").write_text(json.dumps(result))
 
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    ops = {"train_save": train_save, "load": load, "manager": manager, "manager_load": manager_load,
-           "manager_fallback": manager_fallback, "manager_cold_down": manager_cold_down,
-           "manager_node_local_resume": manager_node_local_resume}
+    ops = {
+        "train_save": train_save,
+        "load": load,
+        "manager": manager,
+        "manager_load": manager_load,
+        "manager_fallback": manager_fallback,
+        "manager_cold_down": manager_cold_down,
+        "manager_node_local_resume": manager_node_local_resume,
+    }
     ops[spec["op"]](spec)
     leave_cleanly()
 

@@ -97,6 +97,7 @@ def doc_files() -> list[Path]:
 
 # -- the locations the docs use, and the fixtures for what they elide ---------------------------
 
+
 @dataclass(frozen=True)
 class Ctx:
     """One block's run: its own directory and its own bucket."""
@@ -151,9 +152,18 @@ def _training(ctx: Ctx) -> dict[str, Any]:
         scheduler.step()
 
     # 500 steps: the blocks save every 500, so the loop ends with one real save.
-    return {"dataset": dataset, "model": model, "optimizer": optimizer, "optim": optimizer,
-            "scheduler": scheduler, "loader": loader, "loss_fn": loss_fn,
-            "train_one_step": train_one_step, "total_steps": 500, "total": 500}
+    return {
+        "dataset": dataset,
+        "model": model,
+        "optimizer": optimizer,
+        "optim": optimizer,
+        "scheduler": scheduler,
+        "loader": loader,
+        "loss_fn": loss_fn,
+        "train_one_step": train_one_step,
+        "total_steps": 500,
+        "total": 500,
+    }
 
 
 def loss_fn(model: Any, batch: Any) -> Any:
@@ -174,8 +184,16 @@ def _tensors(ctx: Ctx) -> dict[str, Any]:
     from tierstore import TieredWriter
 
     state = {"w": torch.arange(12.0).reshape(3, 4), "step": torch.tensor(7)}
-    return {"dist": dist, "dcp": dcp, "TieredWriter": TieredWriter, "state": state, "step": 7,
-            "hot": ctx.hot, "cold": ctx.cold, "ckpt_group": dist.new_group(backend="gloo")}
+    return {
+        "dist": dist,
+        "dcp": dcp,
+        "TieredWriter": TieredWriter,
+        "state": state,
+        "step": 7,
+        "hot": ctx.hot,
+        "cold": ctx.cold,
+        "ckpt_group": dist.new_group(backend="gloo"),
+    }
 
 
 def _committed(ctx: Ctx, *, cold: bool) -> dict[str, Any]:
@@ -241,6 +259,7 @@ def _check_checkpoint(step: int, *, cold: bool) -> Callable[[dict[str, Any], Ctx
         assert [c.step for c in list_checkpoints(ctx.hot)] == [step]
         if cold:
             assert [c.step for c in list_checkpoints(None, ctx.cold)] == [step]
+
     return check
 
 
@@ -280,27 +299,46 @@ Check = Callable[[dict[str, Any], Ctx], None]
 # (file, index among its Python blocks) -> (the block's first line, setup, check after it runs).
 # The first line guards the index: a block added above another one fails loudly, not silently.
 SETUPS: dict[tuple[str, int], tuple[str, Setup | None, Check | None]] = {
-    ("README.md", 0): ("from tierstore import CheckpointManager, TrainingState, keep_every, keep_last",
-                       _training, _check_checkpoint(500, cold=True)),
-    ("README.md", 1): ("import torch.distributed as dist", _tensors,
-                       _check_checkpoint(1200, cold=False)),
-    ("docs/index.md", 1): ("from tierstore import Store, TieredWriter, list_checkpoints, prune",
-                           None, None),
-    ("docs/index.md", 4): ('ckpt_group = dist.new_group(backend="gloo")', _tensors,
-                           _check_checkpoint(7, cold=False)),
-    ("docs/migration.md", 0): ('writer = TieredWriter(hot="/nvme/run1", cold="s3://bucket/run1", step=step)',
-                               _tensors, _check_checkpoint(7, cold=False)),
-    ("docs/migration.md", 1): ("from tierstore import migrate_pending",
-                               lambda ctx: _committed(ctx, cold=False), _check_migrated),
-    ("docs/migration.md", 2): ("writer.migrator.status()     # [MigrationStatus(name, attempt, step, state, rank, bytes_total,",
-                               lambda ctx: _committed(ctx, cold=True), None),
-    ("docs/migration.md", 3): ("from tierstore import migration_status, wait_for_migrations",
-                               lambda ctx: _committed(ctx, cold=True), None),
+    ("README.md", 0): (
+        "from tierstore import CheckpointManager, TrainingState, keep_every, keep_last",
+        _training,
+        _check_checkpoint(500, cold=True),
+    ),
+    ("README.md", 1): ("import torch.distributed as dist", _tensors, _check_checkpoint(1200, cold=False)),
+    ("docs/index.md", 1): ("from tierstore import Store, TieredWriter, list_checkpoints, prune", None, None),
+    ("docs/index.md", 4): (
+        'ckpt_group = dist.new_group(backend="gloo")',
+        _tensors,
+        _check_checkpoint(7, cold=False),
+    ),
+    ("docs/migration.md", 0): (
+        'writer = TieredWriter(hot="/nvme/run1", cold="s3://bucket/run1", step=step)',
+        _tensors,
+        _check_checkpoint(7, cold=False),
+    ),
+    ("docs/migration.md", 1): (
+        "from tierstore import migrate_pending",
+        lambda ctx: _committed(ctx, cold=False),
+        _check_migrated,
+    ),
+    ("docs/migration.md", 2): (
+        "writer.migrator.status()     # [MigrationStatus(name, attempt, step, state, rank, bytes_total,",
+        lambda ctx: _committed(ctx, cold=True),
+        None,
+    ),
+    ("docs/migration.md", 3): (
+        "from tierstore import migration_status, wait_for_migrations",
+        lambda ctx: _committed(ctx, cold=True),
+        None,
+    ),
     ("docs/migration.md", 5): ("from tierstore import restore", _node_replaced, _check_restored),
     ("docs/operations.md", 2): ("import torch", None, _check_best),
     ("docs/plugins.md", 0): ("import pytest", _plugin, _check_plugin),
-    ("docs/training-state.md", 0): ("from tierstore import (CheckpointManager, ResumableLoader, ResumableSampler, TimeCadence,",
-                                    _training, _check_checkpoint(500, cold=True)),
+    ("docs/training-state.md", 0): (
+        "from tierstore import (CheckpointManager, ResumableLoader, ResumableSampler, TimeCadence,",
+        _training,
+        _check_checkpoint(500, cold=True),
+    ),
     ("docs/training-state.md", 1): ("from tierstore import ResumePlanner", _trained, _check_loaded),
     ("docs/training-state.md", 2): ("from tierstore import Probe", _probed, _check_report),
     ("docs/training-state.md", 3): ("from tierstore import TimeCadence, optimal_interval", _cadence, None),
@@ -325,6 +363,7 @@ def __getattr__(name: str) -> Any:
 
 
 # -- the worker --------------------------------------------------------------------------------
+
 
 def run_block(request: dict[str, Any]) -> dict[str, Any]:
     """Run one block in a fresh namespace and directory; ``{"ok": ..., "error": traceback}``."""

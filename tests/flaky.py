@@ -30,8 +30,11 @@ class FlakyBackend(LocalBackend):
         if FAILURES[self.root][op] > 0:
             FAILURES[self.root][op] -= 1
             error = StorageError if self.permanent else TransientStorageError
-            raise error("503 SlowDown (injected)" if not self.permanent else "403 AccessDenied (injected)",
-                        key=key, tier=self.label)
+            raise error(
+                "503 SlowDown (injected)" if not self.permanent else "403 AccessDenied (injected)",
+                key=key,
+                tier=self.label,
+            )
 
     def open_write(self, key: str) -> ObjectWriter:
         self._call("open_write", key)

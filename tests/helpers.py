@@ -45,8 +45,12 @@ def state_for(step: int, shape: tuple[int, ...] = SHAPE) -> dict[str, Any]:
 
 def blank(shape: tuple[int, ...] = SHAPE) -> dict[str, Any]:
     """A load target of :func:`state_for`'s structure holding none of its values."""
-    return {"w": torch.zeros(*shape), "b": torch.zeros(7, dtype=torch.bfloat16),
-            "i": torch.zeros(10, dtype=torch.long), "extra": {"step": -1, "note": ""}}
+    return {
+        "w": torch.zeros(*shape),
+        "b": torch.zeros(7, dtype=torch.bfloat16),
+        "i": torch.zeros(10, dtype=torch.long),
+        "extra": {"step": -1, "note": ""},
+    }
 
 
 def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
@@ -60,11 +64,19 @@ def matches(state: dict[str, Any], step: int, shape: tuple[int, ...] = SHAPE) ->
     """Does ``state`` hold exactly what was saved at ``step``?"""
     want = state_for(step, shape)
     return state["extra"] == want["extra"] and all(
-        state[k].dtype == want[k].dtype and torch.equal(state[k], want[k]) for k in ("w", "b", "i"))
+        state[k].dtype == want[k].dtype and torch.equal(state[k], want[k]) for k in ("w", "b", "i")
+    )
 
 
-def save(hot: str, step: int, cold: str | None = None, *, shape: tuple[int, ...] = SHAPE,
-         migrated: bool = False, **writer_options: Any) -> TieredWriter:
+def save(
+    hot: str,
+    step: int,
+    cold: str | None = None,
+    *,
+    shape: tuple[int, ...] = SHAPE,
+    migrated: bool = False,
+    **writer_options: Any,
+) -> TieredWriter:
     """Save :func:`state_for` ``step``; ``migrated``: also wait until the cold copy commits."""
     writer = TieredWriter(hot, cold, step=step, **writer_options)
     dcp.save(state_for(step, shape), storage_writer=writer)
@@ -73,8 +85,9 @@ def save(hot: str, step: int, cold: str | None = None, *, shape: tuple[int, ...]
     return writer
 
 
-def load(hot: str | None, cold: str | None = None, *, shape: tuple[int, ...] = SHAPE,
-         **reader_options: Any) -> tuple[dict[str, Any], TieredReader]:
+def load(
+    hot: str | None, cold: str | None = None, *, shape: tuple[int, ...] = SHAPE, **reader_options: Any
+) -> tuple[dict[str, Any], TieredReader]:
     """Load into :func:`blank`; returns the loaded state and the reader (which names the tier)."""
     target, reader = blank(shape), TieredReader(hot, cold, **reader_options)
     dcp.load(target, storage_reader=reader)

@@ -33,19 +33,36 @@ def free_port() -> int:
 def torchrun_env(rank: int, world: int, port: int) -> dict[str, str]:
     """What torchrun sets for one rank on one host, plus unbuffered output and one OpenMP
     thread (ranks share a few cores)."""
-    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-            "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-            "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "PYTHONUNBUFFERED": "1",
+        "OMP_NUM_THREADS": "1",
+    }
 
 
-def start_rank(command: Sequence[str], env: Mapping[str, str], *, cwd: Path | None = None,
-               output: IO[bytes] | int | None = None) -> subprocess.Popen[bytes]:
+def start_rank(
+    command: Sequence[str],
+    env: Mapping[str, str],
+    *,
+    cwd: Path | None = None,
+    output: IO[bytes] | int | None = None,
+) -> subprocess.Popen[bytes]:
     """Start one rank in a session of its own, so that :func:`kill_group` also ends the
     helper processes it starts (DCP's PROCESS-mode stagers). ``output`` takes its stdout
     and stderr together; ``None`` leaves both to this process's."""
-    return subprocess.Popen(list(command), cwd=cwd, env=dict(env), stdout=output,
-                            stderr=subprocess.STDOUT if output is not None else None,
-                            start_new_session=True)
+    return subprocess.Popen(
+        list(command),
+        cwd=cwd,
+        env=dict(env),
+        stdout=output,
+        stderr=subprocess.STDOUT if output is not None else None,
+        start_new_session=True,
+    )
 
 
 def wait_ranks(procs: Sequence[subprocess.Popen[bytes]], timeout: float, grace: float) -> None:
@@ -88,23 +105,33 @@ class JobResult:
         return all(r.returncode == 0 for r in self.ranks)
 
     def describe(self) -> str:
-        return "\n".join(
-            f"--- rank {r.rank} exit {r.returncode}\n{r.output[-4000:]}" for r in self.ranks
-        )
+        return "\n".join(f"--- rank {r.rank} exit {r.returncode}\n{r.output[-4000:]}" for r in self.ranks)
 
 
-def run_job(spec: dict[str, Any], world: int, *, env: dict[str, str] | None = None,
-            rank_env: dict[int, dict[str, str]] | None = None, timeout: float = 180,
-            grace: float = 3.0, script: Path = JOB) -> JobResult:
+def run_job(
+    spec: dict[str, Any],
+    world: int,
+    *,
+    env: dict[str, str] | None = None,
+    rank_env: dict[int, dict[str, str]] | None = None,
+    timeout: float = 180,
+    grace: float = 3.0,
+    script: Path = JOB,
+) -> JobResult:
     """Run ``script`` with ``spec`` on ``world`` ranks; return every rank's exit and output."""
     port = free_port()
     procs = []
     for rank in range(world):
-        penv = {**os.environ, **(env or {}), **((rank_env or {}).get(rank, {})),
-                **torchrun_env(rank, world, port),
-                "PYTHONFAULTHANDLER": "1"}  # a fatal signal prints every thread's stack
-        procs.append(start_rank([sys.executable, str(script), json.dumps(spec)], penv,
-                                output=subprocess.PIPE))
+        penv = {
+            **os.environ,
+            **(env or {}),
+            **((rank_env or {}).get(rank, {})),
+            **torchrun_env(rank, world, port),
+            "PYTHONFAULTHANDLER": "1",
+        }  # a fatal signal prints every thread's stack
+        procs.append(
+            start_rank([sys.executable, str(script), json.dumps(spec)], penv, output=subprocess.PIPE)
+        )
     wait_ranks(procs, timeout, grace)
     for p in procs:
         if p.poll() is None:

@@ -57,8 +57,13 @@ class Net(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, dim)
         self.blocks = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 2 * dim), nn.GELU(), nn.Dropout(0.2),
-                          nn.Linear(2 * dim, dim))
+            nn.Sequential(
+                nn.LayerNorm(dim),
+                nn.Linear(dim, 2 * dim),
+                nn.GELU(),
+                nn.Dropout(0.2),
+                nn.Linear(2 * dim, dim),
+            )
             for _ in range(2)
         )
         self.head = nn.Linear(dim, VOCAB)
@@ -99,8 +104,13 @@ def mean_over_ranks(loss: torch.Tensor) -> float:
     return float(total.item() / dist.get_world_size())
 
 
-def train(ts: TrainingState, managers: list[tuple[CheckpointManager, TrainingState]], steps: int,
-          losses: Path, kill_at: dict[str, int] | None = None) -> None:
+def train(
+    ts: TrainingState,
+    managers: list[tuple[CheckpointManager, TrainingState]],
+    steps: int,
+    losses: Path,
+    kill_at: dict[str, int] | None = None,
+) -> None:
     assert isinstance(ts.sampler, ResumableLoader)
     batches = ts.sampler.endless()
     for step in range(ts.step + 1, steps + 1):
@@ -132,8 +142,10 @@ def views(ts: TrainingState, exclude: list[str]) -> TrainingState:
 def op_train(spec: dict[str, Any]) -> None:
     out = Path(spec["out"])
     ts = build()
-    managers = [(CheckpointManager(run["hot"], save_every=spec["save_every"]), views(ts, run["exclude"]))
-                for run in spec["runs"]]
+    managers = [
+        (CheckpointManager(run["hot"], save_every=spec["save_every"]), views(ts, run["exclude"]))
+        for run in spec["runs"]
+    ]
     train(ts, managers, spec["steps"], out / "losses-train.jsonl", spec.get("kill_at"))
     for manager, _ in managers:
         manager.close()
@@ -155,7 +167,9 @@ def op_resume(spec: dict[str, Any]) -> None:
         train(ts, [(manager, ts)], spec["steps"], losses)
         manager.close()
         if dist.get_rank() == 0:
-            data = {k: v for k, v in ts.sampler.state_dict().items() if k in ("epoch", "position", "world_size")}
+            data = {
+                k: v for k, v in ts.sampler.state_dict().items() if k in ("epoch", "position", "world_size")
+            }
             (out / f"data-{run['tag']}.json").write_text(json.dumps(data))
 
 

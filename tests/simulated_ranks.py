@@ -25,8 +25,9 @@ def rank_state(rank: int, step: int = 1) -> dict[str, torch.Tensor]:
     return {f"r{rank}.a": base, f"r{rank}.b": -base}
 
 
-def save_ranks(world: int, hot: str | Store, cold: str | None = None, *, step: int = 1,
-               **writer_options: Any) -> tuple[Manifest, list[TieredWriter]]:
+def save_ranks(
+    world: int, hot: str | Store, cold: str | None = None, *, step: int = 1, **writer_options: Any
+) -> tuple[Manifest, list[TieredWriter]]:
     """Commit step ``step`` as saved by ``world`` ranks; the manifest and every rank's writer.
 
     Exceptions raised by the writer (in ``prepare_global_plan``, say) propagate as they are.
@@ -36,8 +37,9 @@ def save_ranks(world: int, hot: str | Store, cold: str | None = None, *, step: i
     local = []
     for rank, (writer, planner) in enumerate(zip(writers, planners)):
         writer.reset()
-        planner.set_up_planner(state_dict=rank_state(rank, step), storage_meta=writer.storage_meta(),
-                               is_coordinator=rank == 0)
+        planner.set_up_planner(
+            state_dict=rank_state(rank, step), storage_meta=writer.storage_meta(), is_coordinator=rank == 0
+        )
         writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
         local.append(writer.prepare_local_plan(planner.create_local_plan()))
     plans, metadata = planners[0].create_global_plan(local)

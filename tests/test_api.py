@@ -11,10 +11,25 @@ import pytest
 
 import tierstore
 
-OLD = ["latest_checkpoint", "find_garbage", "restore_checkpoint", "verify_checkpoint", "Health",
-       "Manifest", "FileEntry", "MigrationState", "MigrationStatus", "RestoreReport",
-       "CadencePlan", "ResumeReport", "BackendNotFound", "PublishConflict", "UnsafeType",
-       "InvalidManifest", "ChecksumMismatch"]
+OLD = [
+    "latest_checkpoint",
+    "find_garbage",
+    "restore_checkpoint",
+    "verify_checkpoint",
+    "Health",
+    "Manifest",
+    "FileEntry",
+    "MigrationState",
+    "MigrationStatus",
+    "RestoreReport",
+    "CadencePlan",
+    "ResumeReport",
+    "BackendNotFound",
+    "PublishConflict",
+    "UnsafeType",
+    "InvalidManifest",
+    "ChecksumMismatch",
+]
 
 
 def test_the_public_api_is_about_thirty_names_one_per_job() -> None:

@@ -22,6 +22,7 @@ from tierstore.testing import BackendContract
 
 class TestLocalContract(BackendContract):
     versions = True
+
     @pytest.fixture
     def backend(self, tmp_path: Path) -> LocalBackend:
         return LocalBackend(str(tmp_path / "root"))

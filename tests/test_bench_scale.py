@@ -90,8 +90,7 @@ def test_load_sample_keeps_ends() -> None:
     assert len(sample) == 16 and {0, 1, 4095} <= set(sample)
 
 
-def test_report_renders_and_splices(runs: dict[int, tuple[SimRun, Measurement]],
-                                    tmp_path: Path) -> None:
+def test_report_renders_and_splices(runs: dict[int, tuple[SimRun, Measurement]], tmp_path: Path) -> None:
     ms = [m for _, m in runs.values()]
     assert [Measurement.from_json(m.to_json()) for m in ms] == ms
     targets = judge(ms)

@@ -36,8 +36,14 @@ def test_summarize_gives_median_min_max_and_count() -> None:
 
 
 def test_by_variant_leaves_out_errors_and_missing_fields() -> None:
-    records = [rec("a", 0, t=1.0), rec("a", 1, t=3.0), rec("a", 2, t=100.0, error="boom"),
-               rec("b", 0), rec("b", 1, t=None), rec("c", 0, t=5.0)]
+    records = [
+        rec("a", 0, t=1.0),
+        rec("a", 1, t=3.0),
+        rec("a", 2, t=100.0, error="boom"),
+        rec("b", 0),
+        rec("b", 1, t=None),
+        rec("c", 0, t=5.0),
+    ]
     summaries = by_variant(records, "t")
     assert summaries["a"]["median"] == 2.0 and summaries["a"]["n"] == 2.0
     assert "b" not in summaries
@@ -45,22 +51,27 @@ def test_by_variant_leaves_out_errors_and_missing_fields() -> None:
 
 
 def test_merge_ranks_takes_the_slowest_rank_and_sums_bytes_and_cpu() -> None:
-    per_rank = [rec("x", 0, rank=0, stall=1.0, bytes=10, cpu=0.5),
-                rec("x", 0, rank=1, stall=3.0, bytes=20, cpu=1.5),
-                rec("x", 1, rank=0, stall=2.0, bytes=10, cpu=0.1),
-                rec("x", 1, rank=1, stall=None, bytes=10, cpu=0.1, error="rank 1 failed")]
-    merged = {m["rep"]: m for m in merge_ranks(per_rank, ("variant", "rep"), ("stall",),
-                                               ("bytes", "cpu"))}
+    per_rank = [
+        rec("x", 0, rank=0, stall=1.0, bytes=10, cpu=0.5),
+        rec("x", 0, rank=1, stall=3.0, bytes=20, cpu=1.5),
+        rec("x", 1, rank=0, stall=2.0, bytes=10, cpu=0.1),
+        rec("x", 1, rank=1, stall=None, bytes=10, cpu=0.1, error="rank 1 failed"),
+    ]
+    merged = {m["rep"]: m for m in merge_ranks(per_rank, ("variant", "rep"), ("stall",), ("bytes", "cpu"))}
     assert merged[0] == {"variant": "x", "rep": 0, "stall": 3.0, "bytes": 30, "cpu": 2.0}
     assert merged[1]["stall"] == 2.0 and merged[1]["bytes"] == 20
     assert merged[1]["error"] == "rank 1 failed"
 
 
 def test_paired_ratios_compare_cases_of_the_same_rep_only() -> None:
-    records = [rec("num", 0, t=2.0), rec("den", 0, t=1.0),
-               rec("num", 1, t=9.0), rec("den", 1, t=3.0),
-               rec("num", 2, t=4.0),  # its baseline failed: no pair in rep 2
-               rec("den", 2, t=4.0, error="boom")]
+    records = [
+        rec("num", 0, t=2.0),
+        rec("den", 0, t=1.0),
+        rec("num", 1, t=9.0),
+        rec("den", 1, t=3.0),
+        rec("num", 2, t=4.0),  # its baseline failed: no pair in rep 2
+        rec("den", 2, t=4.0, error="boom"),
+    ]
     pair = paired_ratios(records, "t", "num", "den")
     assert pair == {"median": 2.5, "min": 2.0, "max": 3.0, "n": 2.0}
     assert paired_ratios(records, "t", "num", "absent") is None
@@ -75,17 +86,24 @@ def test_med_and_div_answer_none_for_what_is_missing() -> None:
 
 
 def test_throughput_is_bytes_over_time_per_variant() -> None:
-    records = [rec("w", 0, bytes=100 * MiB, commit=2.0), rec("w", 1, bytes=100 * MiB, commit=4.0),
-               rec("w", 2, bytes=100 * MiB, commit=1.0), rec("w", 3, bytes=100 * MiB, commit=0.0),
-               rec("w", 4, bytes=100 * MiB, commit=1.0, error="failed")]
+    records = [
+        rec("w", 0, bytes=100 * MiB, commit=2.0),
+        rec("w", 1, bytes=100 * MiB, commit=4.0),
+        rec("w", 2, bytes=100 * MiB, commit=1.0),
+        rec("w", 3, bytes=100 * MiB, commit=0.0),
+        rec("w", 4, bytes=100 * MiB, commit=1.0, error="failed"),
+    ]
     rate = A.throughput(records, "commit")["w"]
     assert rate["median"] == 50 * MiB  # of 100, 50 and 25 MiB/s; zero durations are left out
     assert (rate["min"], rate["max"], rate["n"]) == (25 * MiB, 100 * MiB, 3.0)
 
 
 def test_cpu_per_gib_scales_cpu_seconds_to_a_gib() -> None:
-    records = [rec("w", 0, cpu=1.0, bytes=GiB // 2), rec("w", 1, cpu=4.0, bytes=GiB),
-               rec("v", 0, cpu=0.0, bytes=GiB)]
+    records = [
+        rec("w", 0, cpu=1.0, bytes=GiB // 2),
+        rec("w", 1, cpu=4.0, bytes=GiB),
+        rec("v", 0, cpu=0.0, bytes=GiB),
+    ]
     per_gib = A.cpu_per_gib(records)
     assert per_gib["w"]["min"] == 2.0 and per_gib["w"]["max"] == 4.0
     assert "v" not in per_gib  # no CPU time recorded
@@ -99,26 +117,42 @@ def test_fsync_share_is_the_upper_median_of_the_disk_baselines_shares() -> None:
 
 
 def test_best_of_takes_the_smallest_value_per_variant() -> None:
-    records = [rec("a", 0, t=3.0), rec("a", 1, t=1.5), rec("a", 2, t=0.1, error="x"),
-               rec("b", 0, t=None), rec("b", 1, t=7.0)]
+    records = [
+        rec("a", 0, t=3.0),
+        rec("a", 1, t=1.5),
+        rec("a", 2, t=0.1, error="x"),
+        rec("b", 0, t=None),
+        rec("b", 1, t=7.0),
+    ]
     assert A.best_of(records, "t") == {"a": 1.5, "b": 7.0}
 
 
 def test_paired_medians_of_a_cold_down_mode() -> None:
     records = []
     for rep, (sync, base) in enumerate(((2.0, 1.0), (3.0, 1.0), (1.0, 1.0))):
-        records += [{"variant": "sync@stall", "kind": "sync", "against": "stall", "rep": rep,
-                     "commit": sync},
-                    {"variant": "sync@hot_only/stall", "kind": "sync", "against": "stall",
-                     "rep": rep, "commit": base}]
+        records += [
+            {"variant": "sync@stall", "kind": "sync", "against": "stall", "rep": rep, "commit": sync},
+            {
+                "variant": "sync@hot_only/stall",
+                "kind": "sync",
+                "against": "stall",
+                "rep": rep,
+                "commit": base,
+            },
+        ]
     # sync commit ratios 2, 3, 1: median 2; no async saves were measured
     assert A.paired_medians(records, "stall") == [2.0, None, None]
     assert A.paired_medians(records, "refuse") == [None, None, None]
 
 
 def test_migration_states_add_up_sync_and_async() -> None:
-    suite = {"migrations": {"sync@refuse": {"failed": 2, "pending": 1},
-                            "async@refuse": {"failed": 3}, "sync@healthy": {"committed": 5}}}
+    suite = {
+        "migrations": {
+            "sync@refuse": {"failed": 2, "pending": 1},
+            "async@refuse": {"failed": 3},
+            "sync@healthy": {"committed": 5},
+        }
+    }
     assert A.migration_states(suite, "refuse") == {"failed": 5, "pending": 1}
     assert A.migration_states(suite, "deny_writes") == {}
 
@@ -130,10 +164,17 @@ def test_ordered_puts_known_names_first_then_the_rest_alphabetically() -> None:
 # -- targets ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("op", "value", "met"), [
-    ("<=", 0.5, True), ("<=", 1.0, True), ("<=", 1.01, False),
-    (">=", 1.0, True), (">=", 0.99, False), (">=", None, None),
-])
+@pytest.mark.parametrize(
+    ("op", "value", "met"),
+    [
+        ("<=", 0.5, True),
+        ("<=", 1.0, True),
+        ("<=", 1.01, False),
+        (">=", 1.0, True),
+        (">=", 0.99, False),
+        (">=", None, None),
+    ],
+)
 def test_target_met_compares_value_and_bound(op: str, value: float | None, met: bool | None) -> None:
     t = A.Target("k", "1", "what", value, op, 1.0, "ours")
     assert t.met is met
@@ -153,15 +194,13 @@ def save_suite() -> dict[str, Any]:
     size = 256 * MiB
     records = []
     for rep, scale in enumerate((1.0, 3.0)):
-        records += [rec("fsw_sync", rep, stall=1.0 * scale, commit=1.0 * scale, bytes=size,
-                        growth_save=100.0),
-                    rec("fsw_async", rep, stall=0.2 * scale, commit=1.0 * scale, bytes=size,
-                        growth_save=200.0),
-                    rec("tiered_sync", rep, stall=1.0 * scale, commit=0.5 * scale, bytes=size,
-                        growth_save=120.0),
-                    rec("tiered_async", rep, stall=0.1 * scale, commit=1.0 * scale, bytes=size,
-                        growth_save=200.0),
-                    rec("disk_sync", rep, stall=0.25 * scale, commit=0.25 * scale, bytes=size)]
+        records += [
+            rec("fsw_sync", rep, stall=1.0 * scale, commit=1.0 * scale, bytes=size, growth_save=100.0),
+            rec("fsw_async", rep, stall=0.2 * scale, commit=1.0 * scale, bytes=size, growth_save=200.0),
+            rec("tiered_sync", rep, stall=1.0 * scale, commit=0.5 * scale, bytes=size, growth_save=120.0),
+            rec("tiered_async", rep, stall=0.1 * scale, commit=1.0 * scale, bytes=size, growth_save=200.0),
+            rec("disk_sync", rep, stall=0.25 * scale, commit=0.25 * scale, bytes=size),
+        ]
     return {str(size): records}
 
 
@@ -194,11 +233,15 @@ def test_memory_targets_compare_peak_growth_of_the_same_mode() -> None:
 
 
 def test_latency_targets_compare_the_highest_delay_with_none() -> None:
-    records = [rec(f"{writer}@{ms}ms", rep, stall=stall)
-               for rep in range(2)
-               for writer, stalls in (("tiered_async", {0: 1.0, 200: 1.1}),
-                                      ("fsspec_sync", {0: 1.0, 50: 2.0, 200: 4.0}))
-               for ms, stall in stalls.items()]
+    records = [
+        rec(f"{writer}@{ms}ms", rep, stall=stall)
+        for rep in range(2)
+        for writer, stalls in (
+            ("tiered_async", {0: 1.0, 200: 1.1}),
+            ("fsspec_sync", {0: 1.0, 50: 2.0, 200: 4.0}),
+        )
+        for ms, stall in stalls.items()
+    ]
     suite = {"latency": {"records": records}}
     assert A.latency_summary(results(**suite))["fsspec_sync"] == {0: 1.0, 50: 2.0, 200: 4.0}
     found = A.latency_targets(results(**suite))
@@ -210,12 +253,38 @@ def test_latency_targets_compare_the_highest_delay_with_none() -> None:
 def migration_suite() -> dict[str, Any]:
     records = []
     for rep in range(2):
-        records += [{"variant": "tiered", "group": "sweep", "inflight": 4, "rep": rep,
-                     "bytes": 256 * MiB, "seconds": 2.0, "growth": 80.0},
-                    {"variant": "s3fs", "group": "sweep", "inflight": 4, "rep": rep,
-                     "bytes": 256 * MiB, "seconds": 1.0, "growth": 40.0}]
-    records += [{"variant": "tiered", "group": "sizes", "inflight": 4, "rep": 0,
-                 "bytes": 128 * MiB, "seconds": 1.0, "growth": g} for g in (60.0, 64.0)]
+        records += [
+            {
+                "variant": "tiered",
+                "group": "sweep",
+                "inflight": 4,
+                "rep": rep,
+                "bytes": 256 * MiB,
+                "seconds": 2.0,
+                "growth": 80.0,
+            },
+            {
+                "variant": "s3fs",
+                "group": "sweep",
+                "inflight": 4,
+                "rep": rep,
+                "bytes": 256 * MiB,
+                "seconds": 1.0,
+                "growth": 40.0,
+            },
+        ]
+    records += [
+        {
+            "variant": "tiered",
+            "group": "sizes",
+            "inflight": 4,
+            "rep": 0,
+            "bytes": 128 * MiB,
+            "seconds": 1.0,
+            "growth": g,
+        }
+        for g in (60.0, 64.0)
+    ]
     return {"records": records, "default_inflight": 4, "part_size": 16 * MiB}
 
 
@@ -243,12 +312,16 @@ def test_migration_targets() -> None:
 def test_load_targets_and_the_checksum_a_b() -> None:
     records = []
     for rep in range(3):
-        records += [rec("fsr_hot", rep, load=1.0), rec("tiered_hot", rep, load=1.25),
-                    rec("fsr_hot_warm", rep, load=0.5), rec("tiered_hot_warm", rep, load=0.5,
-                                                            cpu=1.0 + 0.02 * rep),
-                    rec("tiered_hot_nocrc_warm", rep, load=0.5, cpu=1.0),
-                    rec("fsspec_cold", rep, load=2.0), rec("tiered_cold", rep, load=2.0),
-                    rec("crc_only", rep, load=0.01)]
+        records += [
+            rec("fsr_hot", rep, load=1.0),
+            rec("tiered_hot", rep, load=1.25),
+            rec("fsr_hot_warm", rep, load=0.5),
+            rec("tiered_hot_warm", rep, load=0.5, cpu=1.0 + 0.02 * rep),
+            rec("tiered_hot_nocrc_warm", rep, load=0.5, cpu=1.0),
+            rec("fsspec_cold", rep, load=2.0),
+            rec("tiered_cold", rep, load=2.0),
+            rec("crc_only", rep, load=0.01),
+        ]
     found = A.load_targets(results(load={"records": records}))
     assert target(found, "load_hot").value == pytest.approx(0.8)
     assert target(found, "load_hot_warm").value == pytest.approx(1.0)
@@ -259,8 +332,10 @@ def test_load_targets_and_the_checksum_a_b() -> None:
 
 
 def test_scaling_targets_one_per_world_size() -> None:
-    by_ranks = {str(w): [rec("fsw_sync", 0, commit=1.0), rec("tiered_sync", 0, commit=c)]
-                for w, c in ((1, 0.9), (4, 1.2))}
+    by_ranks = {
+        str(w): [rec("fsw_sync", 0, commit=1.0), rec("tiered_sync", 0, commit=c)]
+        for w, c in ((1, 0.9), (4, 1.2))
+    }
     found = A.scaling_targets(results(scaling={"by_ranks": by_ranks}))
     assert [(t.key, t.met) for t in found] == [("scaling_1", True), ("scaling_4", False)]
 
@@ -269,11 +344,15 @@ def test_without_measurements_no_target_is_met_or_missed() -> None:
     assert all(t.met is None for t in A.all_targets(results()))
 
 
-@pytest.mark.parametrize(("detail", "bound", "expected"), [
-    ("per-rep 0.90x .. 1.10x", 1.0, True),
-    ("per-rep 0.90x .. 0.95x; CPU time 0.80x", 1.0, False),
-    ("", 1.0, False),
-])
+@pytest.mark.parametrize(
+    ("detail", "bound", "expected"),
+    [
+        ("per-rep 0.90x .. 1.10x", 1.0, True),
+        ("per-rep 0.90x .. 0.95x; CPU time 0.80x", 1.0, False),
+        ("", 1.0, False),
+    ],
+)
 def test_a_miss_is_noise_when_the_per_rep_band_straddles_the_bound(
-        detail: str, bound: float, expected: bool) -> None:
+    detail: str, bound: float, expected: bool
+) -> None:
     assert straddles(A.Target("k", "3", "what", 0.97, ">=", bound, "issue", detail=detail)) is expected

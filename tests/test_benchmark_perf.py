@@ -29,7 +29,8 @@ def test_the_state_is_a_model_and_its_optimizer_in_tensors_of_mixed_sizes() -> N
     assert state["train.progress"]["step"] == 1000
     blank = perf_common.blank_like(state)
     assert blank.keys() == state.keys() and blank["train.progress"] == dict.fromkeys(
-        state["train.progress"], -1)
+        state["train.progress"], -1
+    )
 
 
 def test_best_of_records_a_failing_case_once_and_rotates_the_order() -> None:
@@ -43,7 +44,10 @@ def test_best_of_records_a_failing_case_once_and_rotates_the_order() -> None:
 
     prepared: list[str] = []
     cases: dict[str, perf_common.Case] = {
-        "a": case("a"), "b": (lambda: prepared.append("b"), case("b")), "bad": broken}
+        "a": case("a"),
+        "b": (lambda: prepared.append("b"), case("b")),
+        "bad": broken,
+    }
     records = perf_common.best_of(cases, 100, 2, op="save")
     assert calls == ["a", "b", "a", "b", "b", "a"]  # warm-up, rep 0, rep 1 rotated
     assert prepared == ["b"] * 3
@@ -54,8 +58,10 @@ def test_best_of_records_a_failing_case_once_and_rotates_the_order() -> None:
 
 
 def test_tree_cpu_counts_the_cpu_of_a_live_child() -> None:
-    code = ("import os, sys, time\nx = 0\nfor i in range(3_000_000): x += i\n"
-            "t = os.times()\nprint(t.user + t.system, flush=True)\ntime.sleep(30)\n")
+    code = (
+        "import os, sys, time\nx = 0\nfor i in range(3_000_000): x += i\n"
+        "t = os.times()\nprint(t.user + t.system, flush=True)\ntime.sleep(30)\n"
+    )
     before = tree_cpu_seconds()
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
@@ -90,8 +96,9 @@ def test_the_unverified_arm_disables_verify_blocks_only_inside() -> None:
 
 
 def _cached_bytes(path: Path) -> int | None:
-    answer = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)],
-                            capture_output=True, text=True)
+    answer = subprocess.run(
+        ["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)], capture_output=True, text=True
+    )
     return int(answer.stdout.split()[0]) if answer.returncode == 0 and answer.stdout else None
 
 
@@ -104,8 +111,13 @@ def test_cold_loads_drop_the_files_from_the_page_cache(tmp_path: Path) -> None:
         pytest.skip("fincore missing, or this filesystem shows no page cache")
     perf_common.drop_from_cache(tmp_path)
     dropped = _cached_bytes(data)
-    if dropped == 4 * MiB and subprocess.run(["stat", "-f", "-c", "%T", str(data)], text=True,
-                                             capture_output=True).stdout.strip() == "tmpfs":
+    if (
+        dropped == 4 * MiB
+        and subprocess.run(
+            ["stat", "-f", "-c", "%T", str(data)], text=True, capture_output=True
+        ).stdout.strip()
+        == "tmpfs"
+    ):
         pytest.skip("tmpfs: its pages are the file, nothing to drop")
     assert dropped == 0
 
@@ -115,43 +127,100 @@ def test_cold_loads_drop_the_files_from_the_page_cache(tmp_path: Path) -> None:
 SIZE = 1 << 30
 
 
-def io_record(op: str, variant: str, place: str, seconds: float, cpu: float,
-              cache: str | None = None, rep: int = 0, **extra: Any) -> dict[str, Any]:
-    return {"op": op, "variant": variant, "place": place, "rep": rep, "bytes": SIZE,
-            "seconds": seconds, "cpu": cpu, **({"cache": cache} if cache else {}), **extra}
+def io_record(
+    op: str,
+    variant: str,
+    place: str,
+    seconds: float,
+    cpu: float,
+    cache: str | None = None,
+    rep: int = 0,
+    **extra: Any,
+) -> dict[str, Any]:
+    return {
+        "op": op,
+        "variant": variant,
+        "place": place,
+        "rep": rep,
+        "bytes": SIZE,
+        "seconds": seconds,
+        "cpu": cpu,
+        **({"cache": cache} if cache else {}),
+        **extra,
+    }
 
 
 def perf_results(raw: bool = True) -> dict[str, Any]:
-    io = [io_record("save", "fsw", "tmpfs", 2.0, 2.0), io_record("save", "fsw", "tmpfs", 1.0, 1.5, rep=1),
-          io_record("save", "raw_write", "disk", 1.0, 0.2, fsync=0.6),
-          io_record("save", "fsw", "disk", 3.0, 2.0),
-          io_record("load", "fsr", "tmpfs", 1.0, 1.0, "warm"),
-          io_record("load", "fsr", "disk", 1.0, 1.0, "warm"),
-          io_record("load", "fsr", "disk", 4.0, 1.0, "cold"),
-          io_record("crc", "crc_on", "tmpfs", 0.5, 0.40), io_record("crc", "crc_off", "tmpfs", 0.4, 0.36)]
+    io = [
+        io_record("save", "fsw", "tmpfs", 2.0, 2.0),
+        io_record("save", "fsw", "tmpfs", 1.0, 1.5, rep=1),
+        io_record("save", "raw_write", "disk", 1.0, 0.2, fsync=0.6),
+        io_record("save", "fsw", "disk", 3.0, 2.0),
+        io_record("load", "fsr", "tmpfs", 1.0, 1.0, "warm"),
+        io_record("load", "fsr", "disk", 1.0, 1.0, "warm"),
+        io_record("load", "fsr", "disk", 4.0, 1.0, "cold"),
+        io_record("crc", "crc_on", "tmpfs", 0.5, 0.40),
+        io_record("crc", "crc_off", "tmpfs", 0.4, 0.36),
+    ]
     if raw:
-        io += [io_record("save", "tiered_raw", "tmpfs", 0.5, 0.6),
-               io_record("save", "tiered_raw", "disk", 1.5, 0.6),
-               io_record("load", "tiered_raw_t1", "tmpfs", 0.6, 0.4, "warm"),
-               io_record("load", "tiered_raw_t4", "tmpfs", 0.5, 0.45, "warm"),
-               io_record("load", "tiered_raw_t1", "disk", 0.5, 0.4, "warm"),
-               io_record("load", "tiered_raw_t1", "disk", 3.0, 0.6, "cold")]
+        io += [
+            io_record("save", "tiered_raw", "tmpfs", 0.5, 0.6),
+            io_record("save", "tiered_raw", "disk", 1.5, 0.6),
+            io_record("load", "tiered_raw_t1", "tmpfs", 0.6, 0.4, "warm"),
+            io_record("load", "tiered_raw_t4", "tmpfs", 0.5, 0.45, "warm"),
+            io_record("load", "tiered_raw_t1", "disk", 0.5, 0.4, "warm"),
+            io_record("load", "tiered_raw_t1", "disk", 3.0, 0.6, "cold"),
+        ]
     else:
-        io += [{"variant": "tiered_raw", "rep": 0, "op": "save", "place": "tmpfs",
-                "unavailable": "TieredWriter takes no encoding="}]
-    stall = [{"variant": v, "rep": i, "first": i == 0, "bytes": SIZE, "stall": s * (3 if i == 0 else 1),
-              "staged": s, "durable": 2.0, "cpu": c}
-             for i in range(3) for v, s, c in (("sync_tiered", 2.0, 2.0), ("ours_reuse", 0.05, 1.0),
-                                                ("dcp_async", 0.01, 1.5),
-                                                ("torch_checkpointing", 0.001, 0.8))]
+        io += [
+            {
+                "variant": "tiered_raw",
+                "rep": 0,
+                "op": "save",
+                "place": "tmpfs",
+                "unavailable": "TieredWriter takes no encoding=",
+            }
+        ]
+    stall = [
+        {
+            "variant": v,
+            "rep": i,
+            "first": i == 0,
+            "bytes": SIZE,
+            "stall": s * (3 if i == 0 else 1),
+            "staged": s,
+            "durable": 2.0,
+            "cpu": c,
+        }
+        for i in range(3)
+        for v, s, c in (
+            ("sync_tiered", 2.0, 2.0),
+            ("ours_reuse", 0.05, 1.0),
+            ("dcp_async", 0.01, 1.5),
+            ("torch_checkpointing", 0.001, 0.8),
+        )
+    ]
     stall.append({"variant": "dcp_async_cached", "rep": 0, "error": "RuntimeError: needs CUDA"})
     features = {"encoding": None if raw else "TieredWriter takes no encoding="}
-    return {"started": "2026-12-01 00:00:00", "suites": {"perf": {
-        "io": {"bytes": SIZE, "reps": 2, "tensors": 265, "largest": 8 * MiB, "smallest": 4,
-               "features": features, "crc_hardware": True, "records": io,
-               "load_checks": {"disk": {"tiered_raw_t4": "loaded values differ"}}},
-        "stall": {"bytes": SIZE, "saves": 3, "hot": "tmpfs", "features": features,
-                  "records": stall}}}}
+    return {
+        "started": "2026-12-01 00:00:00",
+        "suites": {
+            "perf": {
+                "io": {
+                    "bytes": SIZE,
+                    "reps": 2,
+                    "tensors": 265,
+                    "largest": 8 * MiB,
+                    "smallest": 4,
+                    "features": features,
+                    "crc_hardware": True,
+                    "records": io,
+                    "load_checks": {"disk": {"tiered_raw_t4": "loaded values differ"}},
+                },
+                "stall": {"bytes": SIZE, "saves": 3, "hot": "tmpfs", "features": features, "records": stall},
+            }
+        },
+    }
 
 
 def by_key(results: dict[str, Any]) -> dict[str, Any]:
@@ -163,10 +232,11 @@ def test_targets_compare_the_best_of_each_side() -> None:
     assert t["save_cpu"].value == pytest.approx(0.6 / 1.5) and perf.met(t["save_cpu"])
     assert t["save_tmpfs"].value == pytest.approx(1.0 / 0.5) and perf.met(t["save_tmpfs"])
     assert t["save_disk"].value == pytest.approx(1.0 / 1.5) and perf.met(t["save_disk"]) is False
-    assert t["load_cpu_tmpfs_warm"].value == pytest.approx(0.4) and "tiered_raw_t1" in t[
-        "load_cpu_tmpfs_warm"].detail
-    assert t["load_rate_tmpfs_warm"].value == pytest.approx(2.0) and "t4" in t[
-        "load_rate_tmpfs_warm"].detail
+    assert (
+        t["load_cpu_tmpfs_warm"].value == pytest.approx(0.4)
+        and "tiered_raw_t1" in t["load_cpu_tmpfs_warm"].detail
+    )
+    assert t["load_rate_tmpfs_warm"].value == pytest.approx(2.0) and "t4" in t["load_rate_tmpfs_warm"].detail
     assert t["load_rate_disk_cold"].value == pytest.approx(4.0 / 3.0)
     assert t["crc_share"].value == pytest.approx(0.1) and perf.met(t["crc_share"]) is False
 

@@ -15,18 +15,46 @@ from benchmarks.report import template
 
 
 def test_a_wrapped_paragraph_becomes_one_line_and_elements_stay_apart() -> None:
-    lines = ["# Title", "", "A paragraph", "wrapped here.", "{table}", "| a | b |", "| c | d |",
-             "", "- an item", "  wrapped too", "- another", "", "{figure}", "last"]
+    lines = [
+        "# Title",
+        "",
+        "A paragraph",
+        "wrapped here.",
+        "{table}",
+        "| a | b |",
+        "| c | d |",
+        "",
+        "- an item",
+        "  wrapped too",
+        "- another",
+        "",
+        "{figure}",
+        "last",
+    ]
     assert template._join(lines) == [
-        "# Title", "", "A paragraph wrapped here.", "{table}", "| a | b |", "| c | d |", "",
-        "- an item wrapped too", "- another", "", "{figure}", "last"]
+        "# Title",
+        "",
+        "A paragraph wrapped here.",
+        "{table}",
+        "| a | b |",
+        "| c | d |",
+        "",
+        "- an item wrapped too",
+        "- another",
+        "",
+        "{figure}",
+        "last",
+    ]
 
 
 def test_template_blocks_keep_one_line_per_paragraph() -> None:
     save = template.block("save").split("\n")
     assert save[:2] == ["## 1. Save stall", ""]
-    assert len(save) == 3 and save[2].startswith("Time the training thread") \
+    assert (
+        len(save) == 3
+        and save[2].startswith("Time the training thread")
         and save[2].endswith("Ratio = stall / FileSystemWriter sync stall.")
+    )
     method = template.block("method", profile="quick", settings="reps=3").split("\n")
     items = [line for line in method if line.startswith("- **")]
     assert len(items) == 10 and method[-1] == "Profile `quick`: reps=3."
@@ -39,28 +67,70 @@ def test_a_block_with_a_missing_value_fails_loudly() -> None:
 
 def small_results() -> dict[str, Any]:
     size = 32 * MiB
-    save = [{"variant": v, "rep": rep, "stall": s, "commit": 2 * s, "bytes": size, "cpu": s,
-             "growth_save": 10 * MiB, **({"fsync": s} if v == "disk_sync" else {})}
-            for rep in range(2) for v, s in (("disk_sync", 0.5), ("fsw_sync", 1.0),
-                                             ("tiered_sync", 1.1), ("tiered_async", 0.1))]
+    save = [
+        {
+            "variant": v,
+            "rep": rep,
+            "stall": s,
+            "commit": 2 * s,
+            "bytes": size,
+            "cpu": s,
+            "growth_save": 10 * MiB,
+            **({"fsync": s} if v == "disk_sync" else {}),
+        }
+        for rep in range(2)
+        for v, s in (("disk_sync", 0.5), ("fsw_sync", 1.0), ("tiered_sync", 1.1), ("tiered_async", 0.1))
+    ]
     save.append({"variant": "fsw_async", "rep": 0, "error": "it broke"})
-    cold = [{"variant": f"{kind}@{mode}", "kind": kind, "against": against, "rep": 0,
-             "stall": 0.1, "commit": 0.2, "cpu": 0.1}
-            for against in ("healthy", "refuse", "stall", "deny_writes")
-            for kind in ("sync", "async")
-            for mode in (against, f"hot_only/{against}")]
-    machine = {"cpu": "cpu", "cores": 2, "usable_cores": 2, "memory_bytes": 1 << 33,
-               "disk": {"device": "/dev/x", "kind": "disk", "fstype": "ext4", "mount": "/",
-                        "size_bytes": 1 << 36}, "os": "Linux", "python": "3.11", "packages": {},
-               "fio": False}
-    profile = {"name": "quick", "reps": 2, "local_reps": 2, "hot_only_reps": 1,
-               "scaling_reps": 1, "hot_only_sizes": []}
-    return {"profile": profile, "machine": machine, "started": "2026-01-01 00:00:00",
-            "seconds": 60.0, "suites": {
-                "save": {str(size): save},
-                "cold-down": {"bytes": size, "reps": 1, "records": cold,
-                              "broken": {"sync@refuse": "refused"},
-                              "migrations": {"sync@refuse": {"failed": 2}}}}}
+    cold = [
+        {
+            "variant": f"{kind}@{mode}",
+            "kind": kind,
+            "against": against,
+            "rep": 0,
+            "stall": 0.1,
+            "commit": 0.2,
+            "cpu": 0.1,
+        }
+        for against in ("healthy", "refuse", "stall", "deny_writes")
+        for kind in ("sync", "async")
+        for mode in (against, f"hot_only/{against}")
+    ]
+    machine = {
+        "cpu": "cpu",
+        "cores": 2,
+        "usable_cores": 2,
+        "memory_bytes": 1 << 33,
+        "disk": {"device": "/dev/x", "kind": "disk", "fstype": "ext4", "mount": "/", "size_bytes": 1 << 36},
+        "os": "Linux",
+        "python": "3.11",
+        "packages": {},
+        "fio": False,
+    }
+    profile = {
+        "name": "quick",
+        "reps": 2,
+        "local_reps": 2,
+        "hot_only_reps": 1,
+        "scaling_reps": 1,
+        "hot_only_sizes": [],
+    }
+    return {
+        "profile": profile,
+        "machine": machine,
+        "started": "2026-01-01 00:00:00",
+        "seconds": 60.0,
+        "suites": {
+            "save": {str(size): save},
+            "cold-down": {
+                "bytes": size,
+                "reps": 1,
+                "records": cold,
+                "broken": {"sync@refuse": "refused"},
+                "migrations": {"sync@refuse": {"failed": 2}},
+            },
+        },
+    }
 
 
 def test_the_report_fills_every_placeholder(tmp_path: Path) -> None:
@@ -87,8 +157,9 @@ def test_splice_replaces_only_the_standalone_section(tmp_path: Path) -> None:
     from benchmarks.report import render
 
     doc = tmp_path / "benchmarks.md"
-    doc.write_text("# Benchmarks\n\nkept\n\n## 9. Save with the cold tier down\n\nold text\n\n"
-                   "## Findings\n\nkept too\n")
+    doc.write_text(
+        "# Benchmarks\n\nkept\n\n## 9. Save with the cold tier down\n\nold text\n\n## Findings\n\nkept too\n"
+    )
     results = small_results()
     del results["suites"]["save"]
     assert render.splice(results, doc) == ["cold-down"]

@@ -74,8 +74,9 @@ def test_time_cadence_checks_only_every_n_steps() -> None:
 
 def test_from_failure_rate_and_update_from_a_measured_stall() -> None:
     clock = Clock()
-    cadence = TimeCadence.from_failure_rate(nodes=64, mtbf_node=30 * 86400, stall=15.0, clock=clock,
-                                            distributed=False)
+    cadence = TimeCadence.from_failure_rate(
+        nodes=64, mtbf_node=30 * 86400, stall=15.0, clock=clock, distributed=False
+    )
     first = cadence.interval
     assert first == pytest.approx(optimal_interval(nodes=64, mtbf_node=30 * 86400, stall=15.0).interval)
     assert cadence.update(stall={10: 0.2, 20: 0.4}.values()) < first  # async_save stalls are small
@@ -97,7 +98,9 @@ def test_manager_takes_a_time_cadence(tmp_path: object) -> None:
 def test_ranks_with_different_clocks_decide_alike(tmp_path: Path) -> None:
     from launch import run_job
 
-    job = run_job({"op": "cadence", "out": str(tmp_path)}, 2, script=Path(__file__).with_name("resume_job.py"))
+    job = run_job(
+        {"op": "cadence", "out": str(tmp_path)}, 2, script=Path(__file__).with_name("resume_job.py")
+    )
     assert job.ok, job.describe()
     decisions = [json.loads((tmp_path / f"cadence-{r}.json").read_text()) for r in (0, 1)]
     # Rank 0's clock is due at the first check, rank 1's only at the second: nobody saves alone.

@@ -84,9 +84,12 @@ def test_disk_pressure_measures_the_newest_checkpoint(tmp_path: Path, monkeypatc
     hot = str(tmp_path / "hot")
     save(hot, 0, shape=BIG)
     save_no_step(hot)
-    with caplog.at_level(logging.WARNING, logger="tierstore"), \
-            CheckpointManager(f"tight://{hot}", hot_options={"free": 3 << 20}, hot_policy=keep_all(),
-                              async_save=False) as manager:
+    with (
+        caplog.at_level(logging.WARNING, logger="tierstore"),
+        CheckpointManager(
+            f"tight://{hot}", hot_options={"free": 3 << 20}, hot_policy=keep_all(), async_save=False
+        ) as manager,
+    ):
         assert manager.save(5, state_for(5, SMALL))
     assert "below its free-space watermark" in caplog.text
     assert [c.step for c in list_checkpoints(hot)] == [0, 5]

@@ -33,8 +33,13 @@ def store(tmp_path: Path, s3_bucket: str, s3_env: dict[str, str], monkeypatch) -
 
 def cli(*args: str, store: tuple[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     tiers = ["--hot", store[0], "--cold", store[1]] if store else []
-    return subprocess.run([sys.executable, "-m", "tierstore", *args, *tiers], capture_output=True,
-                          text=True, timeout=120, env=os.environ.copy())
+    return subprocess.run(
+        [sys.executable, "-m", "tierstore", *args, *tiers],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=os.environ.copy(),
+    )
 
 
 def ok_json(*args: str, store: tuple[str, str]) -> object:
@@ -48,7 +53,9 @@ def test_every_command(store: tuple[str, str]) -> None:
     names = [layout.default_name(s) for s in (1, 2, 3)]
 
     # status: pending before migration
-    assert [(s["name"], s["state"]) for s in ok_json("status", store=store)] == [(n, "pending") for n in names]
+    assert [(s["name"], s["state"]) for s in ok_json("status", store=store)] == [
+        (n, "pending") for n in names
+    ]
     assert "pending" in cli("status", store=store).stdout
 
     # migrate: progress on stderr, result on stdout; then nothing left
@@ -60,7 +67,8 @@ def test_every_command(store: tuple[str, str]) -> None:
     # ls
     rows = ok_json("ls", store=store)
     assert [(r["step"], r["tiers"], r["migration"]) for r in rows] == [
-        (s, ["hot", "cold"], "committed") for s in (1, 2, 3)]
+        (s, ["hot", "cold"], "committed") for s in (1, 2, 3)
+    ]
     assert all(r["size"] > 256 * 256 * 4 and r["age_seconds"] >= 0 for r in rows)
     text = cli("ls", store=store).stdout
     assert "step-0000000002" in text and "hot,cold" in text and "committed" in text
@@ -110,8 +118,11 @@ def test_every_command(store: tuple[str, str]) -> None:
     assert proc.returncode == 0 and "would delete" in proc.stdout and "0badf00d" in proc.stdout
     report = ok_json("gc", "--yes", store=store)
     assert report["deleted"] is True and [(g["key"], g["reason"]) for g in report["garbage"]] == [
-        (f"{layout.attempt_prefix('step-0000000007', '20260101T000000Z-0badf00d')}__0_0.distcp",
-         "attempt named by no manifest")]
+        (
+            f"{layout.attempt_prefix('step-0000000007', '20260101T000000Z-0badf00d')}__0_0.distcp",
+            "attempt named by no manifest",
+        )
+    ]
     assert not dead.exists()
 
 
@@ -120,6 +131,11 @@ def test_errors_and_usage(store: tuple[str, str]) -> None:
     assert proc.returncode == 1 and "CheckpointNotFound" in proc.stderr and "nope" in proc.stderr
     assert cli("ls").returncode == 2
     assert cli("bogus").returncode == 2
-    proc = subprocess.run([sys.executable, "-m", "tierstore", "ls", "--hot", "s3://no-such-bucket-x/run"],
-                          capture_output=True, text=True, timeout=120, env=os.environ.copy())
+    proc = subprocess.run(
+        [sys.executable, "-m", "tierstore", "ls", "--hot", "s3://no-such-bucket-x/run"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=os.environ.copy(),
+    )
     assert proc.returncode == 1 and "no-such-bucket-x" in proc.stderr

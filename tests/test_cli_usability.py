@@ -32,8 +32,13 @@ DOCS = Path(__file__).parents[1] / "docs" / "operations.md"
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tierstore", *args], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "tierstore", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def one_line(proc: subprocess.CompletedProcess[str], code: int, *words: str) -> str:
@@ -59,14 +64,16 @@ def test_version_help_examples_and_exit_codes_are_shown() -> None:
     top = cli("--help")
     assert top.returncode == 0
     for name in COMMANDS:  # each subcommand listed with a description after its name
-        assert re.search(rf"^\s+{re.escape(name)}\s+\S", top.stdout, re.M) or \
-            re.search(rf"^\s+{re.escape(name)}\n\s+\S", top.stdout, re.M), name
+        assert re.search(rf"^\s+{re.escape(name)}\s+\S", top.stdout, re.M) or re.search(
+            rf"^\s+{re.escape(name)}\n\s+\S", top.stdout, re.M
+        ), name
         sub = cli(name, "--help")
         assert sub.returncode == 0, sub.stderr
         tail = sub.stdout.split("example:\n", 1)[1]
         assert tail.lstrip().startswith(f"tierstore {name} --hot")
-        assert re.search(r"exit codes:\n\s+0 +success\n\s+1 +\S.*\n\s+2 +usage error\n\s+130 +interrupted",
-                         tail), tail
+        assert re.search(
+            r"exit codes:\n\s+0 +success\n\s+1 +\S.*\n\s+2 +usage error\n\s+130 +interrupted", tail
+        ), tail
     # Every option of every subcommand has help text.
     for name, parser in subcommands().items():
         for action in parser._actions:
@@ -101,8 +108,13 @@ def test_usage_errors_exit_2_with_one_line(hot: str) -> None:
     one_line(cli("status", "--cold", hot), 2, "--hot and --cold")
     one_line(cli("prune", "--hot", hot), 2, "give a policy")
     one_line(cli("ls", "--hot", hot, "--hot-option", "fsync"), 2, "not KEY=VALUE")
-    one_line(cli("show", "--hot", hot, "--step", "2", "--name", layout.default_name(1)), 2,
-             "contradict", layout.default_name(1), "step 1")
+    one_line(
+        cli("show", "--hot", hot, "--step", "2", "--name", layout.default_name(1)),
+        2,
+        "contradict",
+        layout.default_name(1),
+        "step 1",
+    )
     assert cli("show", "--hot", hot, "--step", "1", "--name", layout.default_name(1)).returncode == 0
     assert cli("ls", "--hot", hot, "--bogus").returncode == 2  # argparse's own
 
@@ -143,8 +155,12 @@ def _closed_port() -> int:
 
 def test_ls_and_status_show_the_hot_tier_when_the_cold_tier_is_down(hot: str) -> None:
     pytest.importorskip("tierstore_s3", reason="the S3 backend is installed by make test")
-    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{_closed_port()}", "AWS_ACCESS_KEY_ID": "testing",
-           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-west-2"}
+    env = {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{_closed_port()}",
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-west-2",
+    }
     tiers = ("--hot", hot, "--cold", "s3://bucket/run")
     names = [layout.default_name(s) for s in (1, 2)]
     ls = cli("ls", *tiers, env=env)  # the default wait
@@ -181,8 +197,12 @@ def test_ctrl_c_mid_migrate_then_the_rerun_finishes(tmp_path: Path) -> None:
     names = [layout.default_name(s) for s in (1, 2, 3)]
     for step in (1, 2, 3):
         save(hot, step, shape=BIG)
-    proc = subprocess.Popen([sys.executable, "-m", "tierstore", "migrate", "--hot", hot, "--cold", cold,
-                             "--bandwidth", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tierstore", "migrate", "--hot", hot, "--cold", cold, "--bandwidth", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     progress = _interrupt_when(proc, f"{names[0]}: 100%")
     out, err = proc.communicate(timeout=60)  # a hang detector, not a timing assertion
     assert proc.returncode == 130, (out, err)
@@ -210,17 +230,29 @@ def test_ctrl_c_mid_restore_then_the_rerun_finishes(tmp_path: Path) -> None:
     gates.mkdir()
     save(source, 1, shape=BIG)
     assert cli("migrate", "--hot", source, "--cold", cold).returncode == 0
-    env = {**os.environ, "TIERSTORE_FAULTS": "transfer.after_chunk=block",
-           "TIERSTORE_FAULT_BLOCK_DIR": str(gates)}
-    proc = subprocess.Popen([sys.executable, "-m", "tierstore", "restore", "--hot", hot, "--cold", cold],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    env = {
+        **os.environ,
+        "TIERSTORE_FAULTS": "transfer.after_chunk=block",
+        "TIERSTORE_FAULT_BLOCK_DIR": str(gates),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tierstore", "restore", "--hot", hot, "--cold", cold],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     while not list(gates.glob("transfer.after_chunk.*.reached")) and proc.poll() is None:
         time.sleep(0.05)  # polls the gate file; no time is asserted
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, (out, err)
-    one_line(subprocess.CompletedProcess(proc.args, 130, out, err), 130,
-             "tierstore restore: interrupted: copied", "run the same `tierstore restore` again")
+    one_line(
+        subprocess.CompletedProcess(proc.args, 130, out, err),
+        130,
+        "tierstore restore: interrupted: copied",
+        "run the same `tierstore restore` again",
+    )
     assert list_checkpoints(hot) == []  # nothing half-restored is listed
     again = cli("restore", "--hot", hot, "--cold", cold)
     assert again.returncode == 0 and f"restored {layout.default_name(1)}" in again.stdout
@@ -230,8 +262,12 @@ def test_ctrl_c_mid_restore_then_the_rerun_finishes(tmp_path: Path) -> None:
 def test_progress_on_a_terminal_is_a_tqdm_bar(hot: str) -> None:
     leader, follower = pty.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
-    proc = subprocess.Popen([sys.executable, "-m", "tierstore", "verify", "--hot", hot],
-                            stdout=subprocess.PIPE, stderr=follower, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tierstore", "verify", "--hot", hot],
+        stdout=subprocess.PIPE,
+        stderr=follower,
+        text=True,
+    )
     os.close(follower)
     shown = b""
     while True:
@@ -248,5 +284,6 @@ def test_progress_on_a_terminal_is_a_tqdm_bar(hot: str) -> None:
     text = shown.decode()
     assert "\r" in text  # redrawn in place
     for step in (1, 2):  # one bar left per checkpoint copy, with bytes, rate and ETA
-        assert re.search(rf"hot {layout.default_name(step)}: 100%\|[^|]*\| \S+B/\S+B \[\d+:\d+<\d+:\d+, .*B/s\]",
-                         text), text
+        assert re.search(
+            rf"hot {layout.default_name(step)}: 100%\|[^|]*\| \S+B/\S+B \[\d+:\d+<\d+:\d+, .*B/s\]", text
+        ), text

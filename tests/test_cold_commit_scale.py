@@ -32,8 +32,9 @@ from tierstore.tiers.status import migrate_pending
 from tierstore.tiers.tier import Store, Tier
 
 W, F = 64, 2
-FAST = MigrationConfig(poll_interval=0.01, commit_timeout=0.2,
-                       retry=RetryPolicy(attempts=2, initial=0.001, maximum=0.01))
+FAST = MigrationConfig(
+    poll_interval=0.01, commit_timeout=0.2, retry=RetryPolicy(attempts=2, initial=0.001, maximum=0.01)
+)
 
 
 class CountingBackend(Backend):
@@ -108,7 +109,8 @@ def http_requests(tier: Tier) -> list[str]:
     sent: list[str] = []
     inner = tier.backend.inner if isinstance(tier.backend, CountingBackend) else tier.backend
     inner.fs.s3.meta.events.register(  # type: ignore[attr-defined]
-        "before-send.s3", lambda request, **_: sent.append(request.method))
+        "before-send.s3", lambda request, **_: sent.append(request.method)
+    )
     return sent
 
 
@@ -119,8 +121,12 @@ def cold(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Tier]:
         return
     pytest.importorskip("tierstore_s3")
     bucket = request.getfixturevalue("s3_bucket")
-    options = {"endpoint_url": request.getfixturevalue("s3_endpoint"), "key": "testing",
-               "secret": "testing", "region": "us-west-2"}
+    options = {
+        "endpoint_url": request.getfixturevalue("s3_endpoint"),
+        "key": "testing",
+        "secret": "testing",
+        "region": "us-west-2",
+    }
     tier = Tier("cold", f"s3://{bucket}/run", options)
     yield tier
     tier.backend.close()
@@ -142,17 +148,31 @@ def write_attempt(hot: Tier, world: int = W, per_rank: int = F, **options: Any) 
         for index in range(per_rank):
             put(layout.data_file_name(rank, index), rank, f"rank {rank} file {index} ".encode() * 4)
     put(layout.METADATA_FILE, 0, b"metadata of the attempt")
-    manifest = Manifest(name=name, step=1, attempt=attempt, world_size=world, created=time.time(),
-                        files=sorted(files, key=lambda f: (f.rank, f.path)), producer="test",
-                        **options)
+    manifest = Manifest(
+        name=name,
+        step=1,
+        attempt=attempt,
+        world_size=world,
+        created=time.time(),
+        files=sorted(files, key=lambda f: (f.rank, f.path)),
+        producer="test",
+        **options,
+    )
     hot.publish_manifest(manifest)
     return manifest
 
 
-def rank_job(manifest: Manifest, rank: int, *, fresh: bool = True,
-             commit: bool = False) -> Job:
-    return Job(manifest.name, manifest.attempt, manifest.step, rank, manifest.files_of_rank(rank),
-               manifest.created, manifest=manifest if commit else None, fresh=fresh)
+def rank_job(manifest: Manifest, rank: int, *, fresh: bool = True, commit: bool = False) -> Job:
+    return Job(
+        manifest.name,
+        manifest.attempt,
+        manifest.step,
+        rank,
+        manifest.files_of_rank(rank),
+        manifest.created,
+        manifest=manifest if commit else None,
+        fresh=fresh,
+    )
 
 
 def upload_ranks(migrator: Migrator, manifest: Manifest, ranks: Iterable[int]) -> None:
@@ -164,12 +184,12 @@ def upload_ranks(migrator: Migrator, manifest: Manifest, ranks: Iterable[int]) -
 
 def spread_prefixes(tier: Tier, manifest: Manifest) -> int:
     """How many data prefixes the attempt's files live under in ``tier``."""
-    return len({tier.file_key(manifest.name, manifest.attempt, f.path).rsplit("/", 1)[0]
-                for f in manifest.files})
+    return len(
+        {tier.file_key(manifest.name, manifest.attempt, f.path).rsplit("/", 1)[0] for f in manifest.files}
+    )
 
 
-def test_fresh_uploads_and_the_commit_stay_within_their_request_budgets(tmp_path: Path,
-                                                                        cold: Tier) -> None:
+def test_fresh_uploads_and_the_commit_stay_within_their_request_budgets(tmp_path: Path, cold: Tier) -> None:
     hot = Tier("hot", str(tmp_path / "hot"))
     manifest = write_attempt(hot)
     wrapper = counted(cold)
@@ -217,8 +237,9 @@ def test_tierstore_migrate_keeps_every_check_before_an_upload(tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("damage", ["missing", "wrong size"])
-def test_a_forged_mark_never_commits_a_missing_or_resized_file(tmp_path: Path, cold: Tier,
-                                                               damage: str) -> None:
+def test_a_forged_mark_never_commits_a_missing_or_resized_file(
+    tmp_path: Path, cold: Tier, damage: str
+) -> None:
     hot = Tier("hot", str(tmp_path / "hot"))
     manifest = write_attempt(hot, world=8, part_ranks=4)  # a two-level manifest, 2 parts
     migrator = Migrator(hot, cold, FAST)
@@ -269,7 +290,8 @@ def test_a_failure_mark_stops_the_wait_and_is_read_only_when_listed(tmp_path: Pa
     assert "disk on fire" in (commit.error or "")
     uploads = layout.upload_prefix(manifest.name, manifest.attempt)
     assert [key for key in wrapper.read if key.startswith(uploads)] == [
-        layout.failed_mark_key(manifest.name, manifest.attempt, 2)]  # no upload mark read
+        layout.failed_mark_key(manifest.name, manifest.attempt, 2)
+    ]  # no upload mark read
 
 
 def test_marks_count_only_for_the_files_their_key_names(tmp_path: Path) -> None:

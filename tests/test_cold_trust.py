@@ -39,8 +39,12 @@ from tierstore.tiers.migrator import MigrationConfig, MigrationState, Migrator
 from tierstore.tiers.status import migrate_pending, migration_status
 from tierstore.tiers.tier import Tier
 
-FAST = MigrationConfig(chunk_size=4096, poll_interval=0.01, commit_timeout=5,
-                       retry=RetryPolicy(attempts=3, initial=0.001, maximum=0.01))
+FAST = MigrationConfig(
+    chunk_size=4096,
+    poll_interval=0.01,
+    commit_timeout=5,
+    retry=RetryPolicy(attempts=3, initial=0.001, maximum=0.01),
+)
 
 
 def states(hot: str, cold: str) -> dict[int | None, str]:
@@ -98,8 +102,9 @@ def test_prune_keeps_the_hot_copy_when_the_cold_manifest_is_torn(store: tuple[st
     assert status[1].state is MigrationState.FAILED and "invalid" in (status[1].error or "")
 
 
-def test_prune_keeps_every_hot_copy_when_the_cold_tier_cannot_be_read(store: tuple[str, str],
-                                                                      tmp_path: Path) -> None:
+def test_prune_keeps_every_hot_copy_when_the_cold_tier_cannot_be_read(
+    store: tuple[str, str], tmp_path: Path
+) -> None:
     hot, cold = store
     for step in (1, 2):
         save(hot, step, cold, migration=FAST, migrated=True)
@@ -145,16 +150,16 @@ def _upload_without_check(migrator: Migrator, job: _Job, entry: FileEntry) -> No
         mod.verified_copy = original  # type: ignore[assignment]
 
 
-def test_cold_commit_refuses_when_a_named_object_is_gone(store: tuple[str, str],
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cold_commit_refuses_when_a_named_object_is_gone(
+    store: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     hot, cold = store
     save(hot, 1, migration=FAST)
     manifest = Tier("hot", hot).find_manifest("step-0000000001")
     assert manifest is not None
     migrator = Migrator(Tier("hot", hot), Tier("cold", cold), FAST)
     for rank in sorted({f.rank for f in manifest.files}):
-        job = _Job(manifest.name, manifest.attempt, manifest.step, rank,
-                   manifest.files_of_rank(rank), 0.0)
+        job = _Job(manifest.name, manifest.attempt, manifest.step, rank, manifest.files_of_rank(rank), 0.0)
         migrator.run(job)
         assert job.state is MigrationState.UPLOADED
     victim = next(f for f in manifest.files if f.path != layout.METADATA_FILE)
@@ -166,8 +171,9 @@ def test_cold_commit_refuses_when_a_named_object_is_gone(store: tuple[str, str],
         return real_store_id(tier, **kwargs)
 
     monkeypatch.setattr(marks, "store_id", remove_then_identify)
-    job = _Job(manifest.name, manifest.attempt, manifest.step, 0, manifest.files_of_rank(0), 0.0,
-               manifest=manifest)
+    job = _Job(
+        manifest.name, manifest.attempt, manifest.step, 0, manifest.files_of_rank(0), 0.0, manifest=manifest
+    )
     migrator.run(job)
     migrator.close()
     monkeypatch.undo()
@@ -186,14 +192,22 @@ def test_damaged_upload_mark_does_not_wedge_migration(store: tuple[str, str], da
     assert manifest is not None
     mark = Path(cold) / layout.upload_mark_key(manifest.name, manifest.attempt, 0)
     mark.parent.mkdir(parents=True)
-    good = {"rank": 0, "files": [{"path": f.path, "size": f.size, "crc32c": f.crc32c, "rank": 0}
-                                 for f in manifest.files_of_rank(0)]}
+    good = {
+        "rank": 0,
+        "files": [
+            {"path": f.path, "size": f.size, "crc32c": f.crc32c, "rank": 0} for f in manifest.files_of_rank(0)
+        ],
+    }
     body = {
         "truncated": json.dumps(good)[:25],
         "wrong rank": json.dumps({**good, "rank": 3}),
         "oversize": " " * (65 << 20),
-        "other files": json.dumps({**good, "files": good["files"][:1] + [
-            {"path": "__0_9.distcp", "size": 1, "crc32c": 0, "rank": 0}]}),
+        "other files": json.dumps(
+            {
+                **good,
+                "files": good["files"][:1] + [{"path": "__0_9.distcp", "size": 1, "crc32c": 0, "rank": 0}],
+            }
+        ),
     }[damage]
     mark.write_text(body)
     # Before: PublishConflict on every run, forever (412 on S3).
@@ -205,8 +219,9 @@ def test_damaged_upload_mark_does_not_wedge_migration(store: tuple[str, str], da
     assert matches(load(None, cold, step=1)[0], 1)
 
 
-def test_a_different_committed_cold_attempt_is_a_reported_conflict(store: tuple[str, str],
-                                                                   tmp_path: Path) -> None:
+def test_a_different_committed_cold_attempt_is_a_reported_conflict(
+    store: tuple[str, str], tmp_path: Path
+) -> None:
     hot, cold = store
     save(hot, 1, cold, migration=FAST, migrated=True)
     other_hot = str(tmp_path / "other-hot")
@@ -218,8 +233,12 @@ def test_a_different_committed_cold_attempt_is_a_reported_conflict(store: tuple[
     assert matches(load(hot, None, step=1)[0], 1)
     reports = prune(other_hot, cold, hot_policy=keep_last(0), cold_policy=keep_last(5))
     assert reports[0].deleted == ()  # the only copy of that attempt stays
-    run = subprocess.run([sys.executable, "-m", "tierstore", "status", "--hot", other_hot,
-                          "--cold", cold], capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-m", "tierstore", "status", "--hot", other_hot, "--cold", cold],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 1, run.stdout + run.stderr  # a failed migration is not "fine"
     assert "another" in run.stdout
 
@@ -238,6 +257,7 @@ class SpyBackend(LocalBackend):
 
 
 for _op in ("exists", "stat", "list", "open_read", "open_write", "publish", "delete", "read_bytes"):
+
     def _spied(self: SpyBackend, *args: Any, _op: str = _op, **kwargs: Any) -> Any:
         self._seen(_op)
         return getattr(LocalBackend, _op)(self, *args, **kwargs)
@@ -279,8 +299,9 @@ def test_a_migrator_finds_its_checkpoint_committed_by_another(store: tuple[str, 
     manifest = Tier("hot", hot).find_manifest("step-0000000001")
     assert manifest is not None
     trainer = Migrator(Tier("hot", hot), Tier("cold", cold), FAST)
-    job = _Job(manifest.name, manifest.attempt, manifest.step, 0, manifest.files_of_rank(0), 0.0,
-               manifest=manifest)
+    job = _Job(
+        manifest.name, manifest.attempt, manifest.step, 0, manifest.files_of_rank(0), 0.0, manifest=manifest
+    )
     trainer._upload_rank(job)  # uploaded and marked; now held before waiting for the marks
     assert migrate_pending(hot, cold, config=FAST)[0].state is MigrationState.COMMITTED
     assert not list((Path(cold) / layout.UPLOAD_DIR).rglob("*.json"))  # marks cleared
@@ -298,8 +319,9 @@ def test_a_cold_tier_wiped_and_recreated_under_the_same_url_holds_nothing(store:
     from tierstore import CheckpointManager
 
     hot, cold = store
-    manager = CheckpointManager(hot, cold, save_every=1, hot_policy=keep_last(1),
-                                cold_policy=keep_last(5), migration=FAST)
+    manager = CheckpointManager(
+        hot, cold, save_every=1, hot_policy=keep_last(1), cold_policy=keep_last(5), migration=FAST
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for step in (1, 2):

@@ -30,8 +30,12 @@ from tierstore.tiers.status import migrate_pending
 from tierstore.tiers.tier import Store, Tier
 from tierstore.tiers.transfer import has_verified_copy
 
-FAST = MigrationConfig(chunk_size=4096, poll_interval=0.01, commit_timeout=5,
-                       retry=RetryPolicy(attempts=2, initial=0.001, maximum=0.01))
+FAST = MigrationConfig(
+    chunk_size=4096,
+    poll_interval=0.01,
+    commit_timeout=5,
+    retry=RetryPolicy(attempts=2, initial=0.001, maximum=0.01),
+)
 
 
 def saved(hot: str, step: int, world: int = 1) -> Manifest:
@@ -55,13 +59,13 @@ def replace_same_size(cold: Cold, manifest: Manifest, entry: FileEntry) -> None:
 
 def loads_from_cold_alone(cold: Cold, step: int) -> bool:
     target = blank()
-    dcp.load(target, storage_reader=TieredReader(None, cold.url, step=step,
-                                                 cold_options=cold.direct_options))
+    dcp.load(target, storage_reader=TieredReader(None, cold.url, step=step, cold_options=cold.direct_options))
     return matches(target, step)
 
 
 def test_tierstore_migrate_never_commits_an_object_replaced_after_its_upload(
-        any_cold: Cold, tmp_path: Path) -> None:
+    any_cold: Cold, tmp_path: Path
+) -> None:
     cold = any_cold
     hot = str(tmp_path / "hot")
     manifest = saved(hot, 1)
@@ -79,14 +83,14 @@ def test_tierstore_migrate_never_commits_an_object_replaced_after_its_upload(
     # So the hot copy may go, and the checkpoint still loads, from the cold tier alone.
     saved(hot, 2)
     migrate_pending(hot, cold.url, cold_options=cold.options, config=FAST)
-    prune(hot, cold.url, cold_options=cold.options, hot_policy=keep_last(1),
-          cold_policy=keep_last(5))
+    prune(hot, cold.url, cold_options=cold.options, hot_policy=keep_last(1), cold_policy=keep_last(5))
     assert Tier("hot", hot).find_manifest(manifest.name) is None
     assert loads_from_cold_alone(cold, 1)
 
 
 def test_the_commit_refuses_an_object_replaced_between_its_mark_and_the_commit(
-        any_cold: Cold, tmp_path: Path) -> None:
+    any_cold: Cold, tmp_path: Path
+) -> None:
     cold = any_cold
     hot = Tier("hot", str(tmp_path / "hot"))
     manifest = write_attempt(hot, world=2)
@@ -106,8 +110,11 @@ def test_the_commit_refuses_an_object_replaced_between_its_mark_and_the_commit(
         migrator.close()
     # Nothing in cold vouches for it, so prune keeps the hot copy; `tierstore migrate`
     # uploads the file again and commits.
-    prune(Store.of_tiers(hot, Tier("cold", cold.url, cold.options)), hot_policy=keep_none(),
-          cold_policy=keep_last(5))
+    prune(
+        Store.of_tiers(hot, Tier("cold", cold.url, cold.options)),
+        hot_policy=keep_none(),
+        cold_policy=keep_last(5),
+    )
     assert hot.find_manifest(manifest.name) is not None
     done = migrate_pending(hot.url, cold.url, cold_options=cold.options, config=FAST)
     assert done[0].state is MigrationState.COMMITTED
@@ -140,8 +147,9 @@ def test_an_unchanged_upload_is_committed_from_listings_alone(any_cold: Cold, tm
         migrator.close()
 
 
-def test_a_copy_replaced_while_it_is_read_back_is_not_verified(tmp_path: Path,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_copy_replaced_while_it_is_read_back_is_not_verified(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Where the store has no checksum of its own, verifying means reading back: an object
     replaced during that read is not the object that was verified."""
     from tierstore.tiers import transfer

@@ -21,8 +21,9 @@ def stream(sampler: ResumableSampler) -> Iterator[tuple[int, int]]:
         sampler.set_epoch(sampler.epoch + 1)
 
 
-def run_phase(state: dict[str, int] | None, size: int, seed: int, world: int,
-              rounds: int) -> tuple[list[tuple[int, int]], dict[str, int]]:
+def run_phase(
+    state: dict[str, int] | None, size: int, seed: int, world: int, rounds: int
+) -> tuple[list[tuple[int, int]], dict[str, int]]:
     """``world`` ranks resume from ``state`` and consume ``rounds`` samples each, in lockstep."""
     samplers = [ResumableSampler(size, rank=r, world_size=world, seed=seed) for r in range(world)]
     if state is not None:
@@ -40,8 +41,9 @@ phases = st.lists(st.tuples(st.integers(1, 6), st.integers(0, 40)), min_size=2, 
 
 @settings(max_examples=300, deadline=None)
 @given(size=st.integers(6, 120), seed=st.integers(0, 2**31), phases=phases)
-def test_no_sample_replayed_or_skipped_across_resumes(size: int, seed: int,
-                                                      phases: list[tuple[int, int]]) -> None:
+def test_no_sample_replayed_or_skipped_across_resumes(
+    size: int, seed: int, phases: list[tuple[int, int]]
+) -> None:
     """Stop after random numbers of rounds, resume under random world sizes, repeat."""
     consumed: list[tuple[int, int]] = []
     state = None
@@ -56,17 +58,22 @@ def test_no_sample_replayed_or_skipped_across_resumes(size: int, seed: int,
         seen = [i for e, i in consumed if e == epoch]
         assert len(seen) == len(set(seen)), f"epoch {epoch}: a sample was replayed"
         order = epoch_order(size, seed, epoch)
-        assert sorted(seen) == sorted(order[:len(seen)]), f"epoch {epoch}: a sample was skipped"
+        assert sorted(seen) == sorted(order[: len(seen)]), f"epoch {epoch}: a sample was skipped"
         if epoch < state["epoch"]:  # a finished epoch left out less than one round
             assert size - len(seen) < ends[epoch], (epoch, size, len(seen))
     assert state["position"] == len([1 for e, _ in consumed if e == state["epoch"]])
 
 
 @settings(max_examples=100, deadline=None)
-@given(size=st.integers(4, 80), seed=st.integers(0, 2**31), world=st.integers(1, 4),
-       stops=st.lists(st.integers(0, 30), min_size=1, max_size=3))
+@given(
+    size=st.integers(4, 80),
+    seed=st.integers(0, 2**31),
+    world=st.integers(1, 4),
+    stops=st.lists(st.integers(0, 30), min_size=1, max_size=3),
+)
 def test_same_world_size_resume_gives_every_rank_the_uninterrupted_sequence(
-        size: int, seed: int, world: int, stops: list[int]) -> None:
+    size: int, seed: int, world: int, stops: list[int]
+) -> None:
     size = max(size, world)
     total = sum(stops) + 7
     uninterrupted, _ = run_phase(None, size, seed, world, total)

@@ -45,28 +45,34 @@ def _quiet() -> Iterator[None]:
 
 def model_state(seed: int) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(seed)
-    return {"model": {"w": torch.randn(64, 32, generator=gen), "b": torch.randn(32, generator=gen)},
-            "step": seed, "sched": {"lr": 0.1 * seed}}
+    return {
+        "model": {"w": torch.randn(64, 32, generator=gen), "b": torch.randn(32, generator=gen)},
+        "step": seed,
+        "sched": {"lr": 0.1 * seed},
+    }
 
 
 def blank_state() -> dict[str, Any]:
-    return {"model": {"w": torch.zeros(64, 32), "b": torch.zeros(32)}, "step": -1,
-            "sched": {"lr": 0.0}}
+    return {"model": {"w": torch.zeros(64, 32), "b": torch.zeros(32)}, "step": -1, "sched": {"lr": 0.0}}
 
 
 def fs_user_script(writer_cls: type, reader_cls: type, root: str) -> dict[str, Any]:
     """What a FileSystemWriter user writes: one directory per checkpoint under ``root``,
     named by checkpoint_id, DCP's writer arguments spelled out; then load the last one."""
     for step in (1, 2):
-        writer = writer_cls(path=root, single_file_per_rank=True, sync_files=True,
-                            thread_count=2, per_thread_copy_ahead=10_000_000,
-                            cache_staged_state_dict=False, overwrite=False,
-                            serialization_format=SerializationFormat.TORCH_SAVE)
-        dcp.save(model_state(step), checkpoint_id=os.path.join(root, f"step-{step}"),
-                 storage_writer=writer)
+        writer = writer_cls(
+            path=root,
+            single_file_per_rank=True,
+            sync_files=True,
+            thread_count=2,
+            per_thread_copy_ahead=10_000_000,
+            cache_staged_state_dict=False,
+            overwrite=False,
+            serialization_format=SerializationFormat.TORCH_SAVE,
+        )
+        dcp.save(model_state(step), checkpoint_id=os.path.join(root, f"step-{step}"), storage_writer=writer)
     target = blank_state()
-    dcp.load(target, checkpoint_id=os.path.join(root, "step-2"),
-             storage_reader=reader_cls(path=root))
+    dcp.load(target, checkpoint_id=os.path.join(root, "step-2"), storage_reader=reader_cls(path=root))
     return target
 
 
@@ -87,8 +93,12 @@ def test_a_filesystem_writer_script_runs_with_only_the_class_changed(tmp_path: P
 
 def test_checkpoint_ids_name_checkpoints_by_name_path_or_file_url(tmp_path: Path) -> None:
     root = tmp_path / "store"
-    for checkpoint_id in ("by-name", str(root / "by-path"), f"file://{root}/by-url",
-                          Path(root, "by-pathlike")):
+    for checkpoint_id in (
+        "by-name",
+        str(root / "by-path"),
+        f"file://{root}/by-url",
+        Path(root, "by-pathlike"),
+    ):
         dcp.save(model_state(3), checkpoint_id=checkpoint_id, storage_writer=TieredWriter(str(root)))
     names = sorted(c.name for c in list_checkpoints(str(root)))
     assert names == ["by-name", "by-path", "by-pathlike", "by-url"]
@@ -99,12 +109,15 @@ def test_checkpoint_ids_name_checkpoints_by_name_path_or_file_url(tmp_path: Path
 
 @pytest.mark.parametrize("where", ["elsewhere", "nested", "relative-dots"])
 def test_a_checkpoint_id_outside_the_root_fails_inside_checkpoint_exception(
-        tmp_path: Path, where: str) -> None:
+    tmp_path: Path, where: str
+) -> None:
     root = tmp_path / "store"
     dcp.save(model_state(1), storage_writer=TieredWriter(str(root), step=1))
-    bad = {"elsewhere": str(tmp_path / "other" / "step-1"),
-           "nested": str(root / "a" / "step-1"),
-           "relative-dots": "../step-1"}[where]
+    bad = {
+        "elsewhere": str(tmp_path / "other" / "step-1"),
+        "nested": str(root / "a" / "step-1"),
+        "relative-dots": "../step-1",
+    }[where]
     with pytest.raises(CheckpointException) as saving:
         dcp.save(model_state(2), checkpoint_id=bad, storage_writer=TieredWriter(str(root)))
     with pytest.raises(CheckpointException) as loading:
@@ -136,17 +149,19 @@ def test_the_overwrite_refusal_uses_dcps_words_then_ours(tmp_path: Path) -> None
     assert_state(target, model_state(1))  # the committed one is untouched
 
 
-@pytest.mark.parametrize("kwargs, hint", [
-    (dict(sync_files=False), "durable before the commit"),
-    (dict(cache_staged_state_dict=True), "ReusedStaging"),
-    (dict(serialization_format=SerializationFormat.SAFETENSORS), "HuggingFaceStorageWriter"),
-    (dict(serialization_format="msgpack"), "TORCH_SAVE and SAFETENSORS"),
-    (dict(per_thread_copy_ahead=-1), "byte count"),
-    (dict(encoding="raw", _extensions=[object()]), "StreamTransformExtension"),
-    (dict(hot="/tmp/a"), "both hot and path"),
-])
-def test_refused_writer_arguments_say_what_to_do(tmp_path: Path, kwargs: dict[str, Any],
-                                                 hint: str) -> None:
+@pytest.mark.parametrize(
+    "kwargs, hint",
+    [
+        (dict(sync_files=False), "durable before the commit"),
+        (dict(cache_staged_state_dict=True), "ReusedStaging"),
+        (dict(serialization_format=SerializationFormat.SAFETENSORS), "HuggingFaceStorageWriter"),
+        (dict(serialization_format="msgpack"), "TORCH_SAVE and SAFETENSORS"),
+        (dict(per_thread_copy_ahead=-1), "byte count"),
+        (dict(encoding="raw", _extensions=[object()]), "StreamTransformExtension"),
+        (dict(hot="/tmp/a"), "both hot and path"),
+    ],
+)
+def test_refused_writer_arguments_say_what_to_do(tmp_path: Path, kwargs: dict[str, Any], hint: str) -> None:
     with pytest.raises(ConfigError, match=hint):
         TieredWriter(path=str(tmp_path), step=1, **kwargs)
     assert not list(tmp_path.iterdir())  # refused before anything was written
@@ -270,8 +285,7 @@ def test_a_reader_without_write_access_loads_with_one_warning(tmp_path: Path) ->
         base.chmod(0o755)
         (base / "home").mkdir()
         os.chown(base / "home", 65534, 65534)
-        run_read_only_load(base, ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"],
-                           chmod=False)
+        run_read_only_load(base, ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"], chmod=False)
     finally:
         shutil.rmtree(base)
 
@@ -285,9 +299,14 @@ def run_read_only_load(base: Path, command: list[str], *, chmod: bool) -> None:
         for directory, _, _ in os.walk(root):
             os.chmod(directory, 0o555)
     env = {**os.environ, "HOME": str(base / "home")}
-    done = subprocess.run([*command, sys.executable, str(script), str(root)], env=env,
-                          capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).parent.parent)
+    done = subprocess.run(
+        [*command, sys.executable, str(script), str(root)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).parent.parent,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "LOADED" in done.stdout
     warned = [line for line in done.stderr.splitlines() if "cannot write leases" in line]

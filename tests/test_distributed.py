@@ -64,8 +64,9 @@ def test_load_bit_exact_at_any_world_size(three_saves, tmp_path: Path, world: in
 @pytest.mark.parametrize(
     "point, victim", [("writer.after_file_write", 1), ("writer.before_manifest_publish", 0)]
 )
-def test_sigkill_mid_save_keeps_previous_checkpoint(three_saves, tmp_path: Path, point: str,
-                                                    victim: int) -> None:
+def test_sigkill_mid_save_keeps_previous_checkpoint(
+    three_saves, tmp_path: Path, point: str, victim: int
+) -> None:
     base_store, base_out = three_saves
     store = str(tmp_path / "hot")
     shutil.copytree(base_store, store)

@@ -36,17 +36,27 @@ def test_async_saves_migrate_then_load_from_cold_alone(cold, tmp_path: Path) -> 
     cold_url, env = cold
     hot, out = str(tmp_path / "hot"), tmp_path / "out"
     out.mkdir()
-    spec = {"op": "train_save", "hot": hot, "cold": cold_url, "out": str(out),
-            "saves": ASYNC_SAVES, "drain": True}
+    spec = {
+        "op": "train_save",
+        "hot": hot,
+        "cold": cold_url,
+        "out": str(out),
+        "saves": ASYNC_SAVES,
+        "drain": True,
+    }
     job = run_job(spec, 2, env=env)
     assert job.ok, job.describe()
     assert read(out, "migration.json") == {
-        layout.default_name(s): {"state": "committed", "error": None} for s in (1, 2, 3)}
+        layout.default_name(s): {"state": "committed", "error": None} for s in (1, 2, 3)
+    }
     shutil.rmtree(hot)  # the node is gone; only the object store is left
     mine = tmp_path / "loaded"
     mine.mkdir()
-    job = run_job({"op": "load", "hot": hot, "cold": cold_url, "out": str(mine),
-                   "loads": [{"tag": "latest"}]}, 2, env=env)
+    job = run_job(
+        {"op": "load", "hot": hot, "cold": cold_url, "out": str(mine), "loads": [{"tag": "latest"}]},
+        2,
+        env=env,
+    )
     assert job.ok, job.describe()
     result = read(mine, "loaded-latest.json")
     assert result["step"] == 3 and result["digest"] == read(out, "saved-3.json")
@@ -56,21 +66,38 @@ def test_node_local_hot_tiers_save_and_resume_bit_exact(tmp_path: Path) -> None:
     roots = [str(tmp_path / f"node{r}" / "nvme") for r in range(2)]
     cold_url, out = str(tmp_path / "cold"), tmp_path / "out"
     out.mkdir()
-    spec = {"op": "train_save", "hot": roots, "cold": cold_url, "out": str(out),
-            "saves": [{"step": 1, "mode": "thread"}, {"step": 2, "mode": "sync"}], "drain": True}
+    spec = {
+        "op": "train_save",
+        "hot": roots,
+        "cold": cold_url,
+        "out": str(out),
+        "saves": [{"step": 1, "mode": "thread"}, {"step": 2, "mode": "sync"}],
+        "drain": True,
+    }
     job = run_job(spec, 2)
     assert job.ok, job.describe()
     assert read(out, "migration.json")[layout.default_name(2)]["state"] == "committed"
     # Each node holds only its own rank's shards; only node 0 (the coordinator) has manifests.
     manifest = Tier("cold", cold_url).find_manifest(layout.default_name(2))
     for rank, root in enumerate(roots):
-        present = {p.name for p in Path(root, layout.attempt_prefix(manifest.name, manifest.attempt)).iterdir()}
+        present = {
+            p.name for p in Path(root, layout.attempt_prefix(manifest.name, manifest.attempt)).iterdir()
+        }
         assert f"__{rank}_0.distcp" in present and f"__{1 - rank}_0.distcp" not in present
     assert [c.step for c in list_checkpoints(roots[1])] == []
     mine = tmp_path / "loaded"
     mine.mkdir()
-    job = run_job({"op": "load", "hot": roots, "cold": cold_url, "node_local": True,
-                   "out": str(mine), "loads": [{"tag": "latest"}]}, 2)
+    job = run_job(
+        {
+            "op": "load",
+            "hot": roots,
+            "cold": cold_url,
+            "node_local": True,
+            "out": str(mine),
+            "loads": [{"tag": "latest"}],
+        },
+        2,
+    )
     assert job.ok, job.describe()
     result = read(mine, "loaded-latest.json")
     assert result["step"] == 2 and result["digest"] == read(out, "saved-2.json")

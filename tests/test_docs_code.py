@@ -36,14 +36,25 @@ class Worker:
     """The worker process of tests/docs_fixtures.py: one block at a time, results as JSON lines."""
 
     def __init__(self, s3_endpoint: str, log: Path) -> None:
-        env = {**os.environ, **torchrun_env(0, 1, free_port()), "AWS_ENDPOINT_URL": s3_endpoint,
-               "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-               "AWS_DEFAULT_REGION": "us-west-2"}
+        env = {
+            **os.environ,
+            **torchrun_env(0, 1, free_port()),
+            "AWS_ENDPOINT_URL": s3_endpoint,
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-west-2",
+        }
         self.log = log
         self._log_file = log.open("wb")
-        self.proc = subprocess.Popen([sys.executable, str(Path(docs_fixtures.__file__))], env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._log_file, text=True, cwd=ROOT)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(docs_fixtures.__file__))],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log_file,
+            text=True,
+            cwd=ROOT,
+        )
         self._lines: queue.Queue[str] = queue.Queue()
         assert self.proc.stdout is not None
         threading.Thread(target=self._read, args=(self.proc.stdout,), daemon=True).start()
@@ -55,8 +66,14 @@ class Worker:
 
     def run(self, block: Block, tmp: Path, bucket: str) -> dict[str, Any]:
         assert self.proc.stdin is not None
-        request = {"file": block.file, "index": block.index, "source": block.source,
-                   "name": f"{block.file}:{block.line}", "tmp": str(tmp), "bucket": bucket}
+        request = {
+            "file": block.file,
+            "index": block.index,
+            "source": block.source,
+            "name": f"{block.file}:{block.line}",
+            "tmp": str(tmp),
+            "bucket": bucket,
+        }
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         try:
@@ -90,6 +107,7 @@ def worker(s3_endpoint: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 # -- the blocks ----------------------------------------------------------------------------------
+
 
 @pytest.mark.dist
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
@@ -125,27 +143,36 @@ def test_every_setup_names_a_block_that_exists() -> None:
     for key, (first_line, _, _) in SETUPS.items():
         assert key in by_key, f"SETUPS names {key}, which is not a Python block (moved?)"
         assert by_key[key].first_line == first_line, (
-            f"{key} now starts with {by_key[key].first_line!r}: update SETUPS in docs_fixtures.py")
+            f"{key} now starts with {by_key[key].first_line!r}: update SETUPS in docs_fixtures.py"
+        )
         assert by_key[key].skip is None, f"{key} has a setup but is marked not run"
 
 
 def test_the_parser_finds_blocks_markers_and_indented_fences(tmp_path: Path) -> None:
     doc = tmp_path / "sample.md"
-    text = ("intro\n\n```python\na = 1\n```\n\n<!-- not run: pseudo-code -->\n```python\nb ? 2\n```\n"
-            "<!-- not run -->\n\n```py\nc = 3\n```\n- item\n\n   ```python\n   d = 4\n     e = 5\n   ```\n"
-            "```sh\npip install x\n```\n<!-- not run: stale -->\n\ntext between\n```python\nf = 6\n```\n")
+    text = (
+        "intro\n\n```python\na = 1\n```\n\n<!-- not run: pseudo-code -->\n```python\nb ? 2\n```\n"
+        "<!-- not run -->\n\n```py\nc = 3\n```\n- item\n\n   ```python\n   d = 4\n     e = 5\n   ```\n"
+        "```sh\npip install x\n```\n<!-- not run: stale -->\n\ntext between\n```python\nf = 6\n```\n"
+    )
     doc.write_text(text)
     blocks = python_blocks(doc)
     assert [(b.source, b.skip) for b in blocks] == [
-        ("a = 1\n", None), ("b ? 2\n", "pseudo-code"), ("c = 3\n", ""),
-        ("d = 4\n  e = 5\n", None), ("f = 6\n", None)]
+        ("a = 1\n", None),
+        ("b ? 2\n", "pseudo-code"),
+        ("c = 3\n", ""),
+        ("d = 4\n  e = 5\n", None),
+        ("f = 6\n", None),
+    ]
     assert [b.line for b in blocks] == [3, 8, 13, 18, 28]
 
 
 def test_example_locations_are_pointed_at_the_run() -> None:
     ctx = docs_fixtures.Ctx(Path("/tmp/x"), "bkt")
-    assert docs_fixtures.localize('f("/nvme/run1", "s3://bucket/run1")', ctx) == \
-        "f('/tmp/x/nvme/run1', 's3://bkt/run1')"
+    assert (
+        docs_fixtures.localize('f("/nvme/run1", "s3://bucket/run1")', ctx)
+        == "f('/tmp/x/nvme/run1', 's3://bkt/run1')"
+    )
     with pytest.raises(AssertionError, match="/nvme/run1"):
         docs_fixtures.localize("f('/nvme/run1')", ctx)
 
@@ -178,12 +205,15 @@ def test_install_lines_have_one_form_and_give_both() -> None:
         # integration needs) and pip's flags are not this test's business.
         ours = [t for t in targets if t.startswith(("tierstore", "-e"))]
         odd = [t for t in ours if t not in INDEX and t not in CHECKOUT]
-        assert not odd, f"{path.relative_to(ROOT)}: install {odd}; the forms are {sorted(INDEX)} or {sorted(CHECKOUT)}"
+        assert not odd, (
+            f"{path.relative_to(ROOT)}: install {odd}; the forms are {sorted(INDEX)} or {sorted(CHECKOUT)}"
+        )
         from_index = {t for t in targets if t in INDEX}
         from_checkout = {CHECKOUT[t] for t in targets if t in CHECKOUT}
         assert from_index == from_checkout, (
             f"{path.relative_to(ROOT)}: from the index {sorted(from_index)}, from a checkout "
-            f"{sorted(from_checkout)}: say both for each distribution")
+            f"{sorted(from_checkout)}: say both for each distribution"
+        )
     assert seen >= 8
 
 
@@ -199,6 +229,7 @@ def test_checkout_paths_hold_the_distributions_they_name() -> None:
 
 
 # -- the package's face ----------------------------------------------------------------------------
+
 
 def test_dir_lists_the_public_api_and_nothing_else() -> None:
     import tierstore
@@ -217,8 +248,9 @@ def test_time_cadence_repr() -> None:
 
     plain = TimeCadence(600, clock=lambda: 0.0, check_every=10)
     assert repr(plain) == "TimeCadence(interval=600.0, check_every=10, saves=0)"
-    planned = TimeCadence.from_failure_rate(nodes=64, mtbf_node=30 * 86400, stall=15.0,
-                                            clock=lambda: 0.0, distributed=False)
+    planned = TimeCadence.from_failure_rate(
+        nodes=64, mtbf_node=30 * 86400, stall=15.0, clock=lambda: 0.0, distributed=False
+    )
     text = repr(planned)
     assert text.startswith(f"TimeCadence(interval={planned.interval:.1f}, check_every=1, saves=0, ")
     assert "nodes=64" in text and "mtbf_node=2592000" in text and "method='daly'" in text
@@ -229,16 +261,28 @@ def test_resume_report_reprs() -> None:
     from tierstore.resume.report import Mismatch, ResumeReport
 
     mismatch = Mismatch("train.optim.state.0.exp_avg", "optimizer", "differ from the live state", (0, 1))
-    assert repr(mismatch) == ("Mismatch(key='train.optim.state.0.exp_avg', part='optimizer', "
-                              "problem='differ from the live state', ranks=(0, 1))")
-    many = tuple(Mismatch(f"train.model.w{i}", "model", "missing from the checkpoint", (0,))
-                 for i in range(50))
-    report = ResumeReport("step-0000000003", 2, (4.25, 4.5), (4.25, 4.5), mismatches=(mismatch, *many),
-                          keys_checked=120, seconds=3.2)
+    assert repr(mismatch) == (
+        "Mismatch(key='train.optim.state.0.exp_avg', part='optimizer', "
+        "problem='differ from the live state', ranks=(0, 1))"
+    )
+    many = tuple(
+        Mismatch(f"train.model.w{i}", "model", "missing from the checkpoint", (0,)) for i in range(50)
+    )
+    report = ResumeReport(
+        "step-0000000003",
+        2,
+        (4.25, 4.5),
+        (4.25, 4.5),
+        mismatches=(mismatch, *many),
+        keys_checked=120,
+        seconds=3.2,
+    )
     text = repr(report)
-    assert text == ("ResumeReport(checkpoint='step-0000000003', ok=False, world_size=2, "
-                    "keys_checked=120, mismatches=51 (model, optimizer), errors=0, "
-                    "loss_before=(4.25, 4.5), loss_after=(4.25, 4.5))")
+    assert text == (
+        "ResumeReport(checkpoint='step-0000000003', ok=False, world_size=2, "
+        "keys_checked=120, mismatches=51 (model, optimizer), errors=0, "
+        "loss_before=(4.25, 4.5), loss_after=(4.25, 4.5))"
+    )
     good = ResumeReport("step-0000000004", 1, (1.0,), (1.0,), keys_checked=9)
     assert repr(good).startswith("ResumeReport(checkpoint='step-0000000004', ok=True, ")
     assert "mismatches=0, errors=0" in repr(good)

@@ -14,8 +14,9 @@ from tierstore.errors import (
 
 
 def test_error_tree_and_pickling() -> None:
-    err = ChecksumMismatch("CRC32C mismatch", checkpoint="c", file="f", tier="hot /x",
-                           expected="0a", actual="0b")
+    err = ChecksumMismatch(
+        "CRC32C mismatch", checkpoint="c", file="f", tier="hot /x", expected="0a", actual="0b"
+    )
     assert isinstance(err, TierstoreError) and isinstance(err, ValueError)
     assert "checkpoint 'c'" in str(err) and "file 'f'" in str(err) and "tier 'hot /x'" in str(err)
     back = pickle.loads(pickle.dumps(err))

@@ -25,15 +25,23 @@ GOLDEN = Path(__file__).with_name("data") / "store-0.2"
 
 def golden_state() -> dict[str, Any]:
     g = torch.Generator().manual_seed(7)
-    return {"w": torch.randn(8, 5, generator=g), "b": torch.arange(6, dtype=torch.int64),
-            "h": torch.randn(3, generator=g).to(torch.bfloat16), "step": torch.tensor(3),
-            "extra": {"lr": 0.1, "name": "golden"}}
+    return {
+        "w": torch.randn(8, 5, generator=g),
+        "b": torch.arange(6, dtype=torch.int64),
+        "h": torch.randn(3, generator=g).to(torch.bfloat16),
+        "step": torch.tensor(3),
+        "extra": {"lr": 0.1, "name": "golden"},
+    }
 
 
 def blank_state() -> dict[str, Any]:
-    return {"w": torch.zeros(8, 5), "b": torch.zeros(6, dtype=torch.int64),
-            "h": torch.zeros(3, dtype=torch.bfloat16), "step": torch.tensor(0),
-            "extra": {"lr": 0.0, "name": ""}}
+    return {
+        "w": torch.zeros(8, 5),
+        "b": torch.zeros(6, dtype=torch.int64),
+        "h": torch.zeros(3, dtype=torch.bfloat16),
+        "step": torch.tensor(0),
+        "extra": {"lr": 0.0, "name": ""},
+    }
 
 
 @pytest.fixture

@@ -20,8 +20,7 @@ def test_each_rank_reads_what_its_plan_needs(tmp_path: Path) -> None:
 
     out = tmp_path / "out"
     out.mkdir()
-    job = run_job({"hot": str(tmp_path / "hot"), "out": str(out)}, WORLD, script=Path(__file__),
-                  timeout=120)
+    job = run_job({"hot": str(tmp_path / "hot"), "out": str(out)}, WORLD, script=Path(__file__), timeout=120)
     assert job.ok, job.describe()
     for rank in range(WORLD):
         result = json.loads((out / f"rank{rank}.json").read_text())
@@ -76,9 +75,13 @@ def _job(spec: dict[str, Any]) -> None:
     assert manifest is not None
     meta = manifest.file(manifest.metadata_file)
     assert meta is not None
-    result = {"same": digest(model, optim) == saved, "bytes_read": reader.bytes_read,
-              "needed": planner.needed, "metadata_size": meta.size,
-              "data_size": manifest.total_size - meta.size}
+    result = {
+        "same": digest(model, optim) == saved,
+        "bytes_read": reader.bytes_read,
+        "needed": planner.needed,
+        "metadata_size": meta.size,
+        "data_size": manifest.total_size - meta.size,
+    }
     (Path(spec["out"]) / f"rank{rank}.json").write_text(json.dumps(result))
     leave_cleanly()
 

@@ -27,15 +27,22 @@ def test_gc_collects_only_old_unreferenced_debris(tmp_path: Path) -> None:
     (dead / "__0_0.distcp").write_bytes(b"x" * 100)
     Path(hot, layout.MANIFEST_DIR, ".step-0000000009.json.tmp-abc").write_bytes(b"{")
     # Cold uploads of a pending checkpoint (only its hot manifest exists) are not garbage.
-    stray = Path(cold, layout.file_key("step-0000000002", Tier("hot", hot).find_manifest("step-0000000002").attempt, "__0_0.distcp"))
+    stray = Path(
+        cold,
+        layout.file_key(
+            "step-0000000002", Tier("hot", hot).find_manifest("step-0000000002").attempt, "__0_0.distcp"
+        ),
+    )
     stray.parent.mkdir(parents=True, exist_ok=True)
     stray.write_bytes(b"partial upload")
     now = time.time()
     assert find_garbage(hot, cold, grace=3600, now=now) == []  # all too young
     found = {(g.key, g.reason) for g in find_garbage(hot, cold, grace=0, now=now + 1)}
     assert found == {
-        (f"{layout.attempt_prefix('step-0000000009', '20260101T000000Z-deadbeef')}__0_0.distcp",
-         "attempt named by no manifest"),
+        (
+            f"{layout.attempt_prefix('step-0000000009', '20260101T000000Z-deadbeef')}__0_0.distcp",
+            "attempt named by no manifest",
+        ),
         ("manifests/.step-0000000009.json.tmp-abc", "leftover publish temporary"),
     }, found
     dry = collect_garbage(hot, cold, grace=0, now=now + 1)

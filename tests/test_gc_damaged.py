@@ -44,12 +44,17 @@ def test_a_torn_manifest_is_damage_not_garbage(tmp_path: Path) -> None:
     report = collect_garbage(hot, grace=0, dry_run=False)
     assert report.garbage == ()
     assert [(d.key, d.tier.startswith("hot")) for d in report.damaged] == [
-        (layout.manifest_key(torn.name), True)]
+        (layout.manifest_key(torn.name), True)
+    ]
     assert "invalid manifest" in report.damaged[0].error
     assert Path(hot, layout.attempt_prefix(torn.name, torn.attempt), "__0_0.distcp").exists()
     assert Path(hot, other, "__0_0.distcp").exists()
-    proc = subprocess.run([sys.executable, "-m", "tierstore", "gc", "--hot", hot, "--grace", "0"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tierstore", "gc", "--hot", hot, "--grace", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1 and f"DAMAGED  hot {hot}  {layout.manifest_key(torn.name)}" in proc.stdout
 
 
@@ -79,8 +84,11 @@ def test_oversized_and_unreadable_leases_never_wedge_prune_or_gc(tmp_path: Path,
     assert not Path(hot, layout.checkpoint_prefix(name1)).exists()
     assert Path(hot, layout.checkpoint_prefix(name2)).exists()
     for path in (unreadable, oversized):
-        assert any(str(path.relative_to(hot)) in r.getMessage() and "hot" in r.getMessage()
-                   for r in caplog.records if r.levelno == logging.WARNING), path
+        assert any(
+            str(path.relative_to(hot)) in r.getMessage() and "hot" in r.getMessage()
+            for r in caplog.records
+            if r.levelno == logging.WARNING
+        ), path
     # The fresh oversized lease still protects step 2's data; the old unreadable one is expired.
     assert [g.key for g in find_garbage(hot, grace=0)] == [str(unreadable.relative_to(hot))]
     os.utime(oversized, (OLD, OLD))  # the load it stood for is long over
@@ -97,11 +105,17 @@ def test_damaged_upload_marks_are_cleared_once_old(tmp_path: Path) -> None:
     hot, cold = str(tmp_path / "hot"), str(tmp_path / "cold")
     pending = saved(hot, 1)  # committed in hot only: its cold uploads are live
     prefix = layout.upload_prefix(pending.name, pending.attempt)
-    good = put(cold, layout.upload_mark_key(pending.name, pending.attempt, 2),
-               json.dumps({"rank": 2, "files": []}).encode())
+    good = put(
+        cold,
+        layout.upload_mark_key(pending.name, pending.attempt, 2),
+        json.dumps({"rank": 2, "files": []}).encode(),
+    )
     damaged = [
-        put(cold, layout.upload_mark_key(pending.name, pending.attempt, 0),
-            json.dumps({"rank": 3, "files": []}).encode()),  # names another rank
+        put(
+            cold,
+            layout.upload_mark_key(pending.name, pending.attempt, 0),
+            json.dumps({"rank": 3, "files": []}).encode(),
+        ),  # names another rank
         put(cold, layout.upload_mark_key(pending.name, pending.attempt, 1), b'{"rank": 1, "fi'),
         put(cold, prefix + "rank-4.failed.json", b"\x00garbage"),
         put(cold, prefix + "rank-x.json", b"{}"),  # no mark has such a key

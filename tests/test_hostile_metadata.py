@@ -27,13 +27,21 @@ NAME = layout.default_name(1)
 
 def _state() -> dict[str, Any]:
     g = torch.Generator().manual_seed(3)
-    return {"a": torch.randn(16, 8, generator=g), "b": torch.randn(40, generator=g),
-            "c": torch.arange(12).reshape(3, 4), "extra": {"step": 1}}
+    return {
+        "a": torch.randn(16, 8, generator=g),
+        "b": torch.randn(40, generator=g),
+        "c": torch.arange(12).reshape(3, 4),
+        "extra": {"step": 1},
+    }
 
 
 def _blank() -> dict[str, Any]:
-    return {"a": torch.zeros(16, 8), "b": torch.zeros(40), "c": torch.zeros(3, 4, dtype=torch.long),
-            "extra": {"step": 0}}
+    return {
+        "a": torch.zeros(16, 8),
+        "b": torch.zeros(40),
+        "c": torch.zeros(3, 4, dtype=torch.long),
+        "extra": {"step": 0},
+    }
 
 
 def _tensor_items(meta: Any) -> list[Any]:

@@ -51,8 +51,10 @@ NAME = layout.default_name(1)
 
 def _pair() -> dict[str, Any]:
     """Two tensors of one dtype and shape: a RawItem of one could pass for the other's."""
-    return {"x": torch.arange(32, dtype=torch.float32).reshape(8, 4),
-            "y": -torch.arange(32, dtype=torch.float32).reshape(8, 4)}
+    return {
+        "x": torch.arange(32, dtype=torch.float32).reshape(8, 4),
+        "y": -torch.arange(32, dtype=torch.float32).reshape(8, 4),
+    }
 
 
 def _save_pair(store: str) -> None:
@@ -66,8 +68,11 @@ def _raw(store: str, fqn: str) -> RawItem:
 
 def _load_only_x(store: str, **options: Any) -> torch.Tensor:
     target = {"x": torch.full((8, 4), 7.0)}
-    dcp.load(target, storage_reader=TieredReader(store, **options),
-             planner=DefaultLoadPlanner(allow_partial_load=True))
+    dcp.load(
+        target,
+        storage_reader=TieredReader(store, **options),
+        planner=DefaultLoadPlanner(allow_partial_load=True),
+    )
     return target["x"]
 
 
@@ -152,22 +157,28 @@ def _metadata(size: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[i
         crcs = (0,) * -(-length // (4 << 20))
         storage[MetadataIndex("t", offsets)] = RawItem("f", offset, length, "float32", sizes, 4 << 20, crcs)
         offset += -(-length // 4096) * 4096 or 4096
-    tensor = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size(size),
-                                   [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in chunks])
+    tensor = TensorStorageMetadata(
+        TensorProperties(dtype=torch.float32),
+        torch.Size(size),
+        [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in chunks],
+    )
     return pickle.dumps(Metadata({"t": tensor}, storage_data=storage))
 
 
-@pytest.mark.parametrize("size, chunks, covered", [
-    ((10,), [((0,), (10,))], True),
-    ((10,), [((0,), (4,)), ((4,), (6,))], True),
-    ((4, 6), [((r, c), (2, 3)) for r in (0, 2) for c in (0, 3)], True),  # a 2 x 2 grid
-    ((6, 4), [((0, 0), (6, 2)), ((0, 2), (6, 2))], True),  # sharded along dim 1
-    ((3, 2), [((0, 0), (1, 2)), ((1, 0), (2, 2)), ((3, 0), (0, 2))], True),  # an empty shard
-    ((), [((), ())], True),
-    ((10,), [((0,), (4,)), ((6,), (4,))], False),  # a gap
-    ((10,), [((0,), (5,)), ((3,), (5,))], False),  # overlap and gap: the volume adds up
-    ((4, 6), [((0, 0), (2, 3)), ((2, 0), (2, 3)), ((0, 3), (2, 3)), ((0, 3), (2, 3))], False),
-])
+@pytest.mark.parametrize(
+    "size, chunks, covered",
+    [
+        ((10,), [((0,), (10,))], True),
+        ((10,), [((0,), (4,)), ((4,), (6,))], True),
+        ((4, 6), [((r, c), (2, 3)) for r in (0, 2) for c in (0, 3)], True),  # a 2 x 2 grid
+        ((6, 4), [((0, 0), (6, 2)), ((0, 2), (6, 2))], True),  # sharded along dim 1
+        ((3, 2), [((0, 0), (1, 2)), ((1, 0), (2, 2)), ((3, 0), (0, 2))], True),  # an empty shard
+        ((), [((), ())], True),
+        ((10,), [((0,), (4,)), ((6,), (4,))], False),  # a gap
+        ((10,), [((0,), (5,)), ((3,), (5,))], False),  # overlap and gap: the volume adds up
+        ((4, 6), [((0, 0), (2, 3)), ((2, 0), (2, 3)), ((0, 3), (2, 3)), ((0, 3), (2, 3))], False),
+    ],
+)
 def test_chunks_must_tile_their_tensor(size: tuple[int, ...], chunks: Any, covered: bool) -> None:
     data = _metadata(size, chunks)
     if covered:
@@ -205,7 +216,8 @@ DAMAGE = {"part missing": _drop_part, "shard replaced by a same-size stray": _sw
 
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
 def test_a_reader_without_a_name_skips_a_damaged_two_level_checkpoint(
-        store: str, damage: str, caplog: pytest.LogCaptureFixture) -> None:
+    store: str, damage: str, caplog: pytest.LogCaptureFixture
+) -> None:
     _two_level(store, 1)
     newest = _two_level(store, 2)
     DAMAGE[damage](store, newest)
@@ -224,7 +236,8 @@ def test_a_reader_without_a_name_skips_a_damaged_two_level_checkpoint(
 
 
 def test_verify_reports_every_damaged_checkpoint_and_goes_on(
-        store: str, capsys: pytest.CaptureFixture[str]) -> None:
+    store: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     _two_level(store, 1)
     _drop_part(store, _two_level(store, 2))
     _swap_shard_for_stray(store, _two_level(store, 3))
@@ -242,7 +255,8 @@ def test_verify_reports_every_damaged_checkpoint_and_goes_on(
 
 
 def test_verify_of_a_named_checkpoint_with_a_missing_part_reports_it(
-        store: str, capsys: pytest.CaptureFixture[str]) -> None:
+    store: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     _drop_part(store, _two_level(store, 1))
     assert main(["verify", "--hot", store, "--name", NAME]) == 1
     out = capsys.readouterr().out
@@ -250,7 +264,8 @@ def test_verify_of_a_named_checkpoint_with_a_missing_part_reports_it(
 
 
 def test_verify_of_a_name_invalid_in_one_tier_reports_it_and_checks_the_other(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     hot, cold = str(tmp_path / "hot"), str(tmp_path / "cold")
     saved(hot, 1)
     shutil.copytree(hot, cold)  # a local cold tier: the same layout, committed by its manifest
@@ -278,10 +293,10 @@ def _resume(store: str, states: list[dict[str, Any]], target: dict[str, Any]) ->
         return manager.load_latest(target)
 
 
-def _refusal(store: str, states: list[dict[str, Any]], target: dict[str, Any],
-             caplog: pytest.LogCaptureFixture) -> errors.UnsafeType:
-    with caplog.at_level(logging.WARNING, logger="tierstore"), \
-            pytest.raises(CheckpointException) as info:
+def _refusal(
+    store: str, states: list[dict[str, Any]], target: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> errors.UnsafeType:
+    with caplog.at_level(logging.WARNING, logger="tierstore"), pytest.raises(CheckpointException) as info:
         _resume(store, states, target)
     err = unwrap(info.value)
     assert isinstance(err, errors.UnsafeType), f"{type(err).__name__}: {err}"
@@ -294,7 +309,8 @@ def _refusal(store: str, states: list[dict[str, Any]], target: dict[str, Any],
 
 
 def test_a_bytesio_in_the_state_is_refused_by_default_and_loads_once_allowed(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     # PyTorch's own DCP e2e state holds an io.BytesIO; torch's weights_only does not allow it.
     states = [{"w": torch.ones(3) * s, "blob": io.BytesIO(b"step %d" % s)} for s in (1, 2)]
     err = _refusal(str(tmp_path / "a"), states, {"w": torch.zeros(3), "blob": io.BytesIO()}, caplog)
@@ -306,7 +322,8 @@ def test_a_bytesio_in_the_state_is_refused_by_default_and_loads_once_allowed(
 
 
 def test_a_custom_class_is_refused_naming_it_never_stepping_back(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     states = [{"w": torch.ones(3), "cfg": 1}, {"w": torch.ones(3) * 2, "cfg": Settings(2)}]
     err = _refusal(str(tmp_path / "a"), states, {"w": torch.zeros(3), "cfg": None}, caplog)
     qualname = f"{Settings.__module__}.{Settings.__qualname__}"
@@ -331,7 +348,8 @@ def test_a_refused_type_is_the_same_error_from_a_plain_reader(store: str) -> Non
 
 
 def test_dcp_encoded_refusal_is_an_unsafe_type_too(store: str) -> None:
-    dcp.save({"w": torch.ones(3), "cfg": Settings(1)},
-             storage_writer=TieredWriter(store, step=1, encoding="dcp"))
+    dcp.save(
+        {"w": torch.ones(3), "cfg": Settings(1)}, storage_writer=TieredWriter(store, step=1, encoding="dcp")
+    )
     err = _refused_load(store)
     assert isinstance(err, errors.UnsafeType) and "Settings" in str(err), f"{type(err).__name__}: {err}"

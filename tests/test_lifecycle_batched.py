@@ -80,8 +80,15 @@ def calls(tier: Tier | None) -> Counter[str]:
     return tier.backend.calls
 
 
-def commit(tier: Tier, step: int, ranks: Iterable[int] | int, *, world: int | None = None,
-           part_ranks: int = 1000, files_here: Iterable[int] | None = None) -> Manifest:
+def commit(
+    tier: Tier,
+    step: int,
+    ranks: Iterable[int] | int,
+    *,
+    world: int | None = None,
+    part_ranks: int = 1000,
+    files_here: Iterable[int] | None = None,
+) -> Manifest:
     """Commit a checkpoint of one tiny file per rank (plus ``.metadata``) in ``tier``, its
     manifest two-level past ``part_ranks`` ranks; ``files_here``: the ranks whose files this
     tier holds (a node's hot root), all by default."""
@@ -98,15 +105,17 @@ def commit(tier: Tier, step: int, ranks: Iterable[int] | int, *, world: int | No
             target = root / tier.file_key(name, attempt, path)
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(data)  # setup only: what a save leaves, written fast
-    manifest = Manifest(name, step, attempt, world or max([0, *ranks]) + 1, time.time(), entries,
-                        part_ranks=part_ranks)
+    manifest = Manifest(
+        name, step, attempt, world or max([0, *ranks]) + 1, time.time(), entries, part_ranks=part_ranks
+    )
     tier.publish_manifest(manifest)
     return manifest
 
 
 def stored(root: Path, manifest: Manifest) -> list[Path]:
-    return [p for p in (root / layout.attempt_prefix(manifest.name, manifest.attempt)).rglob("*")
-            if p.is_file()]
+    return [
+        p for p in (root / layout.attempt_prefix(manifest.name, manifest.attempt)).rglob("*") if p.is_file()
+    ]
 
 
 def test_prune_deletes_a_big_checkpoint_in_batches(tmp_path: Path) -> None:
@@ -158,8 +167,10 @@ def test_list_prune_and_status_read_roots_only_and_once(tmp_path: Path) -> None:
     pending = commit(store.hot, 3, 6, part_ranks=2)  # type: ignore[arg-type]
 
     def reads() -> dict[str, int]:
-        return {role: calls(t)["read root"] + calls(t)["read part"]
-                for role, t in (("hot", store.hot), ("cold", store.cold))}
+        return {
+            role: calls(t)["read root"] + calls(t)["read part"]
+            for role, t in (("hot", store.hot), ("cold", store.cold))
+        }
 
     def clear() -> None:
         calls(store.hot).clear()
@@ -203,8 +214,7 @@ def test_node_local_prune_lists_its_files_and_reads_no_part(tmp_path: Path) -> N
     calls(cold).clear()
     report = prune_node_local(hot, cold, keep_last(1))
     assert set(report.deleted) == {m.name for m in checkpoints[:2]}
-    assert report.bytes_freed == sum(f.size for m in checkpoints[:2] for f in m.files
-                                     if 4 <= f.rank < 8)
+    assert report.bytes_freed == sum(f.size for m in checkpoints[:2] for f in m.files if 4 <= f.rank < 8)
     assert calls(cold)["read part"] == 0 and calls(hot)["read part"] == 0
     assert calls(hot)["delete"] == 0 and calls(hot)["delete_many"] == 2, calls(hot)
     assert [len(stored(node, m)) for m in checkpoints] == [0, 0, 4]
@@ -231,13 +241,13 @@ def test_gc_keeps_an_attempt_whose_part_is_damaged(tmp_path: Path) -> None:
     stray.write_bytes(b"not in any manifest")
     report = collect_garbage(str(root), grace=0, dry_run=False)
     assert report.garbage == () and [f.key for f in report.failures] == [
-        layout.attempt_prefix(manifest.name, manifest.attempt)]
+        layout.attempt_prefix(manifest.name, manifest.attempt)
+    ]
     assert "part" in report.failures[0].error
     assert len(stored(root, manifest)) == 7 + 3 + 1  # its files cannot be known: all kept
 
 
-def test_node_local_prune_goes_on_past_a_failing_checkpoint_and_defers_a_leased_one(
-        tmp_path: Path) -> None:
+def test_node_local_prune_goes_on_past_a_failing_checkpoint_and_defers_a_leased_one(tmp_path: Path) -> None:
     """One checkpoint whose files cannot be deleted is reported and the others go on; one a
     load holds a lease on keeps its files and is reported deferred, not deleted (issue 22)."""
     from tierstore.tiers import leases

@@ -51,8 +51,12 @@ from tierstore.tiers.migrator import MigrationConfig
 from tierstore.tiers.status import migration_status
 from tierstore.tiers.tier import Store, Tier
 
-FAST = MigrationConfig(chunk_size=1 << 16, poll_interval=0.02, commit_timeout=30,
-                       retry=RetryPolicy(attempts=2, initial=0.01, maximum=0.05))
+FAST = MigrationConfig(
+    chunk_size=1 << 16,
+    poll_interval=0.02,
+    commit_timeout=30,
+    retry=RetryPolicy(attempts=2, initial=0.01, maximum=0.05),
+)
 
 
 def state(step: int, kib: int = 256) -> dict[str, Any]:
@@ -66,8 +70,11 @@ def blank(kib: int = 256) -> dict[str, Any]:
 
 def steps(cold: Cold | Tier | str, hot: str | None = None) -> list[int]:
     if isinstance(cold, Cold):
-        return [c.step for c in list_checkpoints(None, cold.url, cold_options=cold.direct_options)
-                if c.step is not None]
+        return [
+            c.step
+            for c in list_checkpoints(None, cold.url, cold_options=cold.direct_options)
+            if c.step is not None
+        ]
     return [c.step for c in list_checkpoints(hot if hot else str(cold)) if c.step is not None]
 
 
@@ -80,16 +87,16 @@ def manager(hot: str, cold: Cold, **options: Any) -> CheckpointManager:
 def every_cold_checkpoint_loads(cold: Cold) -> None:
     for step in steps(cold):
         target = blank()
-        dcp.load(target, storage_reader=TieredReader(None, cold.url, step=step,
-                                                     cold_options=cold.direct_options))
+        dcp.load(
+            target, storage_reader=TieredReader(None, cold.url, step=step, cold_options=cold.direct_options)
+        )
         assert torch.equal(target["w"], state(step)["w"]) and int(target["step"]) == step
 
 
 TRAIN_STEP = 0.05  # seconds of "training" between saves: saves land during prune rounds
 
 
-def test_a_burst_of_saves_keeps_every_policy_and_loses_no_milestone(any_cold: Cold,
-                                                                    tmp_path: Path) -> None:
+def test_a_burst_of_saves_keeps_every_policy_and_loses_no_milestone(any_cold: Cold, tmp_path: Path) -> None:
     cold, hot = any_cold, str(tmp_path / "hot")
     run = manager(hot, cold, hot_policy=keep_last(2), cold_policy=keep_last(3) | keep_every(4))
     for step in range(1, 11):
@@ -120,8 +127,10 @@ def test_the_end_of_a_run_delivers_its_last_checkpoint(any_cold: Cold, tmp_path:
         run.save(step, state(step))
     run.close()  # returns only once step 3 is committed in cold (or raises)
     assert steps(cold)[-1] == 3
-    assert all(s.state.value == "committed"
-               for s in migration_status(hot, cold.url, cold_options=cold.direct_options))
+    assert all(
+        s.state.value == "committed"
+        for s in migration_status(hot, cold.url, cold_options=cold.direct_options)
+    )
 
 
 def _closed_port() -> int:
@@ -141,11 +150,19 @@ def down(cold: Cold, tmp_path: Path) -> tuple[str, dict[str, Any]]:
 
 
 def test_cold_tier_down_close_returns_in_bounded_time_and_the_next_run_resumes(
-        any_cold: Cold, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    any_cold: Cold, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     cold, hot = any_cold, str(tmp_path / "hot")
     url, options = down(cold, tmp_path)
-    run = CheckpointManager(hot, url, cold_options=options, hot_policy=keep_last(1),
-                            migration=FAST, hot_min_free=None, close_timeout=20)
+    run = CheckpointManager(
+        hot,
+        url,
+        cold_options=options,
+        hot_policy=keep_last(1),
+        migration=FAST,
+        hot_min_free=None,
+        close_timeout=20,
+    )
     for step in (1, 2, 3):
         run.save(step, state(step))
     started = time.monotonic()
@@ -155,8 +172,11 @@ def test_cold_tier_down_close_returns_in_bounded_time_and_the_next_run_resumes(
     assert took < 20 + 10, f"close() took {took:.0f}s with the cold tier down"
     names = [layout.default_name(s) for s in (1, 2, 3)]
     assert list(raised.value.checkpoints) == names
-    assert any("did not reach the cold tier" in r.getMessage() and "tierstore migrate" in r.getMessage()
-               for r in caplog.records if r.levelno >= logging.ERROR)
+    assert any(
+        "did not reach the cold tier" in r.getMessage() and "tierstore migrate" in r.getMessage()
+        for r in caplog.records
+        if r.levelno >= logging.ERROR
+    )
     assert steps(None, hot) == [1, 2, 3]  # keep_last(1), but nothing un-migrated left hot
     if cold.kind == "local":
         return  # the blocked path stays blocked; the object stores come back below
@@ -187,7 +207,8 @@ print(json.dumps({"outcome": outcome, "close_seconds": time.monotonic() - starte
 
 @pytest.mark.parametrize("kind", ["s3"])  # GCS down: test_cold_tier_down_close_returns_* (gcs)
 def test_close_returns_in_seconds_with_the_cold_tier_down_and_default_retries(
-        kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    kind: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
     """The outside test's case: a closed port and the backend's own retry policy (minutes of
     backoff). close() asks the cold tier once, finds it down, and returns; the process ends
     with it (issue 22). In a process of its own: its retrying threads die with it."""
@@ -196,9 +217,13 @@ def test_close_returns_in_seconds_with_the_cold_tier_down_and_default_retries(
     options = {k: v for k, v in options.items() if k != "retry"}  # the default policy
     spec = {"hot": str(tmp_path / "hot"), "url": url, "options": options}
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-c", COLD_DOWN_RUN, json.dumps(spec)],
-                          capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(
+        [sys.executable, "-c", COLD_DOWN_RUN, json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     took = time.monotonic() - started
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
@@ -208,8 +233,9 @@ def test_close_returns_in_seconds_with_the_cold_tier_down_and_default_retries(
     assert "unreachable" in done.stderr and "tierstore migrate" in done.stderr
 
 
-def test_a_killed_runs_pending_checkpoints_are_migrated_by_the_next_run(any_cold: Cold,
-                                                                         tmp_path: Path) -> None:
+def test_a_killed_runs_pending_checkpoints_are_migrated_by_the_next_run(
+    any_cold: Cold, tmp_path: Path
+) -> None:
     """What a run killed before its migrations ran leaves: hot commits, nothing cold."""
     cold, hot = any_cold, str(tmp_path / "hot")
     for step in (1, 2):
@@ -220,8 +246,7 @@ def test_a_killed_runs_pending_checkpoints_are_migrated_by_the_next_run(any_cold
     assert steps(cold) == [1, 2, 3]
 
 
-def test_a_damaged_newest_checkpoint_is_quarantined_and_saved_again(any_cold: Cold,
-                                                                    tmp_path: Path) -> None:
+def test_a_damaged_newest_checkpoint_is_quarantined_and_saved_again(any_cold: Cold, tmp_path: Path) -> None:
     cold, hot = any_cold, str(tmp_path / "hot")
     run = manager(hot, cold, hot_policy=keep_last(2), cold_policy=keep_last(2))
     for step in (8, 9, 10):
@@ -258,8 +283,7 @@ def test_a_damaged_newest_checkpoint_is_quarantined_and_saved_again(any_cold: Co
     assert {q.tier.split()[0] for q in aside} == {"hot", "cold"}
 
 
-def test_a_run_whose_hot_tier_is_gone_resumes_from_cold_and_goes_on(any_cold: Cold,
-                                                                    tmp_path: Path) -> None:
+def test_a_run_whose_hot_tier_is_gone_resumes_from_cold_and_goes_on(any_cold: Cold, tmp_path: Path) -> None:
     cold, hot = any_cold, str(tmp_path / "hot")
     run = manager(hot, cold, hot_policy=keep_last(2), cold_policy=keep_last(3))
     for step in (1, 2, 3, 4):
@@ -280,8 +304,7 @@ def slow_s3(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cold]:
     yield from cold_of(request, "s3-slow", tmp_path)
 
 
-def test_a_stalled_cold_tier_never_blocks_a_save_and_close_is_bounded(slow_s3: Cold,
-                                                                      tmp_path: Path) -> None:
+def test_a_stalled_cold_tier_never_blocks_a_save_and_close_is_bounded(slow_s3: Cold, tmp_path: Path) -> None:
     """The cold tier answers nothing (every request hangs): saves go on at hot speed."""
     cold, hot = slow_s3, str(tmp_path / "hot")
     run = manager(hot, cold, hot_policy=keep_last(1), close_timeout=5)

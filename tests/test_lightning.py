@@ -51,8 +51,7 @@ def _job(spec: dict[str, Any]) -> None:
         def __init__(self) -> None:
             super().__init__()
             torch.manual_seed(0)
-            self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(),
-                                           torch.nn.Linear(32, 1))
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
 
         def configure_model(self) -> None:
             if sharded:
@@ -80,29 +79,45 @@ def _job(spec: dict[str, Any]) -> None:
 
     data = torch.Generator().manual_seed(1)
     n = 2 * 4 * STEPS_PER_EPOCH  # 2 ranks x batch 4 x steps per epoch
-    dataset = torch.utils.data.TensorDataset(torch.randn(n, 8, generator=data),
-                                             torch.randn(n, 1, generator=data))
-    checkpoint = TierstoreCheckpoint(spec["hot"], spec["cold"], every_n_epochs=1,
-                                     save_on_train_epoch_end=True, **spec.get("options", {}))
+    dataset = torch.utils.data.TensorDataset(
+        torch.randn(n, 8, generator=data), torch.randn(n, 1, generator=data)
+    )
+    checkpoint = TierstoreCheckpoint(
+        spec["hot"], spec["cold"], every_n_epochs=1, save_on_train_epoch_end=True, **spec.get("options", {})
+    )
     # Both ranks data parallel: "auto" would make them one tensor-parallel group.
-    strategy = (ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if sharded
-                else DDPStrategy(process_group_backend="gloo"))
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy,
-                        max_epochs=spec["epochs"], callbacks=[checkpoint], logger=False,
-                        enable_progress_bar=False, enable_model_summary=False,
-                        default_root_dir=spec["out"], deterministic=True)
+    strategy = (
+        ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+        if sharded
+        else DDPStrategy(process_group_backend="gloo")
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_epochs=spec["epochs"],
+        callbacks=[checkpoint],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=spec["out"],
+        deterministic=True,
+    )
     model = Net()
     # Each rank its half, in order (Lightning adds no sampler under ModelParallelStrategy).
-    sampler: torch.utils.data.Sampler[int] = torch.utils.data.DistributedSampler(dataset, num_replicas=2,
-                                                  rank=int(os.environ["RANK"]), shuffle=False)
+    sampler: torch.utils.data.Sampler[int] = torch.utils.data.DistributedSampler(
+        dataset, num_replicas=2, rank=int(os.environ["RANK"]), shuffle=False
+    )
     loader = torch.utils.data.DataLoader(dataset, batch_size=4, sampler=sampler)
     trainer.fit(model, loader, ckpt_path=spec.get("ckpt_path"))
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     assert trainer.strategy.model is not None
-    final = {"model": get_model_state_dict(trainer.strategy.model, options=options),
-             "optim": get_optimizer_state_dict(trainer.strategy.model, trainer.optimizers[0],
-                                               options=options),
-             "resumed": checkpoint._restored_step, "step": trainer.global_step}
+    final = {
+        "model": get_model_state_dict(trainer.strategy.model, options=options),
+        "optim": get_optimizer_state_dict(trainer.strategy.model, trainer.optimizers[0], options=options),
+        "resumed": checkpoint._restored_step,
+        "step": trainer.global_step,
+    }
     if trainer.global_rank == 0:
         torch.save(final, Path(spec["out"], "final.pt"))
     leave_cleanly()
@@ -126,21 +141,34 @@ def _same(a: Any, b: Any) -> bool:
 
 
 @pytest.mark.parametrize("strategy", ["model_parallel", "ddp"])
-def test_killed_run_resumes_from_last_and_matches_an_uninterrupted_run(tmp_path: Path,
-                                                                        strategy: str) -> None:
+def test_killed_run_resumes_from_last_and_matches_an_uninterrupted_run(tmp_path: Path, strategy: str) -> None:
     epochs = 4
-    whole, whole_out = _run(tmp_path, "whole", strategy=strategy, epochs=epochs,
-                            hot=str(tmp_path / "whole-hot"), cold=str(tmp_path / "whole-cold"))
+    whole, whole_out = _run(
+        tmp_path,
+        "whole",
+        strategy=strategy,
+        epochs=epochs,
+        hot=str(tmp_path / "whole-hot"),
+        cold=str(tmp_path / "whole-cold"),
+    )
     assert whole.ok, whole.describe()
     hot, cold = str(tmp_path / "hot"), str(tmp_path / "cold")
     # Killed in the third epoch, after the second epoch's checkpoint (step 4) committed.
-    killed, _ = _run(tmp_path, "killed", strategy=strategy, epochs=epochs, hot=hot, cold=cold,
-                     kill_at=2 * STEPS_PER_EPOCH + 1)
+    killed, _ = _run(
+        tmp_path,
+        "killed",
+        strategy=strategy,
+        epochs=epochs,
+        hot=hot,
+        cold=cold,
+        kill_at=2 * STEPS_PER_EPOCH + 1,
+    )
     assert killed.ranks[0].returncode == -signal.SIGKILL, killed.describe()
     # (the kill may beat the background prune of step 2)
     assert list_checkpoints(hot)[-1].step == 2 * STEPS_PER_EPOCH
-    resumed, resumed_out = _run(tmp_path, "resumed", strategy=strategy, epochs=epochs, hot=hot,
-                                cold=cold, ckpt_path="last")
+    resumed, resumed_out = _run(
+        tmp_path, "resumed", strategy=strategy, epochs=epochs, hot=hot, cold=cold, ckpt_path="last"
+    )
     assert resumed.ok, resumed.describe()
     expected = torch.load(whole_out / "final.pt", weights_only=True)
     got = torch.load(resumed_out / "final.pt", weights_only=True)
@@ -154,23 +182,32 @@ def test_killed_run_resumes_from_last_and_matches_an_uninterrupted_run(tmp_path:
     assert [c.step for c in list_checkpoints(None, cold)] == [newest]
 
 
-def test_save_top_k_by_a_metric_keeps_the_best_and_last_and_resumes_a_chosen_step(
-        tmp_path: Path) -> None:
+def test_save_top_k_by_a_metric_keeps_the_best_and_last_and_resumes_a_chosen_step(tmp_path: Path) -> None:
     from tierstore.integrations.lightning import TierstoreCheckpoint
 
     hot, cold = str(tmp_path / "hot"), str(tmp_path / "cold")
     options = {"monitor": "score", "mode": "min", "save_top_k": 2, "save_last": True}
     scores = [0.5, 0.1, 0.3, 0.9]  # epoch ends at steps 2, 4, 6, 8
-    job, _ = _run(tmp_path, "topk", strategy="ddp", epochs=4, hot=hot, cold=cold,
-                  options=options, scores=scores)
+    job, _ = _run(
+        tmp_path, "topk", strategy="ddp", epochs=4, hot=hot, cold=cold, options=options, scores=scores
+    )
     assert job.ok, job.describe()
     # The 2 lowest scores (steps 4 and 6); step 2 was saved, then pruned; step 8 was not in
     # the top 2, so not saved (Lightning saves "last" only at a step it saved).
     for found in (list_checkpoints(hot), list_checkpoints(None, cold)):
         assert [c.step for c in found] == [4, 6]
         assert [c.metrics for c in found] == [{"score": pytest.approx(s)} for s in (0.1, 0.3)]
-    job, out = _run(tmp_path, "chosen", strategy="ddp", epochs=3, hot=hot, cold=cold,
-                    options=options, scores=scores, ckpt_path=TierstoreCheckpoint.step_path(4))
+    job, out = _run(
+        tmp_path,
+        "chosen",
+        strategy="ddp",
+        epochs=3,
+        hot=hot,
+        cold=cold,
+        options=options,
+        scores=scores,
+        ckpt_path=TierstoreCheckpoint.step_path(4),
+    )
     assert job.ok, job.describe()
     final = torch.load(out / "final.pt", weights_only=True)
     assert final["resumed"] == 4 and final["step"] == 6
@@ -182,8 +219,17 @@ def test_save_top_k_by_a_metric_keeps_the_best_and_last_and_resumes_a_chosen_ste
 def _info(step: int, **metrics: float) -> Any:
     from tierstore.tiers.catalog import CheckpointInfo
 
-    return CheckpointInfo(name=f"step-{step}", step=step, attempt="a", created=float(step),
-                          world_size=2, size=1, num_files=1, tiers=("hot",), metrics=metrics)
+    return CheckpointInfo(
+        name=f"step-{step}",
+        step=step,
+        attempt="a",
+        created=float(step),
+        world_size=2,
+        size=1,
+        num_files=1,
+        tiers=("hot",),
+        metrics=metrics,
+    )
 
 
 def test_policy_keeps_what_model_checkpoint_keeps() -> None:
@@ -208,8 +254,10 @@ def test_refuses_strategies_that_hold_the_state_on_rank_0_only(tmp_path: Path) -
     from tierstore.errors import ConfigError
     from tierstore.integrations.lightning import _check_strategy
 
-    for strategy in (FSDPStrategy(state_dict_type="full"),
-                     ModelParallelStrategy(save_distributed_checkpoint=False)):
+    for strategy in (
+        FSDPStrategy(state_dict_type="full"),
+        ModelParallelStrategy(save_distributed_checkpoint=False),
+    ):
         with pytest.raises(ConfigError, match="sharded state from every rank"):
             _check_strategy(strategy)
     _check_strategy(FSDPStrategy(state_dict_type="sharded"))
@@ -235,13 +283,26 @@ def test_a_step_the_store_lacks_raises_not_found_single_process(tmp_path: Path) 
 
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(4, 2)))
     callback = TierstoreCheckpoint(str(tmp_path / "hot"), every_n_train_steps=2)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=4, callbacks=[callback],
-                        logger=False, enable_progress_bar=False, default_root_dir=str(tmp_path))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=4,
+        callbacks=[callback],
+        logger=False,
+        enable_progress_bar=False,
+        default_root_dir=str(tmp_path),
+    )
     trainer.fit(Net(), data)
     assert [c.step for c in list_checkpoints(str(tmp_path / "hot"))] == [4]
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, logger=False,
-                        callbacks=[TierstoreCheckpoint(str(tmp_path / "hot"))],
-                        enable_progress_bar=False, default_root_dir=str(tmp_path))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=6,
+        logger=False,
+        callbacks=[TierstoreCheckpoint(str(tmp_path / "hot"))],
+        enable_progress_bar=False,
+        default_root_dir=str(tmp_path),
+    )
     with pytest.raises(CheckpointNotFound, match="at step 3"):
         trainer.fit(Net(), data, ckpt_path=TierstoreCheckpoint.step_path(3))
 
@@ -249,10 +310,22 @@ def test_a_step_the_store_lacks_raises_not_found_single_process(tmp_path: Path) 
 def test_example_fits_resumes_from_last_and_keeps_the_two_best(tmp_path: Path) -> None:
     import subprocess
 
-    proc = subprocess.run([sys.executable, str(HERE.parent / "examples" / "lightning_tierstore.py"),
-                           "--workdir", str(tmp_path), "--epochs", "2", "--more", "1"],
-                          capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(HERE.parent / "examples" / "lightning_tierstore.py"),
+            "--workdir",
+            str(tmp_path),
+            "--epochs",
+            "2",
+            "--more",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "first fit: trained to step 8" in proc.stdout
     assert "resumed fit (ckpt_path='last'): trained to step 12" in proc.stdout

@@ -41,9 +41,7 @@ def _buffer(kind: str, size: int) -> memoryview:
 
 @pytest.mark.parametrize("direct_io", [False, True])
 @pytest.mark.parametrize("kind", ["bytearray", "numpy", "tensor"])
-def test_a_64_mib_buffer_is_written_without_a_python_copy(
-    tmp_path: Path, kind: str, direct_io: bool
-) -> None:
+def test_a_64_mib_buffer_is_written_without_a_python_copy(tmp_path: Path, kind: str, direct_io: bool) -> None:
     data = _buffer(kind, 64 * MiB)
     backend = LocalBackend(str(tmp_path), direct_io=direct_io)
     tracemalloc.start()

@@ -16,8 +16,16 @@ pytestmark = pytest.mark.dist
 def test_manager_saves_every_5_keeps_policy_sets_and_resumes(tmp_path: Path) -> None:
     hot, cold, out = str(tmp_path / "hot"), str(tmp_path / "cold"), tmp_path / "out"
     out.mkdir()
-    spec = {"op": "manager", "hot": hot, "cold": cold, "out": str(out), "steps": 20, "save_every": 5,
-            "hot_policy": "last:2", "cold_policy": "last:2|every:10"}
+    spec = {
+        "op": "manager",
+        "hot": hot,
+        "cold": cold,
+        "out": str(out),
+        "steps": 20,
+        "save_every": 5,
+        "hot_policy": "last:2",
+        "cold_policy": "last:2|every:10",
+    }
     job = run_job(spec, 2)
     assert job.ok, job.describe()
     assert sorted(int(s) for s in json.loads((out / "stalls.json").read_text())) == [5, 10, 15, 20]

@@ -19,8 +19,12 @@ from tierstore.retry import RetryPolicy
 from tierstore.storage import faults
 from tierstore.tiers.migrator import MigrationConfig
 
-FAST = MigrationConfig(chunk_size=4096, poll_interval=0.01, commit_timeout=2,
-                       retry=RetryPolicy(attempts=2, initial=0.001, maximum=0.01))
+FAST = MigrationConfig(
+    chunk_size=4096,
+    poll_interval=0.01,
+    commit_timeout=2,
+    retry=RetryPolicy(attempts=2, initial=0.001, maximum=0.01),
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -37,8 +41,7 @@ def _no_faults() -> None:
 
 @pytest.mark.parametrize("async_save", [True, False])
 def test_a_failed_save_is_raised_by_the_next_save_once(tmp_path: Path, async_save: bool) -> None:
-    manager = CheckpointManager(str(tmp_path / "hot"), save_every=1, async_save=async_save,
-                                hot_policy=None)
+    manager = CheckpointManager(str(tmp_path / "hot"), save_every=1, async_save=async_save, hot_policy=None)
     assert manager.save(1, state())
     if async_save:
         # A name that already exists: the background save fails; nothing says so yet.

@@ -75,8 +75,9 @@ def save_and_scribble(manager: CheckpointManager, state: dict[str, Any], step: i
 
 
 def manager_for(tmp_path: Path, **options: Any) -> CheckpointManager:
-    return CheckpointManager(str(tmp_path / "hot"), save_every=1, hot_policy=keep_all(),
-                             hot_min_free=None, **options)
+    return CheckpointManager(
+        str(tmp_path / "hot"), save_every=1, hot_policy=keep_all(), hot_min_free=None, **options
+    )
 
 
 def test_reused_buffers_and_each_checkpoint_holds_its_own_values(tmp_path: Path) -> None:
@@ -115,8 +116,7 @@ def test_a_structure_change_rebuilds_only_what_changed_and_saves_correctly(tmp_p
     save_and_scribble(manager, state, 3)
     save_and_scribble(manager, state, 4)
     manager.close()
-    assert manager.staging_allocated == {1: tensor_bytes(new_state()), 2: 5 * 4, 3: 64 * 3 * 4,
-                                         4: 0}
+    assert manager.staging_allocated == {1: tensor_bytes(new_state()), 2: 5 * 4, 3: 64 * 3 * 4, 4: 0}
     assert_holds(manager, 1)
     assert_holds(manager, 2)
     assert_holds(manager, 3, (64, 3))
@@ -150,7 +150,8 @@ def test_overlapped_staging_is_safe_once_wait_staged_returns(tmp_path: Path) -> 
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_failed_copy_is_raised_as_save_failed_and_the_next_save_goes_ahead(
-        tmp_path: Path, overlap: bool) -> None:
+    tmp_path: Path, overlap: bool
+) -> None:
     manager, state = manager_for(tmp_path, overlap_staging=overlap), new_state()
     save_and_scribble(manager, state, 1)
     state["bad"] = FailingCopy()
@@ -194,18 +195,25 @@ def _process_job(spec: dict[str, Any]) -> None:
     from launch import leave_cleanly
 
     dist.init_process_group("gloo")
-    manager = CheckpointManager(spec["hot"], save_every=1, hot_policy=keep_all(),
-                                hot_min_free=None, async_mode="process")
+    manager = CheckpointManager(
+        spec["hot"], save_every=1, hot_policy=keep_all(), hot_min_free=None, async_mode="process"
+    )
     state = new_state()
     for step in (1, 2, 3):
         save_and_scribble(manager, state, step)
     manager.close()
     values = {step: loaded(manager, step) for step in (1, 2, 3)}
-    Path(spec["out"]).write_text(json.dumps({
-        "allocated": manager.staging_allocated,
-        "loaded": {step: v["w"].unique().tolist() + v["opt"]["m"].unique().tolist()
-                   for step, v in values.items()},
-    }))
+    Path(spec["out"]).write_text(
+        json.dumps(
+            {
+                "allocated": manager.staging_allocated,
+                "loaded": {
+                    step: v["w"].unique().tolist() + v["opt"]["m"].unique().tolist()
+                    for step, v in values.items()
+                },
+            }
+        )
+    )
     leave_cleanly()
 
 
@@ -240,7 +248,8 @@ def test_overlapped_save_returns_before_the_copy_is_taken(tmp_path: Path) -> Non
 
 
 def test_an_error_on_the_managers_save_thread_fails_the_save_instead_of_hanging(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import tierstore.manager.saving as manager_module
 
     def broken(*args: Any) -> None:

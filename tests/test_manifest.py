@@ -62,7 +62,8 @@ def test_round_trip_property(step, world, sizes, created) -> None:
 
 
 @pytest.mark.parametrize(
-    "path", ["../escape", "/etc/passwd", "a/../../b", "./x", "a//b", "a\\b", "", "x\x00y", "..", "a/" * 10 + "b"]
+    "path",
+    ["../escape", "/etc/passwd", "a/../../b", "./x", "a//b", "a\\b", "", "x\x00y", "..", "a/" * 10 + "b"],
 )
 def test_unsafe_paths_rejected(path: str) -> None:
     body = json.loads(make().to_json())

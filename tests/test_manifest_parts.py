@@ -34,20 +34,34 @@ from tierstore.tiers.tier import Store, Tier
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 ATTEMPT = "20261129T081814Z-3fa2b1c4"
-FAST = MigrationConfig(chunk_size=4096, poll_interval=0.01, commit_timeout=10,
-                       retry=RetryPolicy(attempts=3, initial=0.001, maximum=0.01))
+FAST = MigrationConfig(
+    chunk_size=4096,
+    poll_interval=0.01,
+    commit_timeout=10,
+    retry=RetryPolicy(attempts=3, initial=0.001, maximum=0.01),
+)
 GOLDEN = Path(__file__).parent / "data" / "store-0.2"
 
 
-def make(world: int = 6, part_ranks: int = 2, name: str = "step-0000000010",
-         attempt: str = ATTEMPT) -> Manifest:
+def make(
+    world: int = 6, part_ranks: int = 2, name: str = "step-0000000010", attempt: str = ATTEMPT
+) -> Manifest:
     files = [FileEntry(".metadata", 900, 0xDEADBEEF, 0)] + [
         FileEntry(f"__{rank}_{i}.distcp", 1000 * rank + i, rank * 7 + i, rank)
-        for rank in range(world) for i in range(2)
+        for rank in range(world)
+        for i in range(2)
     ]
-    return Manifest(name=name, step=10, attempt=attempt, world_size=world, created=1795940907.25,
-                    files=tuple(files), producer="tierstore test", encoding="raw",
-                    part_ranks=part_ranks)
+    return Manifest(
+        name=name,
+        step=10,
+        attempt=attempt,
+        world_size=world,
+        created=1795940907.25,
+        files=tuple(files),
+        producer="tierstore test",
+        encoding="raw",
+        part_ranks=part_ranks,
+    )
 
 
 class PartStore:
@@ -83,7 +97,11 @@ def test_a_checkpoint_of_few_ranks_keeps_the_flat_form_byte_for_byte() -> None:
 
 def test_root_and_parts_round_trip_and_a_rank_reads_only_its_part() -> None:
     built = make()
-    assert built.version == 2 and [(p.first_rank, p.last_rank) for p in built.parts] == [(0, 1), (2, 3), (4, 5)]
+    assert built.version == 2 and [(p.first_rank, p.last_rank) for p in built.parts] == [
+        (0, 1),
+        (2, 3),
+        (4, 5),
+    ]
     parts = PartStore(built)
     root = Manifest.from_json(built.to_json(), loader=parts)
     assert root == built and root.total_size == built.total_size and root.num_files == 13
@@ -101,8 +119,12 @@ def test_root_and_parts_round_trip_and_a_rank_reads_only_its_part() -> None:
 def test_each_part_names_its_checkpoint_attempt_and_rank_range() -> None:
     built = make()
     body = json.loads(built.part_json(built.parts[2]))
-    assert (body["format"], body["name"], body["attempt"], body["index"]) == \
-        (fmt.PART_FORMAT, built.name, ATTEMPT, 2)
+    assert (body["format"], body["name"], body["attempt"], body["index"]) == (
+        fmt.PART_FORMAT,
+        built.name,
+        ATTEMPT,
+        2,
+    )
     assert (body["first_rank"], body["last_rank"]) == (4, 5)
     root = json.loads(built.to_json())
     assert root["parts"][2]["sha256"] == fmt.digest(built.part_json(built.parts[2]))
@@ -110,26 +132,35 @@ def test_each_part_names_its_checkpoint_attempt_and_rank_range() -> None:
 
 
 def _ref(i: int) -> dict[str, Any]:
-    return {"path": layout.manifest_part_path(i), "first_rank": 2 * i, "last_rank": 2 * i + 1,
-            "files": 4, "size": 300, "sha256": "sha256:" + "0" * 64}
+    return {
+        "path": layout.manifest_part_path(i),
+        "first_rank": 2 * i,
+        "last_rank": 2 * i + 1,
+        "files": 4,
+        "size": 300,
+        "sha256": "sha256:" + "0" * 64,
+    }
 
 
-@pytest.mark.parametrize("mutate, match", [
-    (lambda b: b["parts"][1].update(first_rank=1), "overlap"),
-    (lambda b: b["parts"].reverse(), "is not"),  # paths follow the index
-    (lambda b: b["parts"][2].update(last_rank=6), "outside world size"),
-    (lambda b: b["parts"][0].update(path="__0_0.distcp"), "path"),
-    (lambda b: b["parts"][0].update(path="../../manifests/x.json"), "path"),
-    (lambda b: b["parts"][0].update(sha256="md5:00"), "sha256"),
-    (lambda b: b["parts"][0].update(size=1 << 40), "bad size"),
-    (lambda b: b.update(parts=[]), "parts is not"),
-    (lambda b: b.update(parts=[_ref(i) for i in range(fmt.MAX_PARTS + 1)]), "parts is not"),
-    (lambda b: b.update(file_count=12), "file_count"),
-    (lambda b: b["metadata"].update(rank=6), "outside world size"),
-    (lambda b: b["metadata"].update(path="/etc/passwd"), "unsafe"),
-    (lambda b: b.update(extra=1), "unexpected"),
-    (lambda b: b.pop("total_size"), "missing"),
-])
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda b: b["parts"][1].update(first_rank=1), "overlap"),
+        (lambda b: b["parts"].reverse(), "is not"),  # paths follow the index
+        (lambda b: b["parts"][2].update(last_rank=6), "outside world size"),
+        (lambda b: b["parts"][0].update(path="__0_0.distcp"), "path"),
+        (lambda b: b["parts"][0].update(path="../../manifests/x.json"), "path"),
+        (lambda b: b["parts"][0].update(sha256="md5:00"), "sha256"),
+        (lambda b: b["parts"][0].update(size=1 << 40), "bad size"),
+        (lambda b: b.update(parts=[]), "parts is not"),
+        (lambda b: b.update(parts=[_ref(i) for i in range(fmt.MAX_PARTS + 1)]), "parts is not"),
+        (lambda b: b.update(file_count=12), "file_count"),
+        (lambda b: b["metadata"].update(rank=6), "outside world size"),
+        (lambda b: b["metadata"].update(path="/etc/passwd"), "unsafe"),
+        (lambda b: b.update(extra=1), "unexpected"),
+        (lambda b: b.pop("total_size"), "missing"),
+    ],
+)
 def test_a_forged_root_is_refused(mutate: Any, match: str) -> None:
     body = json.loads(make().to_json())
     mutate(body)
@@ -157,17 +188,22 @@ def _renamed_entry(built: Manifest, path: str) -> bytes:
     return fmt.encode_part(body)
 
 
-@pytest.mark.parametrize("forge, match", [
-    (lambda b: _forged_part(b, 1, name="step-0000000011"), "names checkpoint"),
-    (lambda b: _forged_part(b, 1, attempt="20261129T081814Z-00000000"), "names checkpoint"),
-    (lambda b: _forged_part(b, 1, index=2), "part 2"),
-    (lambda b: _forged_part(b, 1, first_rank=0), "rank range"),
-    (lambda b: _forged_part(b, 1, files=[{"path": "__0_9.distcp", "size": 1, "crc32c": 1, "rank": 0}]),
-     "outside the part's ranks"),
-    (lambda b: _renamed_entry(b, ".metadata"), "metadata file"),
-    (lambda b: _forged_part(b, 1, extra=1), "unexpected"),
-    (lambda b: b"[" * 100_000, "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "forge, match",
+    [
+        (lambda b: _forged_part(b, 1, name="step-0000000011"), "names checkpoint"),
+        (lambda b: _forged_part(b, 1, attempt="20261129T081814Z-00000000"), "names checkpoint"),
+        (lambda b: _forged_part(b, 1, index=2), "part 2"),
+        (lambda b: _forged_part(b, 1, first_rank=0), "rank range"),
+        (
+            lambda b: _forged_part(b, 1, files=[{"path": "__0_9.distcp", "size": 1, "crc32c": 1, "rank": 0}]),
+            "outside the part's ranks",
+        ),
+        (lambda b: _renamed_entry(b, ".metadata"), "metadata file"),
+        (lambda b: _forged_part(b, 1, extra=1), "unexpected"),
+        (lambda b: b"[" * 100_000, "not valid JSON"),
+    ],
+)
 def test_a_forged_part_is_refused_even_under_a_resealed_root(forge: Any, match: str) -> None:
     built = make()
     data = forge(built)
@@ -223,14 +259,17 @@ def _data_files(hot: Path) -> list[Path]:
     return [p for p in hot.rglob("*") if p.is_file() and layout.DATA_DIR in p.parts]
 
 
-@pytest.mark.parametrize("limit, value, options", [
-    ("MAX_MANIFEST_BYTES", 1500, {}),  # flat: 4 ranks
-    ("MAX_PARTS", 1, {"manifest_part_ranks": 2}),
-    ("MAX_PART_BYTES", 300, {"manifest_part_ranks": 2}),
-])
+@pytest.mark.parametrize(
+    "limit, value, options",
+    [
+        ("MAX_MANIFEST_BYTES", 1500, {}),  # flat: 4 ranks
+        ("MAX_PARTS", 1, {"manifest_part_ranks": 2}),
+        ("MAX_PART_BYTES", 300, {"manifest_part_ranks": 2}),
+    ],
+)
 def test_a_save_over_a_manifest_limit_fails_before_writing_any_data(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, limit: str, value: int,
-        options: dict[str, Any]) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, limit: str, value: int, options: dict[str, Any]
+) -> None:
     monkeypatch.setattr(fmt, limit, value)
     with pytest.raises(ConfigError, match=limit) as info:
         save_ranks(4, str(tmp_path / "hot"), **options)
@@ -239,8 +278,9 @@ def test_a_save_over_a_manifest_limit_fails_before_writing_any_data(
     assert list_checkpoints(str(tmp_path / "hot")) == []
 
 
-def test_part_ranks_come_from_the_argument_or_the_environment(tmp_path: Path,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_part_ranks_come_from_the_argument_or_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("TIERSTORE_MANIFEST_PART_RANKS", "3")
     manifest, _ = save_ranks(6, str(tmp_path / "a"))
     assert [(p.first_rank, p.last_rank) for p in manifest.parts] == [(0, 2), (3, 5)]
@@ -294,10 +334,15 @@ def cold_store(request: pytest.FixtureRequest, tmp_path: Path) -> Store:
     if request.param == "local":
         return Store(str(tmp_path / "hot"), str(tmp_path / "cold"))
     pytest.importorskip("tierstore_s3")
-    options = {"endpoint_url": request.getfixturevalue("s3_endpoint"), "key": "testing",
-               "secret": "testing", "region": "us-west-2"}
-    return Store(str(tmp_path / "hot"), f"s3://{request.getfixturevalue('s3_bucket')}/run",
-                 cold_options=options)
+    options = {
+        "endpoint_url": request.getfixturevalue("s3_endpoint"),
+        "key": "testing",
+        "secret": "testing",
+        "region": "us-west-2",
+    }
+    return Store(
+        str(tmp_path / "hot"), f"s3://{request.getfixturevalue('s3_bucket')}/run", cold_options=options
+    )
 
 
 def test_a_save_of_six_ranks_in_parts_loads_migrates_and_lists(cold_store: Store) -> None:
@@ -310,8 +355,12 @@ def test_a_save_of_six_ranks_in_parts_loads_migrates_and_lists(cold_store: Store
             key = tier.file_key(manifest.name, manifest.attempt, ref.path)
             assert tier.backend.read_bytes(key) == manifest.part_json(ref)
     [info] = list_checkpoints(cold_store)
-    assert (info.tiers, info.num_files, info.size, info.world_size) == \
-        (("hot", "cold"), 7, manifest.total_size, 6)
+    assert (info.tiers, info.num_files, info.size, info.world_size) == (
+        ("hot", "cold"),
+        7,
+        manifest.total_size,
+        6,
+    )
     for tiers in (Store.of_tiers(cold_store.hot, None), Store.of_tiers(None, cold_store.cold)):
         state = load_state(6)
         dcp.load(state, storage_reader=TieredReader(tiers, step=1))
@@ -394,8 +443,7 @@ def test_a_damaged_part_is_named_and_its_checkpoint_is_not_loaded(tmp_path: Path
     assert not holds_saved(state, 6, step=2)
 
 
-def test_picking_the_latest_checks_its_files_by_one_listing_without_reading_a_part(
-        tmp_path: Path) -> None:
+def test_picking_the_latest_checks_its_files_by_one_listing_without_reading_a_part(tmp_path: Path) -> None:
     hot = str(tmp_path / "hot")
     save_ranks(6, hot, step=1, manifest_part_ranks=2)
     newest, _ = save_ranks(6, hot, step=2, manifest_part_ranks=2)

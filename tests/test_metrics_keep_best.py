@@ -89,8 +89,13 @@ def test_keep_best_picks_by_metric_and_mode() -> None:
 
 
 def test_a_checkpoint_without_the_metric_is_never_best() -> None:
-    found = [ckpt(1, val_loss=0.5), ckpt(2), ckpt(3, acc=0.1), ckpt(4, val_loss=0.9),
-             Ckpt("legacy", 5, 1005.0)]  # no metrics at all: a Checkpoint of another kind
+    found = [
+        ckpt(1, val_loss=0.5),
+        ckpt(2),
+        ckpt(3, acc=0.1),
+        ckpt(4, val_loss=0.9),
+        Ckpt("legacy", 5, 1005.0),
+    ]  # no metrics at all: a Checkpoint of another kind
     for mode in ("min", "max"):
         assert steps(keep_best("val_loss", 5, mode=mode).keep(found, now=0)) == [1, 4]
     assert keep_best("loss", 3).keep(found, now=0) == frozenset()
@@ -109,8 +114,10 @@ def test_keep_best_composes_with_the_other_policies() -> None:
     assert repr(policy) == "keep_last(n=1) | keep_best(metric='val_loss', k=2, mode='min')"
 
 
-@pytest.mark.parametrize("args", [("val loss", 1), ("", 1), ("x" * 65, 1), ("val_loss", -1),
-                                  ("val_loss", True), ("val_loss", 1, "best")])
+@pytest.mark.parametrize(
+    "args",
+    [("val loss", 1), ("", 1), ("x" * 65, 1), ("val_loss", -1), ("val_loss", True), ("val_loss", 1, "best")],
+)
 def test_keep_best_refuses_bad_arguments(args: tuple[Any, ...]) -> None:
     with pytest.raises(ValueError):
         keep_best(*args)
@@ -137,9 +144,18 @@ def test_a_manifest_without_metrics_is_byte_identical_to_before() -> None:
     plain = Manifest(*args).to_json()
     assert Manifest(*args, metrics={}).to_json() == plain == Manifest(*args, metrics=None).to_json()
     # What the version without the field wrote: the same body, self-checksummed the same way.
-    body = {"attempt": args[2], "created": 1.0, "files": [f.to_dict() for f in files],
-            "format": fmt.FORMAT, "metadata_file": ".metadata", "name": args[0], "producer": "",
-            "step": 1, "version": 1, "world_size": 1}
+    body = {
+        "attempt": args[2],
+        "created": 1.0,
+        "files": [f.to_dict() for f in files],
+        "format": fmt.FORMAT,
+        "metadata_file": ".metadata",
+        "name": args[0],
+        "producer": "",
+        "step": 1,
+        "version": 1,
+        "world_size": 1,
+    }
     assert plain == fmt.encode_root(body)
     measured = Manifest(*args, metrics={"val_loss": 0.5})
     assert measured != Manifest(*args) and Manifest.from_json(measured.to_json()) == measured
@@ -147,9 +163,18 @@ def test_a_manifest_without_metrics_is_byte_identical_to_before() -> None:
 
 def test_a_two_level_manifest_records_metrics_in_its_root(tmp_path: Path) -> None:
     files = [fmt.FileEntry(".metadata", 10, 1, 0)] + [
-        fmt.FileEntry(f"__{r}_0.distcp", 5, 2, r) for r in range(4)]
-    manifest = Manifest("step-0000000001", 1, "20261129T081814Z-3fa2b1c4", 4, 1.0, files,
-                        part_ranks=2, metrics={"val_loss": 0.25})
+        fmt.FileEntry(f"__{r}_0.distcp", 5, 2, r) for r in range(4)
+    ]
+    manifest = Manifest(
+        "step-0000000001",
+        1,
+        "20261129T081814Z-3fa2b1c4",
+        4,
+        1.0,
+        files,
+        part_ranks=2,
+        metrics={"val_loss": 0.25},
+    )
     root = json.loads(manifest.to_json())
     assert root["version"] == 2 and root["metrics"] == {"val_loss": 0.25}
     assert Manifest.from_json(manifest.to_json()).metrics == {"val_loss": 0.25}
@@ -164,12 +189,27 @@ def test_metrics_travel_to_the_cold_tier(tmp_path: Path) -> None:
     assert info.tiers == ("cold",) and info.metrics == {"val_loss": 0.3}
 
 
-@pytest.mark.parametrize("metrics", [
-    {"val_loss": math.nan}, {"val_loss": math.inf}, {"val_loss": -math.inf}, {"val loss": 1.0},
-    {"": 1.0}, {"x" * 65: 1.0}, {"val_loss": True}, {"val_loss": "0.4"}, {"val_loss": None},
-    {"val_loss": [0.4]}, {"val_loss": torch.tensor(0.4)}, {1: 0.4}, {"a\n": 1.0},
-    {f"m{i}": float(i) for i in range(65)}, [("val_loss", 0.4)], {"val_loss": 10**400},
-])
+@pytest.mark.parametrize(
+    "metrics",
+    [
+        {"val_loss": math.nan},
+        {"val_loss": math.inf},
+        {"val_loss": -math.inf},
+        {"val loss": 1.0},
+        {"": 1.0},
+        {"x" * 65: 1.0},
+        {"val_loss": True},
+        {"val_loss": "0.4"},
+        {"val_loss": None},
+        {"val_loss": [0.4]},
+        {"val_loss": torch.tensor(0.4)},
+        {1: 0.4},
+        {"a\n": 1.0},
+        {f"m{i}": float(i) for i in range(65)},
+        [("val_loss", 0.4)],
+        {"val_loss": 10**400},
+    ],
+)
 def test_bad_metrics_are_refused_before_anything_is_saved(tmp_path: Path, metrics: Any) -> None:
     hot = str(tmp_path / "hot")
     with pytest.raises(ConfigError, match="metric"):
@@ -189,8 +229,16 @@ def test_the_most_metrics_allowed_are_kept(tmp_path: Path) -> None:
 
 
 FORGED: list[Any] = [
-    {"val_loss": "NaN"}, {"val_loss": "Infinity"}, {"bad name": 1.0}, {}, [], "0.4", {"a": {"b": 1.0}},
-    {"val_loss": False}, {f"m{i}": 1.0 for i in range(fmt.MAX_METRICS + 1)}, {"x" * 65: 1.0},
+    {"val_loss": "NaN"},
+    {"val_loss": "Infinity"},
+    {"bad name": 1.0},
+    {},
+    [],
+    "0.4",
+    {"a": {"b": 1.0}},
+    {"val_loss": False},
+    {f"m{i}": 1.0 for i in range(fmt.MAX_METRICS + 1)},
+    {"x" * 65: 1.0},
 ]
 
 
@@ -203,22 +251,29 @@ def test_forged_metrics_are_refused_as_an_invalid_manifest(tmp_path: Path, forge
     body.pop("checksum")
     # Re-checksummed, so only the metrics can give the forgery away. "NaN"/"Infinity" are
     # written as the bare JSON tokens Python's json module reads back as floats.
-    body["metrics"] = {k: math.nan if v == "NaN" else math.inf if v == "Infinity" else v
-                       for k, v in forged.items()} if isinstance(forged, dict) else forged
+    body["metrics"] = (
+        {k: math.nan if v == "NaN" else math.inf if v == "Infinity" else v for k, v in forged.items()}
+        if isinstance(forged, dict)
+        else forged
+    )
     path.write_bytes(fmt.encode_root(body))
     with pytest.raises(InvalidManifest, match="metric") as caught:
         Manifest.from_json(path.read_bytes(), key=str(path), tier="hot")
     assert caught.value.key == str(path) and caught.value.tier == "hot"
     assert list_checkpoints(hot) == []  # an invalid manifest commits nothing
-    assert "no committed checkpoints" in subprocess.run(
-        [TIERSTORE, "ls", "--hot", hot], capture_output=True, text=True, timeout=120).stdout
+    assert (
+        "no committed checkpoints"
+        in subprocess.run([TIERSTORE, "ls", "--hot", hot], capture_output=True, text=True, timeout=120).stdout
+    )
 
 
 def test_forged_root_metrics_are_refused(tmp_path: Path) -> None:
     files = [fmt.FileEntry(".metadata", 10, 1, 0)] + [
-        fmt.FileEntry(f"__{r}_0.distcp", 5, 2, r) for r in range(4)]
-    root = json.loads(Manifest("step-0000000001", 1, "20261129T081814Z-3fa2b1c4", 4, 1.0, files,
-                               part_ranks=2).to_json())
+        fmt.FileEntry(f"__{r}_0.distcp", 5, 2, r) for r in range(4)
+    ]
+    root = json.loads(
+        Manifest("step-0000000001", 1, "20261129T081814Z-3fa2b1c4", 4, 1.0, files, part_ranks=2).to_json()
+    )
     root.pop("checksum")
     root["metrics"] = {"val_loss": math.nan}
     with pytest.raises(InvalidManifest, match="val_loss"):
@@ -228,14 +283,16 @@ def test_forged_root_metrics_are_refused(tmp_path: Path) -> None:
 # -- the manager and prune use keep_best as any other policy -----------------------------------
 
 
-@pytest.mark.parametrize("mode", [{"async_save": False}, {"async_save": True},
-                                  {"async_save": True, "overlap_staging": True}],
-                         ids=["sync", "async", "overlap"])
-def test_the_manager_records_each_saves_metrics_and_keeps_the_best(tmp_path: Path,
-                                                                   mode: dict[str, Any]) -> None:
+@pytest.mark.parametrize(
+    "mode",
+    [{"async_save": False}, {"async_save": True}, {"async_save": True, "overlap_staging": True}],
+    ids=["sync", "async", "overlap"],
+)
+def test_the_manager_records_each_saves_metrics_and_keeps_the_best(
+    tmp_path: Path, mode: dict[str, Any]
+) -> None:
     hot = str(tmp_path / "hot")
-    manager = CheckpointManager(hot, save_every=1, hot_policy=keep_last(1) | keep_best("val_loss", 2),
-                                **mode)
+    manager = CheckpointManager(hot, save_every=1, hot_policy=keep_last(1) | keep_best("val_loss", 2), **mode)
     for step, (loss, acc) in RUN.items():
         # Async saves overlap the next one: each must commit its own save's metrics.
         manager.save(step, state(step), metrics={"val_loss": loss, "acc": acc})
@@ -246,7 +303,10 @@ def test_the_manager_records_each_saves_metrics_and_keeps_the_best(tmp_path: Pat
     assert manager.health().ok, manager.health()
     infos = list_checkpoints(hot)
     assert [(i.step, i.metrics) for i in infos] == [
-        (2, {"val_loss": 0.40, "acc": 0.30}), (4, {"val_loss": 0.45, "acc": 0.10}), (6, {})]
+        (2, {"val_loss": 0.40, "acc": 0.30}),
+        (4, {"val_loss": 0.45, "acc": 0.10}),
+        (6, {}),
+    ]
 
 
 def test_a_prune_with_keep_best_deletes_what_it_should_and_nothing_else(tmp_path: Path) -> None:

@@ -45,22 +45,30 @@ print(json.dumps({"state": result.state.value, "error": result.error,
 
 
 @pytest.mark.slow
-def test_migrating_1gib_keeps_memory_bounded(tmp_path: Path, s3_bucket: str, s3_env: dict[str, str],
-                                              monkeypatch) -> None:
+def test_migrating_1gib_keeps_memory_bounded(
+    tmp_path: Path, s3_bucket: str, s3_env: dict[str, str], monkeypatch
+) -> None:
     for key, value in s3_env.items():
         monkeypatch.setenv(key, value)
     hot, cold = str(tmp_path / "hot"), f"s3://{s3_bucket}/run"
     state = {"w": torch.ones(SIZE // 4, dtype=torch.float32)}
     dcp.save(state, storage_writer=TieredWriter(hot, step=1))
     del state
-    proc = subprocess.run([sys.executable, "-c", MIGRATE, hot, cold, str(PART), str(PARTS_IN_FLIGHT)],
-                          capture_output=True, text=True, timeout=600, env=os.environ.copy())
+    proc = subprocess.run(
+        [sys.executable, "-c", MIGRATE, hot, cold, str(PART), str(PARTS_IN_FLIGHT)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=os.environ.copy(),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["state"] == "committed", result
     assert result["bytes"] >= SIZE
     bound = PARTS_IN_FLIGHT * PART + 64 * MiB
-    print(f"migrated {result['bytes'] / MiB:.0f} MiB; peak RSS growth "
-          f"{result['growth'] / MiB:.1f} MiB (bound {bound / MiB:.0f} MiB)")
+    print(
+        f"migrated {result['bytes'] / MiB:.0f} MiB; peak RSS growth "
+        f"{result['growth'] / MiB:.1f} MiB (bound {bound / MiB:.0f} MiB)"
+    )
     assert result["growth"] < bound, f"grew {result['growth'] / MiB:.1f} MiB"
     assert [c.tiers for c in list_checkpoints(hot, cold)] == [("hot", "cold")]

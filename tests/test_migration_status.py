@@ -29,7 +29,10 @@ def test_wait_returns_once_every_checkpoint_is_committed(tmp_path: Path) -> None
     for step in (1, 2):
         save(hot, step, cold, migration=QUICK)
     final = wait_for_migrations(hot, cold, timeout=60, poll=0.01)
-    assert [(s.step, s.state) for s in final] == [(1, MigrationState.COMMITTED), (2, MigrationState.COMMITTED)]
+    assert [(s.step, s.state) for s in final] == [
+        (1, MigrationState.COMMITTED),
+        (2, MigrationState.COMMITTED),
+    ]
     assert migration_status(hot, cold) == final
 
 

@@ -26,8 +26,12 @@ from tierstore.tiers.migrator import MigrationConfig, MigrationState, Migrator
 from tierstore.tiers.status import migrate_pending, migration_status, wait_for_migrations
 from tierstore.tiers.tier import Tier
 
-FAST = MigrationConfig(chunk_size=4096, poll_interval=0.01, commit_timeout=5,
-                       retry=RetryPolicy(attempts=5, initial=0.001, maximum=0.01))
+FAST = MigrationConfig(
+    chunk_size=4096,
+    poll_interval=0.01,
+    commit_timeout=5,
+    retry=RetryPolicy(attempts=5, initial=0.001, maximum=0.01),
+)
 
 
 @pytest.fixture
@@ -54,7 +58,9 @@ def test_save_migrates_and_cold_alone_loads(tiers) -> None:
     states = {s.name: s for s in migrator.status()}
     assert [states[layout.default_name(s)].state for s in (1, 2, 3)] == [MigrationState.COMMITTED] * 3
     assert all(s.lag_bytes == 0 and s.lag_seconds >= 0 for s in states.values())
-    assert [(c.step, c.tiers) for c in list_checkpoints(hot, cold)] == [(s, ("hot", "cold")) for s in (1, 2, 3)]
+    assert [(c.step, c.tiers) for c in list_checkpoints(hot, cold)] == [
+        (s, ("hot", "cold")) for s in (1, 2, 3)
+    ]
     hot_m = Tier("hot", hot).find_manifest(layout.default_name(3))
     assert Tier("cold", cold).find_manifest(layout.default_name(3)) == hot_m
     shutil.rmtree(hot)
@@ -78,7 +84,7 @@ def test_flipped_hot_byte_falls_back_to_cold_and_warns(tiers, caplog) -> None:
 
 def test_transient_failures_are_retried_until_committed(tiers, flaky_cold) -> None:
     hot, _ = tiers
-    root = flaky_cold[len("flaky://"):]
+    root = flaky_cold[len("flaky://") :]
     flaky.FAILURES[root].update(open_write=3, publish=2)
     writer = save(hot, 1, flaky_cold, migration=FAST)
     assert writer.migrator.wait(30)
@@ -119,16 +125,26 @@ def test_commit_gives_up_waiting_for_a_missing_rank(tiers) -> None:
     save(hot, 1, migration=FAST)
     real = Tier("hot", hot).find_manifest(layout.default_name(1))
     # Pretend rank 1 of 2 also owned a file, and never uploaded it.
-    ghost = Manifest(name=real.name, step=real.step, attempt=real.attempt, world_size=2,
-                     created=real.created, files=real.files + (FileEntry("__1_0.distcp", 10, 0, 1),))
+    ghost = Manifest(
+        name=real.name,
+        step=real.step,
+        attempt=real.attempt,
+        world_size=2,
+        created=real.created,
+        files=real.files + (FileEntry("__1_0.distcp", 10, 0, 1),),
+    )
     slept: list[float] = []
 
     def sleep(seconds: float) -> None:
         slept.append(seconds)
         time.sleep(seconds)
 
-    migrator = Migrator(Tier("hot", hot), Tier("cold", cold),
-                        MigrationConfig(poll_interval=0.01, commit_timeout=0.2), sleep=sleep)
+    migrator = Migrator(
+        Tier("hot", hot),
+        Tier("cold", cold),
+        MigrationConfig(poll_interval=0.01, commit_timeout=0.2),
+        sleep=sleep,
+    )
     migrator.submit_commit(ghost, rank=0)
     assert migrator.wait(30)
     [status] = migrator.status()
@@ -159,41 +175,61 @@ writer.migrator.wait()
 print("migrated")
 """
 
-MIGRATOR_POINTS = ["transfer.after_chunk@3", "migrator.after_file_upload",
-                   "migrator.before_mark_publish", "migrator.before_cold_publish",
-                   "local.publish.after_temp_fsync@2"]
+MIGRATOR_POINTS = [
+    "transfer.after_chunk@3",
+    "migrator.after_file_upload",
+    "migrator.before_mark_publish",
+    "migrator.before_cold_publish",
+    "local.publish.after_temp_fsync@2",
+]
 
 
 @pytest.mark.parametrize("point", MIGRATOR_POINTS)
 def test_sigkill_mid_migration_then_cli_completes(tiers, point: str) -> None:
     hot, cold = tiers
-    proc = subprocess.run([sys.executable, "-c", SAVE_SCRIPT, hot, cold], capture_output=True,
-                          text=True, timeout=120,
-                          env={**os.environ, "TIERSTORE_FAULTS": f"{point}=kill"})
+    proc = subprocess.run(
+        [sys.executable, "-c", SAVE_SCRIPT, hot, cold],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "TIERSTORE_FAULTS": f"{point}=kill"},
+    )
     assert proc.returncode == -9, proc.stderr[-2000:]
     assert [c.step for c in list_checkpoints(hot)] == [1]
     assert list_checkpoints(None, cold) == []  # no partial cold checkpoint is ever listed
     [pending] = migration_status(hot, cold)
     assert pending.state in (MigrationState.PENDING, MigrationState.UPLOADING)
-    cli = subprocess.run([sys.executable, "-m", "tierstore", "migrate", "--hot", hot, "--cold", cold],
-                         capture_output=True, text=True, timeout=120)
+    cli = subprocess.run(
+        [sys.executable, "-m", "tierstore", "migrate", "--hot", hot, "--cold", cold],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert cli.returncode == 0, cli.stderr
     assert "step-0000000001: committed" in cli.stdout
     target = {"w": torch.zeros(200, 50), "extra": {"step": -1}}
     dcp.load(target, storage_reader=TieredReader(None, cold))
     want = script_state()
     assert torch.equal(target["w"], want["w"]) and target["extra"] == want["extra"]
-    again = subprocess.run([sys.executable, "-m", "tierstore", "migrate", "--hot", hot, "--cold", cold],
-                           capture_output=True, text=True, timeout=120)
+    again = subprocess.run(
+        [sys.executable, "-m", "tierstore", "migrate", "--hot", hot, "--cold", cold],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert again.returncode == 0 and "nothing to migrate" in again.stdout
 
 
 def test_rerun_skips_what_is_already_uploaded_and_verified(tiers, flaky_cold) -> None:
     hot, _ = tiers
-    root = flaky_cold[len("flaky://"):]
-    proc = subprocess.run([sys.executable, "-c", SAVE_SCRIPT, hot, f"file://{root}"],
-                          capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "TIERSTORE_FAULTS": "migrator.before_cold_publish=kill"})
+    root = flaky_cold[len("flaky://") :]
+    proc = subprocess.run(
+        [sys.executable, "-c", SAVE_SCRIPT, hot, f"file://{root}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "TIERSTORE_FAULTS": "migrator.before_cold_publish=kill"},
+    )
     assert proc.returncode == -9
     flaky.CALLS[root].clear()
     [result] = migrate_pending(hot, flaky_cold, config=FAST)

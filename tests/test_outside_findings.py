@@ -37,11 +37,19 @@ YEAR = 365 * 24 * 3600.0
 
 # -- 1. run locks a hostile store holds -------------------------------------------------------
 
+
 def plant_run_lock(hot: Path, **fields: object) -> Path:
     """A run lock of another job, as ``runs/<run>/<beat>.json``, with ``fields`` overriding."""
     run = uuid.uuid4().hex
-    body = {"run": run, "job": "planted", "host": "elsewhere", "pid": 4242, "pid_space": "",
-            "ttl": 600.0, **fields}
+    body = {
+        "run": run,
+        "job": "planted",
+        "host": "elsewhere",
+        "pid": 4242,
+        "pid_space": "",
+        "ttl": 600.0,
+        **fields,
+    }
     path = hot / layout.run_lock_key(run, 0)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(body))  # Infinity and NaN as Python's json writes them
@@ -93,6 +101,7 @@ def test_a_hostile_run_lock_planted_later_does_not_kill_the_heartbeat(tmp_path: 
 
 # -- 2. a lease whose mtime lies far in the future ---------------------------------------------
 
+
 def two_checkpoints(tmp_path: Path) -> tuple[str, Tier, str]:
     hot = str(tmp_path / "hot")
     for step in (1, 2):
@@ -140,6 +149,7 @@ def test_a_lease_a_little_ahead_still_protects_its_load(tmp_path: Path) -> None:
 
 # -- 3. a step no manifest can record ----------------------------------------------------------
 
+
 def test_a_step_above_the_manifest_limit_is_refused_before_anything_is_written(tmp_path: Path) -> None:
     from tierstore.format import manifest_format
 
@@ -153,6 +163,7 @@ def test_a_step_above_the_manifest_limit_is_refused_before_anything_is_written(t
 
 # -- 4. a mistyped tier URL ----------------------------------------------------------------------
 
+
 @pytest.fixture
 def cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     here = tmp_path / "cwd"
@@ -161,19 +172,28 @@ def cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return here
 
 
-MISTYPED = [("s3:/bucket/run", "s3://bucket/run"), ("s3:bucket/run", "s3://bucket/run"),
-            ("GS:/bucket/run", "GS://bucket/run"), ("file:/data/run", "file:///data/run"),
-            ("memory:/x", "memory://x"), ("fsspec+memory:/x", "fsspec+memory://x"),
-            ("https:/host/x", "https://host/x")]
+MISTYPED = [
+    ("s3:/bucket/run", "s3://bucket/run"),
+    ("s3:bucket/run", "s3://bucket/run"),
+    ("GS:/bucket/run", "GS://bucket/run"),
+    ("file:/data/run", "file:///data/run"),
+    ("memory:/x", "memory://x"),
+    ("fsspec+memory:/x", "fsspec+memory://x"),
+    ("https:/host/x", "https://host/x"),
+]
 
 
 @pytest.mark.parametrize(("url", "meant"), MISTYPED)
-def test_a_mistyped_url_is_refused_naming_what_was_meant(tmp_path: Path, cwd: Path, url: str,
-                                                         meant: str) -> None:
+def test_a_mistyped_url_is_refused_naming_what_was_meant(
+    tmp_path: Path, cwd: Path, url: str, meant: str
+) -> None:
     hot = str(tmp_path / "hot")
-    for build in (lambda: CheckpointManager(hot, url, async_save=False),
-                  lambda: TieredWriter(hot, url, step=1), lambda: TieredReader(hot, url),
-                  lambda: TieredWriter(url, step=1)):
+    for build in (
+        lambda: CheckpointManager(hot, url, async_save=False),
+        lambda: TieredWriter(hot, url, step=1),
+        lambda: TieredReader(hot, url),
+        lambda: TieredWriter(url, step=1),
+    ):
         with pytest.raises(ConfigError) as raised:
             build()
         assert url in str(raised.value) and meant in str(raised.value)
@@ -199,7 +219,8 @@ def test_local_paths_with_a_colon_elsewhere_stay_local(cwd: Path, path: str) -> 
 
 
 def test_the_cli_refuses_a_mistyped_cold_url_and_creates_nothing(
-        tmp_path: Path, cwd: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, cwd: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     hot = tmp_path / "hot"
     save(str(hot), 1)
     # migrate creates a missing cold tier: it must not create ./s3:/b/r
@@ -211,8 +232,9 @@ def test_the_cli_refuses_a_mistyped_cold_url_and_creates_nothing(
     assert list(cwd.iterdir()) == []
 
 
-def test_the_cli_ls_names_the_meant_url(tmp_path: Path, cwd: Path,
-                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_cli_ls_names_the_meant_url(
+    tmp_path: Path, cwd: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     hot = tmp_path / "hot"
     hot.mkdir()
     assert main(["ls", "--hot", str(hot), "--cold", "s3:/b/r"]) in (1, 2)
@@ -220,6 +242,7 @@ def test_the_cli_ls_names_the_meant_url(tmp_path: Path, cwd: Path,
 
 
 # -- 5. SaveFailed through pickle --------------------------------------------------------------
+
 
 class NeedsTwo(Exception):
     """Pickles, but cannot be unpickled (its __init__ wants two arguments)."""
@@ -261,6 +284,7 @@ def test_a_real_failed_save_pickles_with_its_step_and_errors(tmp_path: Path) -> 
 
 # -- 6. the prune command shows its errors -------------------------------------------------------
 
+
 def undeletable(hot: str, step: int) -> None:
     """A real undeletable file, root or not: a directory where the data file was."""
     data = file_path(hot, committed(hot, step))
@@ -268,8 +292,9 @@ def undeletable(hot: str, step: int) -> None:
     (data / "inside").mkdir(parents=True)
 
 
-def test_the_prune_command_prints_errors_and_exits_1(tmp_path: Path,
-                                                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_prune_command_prints_errors_and_exits_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     hot = str(tmp_path / "hot")
     for step in (1, 2, 3):
         save(hot, step)
@@ -297,11 +322,13 @@ def test_the_prune_command_prints_warnings(tmp_path: Path, capsys: pytest.Captur
 
 # -- 7. torch_checkpointing's streamed read falls back to cold -----------------------------------
 
+
 def tc_storage(tmp_path: Path) -> object:
     from tierstore.integrations.torch_checkpointing import TieredStorageConfig
 
-    return TieredStorageConfig(hot=str(tmp_path / "hot"), cold=str(tmp_path / "cold"),
-                               run_id="outside").create_storage()
+    return TieredStorageConfig(
+        hot=str(tmp_path / "hot"), cold=str(tmp_path / "cold"), run_id="outside"
+    ).create_storage()
 
 
 def tc_committed(tmp_path: Path, data: bytes) -> tuple[object, Path]:
@@ -326,8 +353,9 @@ def streamed(storage: object, path: Path) -> bytes:
         return bytes(stream.read())
 
 
-def test_torch_checkpointing_streamed_read_falls_back_to_cold(tmp_path: Path,
-                                                              caplog: pytest.LogCaptureFixture) -> None:
+def test_torch_checkpointing_streamed_read_falls_back_to_cold(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     data = os.urandom(300_000)
     storage, hot_copy = tc_committed(tmp_path, data)
     damaged = bytearray(hot_copy.read_bytes())
@@ -358,6 +386,7 @@ def test_torch_checkpointing_streamed_read_without_a_good_copy_names_file_and_ti
 
 # -- node-local, the cold tier down: every rank gets the same error; close(T) takes ~T ----------
 
+
 @pytest.mark.dist
 def test_a_node_local_resume_with_the_cold_tier_down_fails_alike_on_every_rank(tmp_path: Path) -> None:
     import socket
@@ -369,9 +398,14 @@ def test_a_node_local_resume_with_the_cold_tier_down_fails_alike_on_every_rank(t
         port = sock.getsockname()[1]
     out = tmp_path / "out"
     out.mkdir()
-    spec = {"op": "manager_cold_down", "hot": [str(tmp_path / f"node{r}") for r in (0, 1)],
-            "cold": "s3://bucket/run", "endpoint": f"http://127.0.0.1:{port}", "out": str(out),
-            "close_timeout": 10}
+    spec = {
+        "op": "manager_cold_down",
+        "hot": [str(tmp_path / f"node{r}") for r in (0, 1)],
+        "cold": "s3://bucket/run",
+        "endpoint": f"http://127.0.0.1:{port}",
+        "out": str(out),
+        "close_timeout": 10,
+    }
     job = run_job(spec, 2, timeout=150)
     assert job.ok, job.describe()
     results = [json.loads((out / f"cold-down-rank{r}.json").read_text()) for r in (0, 1)]
@@ -389,8 +423,12 @@ def test_a_node_local_runs_pending_checkpoints_are_finished_by_the_next_run(tmp_
     blocker.write_text("a file where the cold tier's directory should be")
     out = tmp_path / "out"
     out.mkdir()
-    spec = {"op": "manager_node_local_resume", "hot": [str(tmp_path / f"node{r}") for r in (0, 1)],
-            "blocker": str(blocker), "out": str(out)}
+    spec = {
+        "op": "manager_node_local_resume",
+        "hot": [str(tmp_path / f"node{r}") for r in (0, 1)],
+        "blocker": str(blocker),
+        "out": str(out),
+    }
     job = run_job(spec, 2, timeout=150)
     assert job.ok, job.describe()
     results = [json.loads((out / f"node-local-resume-rank{r}.json").read_text()) for r in (0, 1)]

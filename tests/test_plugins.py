@@ -27,17 +27,35 @@ print("loaded", [c.name for c in list_checkpoints(url)])
 
 
 def run(code: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=120, env={**os.environ, **env})
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **env},
+    )
 
 
 @pytest.fixture(scope="module")
 def plugin_site(tmp_path_factory) -> Path:
     """The example plugin, really installed (pip) into a directory of its own."""
     target = tmp_path_factory.mktemp("site")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
-                    "--no-build-isolation", "--target", str(target), str(ROOT / "examples" / "plugin")],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(ROOT / "examples" / "plugin"),
+        ],
+        check=True,
+        capture_output=True,
+    )
     return target
 
 
@@ -55,10 +73,23 @@ def test_installed_plugin_passes_the_backend_contract(plugin_site: Path) -> None
     """The plugin's own two-line contract suite, against the installed plugin: the contract
     grows (atomic replace on write, say), and the example must keep up with it."""
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir",
-         str(ROOT / "examples" / "plugin"), str(ROOT / "examples" / "plugin" / "tests")],
-        capture_output=True, text=True, timeout=300,
-        env={**os.environ, "PYTHONPATH": str(plugin_site)}, cwd=str(plugin_site))
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--rootdir",
+            str(ROOT / "examples" / "plugin"),
+            str(ROOT / "examples" / "plugin" / "tests"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(plugin_site)},
+        cwd=str(plugin_site),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout
 
@@ -97,7 +128,10 @@ sys.meta_path.insert(0, Block())
 
 
 def test_core_runs_with_s3fs_and_gcsfs_absent(tmp_path: Path) -> None:
-    code = BLOCKER + SAVE_AND_LOAD.format(url=str(tmp_path / "store")) + textwrap.dedent("""
+    code = (
+        BLOCKER
+        + SAVE_AND_LOAD.format(url=str(tmp_path / "store"))
+        + textwrap.dedent("""
         import sys
         assert not any(m.split(".")[0] in BLOCKED for m in sys.modules), "an object-store client was imported"
         from tierstore.storage.registry import open_backend
@@ -106,6 +140,7 @@ def test_core_runs_with_s3fs_and_gcsfs_absent(tmp_path: Path) -> None:
         except Exception as err:
             print("s3:", type(err).__name__, err)
     """)
+    )
     proc = run(code)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "loaded ['step-0000000001']" in proc.stdout

@@ -102,15 +102,27 @@ print("pruned")
 """
 
 
-@pytest.mark.parametrize("point", ["prune.before_unpublish", "prune.after_unpublish",
-                                   "prune.after_file_delete", "prune.after_file_delete@2",
-                                   "prune.before_unpublish@2"])
+@pytest.mark.parametrize(
+    "point",
+    [
+        "prune.before_unpublish",
+        "prune.after_unpublish",
+        "prune.after_file_delete",
+        "prune.after_file_delete@2",
+        "prune.before_unpublish@2",
+    ],
+)
 def test_sigkill_during_prune(tmp_path: Path, point: str) -> None:
     hot = str(tmp_path / "hot")
     for step in (1, 2, 3):
         save(hot, step, migration=FAST)
-    proc = subprocess.run([sys.executable, "-c", PRUNE_SCRIPT, hot], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "TIERSTORE_FAULTS": f"{point}=kill"})
+    proc = subprocess.run(
+        [sys.executable, "-c", PRUNE_SCRIPT, hot],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "TIERSTORE_FAULTS": f"{point}=kill"},
+    )
     assert proc.returncode == -9, proc.stderr[-2000:]
     listed = [c.step for c in list_checkpoints(hot)]
     assert 3 in listed and set(listed) <= {1, 2, 3}
@@ -136,7 +148,10 @@ def test_prune_tier_on_cold_and_newest_survives(tmp_path: Path) -> None:
     report = prune_tier(Tier("cold", cold), keep_last(1))
     assert set(report.deleted) == {layout.default_name(1), layout.default_name(2)}
     assert [(c.step, c.tiers) for c in list_checkpoints(hot, cold)] == [
-        (1, ("hot",)), (2, ("hot",)), (3, ("hot", "cold"))]
+        (1, ("hot",)),
+        (2, ("hot",)),
+        (3, ("hot", "cold")),
+    ]
     assert_every_listed_checkpoint_loads(hot, cold)
 
 
@@ -149,7 +164,10 @@ def test_checkpoint_pruned_from_cold_is_not_pending_again(tmp_path: Path) -> Non
     wait_for_migrations(hot, cold, timeout=30)
     prune(None, cold, cold_policy=keep_last(1))
     assert [(c.step, c.tiers) for c in list_checkpoints(hot, cold)] == [
-        (1, ("hot",)), (2, ("hot",)), (3, ("hot", "cold"))]
+        (1, ("hot",)),
+        (2, ("hot",)),
+        (3, ("hot", "cold")),
+    ]
     assert migrate_pending(hot, cold) == []  # nothing to re-upload
     [hot_report, _] = prune(hot, cold, hot_policy=keep_last(1), cold_policy=keep_last(1))
     assert set(hot_report.deleted) == {layout.default_name(1), layout.default_name(2)}

@@ -32,7 +32,9 @@ def test_quarantine_unpublishes_keeps_the_data_and_gc_keeps_it(store: str) -> No
     assert quarantine(tier, bad, "found damaged")
     assert [c.step for c in list_checkpoints(store)] == [1]  # no longer a checkpoint
     aside = list_quarantined(Store(store))
-    assert [(q.name, q.attempt, q.step, q.reason) for q in aside] == [(bad.name, bad.attempt, 2, "found damaged")]
+    assert [(q.name, q.attempt, q.step, q.reason) for q in aside] == [
+        (bad.name, bad.attempt, 2, "found damaged")
+    ]
     assert aside[0].size == bad.total_size
     report = collect_garbage(store, grace=0.0, dry_run=False)
     assert not any(bad.attempt in g.key for g in report.garbage)
@@ -84,16 +86,16 @@ def test_an_unreadable_record_is_listed_and_its_data_kept(store: str) -> None:
     assert file_path(store, bad).exists()
 
 
-def test_a_crash_between_the_record_and_the_unpublish_is_finished_by_the_next_resume(
-        store: str) -> None:
+def test_a_crash_between_the_record_and_the_unpublish_is_finished_by_the_next_resume(store: str) -> None:
     saved(store, 1)
     bad = saved(store, 2)
     flip(file_path(store, bad))
     tier = Tier("hot", store)
     # What a crash right after the record leaves: the record, and the checkpoint still published.
     key = layout.quarantine_key(bad.name, bad.attempt)
-    tier.backend.publish(key, json.dumps({"manifest": bad.to_json().decode(), "reason": "x",
-                                          "when": 0}).encode())
+    tier.backend.publish(
+        key, json.dumps({"manifest": bad.to_json().decode(), "reason": "x", "when": 0}).encode()
+    )
     with CheckpointManager(store, hot_min_free=None) as manager:
         target = blank()
         assert manager.load_latest(target) == 1 and matches(target, 1)

@@ -49,7 +49,7 @@ class _Counted(io.RawIOBase):
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
         data = self._stream.read(len(view))
-        view[:len(data)] = data
+        view[: len(data)] = data
         self._counts[self._key] = self._counts.get(self._key, 0) + len(data)
         return len(data)
 
@@ -81,8 +81,11 @@ class CountingBackend(Backend):
 
     def open_range(self, key: str, offset: int, length: int) -> BinaryIO:
         self.OPENS.append(("range", key))
-        return _Counted(self.inner.open_range(key, offset, length), self.BYTES,  # type: ignore[return-value]
-                        key)
+        return _Counted(
+            self.inner.open_range(key, offset, length),
+            self.BYTES,  # type: ignore[return-value]
+            key,
+        )
 
     def publish(self, key: str, data: bytes) -> None:
         self.inner.publish(key, data)
@@ -127,9 +130,14 @@ class _Window(DefaultLoadPlanner):
                 items.append(req)
                 continue
             lo, hi = WINDOW
-            items.append(dataclasses.replace(
-                req, storage_offsets=torch.Size([lo, 0]), dest_offsets=torch.Size([lo, 0]),
-                lengths=torch.Size([hi - lo, req.lengths[1]])))
+            items.append(
+                dataclasses.replace(
+                    req,
+                    storage_offsets=torch.Size([lo, 0]),
+                    dest_offsets=torch.Size([lo, 0]),
+                    lengths=torch.Size([hi - lo, req.lengths[1]]),
+                )
+            )
         plan = dataclasses.replace(super().finish_plan(central_plan), items=items)
         self.needed = plan_bytes(plan, self.metadata.storage_data)  # type: ignore[union-attr]
         return plan
@@ -161,8 +169,9 @@ def _save(hot: str, cold: str | None = None) -> Manifest:
     return committed(hot, 1)
 
 
-def _load_window(hot: str | None, cold: str | None = None,
-                 **options: Any) -> tuple[torch.Tensor, TieredReader, _Window]:
+def _load_window(
+    hot: str | None, cold: str | None = None, **options: Any
+) -> tuple[torch.Tensor, TieredReader, _Window]:
     """Load rows ``WINDOW`` of "b" alone."""
     target = {"b": torch.zeros(ROWS, COLS)}
     reader, planner = TieredReader(hot, cold, lease=False, **options), _Window()
@@ -172,14 +181,15 @@ def _load_window(hot: str | None, cold: str | None = None,
 
 def _window_of_b() -> torch.Tensor:
     want = torch.zeros(ROWS, COLS)
-    want[WINDOW[0]:WINDOW[1]] = _state()["b"][WINDOW[0]:WINDOW[1]]
+    want[WINDOW[0] : WINDOW[1]] = _state()["b"][WINDOW[0] : WINDOW[1]]
     return want
 
 
 def _data_bytes(manifest: Manifest) -> int:
     """Bytes the counting backend delivered from the checkpoint's data file."""
-    return sum(n for key, n in CountingBackend.BYTES.items() if key.endswith(f"/{DATA}")
-               and manifest.attempt in key)
+    return sum(
+        n for key, n in CountingBackend.BYTES.items() if key.endswith(f"/{DATA}") and manifest.attempt in key
+    )
 
 
 def _metadata_size(manifest: Manifest) -> int:
@@ -209,8 +219,9 @@ def test_a_sliced_load_from_a_local_tier_reads_its_plan(store: str) -> None:
     assert [op for op, key in CountingBackend.OPENS if key.endswith(f"/{DATA}")] == ["range"]
 
 
-def test_a_sliced_load_from_s3_reads_its_plan(tmp_path: Path, s3_bucket: str, s3_env: dict[str, str],
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_sliced_load_from_s3_reads_its_plan(
+    tmp_path: Path, s3_bucket: str, s3_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     for key, value in s3_env.items():
         monkeypatch.setenv(key, value)
     cold = f"s3://{s3_bucket}/run"
@@ -224,8 +235,9 @@ def test_a_sliced_load_from_s3_reads_its_plan(tmp_path: Path, s3_bucket: str, s3
 
 
 @pytest.mark.parametrize("threads", [1, 3])
-def test_a_whole_load_reads_each_byte_once(tmp_path: Path, s3_bucket: str, s3_env: dict[str, str],
-                                           monkeypatch: pytest.MonkeyPatch, threads: int) -> None:
+def test_a_whole_load_reads_each_byte_once(
+    tmp_path: Path, s3_bucket: str, s3_env: dict[str, str], monkeypatch: pytest.MonkeyPatch, threads: int
+) -> None:
     for key, value in s3_env.items():
         monkeypatch.setenv(key, value)
     monkeypatch.setattr(raw_read, "SPLIT_MIN", 1)  # split the file over the threads

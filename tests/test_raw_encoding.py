@@ -28,9 +28,22 @@ from tierstore.format import encoding, layout
 from tierstore.format.encoding import RawItem
 
 NAME = layout.default_name(1)
-DTYPES = [torch.float16, torch.float32, torch.float64, torch.bfloat16, torch.complex64,
-          torch.complex128, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
-          torch.bool, torch.float8_e4m3fn, torch.float8_e5m2]
+DTYPES = [
+    torch.float16,
+    torch.float32,
+    torch.float64,
+    torch.bfloat16,
+    torch.complex64,
+    torch.complex128,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+]
 
 
 def _every_dtype() -> dict[str, Any]:
@@ -48,16 +61,21 @@ def _every_dtype() -> dict[str, Any]:
 
 
 def _zeros_like(state: dict[str, Any]) -> dict[str, Any]:
-    return {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else {"step": 0, "names": []}
-            for k, v in state.items()}
+    return {
+        k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else {"step": 0, "names": []}
+        for k, v in state.items()
+    }
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     # Bit for bit (float8 has no torch.equal; NaNs never compare equal).
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)) \
-        if a.dim() else torch.equal(a.reshape(1).view(torch.uint8), b.reshape(1).view(torch.uint8))
+    return (
+        torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+        if a.dim()
+        else torch.equal(a.reshape(1).view(torch.uint8), b.reshape(1).view(torch.uint8))
+    )
 
 
 @pytest.mark.parametrize("threads", [1, 3])
@@ -125,10 +143,14 @@ class _Halves(DefaultLoadPlanner):
             half = req.lengths[self.dim] // 2
             for part, (start, size) in enumerate([(0, half), (half, req.lengths[self.dim] - half)]):
                 if part in self.keep:
-                    items.append(dataclasses.replace(
-                        req, storage_offsets=_bump(req.storage_offsets, self.dim, start),
-                        dest_offsets=_bump(req.dest_offsets, self.dim, start),
-                        lengths=_put(req.lengths, self.dim, size)))
+                    items.append(
+                        dataclasses.replace(
+                            req,
+                            storage_offsets=_bump(req.storage_offsets, self.dim, start),
+                            dest_offsets=_bump(req.dest_offsets, self.dim, start),
+                            lengths=_put(req.lengths, self.dim, size),
+                        )
+                    )
         return dataclasses.replace(plan, items=items)
 
 
@@ -144,8 +166,9 @@ def _put(size: torch.Size, dim: int, value: int) -> torch.Size:
 
 @pytest.mark.parametrize("dim", [0, 1])
 @pytest.mark.parametrize("keep", [(0, 1), (0,), (1,)])
-def test_slices_of_stored_items_load_verified(store: str, monkeypatch, dim: int,
-                                              keep: tuple[int, ...]) -> None:
+def test_slices_of_stored_items_load_verified(
+    store: str, monkeypatch, dim: int, keep: tuple[int, ...]
+) -> None:
     monkeypatch.setattr(encoding, "BLOCK", 4096)  # many blocks: slices start and end inside some
     state = state_for(1, (301, 33))
     save(store, 1, shape=(301, 33))
@@ -154,8 +177,9 @@ def test_slices_of_stored_items_load_verified(store: str, monkeypatch, dim: int,
     want = torch.zeros(301, 33)
     for part in keep:
         rows = slice(0, 150) if part == 0 else slice(150, None)
-        region = (rows, slice(None)) if dim == 0 else (slice(None), slice(0, 16) if part == 0
-                                                       else slice(16, None))
+        region = (
+            (rows, slice(None)) if dim == 0 else (slice(None), slice(0, 16) if part == 0 else slice(16, None))
+        )
         want[region] = state["w"][region]
     assert torch.equal(target["w"], want)
     assert torch.equal(target["i"], state["i"]) and target["extra"] == state["extra"]
@@ -163,8 +187,12 @@ def test_slices_of_stored_items_load_verified(store: str, monkeypatch, dim: int,
 
 def test_a_different_destination_dtype_is_converted(store: str) -> None:
     save(store, 1)
-    target = {**blank(), "w": torch.zeros(64, 33, dtype=torch.float64), "b": torch.zeros(7),
-              "i": torch.zeros(10, dtype=torch.int32)}
+    target = {
+        **blank(),
+        "w": torch.zeros(64, 33, dtype=torch.float64),
+        "b": torch.zeros(7),
+        "i": torch.zeros(10, dtype=torch.int32),
+    }
     dcp.load(target, storage_reader=TieredReader(store))
     state = state_for(1)
     assert torch.equal(target["w"], state["w"].double()) and torch.equal(target["b"], state["b"].float())
@@ -209,14 +237,14 @@ def _middle_of(meta: Any, fqn: str) -> int:
 
 
 @pytest.mark.parametrize("threads", [1, 4])
-def test_a_flipped_byte_in_a_large_item_falls_back_to_cold(tmp_path: Path, caplog, monkeypatch,
-                                                            threads: int) -> None:
+def test_a_flipped_byte_in_a_large_item_falls_back_to_cold(
+    tmp_path: Path, caplog, monkeypatch, threads: int
+) -> None:
     monkeypatch.setattr(raw_read, "SPLIT_MIN", 1)
     hot, cold = str(tmp_path / "hot"), str(tmp_path / "cold")
     meta, path = _save_big(hot, cold)
     flip(path, _middle_of(meta, "big"))
-    target = {"big": torch.zeros(3 << 20), "small": torch.zeros(5, dtype=torch.long),
-              "extra": {"step": 0}}
+    target = {"big": torch.zeros(3 << 20), "small": torch.zeros(5, dtype=torch.long), "extra": {"step": 0}}
     reader = TieredReader(hot, cold, thread_count=threads)
     with caplog.at_level(logging.WARNING, logger="tierstore"):
         dcp.load(target, storage_reader=reader)
@@ -231,8 +259,7 @@ def test_damage_in_every_tier_is_the_files_mismatch(tmp_path: Path) -> None:
     manifest = committed(cold, 1, "cold")
     for root in (hot, cold):
         flip(file_path(root, manifest), _middle_of(meta, "big"))
-    target = {"big": torch.zeros(3 << 20), "small": torch.zeros(5, dtype=torch.long),
-              "extra": {"step": 0}}
+    target = {"big": torch.zeros(3 << 20), "small": torch.zeros(5, dtype=torch.long), "extra": {"step": 0}}
     with pytest.raises(BaseException) as info:
         dcp.load(target, storage_reader=TieredReader(hot, cold))
     err = unwrap(info.value)

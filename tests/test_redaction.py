@@ -22,16 +22,24 @@ SECRET = "Sup3rS3cretPw"
 TOKEN = "tok-8f2e1c"
 
 
-@pytest.mark.parametrize(("url", "shown"), [
-    (f"fsspec+sftp://alice:{SECRET}@host/x", "fsspec+sftp://alice:***@host/x"),
-    (f"s3://b/p?token={TOKEN}&region=eu", "s3://b/p?token=***&region=eu"),
-    (f"https://h/p?X-Amz-Signature={TOKEN}&X-Amz-Credential=AKIA#frag",
-     "https://h/p?X-Amz-Signature=***&X-Amz-Credential=***#frag"),
-    (f"fsspec+simplecache::s3://k:{SECRET}@b/x?sig={TOKEN}", "fsspec+simplecache::s3://k:***@b/x?sig=***"),
-    (f"gs://b/p?access_key={TOKEN};password={SECRET}", "gs://b/p?access_key=***;password=***"),
-    ("sftp://alice@host/run@v2", "sftp://alice@host/run@v2"),
-    ("/plain/path:with@signs", "/plain/path:with@signs"),
-])
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        (f"fsspec+sftp://alice:{SECRET}@host/x", "fsspec+sftp://alice:***@host/x"),
+        (f"s3://b/p?token={TOKEN}&region=eu", "s3://b/p?token=***&region=eu"),
+        (
+            f"https://h/p?X-Amz-Signature={TOKEN}&X-Amz-Credential=AKIA#frag",
+            "https://h/p?X-Amz-Signature=***&X-Amz-Credential=***#frag",
+        ),
+        (
+            f"fsspec+simplecache::s3://k:{SECRET}@b/x?sig={TOKEN}",
+            "fsspec+simplecache::s3://k:***@b/x?sig=***",
+        ),
+        (f"gs://b/p?access_key={TOKEN};password={SECRET}", "gs://b/p?access_key=***;password=***"),
+        ("sftp://alice@host/run@v2", "sftp://alice@host/run@v2"),
+        ("/plain/path:with@signs", "/plain/path:with@signs"),
+    ],
+)
 def test_redact_url(url: str, shown: str) -> None:
     from tierstore._redact import redact_url
 
@@ -62,8 +70,9 @@ def test_repr_label_and_checkpoint_id(secret_store: str) -> None:
     _clean(TieredWriter(secret_store, step=2).checkpoint_id)
 
 
-def test_errors_and_logs_of_a_failing_read(secret_store: str, tmp_path: Path,
-                                           caplog: pytest.LogCaptureFixture) -> None:
+def test_errors_and_logs_of_a_failing_read(
+    secret_store: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.DEBUG)
     hot = f"fsspec+memory://user:{SECRET}@/empty-{os.getpid()}"
     reader = TieredReader(hot, secret_store)
@@ -86,12 +95,26 @@ def test_errors_and_logs_of_a_failing_read(secret_store: str, tmp_path: Path,
 
 
 def test_cli_output(secret_store: str, tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]),
-                                                          os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
     outputs = []
-    for args in (["ls"], ["show"], ["show", "--name", "nope"], ["verify"], ["status", "--cold", secret_store]):
-        run = subprocess.run([sys.executable, "-m", "tierstore", *args, "--hot", secret_store],
-                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    for args in (
+        ["ls"],
+        ["show"],
+        ["show", "--name", "nope"],
+        ["verify"],
+        ["status", "--cold", secret_store],
+    ):
+        run = subprocess.run(
+            [sys.executable, "-m", "tierstore", *args, "--hot", secret_store],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         outputs.append(run.stdout + run.stderr)
         _clean(run.stdout + run.stderr)
     assert layout.default_name(1) in outputs[0]  # ls really listed the store

@@ -24,6 +24,7 @@ WORLD = 3
 
 # -- the rank side -------------------------------------------------------------------------
 
+
 def _counting_backend() -> Any:
     from tierstore.format import layout
     from tierstore.storage.local import LocalBackend
@@ -101,8 +102,9 @@ def _rank_main(spec: dict[str, Any]) -> None:
         result["matches"] = matches(state, result["step"])
     except BaseException as err:  # DCP's CheckpointException is a BaseException
         failures = getattr(err, "failures", {})
-        result["errors"] = {str(r): [type(unwrap_one(f)).__name__, str(unwrap_one(f))]
-                            for r, f in failures.items()}
+        result["errors"] = {
+            str(r): [type(unwrap_one(f)).__name__, str(unwrap_one(f))] for r, f in failures.items()
+        }
         result["error"] = type(unwrap(err)).__name__
     result["lists"] = counting.calls["list"]
     result["leases"] = counting.calls["lease"]
@@ -118,6 +120,7 @@ def unwrap_one(failure: Any) -> BaseException:
 
 # -- the test side -------------------------------------------------------------------------
 
+
 def _run(tmp_path: Path, hot: str, mode: str) -> list[dict[str, Any]]:
     sys.path.insert(0, str(HERE.parent))
     from launch import run_job
@@ -126,9 +129,11 @@ def _run(tmp_path: Path, hot: str, mode: str) -> list[dict[str, Any]]:
 
     out = tmp_path / f"out-{mode}"
     out.mkdir()
-    job = returns_within(lambda: run_job({"hot": hot, "out": str(out), "mode": mode}, WORLD,
-                                         script=HERE, timeout=150),
-                         170, f"a {WORLD}-rank load ({mode})")
+    job = returns_within(
+        lambda: run_job({"hot": hot, "out": str(out), "mode": mode}, WORLD, script=HERE, timeout=150),
+        170,
+        f"a {WORLD}-rank load ({mode})",
+    )
     assert job.ok, job.describe()
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
@@ -162,8 +167,7 @@ def test_without_resolve_once_every_rank_lists_and_leases(two_saves: str, tmp_pa
     assert all(r["lists"] >= 1 and r["leases"] == 1 for r in ranks), ranks
 
 
-def test_a_reader_by_default_lets_one_rank_load_alone_under_a_group(two_saves: str,
-                                                                     tmp_path: Path) -> None:
+def test_a_reader_by_default_lets_one_rank_load_alone_under_a_group(two_saves: str, tmp_path: Path) -> None:
     ranks = _run(tmp_path, two_saves, "solo")  # returns_within: a collective here would hang
     assert ranks[0]["step"] == 2 and ranks[0]["matches"] and ranks[0]["lists"] >= 1
 

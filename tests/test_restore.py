@@ -17,8 +17,12 @@ from tierstore.tiers.migrator import MigrationConfig
 from tierstore.tiers.restore import restore
 from tierstore.tiers.status import wait_for_migrations
 
-FAST = MigrationConfig(chunk_size=4096, poll_interval=0.01, commit_timeout=5,
-                       retry=RetryPolicy(attempts=5, initial=0.001, maximum=0.01))
+FAST = MigrationConfig(
+    chunk_size=4096,
+    poll_interval=0.01,
+    commit_timeout=5,
+    retry=RetryPolicy(attempts=5, initial=0.001, maximum=0.01),
+)
 
 
 @pytest.fixture

@@ -81,8 +81,12 @@ def test_a_damaged_cold_copy_never_replaces_the_hot_file(tiers) -> None:
 def test_cli_restore_prints_what_it_repaired(tiers) -> None:
     hot, cold, manifest = tiers
     os.remove(file_path(hot, manifest, "__0_0.distcp"))
-    proc = subprocess.run([sys.executable, "-m", "tierstore", "restore", "--hot", hot, "--cold", cold],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tierstore", "restore", "--hot", hot, "--cold", cold],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert f"repaired  {manifest.name}  __0_0.distcp: missing" in proc.stdout
     assert "1 repaired" in proc.stdout

@@ -35,8 +35,13 @@ def resumed_from(path: Path) -> int:
 def reference_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, float], Path]:
     """The uninterrupted run: its per-step losses and its store (checkpoints at 4, 8, 12)."""
     out = tmp_path_factory.mktemp("reference")
-    spec = {"op": "train", "runs": [{"tag": "full", "hot": str(out / "hot"), "exclude": []}],
-            "steps": STEPS, "save_every": SAVE_EVERY, "out": str(out)}
+    spec = {
+        "op": "train",
+        "runs": [{"tag": "full", "hot": str(out / "hot"), "exclude": []}],
+        "steps": STEPS,
+        "save_every": SAVE_EVERY,
+        "out": str(out),
+    }
     job = run_job(spec, 2, script=JOB)
     assert job.ok, job.describe()
     curve = losses(out / "losses-train.jsonl")
@@ -49,22 +54,38 @@ def reference(reference_run: tuple[dict[int, float], Path]) -> dict[int, float]:
     return reference_run[0]
 
 
-def kill_and_resume(out: Path, runs: list[dict[str, object]], *, kill_at: dict[str, int] | None = None,
-                    rank_env: dict[int, dict[str, str]] | None = None) -> None:
-    spec = {"op": "train", "runs": runs, "steps": STEPS, "save_every": SAVE_EVERY, "out": str(out),
-            "kill_at": kill_at}
+def kill_and_resume(
+    out: Path,
+    runs: list[dict[str, object]],
+    *,
+    kill_at: dict[str, int] | None = None,
+    rank_env: dict[int, dict[str, str]] | None = None,
+) -> None:
+    spec = {
+        "op": "train",
+        "runs": runs,
+        "steps": STEPS,
+        "save_every": SAVE_EVERY,
+        "out": str(out),
+        "kill_at": kill_at,
+    }
     job = run_job(spec, 2, script=JOB, rank_env=rank_env)
     assert not job.ok and job.ranks[1].returncode == -9, job.describe()  # rank 1 was SIGKILLed
     job = run_job({**spec, "op": "resume", "kill_at": None}, 2, script=JOB)
     assert job.ok, job.describe()
 
 
-def test_sigkill_mid_save_then_resume_reproduces_every_loss(tmp_path: Path, reference: dict[int, float]) -> None:
+def test_sigkill_mid_save_then_resume_reproduces_every_loss(
+    tmp_path: Path, reference: dict[int, float]
+) -> None:
     hot = tmp_path / "hot"
     # Rank 1 dies in its background flush of the second checkpoint (step 8), after writing its
     # shard: step 8 never commits, so the resume must come from step 4.
-    kill_and_resume(tmp_path, [{"tag": "full", "hot": str(hot), "exclude": []}],
-                    rank_env={1: {"TIERSTORE_FAULTS": "writer.after_file_write@2=kill"}})
+    kill_and_resume(
+        tmp_path,
+        [{"tag": "full", "hot": str(hot), "exclude": []}],
+        rank_env={1: {"TIERSTORE_FAULTS": "writer.after_file_write@2=kill"}},
+    )
     before = losses(tmp_path / "losses-train.jsonl")
     assert before and all(reference[s] == v for s, v in before.items())
     resumed = tmp_path / "losses-resume-full.jsonl"
@@ -76,9 +97,12 @@ def test_sigkill_mid_save_then_resume_reproduces_every_loss(tmp_path: Path, refe
 
 
 def test_sigkill_mid_step_resumes_exactly_and_only_with_rng_and_data(
-        tmp_path: Path, reference: dict[int, float]) -> None:
-    runs = [{"tag": tag, "hot": str(tmp_path / tag), "exclude": exclude}
-            for tag, exclude in (("full", []), ("no-rng", ["rng"]), ("no-data", ["data"]))]
+    tmp_path: Path, reference: dict[int, float]
+) -> None:
+    runs = [
+        {"tag": tag, "hot": str(tmp_path / tag), "exclude": exclude}
+        for tag, exclude in (("full", []), ("no-rng", ["rng"]), ("no-data", ["data"]))
+    ]
     kill_and_resume(tmp_path, runs, kill_at={"step": 7, "rank": 1})
     before = losses(tmp_path / "losses-train.jsonl")
     assert sorted(before) == list(range(1, 7))  # step 7 never finished
@@ -97,11 +121,18 @@ def test_sigkill_mid_step_resumes_exactly_and_only_with_rng_and_data(
 
 
 def test_resume_on_three_ranks_continues_at_the_global_data_position(
-        tmp_path: Path, reference_run: tuple[dict[int, float], Path]) -> None:
+    tmp_path: Path, reference_run: tuple[dict[int, float], Path]
+) -> None:
     # The 2-rank reference saved step 12; 3 ranks resume it (ResumePlanner: rank 2 has no RNG
     # entry of its own) and train steps 13-14, saving nothing (13 and 14 are off the cadence).
-    spec = {"op": "resume", "steps": STEPS, "save_every": SAVE_EVERY, "out": str(tmp_path),
-            "planner": "resume", "runs": [{"tag": "grown", "hot": str(reference_run[1]), "exclude": []}]}
+    spec = {
+        "op": "resume",
+        "steps": STEPS,
+        "save_every": SAVE_EVERY,
+        "out": str(tmp_path),
+        "planner": "resume",
+        "runs": [{"tag": "grown", "hot": str(reference_run[1]), "exclude": []}],
+    }
     job = run_job(spec, 3, script=JOB)
     assert job.ok, job.describe()
     path = tmp_path / "losses-resume-grown.jsonl"

@@ -23,7 +23,8 @@ DAMAGES = {
     "metadata flipped": lambda root, m: flip(file_path(root, m, ".metadata")),
     "metadata missing": lambda root, m: file_path(root, m, ".metadata").unlink(),
     "shard truncated": lambda root, m: file_path(root, m, "__0_0.distcp").write_bytes(
-        file_path(root, m, "__0_0.distcp").read_bytes()[:-7]),
+        file_path(root, m, "__0_0.distcp").read_bytes()[:-7]
+    ),
     "shard missing": lambda root, m: file_path(root, m, "__0_0.distcp").unlink(),
 }
 
@@ -101,8 +102,10 @@ def test_manager_falls_back_past_a_flipped_byte_inside_a_shard(store: str, caplo
     newest = saved(store, 2)
     flip(file_path(store, newest, "__0_0.distcp"))  # same size: found only while streaming
     target = blank()
-    with CheckpointManager(store, hot_min_free=None) as manager, \
-            caplog.at_level(logging.WARNING, logger="tierstore"):
+    with (
+        CheckpointManager(store, hot_min_free=None) as manager,
+        caplog.at_level(logging.WARNING, logger="tierstore"),
+    ):
         assert manager.load_latest(target) == 1
         assert matches(target, 1)  # what the failed try copied in is overwritten
         again = blank()
@@ -129,8 +132,10 @@ def test_manager_raises_when_nothing_loads_and_on_other_failures(store: str, cap
     saved(good, 1)
     saved(good, 2)
     caplog.clear()
-    with CheckpointManager(good, hot_min_free=None) as manager, \
-            caplog.at_level(logging.WARNING, logger="tierstore"):
+    with (
+        CheckpointManager(good, hot_min_free=None) as manager,
+        caplog.at_level(logging.WARNING, logger="tierstore"),
+    ):
         with pytest.raises(CheckpointException, match="Missing key"):  # the caller's mistake
             manager.load_latest({**blank(), "other": torch.zeros(1)})
     assert "is damaged" not in caplog.text  # not retried with an older checkpoint

@@ -38,8 +38,7 @@ def read(out: Path, name: str) -> Any:
 
 
 @pytest.mark.parametrize(("saved_by", "loaded_by"), [(2, 3), (4, 2)])
-def test_a_new_world_size_resumes_through_the_manager(tmp_path: Path, saved_by: int,
-                                                      loaded_by: int) -> None:
+def test_a_new_world_size_resumes_through_the_manager(tmp_path: Path, saved_by: int, loaded_by: int) -> None:
     hot, out = str(tmp_path / "hot"), tmp_path / "out"
     out.mkdir()
     run({"op": "save", "hot": hot, "out": str(out), "step": 3}, saved_by)
@@ -72,7 +71,9 @@ def test_the_same_world_size_keeps_every_key_required(tmp_path: Path) -> None:
     extra = TrainingState(torch.nn.Linear(2, 2), extra={"rng": _PerRankExtra()})
     # A per-rank key the checkpoint lacks at its own world size is a real mismatch: DCP's
     # error stands (the default planner is lenient only when the world size changed).
-    with pytest.raises(CheckpointException, match=r"Missing key in checkpoint state_dict: train\.extra\.rng\.rank9"):
+    with pytest.raises(
+        CheckpointException, match=r"Missing key in checkpoint state_dict: train\.extra\.rng\.rank9"
+    ):
         manager.load_latest({"train": extra})
     plain = TrainingState(torch.nn.Linear(2, 2))
     assert manager.load_latest({"train": plain}) == 3 and plain.step == 3
@@ -146,8 +147,11 @@ def op_load(spec: dict[str, Any], rank: int, world: int) -> None:
         try:
             manager.load_latest({"train": build(world, seed=2)}, planner=DefaultLoadPlanner())
         except TierstoreError as err:
-            explicit["dcp_default"] = {"type": type(err).__name__, "message": str(err),
-                                       "checkpoint": err.checkpoint}
+            explicit["dcp_default"] = {
+                "type": type(err).__name__,
+                "message": str(err),
+                "checkpoint": err.checkpoint,
+            }
 
         class Recording(ResumePlanner):
             planned = False
@@ -169,8 +173,9 @@ def op_load(spec: dict[str, Any], rank: int, world: int) -> None:
     dist.all_gather_object(reseeded, torch.equal(after_load, torch.get_rng_state()))
     loaded = digest(ts)
     if rank == 0:
-        (out / "loaded.json").write_text(json.dumps(
-            {"step": step, "state_step": ts.step, "state": loaded, "reseeded": reseeded}))
+        (out / "loaded.json").write_text(
+            json.dumps({"step": step, "state_step": ts.step, "state": loaded, "reseeded": reseeded})
+        )
     manager.close()
 
 

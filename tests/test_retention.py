@@ -61,16 +61,25 @@ POLICIES = st.recursive(
     max_leaves=4,
 )
 CATALOGS = st.lists(
-    st.builds(Ckpt, name=st.text("abcdefgh", min_size=1, max_size=6),
-              step=st.one_of(st.none(), st.integers(0, 200)), created=st.floats(0, 1000)),
-    max_size=15, unique_by=lambda c: c.name,
+    st.builds(
+        Ckpt,
+        name=st.text("abcdefgh", min_size=1, max_size=6),
+        step=st.one_of(st.none(), st.integers(0, 200)),
+        created=st.floats(0, 1000),
+    ),
+    max_size=15,
+    unique_by=lambda c: c.name,
 )
 
 
 @given(policy=POLICIES, catalog=CATALOGS, data=st.data())
 def test_prune_plan_is_safe_and_deterministic(policy, catalog, data) -> None:
     now = data.draw(st.floats(0, 2000))
-    pending = set(data.draw(st.lists(st.sampled_from([c.name for c in catalog]), unique=True))) if catalog else set()
+    pending = (
+        set(data.draw(st.lists(st.sampled_from([c.name for c in catalog]), unique=True)))
+        if catalog
+        else set()
+    )
     doomed, kept, protected = plan_prune(catalog, policy, protect=pending, now=now)
     doomed_names = {m.name for m in doomed}
     if catalog:

@@ -67,7 +67,8 @@ def test_deadline_is_measured_on_the_injected_clock() -> None:
     fn, calls = flaky(100)
     with pytest.raises(TransientStorageError):
         RetryPolicy(attempts=None, deadline=10.0, initial=1.0, maximum=1.0).call(
-            fn, sleep=time.sleep, clock=time.clock)
+            fn, sleep=time.sleep, clock=time.clock
+        )
     assert time.now >= 10.0 and len(calls) == len(time.slept) + 1
     assert time.now - time.slept[-1] < 10.0  # it stopped at the first try past the deadline
 
@@ -75,8 +76,9 @@ def test_deadline_is_measured_on_the_injected_clock() -> None:
 def test_poll_returns_the_first_wanted_answer_with_growing_waits() -> None:
     time = FakeTime()
     answers = iter([3, 2, 1, 0, -1])
-    result = polling(0.5, 60.0, maximum=3.0).poll(lambda: next(answers), until=lambda n: n == 0,
-                                                   sleep=time.sleep, clock=time.clock)
+    result = polling(0.5, 60.0, maximum=3.0).poll(
+        lambda: next(answers), until=lambda n: n == 0, sleep=time.sleep, clock=time.clock
+    )
     assert result == 0
     assert time.slept == [0.5, 1.0, 2.0]  # doubling, no jitter; never past maximum
 
@@ -89,8 +91,10 @@ def test_poll_at_a_fixed_interval_gives_the_last_answer_at_the_deadline() -> Non
         probes.append(time.now)
         return "busy"
 
-    assert polling(2.0, 7.0).poll(probe, until=lambda a: a == "idle", sleep=time.sleep,
-                                  clock=time.clock) == "busy"
+    assert (
+        polling(2.0, 7.0).poll(probe, until=lambda a: a == "idle", sleep=time.sleep, clock=time.clock)
+        == "busy"
+    )
     assert probes == [0.0, 2.0, 4.0, 6.0, 8.0] and set(time.slept) == {2.0}
 
 

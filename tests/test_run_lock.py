@@ -55,9 +55,15 @@ class Job:
         env.pop("SLURM_JOB_ID", None)
         env.pop("TORCHELASTIC_RUN_ID", None)
         with open(self.err_path, "w") as err:
-            self.proc = subprocess.Popen([*prefix, sys.executable, str(script), str(hot), str(first)],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                                         text=True, env=env, cwd=Path(__file__).parent.parent)
+            self.proc = subprocess.Popen(
+                [*prefix, sys.executable, str(script), str(hot), str(first)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                env=env,
+                cwd=Path(__file__).parent.parent,
+            )
 
     def ready(self) -> None:
         assert self.proc.stdout is not None
@@ -88,8 +94,9 @@ def jobs(tmp_path: Path) -> Iterator[list[Job]]:
             job.kill()
 
 
-def start(jobs: list[Job], tmp: Path, hot: Path, first: int, *, ttl: float = 120.0,
-          prefix: list[str] | None = None) -> Job:
+def start(
+    jobs: list[Job], tmp: Path, hot: Path, first: int, *, ttl: float = 120.0, prefix: list[str] | None = None
+) -> Job:
     job = Job(tmp, hot, first, ttl=ttl, prefix=prefix or [])
     jobs.append(job)
     job.ready()
@@ -102,7 +109,8 @@ def locks(hot: Path) -> list[str]:
 
 
 def test_a_second_job_warns_once_naming_both_and_a_clean_close_releases(
-        tmp_path: Path, jobs: list[Job]) -> None:
+    tmp_path: Path, jobs: list[Job]
+) -> None:
     hot = tmp_path / "hot"
     first = start(jobs, tmp_path, hot, 1, ttl=8.0)
     assert not first.warnings(STARTING) and len(locks(hot)) == 1
@@ -142,15 +150,17 @@ def _other_pid_namespace() -> list[str]:
     prefix = ["unshare", "--pid", "--fork", "--kill-child"]
     if shutil.which("unshare") is None:
         pytest.skip("no unshare")
-    probe = subprocess.run([*prefix, "readlink", "/proc/self/ns/pid"], capture_output=True,
-                           text=True, timeout=60)
+    probe = subprocess.run(
+        [*prefix, "readlink", "/proc/self/ns/pid"], capture_output=True, text=True, timeout=60
+    )
     if probe.returncode != 0 or probe.stdout.strip() == os.readlink("/proc/self/ns/pid"):
         pytest.skip(f"cannot make a pid namespace here: {probe.stderr.strip()}")
     return prefix
 
 
 def test_a_killed_jobs_lock_warns_until_it_expires_by_the_store_clock(
-        tmp_path: Path, jobs: list[Job]) -> None:
+    tmp_path: Path, jobs: list[Job]
+) -> None:
     prefix = _other_pid_namespace()
     hot = tmp_path / "hot"
     ttl = 3.0

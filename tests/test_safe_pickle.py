@@ -68,6 +68,7 @@ def watching(marker: Path) -> Iterator[None]:
 
 # -- hostile pickles, built opcode by opcode ---------------------------------------------
 
+
 def _str(s: str) -> bytes:
     raw = s.encode()
     return b"\x8c" + bytes([len(raw)]) + raw if len(raw) < 256 else b"X" + struct.pack("<I", len(raw)) + raw
@@ -96,18 +97,32 @@ def _payload(marker: Path) -> dict[tuple[str, str], str]:
     touch = f"touch {marker}"
     code = f"__import__('builtins').{FLAG} = True; open({str(marker)!r}, 'w').close()"
     return {
-        ("os", "system"): touch, ("posix", "system"): touch, ("subprocess", "getoutput"): touch,
-        ("subprocess", "Popen"): touch, ("builtins", "eval"): code, ("builtins", "exec"): code,
-        ("builtins", "getattr"): "system", ("builtins", "__import__"): "os",
-        ("builtins", "open"): str(marker), ("io", "open"): str(marker),
-        (DCP, "os.system"): touch, (DCP, "os"): touch, (DCP, "torch.load"): str(marker),
-        (DCP, "dataclass"): code, (DCP, "field"): code, (DCP, "Metadata.__init__.__globals__"): code,
-        ("dataclasses", "sys.modules"): code, ("torch.serialization", "os.system"): touch,
-        ("torch", "load"): str(marker), ("torch", "_C._get_tracing_state"): code,
+        ("os", "system"): touch,
+        ("posix", "system"): touch,
+        ("subprocess", "getoutput"): touch,
+        ("subprocess", "Popen"): touch,
+        ("builtins", "eval"): code,
+        ("builtins", "exec"): code,
+        ("builtins", "getattr"): "system",
+        ("builtins", "__import__"): "os",
+        ("builtins", "open"): str(marker),
+        ("io", "open"): str(marker),
+        (DCP, "os.system"): touch,
+        (DCP, "os"): touch,
+        (DCP, "torch.load"): str(marker),
+        (DCP, "dataclass"): code,
+        (DCP, "field"): code,
+        (DCP, "Metadata.__init__.__globals__"): code,
+        ("dataclasses", "sys.modules"): code,
+        ("torch.serialization", "os.system"): touch,
+        ("torch", "load"): str(marker),
+        ("torch", "_C._get_tracing_state"): code,
         ("torch.distributed.checkpoint.filesystem", "os.system"): touch,
         ("torch.distributed.checkpoint.filesystem", "pickle.loads"): code,
-        ("collections", "os.system"): touch, ("pathlib", "os.system"): touch,
-        ("copyreg", "_reconstructor"): code, ("__builtin__", "eval"): code,
+        ("collections", "os.system"): touch,
+        ("pathlib", "os.system"): touch,
+        ("copyreg", "_reconstructor"): code,
+        ("__builtin__", "eval"): code,
     }
 
 
@@ -188,6 +203,7 @@ def test_old_allow_the_whole_module_rule_is_caught(monkeypatch, tmp_path: Path) 
 
 # -- through TieredReader: hot tier and a bucket-like cold tier ---------------------------
 
+
 def _state() -> dict:
     return {"w": torch.randn(8, 3), "extra": {"step": 7, "tags": ["a", "b"], "lr": 0.5}}
 
@@ -218,14 +234,25 @@ def _load_error(root: Path, role: str) -> BaseException:
 
 
 @pytest.mark.parametrize("role", ["hot", "cold"])
-@pytest.mark.parametrize("target", [("os", "system"), (DCP, "os.system"), ("builtins", "exec"),
-                                    ("dataclasses", "sys.modules"), (DCP, "dataclass")])
+@pytest.mark.parametrize(
+    "target",
+    [
+        ("os", "system"),
+        (DCP, "os.system"),
+        ("builtins", "exec"),
+        ("dataclasses", "sys.modules"),
+        (DCP, "dataclass"),
+    ],
+)
 def test_hostile_metadata_through_reader(tmp_path: Path, role: str, target: tuple[str, str]) -> None:
     root, marker = tmp_path / role, tmp_path / "owned"
     dcp.save(_state(), storage_writer=TieredWriter(str(root), step=1))
     arg = _payload(marker)[target]
-    _reseal(root, layout.default_name(1),
-            {".metadata": _frame(_call(*target, arg, "STACK_GLOBAL", "REDUCE"), 4) + GENUINE})
+    _reseal(
+        root,
+        layout.default_name(1),
+        {".metadata": _frame(_call(*target, arg, "STACK_GLOBAL", "REDUCE"), 4) + GENUINE},
+    )
     with watching(marker):
         err = _load_error(root, role)
     assert isinstance(err, IntegrityError) and "cannot be loaded safely" in str(err), err
@@ -254,8 +281,9 @@ def test_hostile_byte_io_item_runs_nothing(tmp_path: Path, encoding: str) -> Non
     shard = (root / layout.file_key(name, attempt, info.relative_path)).read_bytes()
     # A raw item's forger also fixes up its block checksum.
     sealed = {"crc32c": (crc32c_update(0, buf.getvalue()),)} if encoding == "raw" else {}
-    meta.storage_data[index] = dataclasses.replace(info, offset=len(shard), length=len(buf.getvalue()),
-                                                   **sealed)
+    meta.storage_data[index] = dataclasses.replace(
+        info, offset=len(shard), length=len(buf.getvalue()), **sealed
+    )
     _reseal(root, name, {info.relative_path: shard + buf.getvalue(), ".metadata": pickle.dumps(meta)})
     with watching(marker):
         err = _load_error(root, "hot")
@@ -265,24 +293,55 @@ def test_hostile_byte_io_item_runs_nothing(tmp_path: Path, encoding: str) -> Non
 
 # -- genuine metadata still loads ---------------------------------------------------------
 
+
 def _dtypes() -> list[torch.dtype]:
-    skip = ("bits", "qint", "quint", "int1", "int2", "int3", "int4", "int5", "int6", "int7", "uint1",
-            "uint2", "uint3", "uint4", "uint5", "uint6", "uint7")
+    skip = (
+        "bits",
+        "qint",
+        "quint",
+        "int1",
+        "int2",
+        "int3",
+        "int4",
+        "int5",
+        "int6",
+        "int7",
+        "uint1",
+        "uint2",
+        "uint3",
+        "uint4",
+        "uint5",
+        "uint6",
+        "uint7",
+    )
     found = {v for v in vars(torch).values() if isinstance(v, torch.dtype)}
     return sorted((d for d in found if not str(d).removeprefix("torch.").startswith(skip)), key=str)
 
 
 def test_every_dtype_nested_containers_and_byte_io_round_trip(tmp_path: Path) -> None:
     state: dict = {str(d): torch.zeros(4, dtype=d) for d in _dtypes()}
-    state["nested"] = {"a": [torch.arange(6.0).reshape(2, 3), {"b": torch.ones(2, 2)}],
-                       "c": 5, "d": "text", "e": [1.5, None, (1, 2)], "f": {"g": b"raw", "h": {3, 4}}}
+    state["nested"] = {
+        "a": [torch.arange(6.0).reshape(2, 3), {"b": torch.ones(2, 2)}],
+        "c": 5,
+        "d": "text",
+        "e": [1.5, None, (1, 2)],
+        "f": {"g": b"raw", "h": {3, 4}},
+    }
     state["channels_last"] = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
     dcp.save(state, storage_writer=TieredWriter(str(tmp_path), step=1))
-    target: dict = {k: torch.full_like(v.view(torch.uint8), 0xFF).view(v.dtype)
-                    for k, v in state.items() if k.startswith("torch.")}
+    target: dict = {
+        k: torch.full_like(v.view(torch.uint8), 0xFF).view(v.dtype)
+        for k, v in state.items()
+        if k.startswith("torch.")
+    }
     target["channels_last"] = torch.zeros(2, 3, 4, 5)
-    target["nested"] = {"a": [torch.zeros(2, 3), {"b": torch.zeros(2, 2)}], "c": 0, "d": "",
-                        "e": [], "f": {"g": b"", "h": set()}}
+    target["nested"] = {
+        "a": [torch.zeros(2, 3), {"b": torch.zeros(2, 2)}],
+        "c": 0,
+        "d": "",
+        "e": [],
+        "f": {"g": b"", "h": set()},
+    }
     reader = TieredReader(str(tmp_path))
     dcp.load(target, storage_reader=reader)
     assert target["nested"]["c"] == 5 and target["nested"]["f"] == {"g": b"raw", "h": {3, 4}}
@@ -344,9 +403,17 @@ FSDP_JOB = textwrap.dedent("""
 
 
 def test_fsdp2_dtensor_with_optimizer_round_trips(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-c", FSDP_JOB, str(tmp_path / "hot")], env=env,
-                         capture_output=True, text=True, timeout=300)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
+    run = subprocess.run(
+        [sys.executable, "-c", FSDP_JOB, str(tmp_path / "hot")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     line = next(ln for ln in run.stdout.splitlines() if ln.startswith("GLOBALS"))
     used = {tuple(g) for g in ast.literal_eval(line.removeprefix("GLOBALS "))}

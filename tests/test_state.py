@@ -69,8 +69,10 @@ def test_a_resume_continues_exactly_where_the_run_stopped(tmp_path: Path) -> Non
 def test_excluded_parts_are_neither_saved_nor_loaded(tmp_path: Path) -> None:
     ts = make(0)
     train(ts, 2)
-    dcp.save({"train": TrainingState(ts.model, ts.optimizer, exclude=("rng", "step"))},
-             storage_writer=TieredWriter(str(tmp_path), step=2))
+    dcp.save(
+        {"train": TrainingState(ts.model, ts.optimizer, exclude=("rng", "step"))},
+        storage_writer=TieredWriter(str(tmp_path), step=2),
+    )
     reader = TieredReader(str(tmp_path))
     keys = set(reader.read_metadata().state_dict_metadata)
     assert any(k.startswith("train.optim.state.") for k in keys)
@@ -110,7 +112,9 @@ def test_resume_planner_tolerates_only_absent_per_rank_keys(tmp_path: Path) -> N
     assert torch.equal(grown["w"], torch.ones(3)) and grown["rng"]["world_size"] == 1
     assert torch.equal(grown["rng"]["rank1"]["torch"], torch.full((4,), 9.0))  # left as it was
     with pytest.raises(CheckpointException, match="Missing key"):
-        dcp.load({"other": torch.zeros(1)}, storage_reader=TieredReader(str(tmp_path)), planner=ResumePlanner())
+        dcp.load(
+            {"other": torch.zeros(1)}, storage_reader=TieredReader(str(tmp_path)), planner=ResumePlanner()
+        )
 
 
 def test_per_rank_keys() -> None:

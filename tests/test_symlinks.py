@@ -63,14 +63,16 @@ def save(tier: Tier, step: int) -> Manifest:
     for path, data in VICTIMS.items():
         tier.backend.publish(tier.file_key(name, attempt, path), data)
         files.append(FileEntry(path, len(data), crc32c_update(0, data), 0))
-    manifest = Manifest(name=name, step=step, attempt=attempt, world_size=1,
-                        created=time.time() + step, files=tuple(files))
+    manifest = Manifest(
+        name=name, step=step, attempt=attempt, world_size=1, created=time.time() + step, files=tuple(files)
+    )
     tier.publish_manifest(manifest)
     return manifest
 
 
 def test_prune_through_a_symlinked_attempt_directory_deletes_nothing_outside(
-        tmp_path: Path, outside: Path) -> None:
+    tmp_path: Path, outside: Path
+) -> None:
     # A forged store: the manifest of step 1 names an attempt directory that is a link to
     # a directory holding files of the very names the manifest lists.
     tier = Tier("hot", str(tmp_path / "root"))
@@ -89,7 +91,8 @@ def test_prune_through_a_symlinked_attempt_directory_deletes_nothing_outside(
 
 
 def test_lease_through_a_symlinked_leases_directory_is_refused(
-        tmp_path: Path, backend: LocalBackend, outside: Path) -> None:
+    tmp_path: Path, backend: LocalBackend, outside: Path
+) -> None:
     os.makedirs(backend.root)
     os.symlink(outside, os.path.join(backend.root, layout.LEASE_DIR))
     before = snapshot(outside)
@@ -102,7 +105,8 @@ def test_lease_through_a_symlinked_leases_directory_is_refused(
 
 
 def test_publish_through_a_symlinked_manifests_directory_is_refused(
-        backend: LocalBackend, outside: Path) -> None:
+    backend: LocalBackend, outside: Path
+) -> None:
     os.makedirs(backend.root)
     os.symlink(outside, os.path.join(backend.root, layout.MANIFEST_DIR))
     before = snapshot(outside)
@@ -115,7 +119,8 @@ def test_publish_through_a_symlinked_manifests_directory_is_refused(
 
 
 def test_delete_through_a_symlinked_directory_is_refused_and_removes_no_directory(
-        backend: LocalBackend, outside: Path) -> None:
+    backend: LocalBackend, outside: Path
+) -> None:
     # The old delete unlinked outside/sub/__0_0.distcp, then pruned outside/sub once empty.
     os.makedirs(backend.root)
     os.symlink(outside, os.path.join(backend.root, "ck"))
@@ -127,8 +132,7 @@ def test_delete_through_a_symlinked_directory_is_refused_and_removes_no_director
     assert snapshot(outside) == before
 
 
-def test_delete_of_a_link_removes_the_link_not_its_target(
-        backend: LocalBackend, outside: Path) -> None:
+def test_delete_of_a_link_removes_the_link_not_its_target(backend: LocalBackend, outside: Path) -> None:
     backend.publish("ck/real", b"ok")
     os.symlink(outside / ".metadata", os.path.join(backend.root, "ck", "link"))
     before = snapshot(outside)
@@ -137,8 +141,7 @@ def test_delete_of_a_link_removes_the_link_not_its_target(
     assert snapshot(outside) == before
 
 
-def test_a_link_swapped_in_during_a_write_cannot_redirect_it(
-        backend: LocalBackend, outside: Path) -> None:
+def test_a_link_swapped_in_during_a_write_cannot_redirect_it(backend: LocalBackend, outside: Path) -> None:
     # Time of check to time of use: the directory was real when the write began.
     for finish in ("close", "abort"):
         out = backend.open_write(f"d/{finish}/__0_0.distcp")

@@ -32,9 +32,21 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run(workdir: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "torchtitan_tierstore.py"), "--workdir", str(workdir),
-         "--steps", "8", "--interval", "2", *args],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        [
+            sys.executable,
+            str(ROOT / "examples" / "torchtitan_tierstore.py"),
+            "--workdir",
+            str(workdir),
+            "--steps",
+            "8",
+            "--interval",
+            "2",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
 
 
@@ -75,25 +87,50 @@ def test_killed_run_resumes_from_cold_and_matches_the_uninterrupted_run(tmp_path
 
 @pytest.mark.dist
 def test_the_last_save_reaches_an_s3_cold_tier_before_the_run_ends(
-        tmp_path: Path, s3_env: dict[str, str], s3_bucket: str) -> None:
+    tmp_path: Path, s3_env: dict[str, str], s3_bucket: str
+) -> None:
     """torchtitan's trainer ends with close(): the drop-in delivers the last checkpoint then,
     not in an exit hook after thread pools refuse work (issue 22, item 4)."""
     pytest.importorskip("tierstore_s3", reason="the S3 backend is installed by make test")
     cold = f"s3://{s3_bucket}/titan"
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "torchtitan_tierstore.py"), "--workdir",
-         str(tmp_path / "run"), "--steps", "8", "--interval", "2", "--async-mode", "async",
-         "--cold", cold],
-        capture_output=True, text=True, timeout=300,
-        env={**os.environ, **s3_env, "OMP_NUM_THREADS": "1", "TIERSTORE_EXIT_WAIT": "0"})
+        [
+            sys.executable,
+            str(ROOT / "examples" / "torchtitan_tierstore.py"),
+            "--workdir",
+            str(tmp_path / "run"),
+            "--steps",
+            "8",
+            "--interval",
+            "2",
+            "--async-mode",
+            "async",
+            "--cold",
+            cold,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **s3_env, "OMP_NUM_THREADS": "1", "TIERSTORE_EXIT_WAIT": "0"},
+    )
     took = time.monotonic() - started
     assert done.returncode == 0, done.stderr[-3000:]
     assert "cannot schedule new futures" not in done.stderr
     assert took < 120, f"the run took {took:.0f}s to end"
-    cold_steps = [c.step for c in list_checkpoints(None, cold, cold_options={
-        "endpoint_url": s3_env["AWS_ENDPOINT_URL"], "key": "testing", "secret": "testing",
-        "region": "us-west-2"})]
+    cold_steps = [
+        c.step
+        for c in list_checkpoints(
+            None,
+            cold,
+            cold_options={
+                "endpoint_url": s3_env["AWS_ENDPOINT_URL"],
+                "key": "testing",
+                "secret": "testing",
+                "region": "us-west-2",
+            },
+        )
+    ]
     assert cold_steps == [2, 4, 6, 8]  # the last one included, with no exit hook's help
 
 
@@ -102,8 +139,14 @@ def test_hugging_face_export_is_refused_with_what_to_do(tmp_path: Path) -> None:
 
     config = TieredCheckpointManager.Config(enable=True, folder=str(tmp_path), last_save_in_hf=True)
     with pytest.raises(ConfigError, match="export after training"):
-        config.build(dataloader=None, model_parts=[], optimizers=None, lr_schedulers=None,
-                     states={}, sd_adapter=object())
+        config.build(
+            dataloader=None,
+            model_parts=[],
+            optimizers=None,
+            lr_schedulers=None,
+            states={},
+            sd_adapter=object(),
+        )
 
 
 # -- torch_checkpointing's Storage (torchtitan's other checkpointer) ----------------------
@@ -145,9 +188,12 @@ def tc_manager(tmp_path: Path, *, mmap: bool = True) -> object:
     from tierstore.integrations.torch_checkpointing import TieredStorageConfig
 
     return CheckpointManager.Config(
-        save=SyncCheckpointSaverConfig(), load=CheckpointLoaderConfig(use_mmap=mmap),
-        storage_config=TieredStorageConfig(hot=str(tmp_path / "hot"), cold=str(tmp_path / "cold"),
-                                           run_id="test-run")).build()
+        save=SyncCheckpointSaverConfig(),
+        load=CheckpointLoaderConfig(use_mmap=mmap),
+        storage_config=TieredStorageConfig(
+            hot=str(tmp_path / "hot"), cold=str(tmp_path / "cold"), run_id="test-run"
+        ),
+    ).build()
 
 
 @pytest.mark.dist
@@ -157,16 +203,27 @@ def test_torch_checkpointing_two_ranks_commit_by_manifest_migrate_and_load(tmp_p
     hot, cold, worker = tmp_path / "hot", tmp_path / "cold", tmp_path / "worker.py"
     worker.write_text(TC_WORKER)
     # torchrun's run id, the same on both ranks: what the attempt id is derived from.
-    job = run_job({"hot": str(hot), "cold": str(cold)}, 2, script=worker, timeout=240,
-                  env={"TORCHELASTIC_RUN_ID": "job-1"})
+    job = run_job(
+        {"hot": str(hot), "cold": str(cold)},
+        2,
+        script=worker,
+        timeout=240,
+        env={"TORCHELASTIC_RUN_ID": "job-1"},
+    )
     assert job.ok, job.describe()
-    loaded = sorted((json.loads(line) for r in job.ranks for line in r.output.splitlines()
-                     if line.startswith("{")), key=lambda r: r["rank"])
+    loaded = sorted(
+        (json.loads(line) for r in job.ranks for line in r.output.splitlines() if line.startswith("{")),
+        key=lambda r: r["rank"],
+    )
     assert loaded == [{"rank": r, "w": [float(i + 10 * r) for i in range(6)], "step": 3} for r in (0, 1)]
     manifest = Tier("hot", str(hot)).find_manifest("step_3")
     assert manifest is not None and manifest.step == 3 and manifest.world_size == 2
     assert sorted((f.path, f.rank) for f in manifest.files) == [
-        ("model_0.pt", 0), ("model_1.pt", 1), ("step_0.pt", 0), ("step_1.pt", 1)]
+        ("model_0.pt", 0),
+        ("model_1.pt", 1),
+        ("step_0.pt", 0),
+        ("step_1.pt", 1),
+    ]
     # The commit deleted its per-file records; the checkpoint process migrated before exit.
     assert not [p for p in hot.rglob("*") if ".tierstore-files" in p.parts and p.is_file()]
     assert Tier("cold", str(cold)).find_manifest("step_3") == manifest

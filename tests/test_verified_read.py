@@ -49,10 +49,22 @@ def _rewrite_entry_size(root: str, manifest: Manifest) -> None:
 # damage -> (harm the cold copy, expected "<what> mismatch: expected X, found Y" from the entry and bytes)
 Expect = Callable[[int, int, int, int], str]
 DAMAGES: dict[str, tuple[str, Expect]] = {
-    "corrupt byte": ("flip", lambda size, crc, stored, found: f"CRC32C mismatch: expected {crc:08x}, found {found:08x}"),
-    "truncated": ("cut", lambda size, crc, stored, found: f"size mismatch: expected {size} bytes, found {stored} bytes"),
-    "extra bytes": ("append", lambda size, crc, stored, found: f"size mismatch: expected {size} bytes, found {stored} bytes"),
-    "wrong size": ("entry", lambda size, crc, stored, found: f"size mismatch: expected {size - 1} bytes, found {stored} bytes"),
+    "corrupt byte": (
+        "flip",
+        lambda size, crc, stored, found: f"CRC32C mismatch: expected {crc:08x}, found {found:08x}",
+    ),
+    "truncated": (
+        "cut",
+        lambda size, crc, stored, found: f"size mismatch: expected {size} bytes, found {stored} bytes",
+    ),
+    "extra bytes": (
+        "append",
+        lambda size, crc, stored, found: f"size mismatch: expected {size} bytes, found {stored} bytes",
+    ),
+    "wrong size": (
+        "entry",
+        lambda size, crc, stored, found: f"size mismatch: expected {size - 1} bytes, found {stored} bytes",
+    ),
 }
 
 
@@ -67,12 +79,15 @@ def damaged(request, tmp_path: Path) -> tuple[str, Manifest, str]:
     assert entry is not None
     harm, expect = DAMAGES[request.param]
     path = file_path(cold, manifest)
-    {"flip": flip, "cut": _cut, "append": _append,
-     "entry": lambda _: _rewrite_entry_size(cold, manifest)}[harm](path)
+    {"flip": flip, "cut": _cut, "append": _append, "entry": lambda _: _rewrite_entry_size(cold, manifest)}[
+        harm
+    ](path)
     stored = path.read_bytes()
     label = Tier("cold", cold).label
-    message = (f"{expect(entry.size, entry.crc32c, len(stored), crc32c.crc32c(stored))} "
-               f"[checkpoint '{manifest.name}', file '{DATA_FILE}', tier '{label}']")
+    message = (
+        f"{expect(entry.size, entry.crc32c, len(stored), crc32c.crc32c(stored))} "
+        f"[checkpoint '{manifest.name}', file '{DATA_FILE}', tier '{label}']"
+    )
     return cold, committed(cold, 1, "cold"), message
 
 
@@ -82,8 +97,14 @@ def test_the_verified_read_itself_on_the_local_backend(damaged) -> None:
     entry = manifest.file(DATA_FILE)
     assert entry is not None
     with pytest.raises(ChecksumMismatch) as info:
-        verify_file(tier.backend, tier.file_key(manifest.name, manifest.attempt, DATA_FILE), entry,
-                    checkpoint=manifest.name, tier=tier.label, chunk_size=64)
+        verify_file(
+            tier.backend,
+            tier.file_key(manifest.name, manifest.attempt, DATA_FILE),
+            entry,
+            checkpoint=manifest.name,
+            tier=tier.label,
+            chunk_size=64,
+        )
     assert str(info.value) == message
     assert (info.value.checkpoint, info.value.file, info.value.tier) == (manifest.name, DATA_FILE, tier.label)
 

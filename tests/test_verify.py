@@ -34,13 +34,17 @@ def test_part_of_names_the_part_of_the_training_state() -> None:
 
 def test_a_checkpoint_without_optimizer_state_fails_naming_it() -> None:
     before = live(2.5, **{"t.model.w": "a", "t.optim.state.w.exp_avg": "b", "t.step": "3"})
-    after = {"loss": 2.5, "missing": ["t.optim.state.w.exp_avg"], "digests": {
-        "t.model.w": "a", "t.optim.state.w.exp_avg": "zeros", "t.step": "3"}}
+    after = {
+        "loss": 2.5,
+        "missing": ["t.optim.state.w.exp_avg"],
+        "digests": {"t.model.w": "a", "t.optim.state.w.exp_avg": "zeros", "t.step": "3"},
+    }
     report = compare("step-3", [before, before], [after, after])
     assert not report.ok and report.loss_ok
     assert report.parts_failed() == ["optimizer"]
     assert [(m.key, m.problem, m.ranks) for m in report.mismatches] == [
-        ("t.optim.state.w.exp_avg", "missing from the checkpoint", (0, 1))]
+        ("t.optim.state.w.exp_avg", "missing from the checkpoint", (0, 1))
+    ]
     text = report.summary()
     assert "FAILED" in text and "optimizer: 1 key(s) missing from the checkpoint" in text
     assert "t.optim.state.w.exp_avg" in text
@@ -68,9 +72,11 @@ def test_without_a_live_record_only_completeness_is_checked() -> None:
 
 def test_probe_specs_name_importable_functions(tmp_path: Path) -> None:
     script = tmp_path / "my_probe.py"
-    script.write_text("from tierstore.resume.check import Probe\n"
-                      "def probe():\n    return Probe(build=dict, loss=lambda s: 1.5)\n"
-                      "if __name__ == '__main__':\n    raise SystemExit('must not run')\n")
+    script.write_text(
+        "from tierstore.resume.check import Probe\n"
+        "def probe():\n    return Probe(build=dict, loss=lambda s: 1.5)\n"
+        "if __name__ == '__main__':\n    raise SystemExit('must not run')\n"
+    )
     factory = load_probe(f"{script}:probe")
     made = factory()
     assert isinstance(made, Probe) and made.loss({}) == 1.5
@@ -97,35 +103,73 @@ def test_verify_resume_passes_a_full_checkpoint_and_fails_one_without_optimizer(
 
     bad = json.loads((out / "verify-no-optim.json").read_text())
     assert not bad["ok"] and bad["parts_failed"] == ["optimizer"], bad["summary"]
-    assert all(m["problem"] == "missing from the checkpoint" and m["key"].startswith("train.optim.")
-               for m in bad["mismatches"])
+    assert all(
+        m["problem"] == "missing from the checkpoint" and m["key"].startswith("train.optim.")
+        for m in bad["mismatches"]
+    )
     assert "optimizer:" in bad["summary"] and "missing from the checkpoint" in bad["summary"]
 
     # The command line: against the live record the run wrote, and with no record at all.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     probe = f"{JOB}:probe"
-    proc = subprocess.run([sys.executable, "-m", "tierstore", "verify-resume", "--hot", str(full),
-                           "--probe", probe, "--record", str(out / "record")],
-                          capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tierstore",
+            "verify-resume",
+            "--hot",
+            str(full),
+            "--probe",
+            probe,
+            "--record",
+            str(out / "record"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "step-0000000003 on 2 rank(s): OK" in proc.stdout and "identical" in proc.stdout
-    proc = subprocess.run([sys.executable, "-m", "tierstore", "verify-resume", "--hot", str(no_optim),
-                           "--probe", probe, "--json"], capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tierstore",
+            "verify-resume",
+            "--hot",
+            str(no_optim),
+            "--probe",
+            probe,
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     body = json.loads(proc.stdout)
     assert body["parts_failed"] == ["optimizer"] and not body["compared_live"]
 
 
 def test_the_command_starts_without_importing_torch() -> None:
-    code = ("import sys, tierstore, tierstore.cli, tierstore.resume.check, tierstore.resume.cadence, tierstore.resume.data; "
-            "assert 'torch' not in sys.modules, 'torch was imported'")
+    code = (
+        "import sys, tierstore, tierstore.cli, tierstore.resume.check, tierstore.resume.cadence, tierstore.resume.data; "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
-    help_text = subprocess.run([sys.executable, "-m", "tierstore", "verify-resume", "--help"],
-                               capture_output=True, text=True, timeout=60)
+    help_text = subprocess.run(
+        [sys.executable, "-m", "tierstore", "verify-resume", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert help_text.returncode == 0 and "--probe" in help_text.stdout
 
 
-PROBE_MODULE = '''
+PROBE_MODULE = """
 import torch
 from torch import nn
 from tierstore import Probe, TrainingState
@@ -138,7 +182,7 @@ def build():
 def probe():
     batch = torch.ones(3, 4)
     return Probe(build=build, loss=lambda state: state["train"].model(batch).sum())
-'''
+"""
 
 
 def test_verify_resume_in_one_process_without_torch_distributed(tmp_path: Path) -> None:

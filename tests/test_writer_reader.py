@@ -146,8 +146,9 @@ def test_racing_attempts_on_one_step_commit_exactly_once(store: str, monkeypatch
     assert len(attempts) == 2  # the loser's files are debris for GC, never listed
 
 
-@pytest.mark.parametrize("point", ["writer.after_file_write", "writer.after_metadata_write",
-                                   "writer.before_manifest_publish"])
+@pytest.mark.parametrize(
+    "point", ["writer.after_file_write", "writer.after_metadata_write", "writer.before_manifest_publish"]
+)
 def test_failed_attempt_is_never_listed(store: str, point: str) -> None:
     save(store, 1)
     faults.arm(point)
@@ -306,8 +307,9 @@ def test_metadata_referencing_unlisted_file_is_rejected(store: str) -> None:
 
 
 @pytest.mark.parametrize("encoding", ["raw", "dcp"])
-def test_zip_crc32_is_skipped_while_writing_and_restored_after(store: str, monkeypatch,
-                                                               encoding: str) -> None:
+def test_zip_crc32_is_skipped_while_writing_and_restored_after(
+    store: str, monkeypatch, encoding: str
+) -> None:
     # torch's own zip CRC32 is redundant with tierstore's CRC32C (verified on every read):
     # off while a TieredWriter writes (raw: the planner's torch.save of BYTE_IO items), the
     # caller's setting back afterwards, dcp-encoded files still plain DCP that
@@ -326,6 +328,10 @@ def test_zip_crc32_is_skipped_while_writing_and_restored_after(store: str, monke
     assert torch.serialization.get_crc32_options() is True
     monkeypatch.undo()
     target = blank()
-    dcp.load(target, storage_reader=TieredReader(store) if encoding == "raw" else dcp.FileSystemReader(
-        Path(store, layout.attempt_prefix(manifest.name, manifest.attempt))))
+    dcp.load(
+        target,
+        storage_reader=TieredReader(store)
+        if encoding == "raw"
+        else dcp.FileSystemReader(Path(store, layout.attempt_prefix(manifest.name, manifest.attempt))),
+    )
     assert_same(target, state_for(9))

@@ -83,8 +83,16 @@ _DEPRECATED = {
     "RestoreReport": ("tierstore.tiers.restore", "tierstore.tiers.restore.RestoreReport"),
     "CadencePlan": ("tierstore.resume.cadence", "tierstore.resume.cadence.CadencePlan"),
     "ResumeReport": ("tierstore.resume.report", "tierstore.resume.report.ResumeReport"),
-    **{name: ("tierstore.errors", f"tierstore.errors.{name}") for name in (
-        "BackendNotFound", "PublishConflict", "UnsafeType", "InvalidManifest", "ChecksumMismatch")},
+    **{
+        name: ("tierstore.errors", f"tierstore.errors.{name}")
+        for name in (
+            "BackendNotFound",
+            "PublishConflict",
+            "UnsafeType",
+            "InvalidManifest",
+            "ChecksumMismatch",
+        )
+    },
 }
 
 
@@ -95,8 +103,11 @@ def __getattr__(name: str) -> Any:
         return value
     if name in _DEPRECATED:
         module, instead = _DEPRECATED[name]
-        warnings.warn(f"tierstore.{name} is deprecated: use {instead} (the old name goes in the "
-                      "next release)", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            f"tierstore.{name} is deprecated: use {instead} (the old name goes in the next release)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return getattr(importlib.import_module(module), name)
     raise AttributeError(f"module 'tierstore' has no attribute {name!r}")
 

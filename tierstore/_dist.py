@@ -17,8 +17,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["initialized", "rank_world", "group_rank_world", "broadcast", "all_gather", "barrier",
-           "Failure"]
+__all__ = ["initialized", "rank_world", "group_rank_world", "broadcast", "all_gather", "barrier", "Failure"]
 
 
 def _dist() -> Any:

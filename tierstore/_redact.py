@@ -15,8 +15,9 @@ __all__ = ["MASK", "redact_url", "url_secrets", "scrub"]
 MASK = "***"
 
 # Any query parameter whose name contains one of these words (case-insensitive) is a secret.
-_SECRET_NAME = re.compile(r"token|key|secret|signature|sig|password|passwd|pwd|credential|auth",
-                          re.IGNORECASE)
+_SECRET_NAME = re.compile(
+    r"token|key|secret|signature|sig|password|passwd|pwd|credential|auth", re.IGNORECASE
+)
 # scheme://authority rest; the authority ends at the first "/", "?" or "#" (RFC 3986 3.2).
 _URL = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<authority>[^/?#]*)(?P<rest>.*)", re.S)
 

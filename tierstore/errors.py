@@ -60,9 +60,7 @@ class TierstoreError(Exception):
 
     def _render(self) -> str:
         parts = [
-            f"{name} {self.context[name]!r}"
-            for name in _CONTEXT_ORDER
-            if self.context.get(name) is not None
+            f"{name} {self.context[name]!r}" for name in _CONTEXT_ORDER if self.context.get(name) is not None
         ]
         return f"{self.message} [{', '.join(parts)}]" if parts else self.message
 
@@ -150,20 +148,29 @@ class ChecksumMismatch(IntegrityError):
     actual: Any
 
     @classmethod
-    def size(cls, expected: int, actual: int, *, checkpoint: str | None, file: str,
-             tier: str | None) -> ChecksumMismatch:
+    def size(
+        cls, expected: int, actual: int, *, checkpoint: str | None, file: str, tier: str | None
+    ) -> ChecksumMismatch:
         return cls._of("size", f"{expected} bytes", f"{actual} bytes", checkpoint, file, tier)
 
     @classmethod
-    def crc32c(cls, expected: int, actual: int, *, checkpoint: str | None, file: str,
-               tier: str | None) -> ChecksumMismatch:
+    def crc32c(
+        cls, expected: int, actual: int, *, checkpoint: str | None, file: str, tier: str | None
+    ) -> ChecksumMismatch:
         return cls._of("CRC32C", f"{expected:08x}", f"{actual:08x}", checkpoint, file, tier)
 
     @classmethod
-    def _of(cls, what: str, expected: str, actual: str, checkpoint: str | None, file: str,
-            tier: str | None) -> ChecksumMismatch:
-        return cls(f"{what} mismatch: expected {expected}, found {actual}", checkpoint=checkpoint,
-                   file=file, tier=tier, expected=expected, actual=actual)
+    def _of(
+        cls, what: str, expected: str, actual: str, checkpoint: str | None, file: str, tier: str | None
+    ) -> ChecksumMismatch:
+        return cls(
+            f"{what} mismatch: expected {expected}, found {actual}",
+            checkpoint=checkpoint,
+            file=file,
+            tier=tier,
+            expected=expected,
+            actual=actual,
+        )
 
 
 class SaveFailed(TierstoreError, RuntimeError):
@@ -179,8 +186,14 @@ class SaveFailed(TierstoreError, RuntimeError):
     step: int | None
     errors: dict[int | None, BaseException]
 
-    def __init__(self, message: str, *, step: int | None = None,
-                 errors: Mapping[int | None, BaseException] | None = None, **context: Any) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        step: int | None = None,
+        errors: Mapping[int | None, BaseException] | None = None,
+        **context: Any,
+    ) -> None:
         super().__init__(message, step=step, errors=dict(errors or {}), **context)
 
     def _render(self) -> str:
@@ -188,10 +201,14 @@ class SaveFailed(TierstoreError, RuntimeError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         # From the attributes, so one set after construction travels too.
-        context = {**self.context, "step": self.step,
-                   "errors": {rank: _picklable(err) for rank, err in self.errors.items()}}
-        context.update({name: getattr(self, name) for name in _CONTEXT_ORDER
-                        if getattr(self, name, None) is not None})
+        context = {
+            **self.context,
+            "step": self.step,
+            "errors": {rank: _picklable(err) for rank, err in self.errors.items()},
+        }
+        context.update(
+            {name: getattr(self, name) for name in _CONTEXT_ORDER if getattr(self, name, None) is not None}
+        )
         return (_rebuild, (type(self), self.message, context))
 
 
@@ -208,10 +225,15 @@ class MigrationFailed(TierstoreError, RuntimeError):
     checkpoints: tuple[str, ...]
     errors: dict[str, str]
 
-    def __init__(self, message: str, *, checkpoints: tuple[str, ...] = (),
-                 errors: Mapping[str, str] | None = None, **context: Any) -> None:
-        super().__init__(message, checkpoints=tuple(checkpoints), errors=dict(errors or {}),
-                         **context)
+    def __init__(
+        self,
+        message: str,
+        *,
+        checkpoints: tuple[str, ...] = (),
+        errors: Mapping[str, str] | None = None,
+        **context: Any,
+    ) -> None:
+        super().__init__(message, checkpoints=tuple(checkpoints), errors=dict(errors or {}), **context)
 
     def _render(self) -> str:
         return self.message  # it names the checkpoints and the tiers itself

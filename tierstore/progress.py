@@ -62,8 +62,15 @@ class ProgressDisplay:
     (upload threads may still report while an interrupted command is exiting).
     """
 
-    def __init__(self, stream: TextIO | None = None, *, show: bool = True, plain: bool | None = None,
-                 interval: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        stream: TextIO | None = None,
+        *,
+        show: bool = True,
+        plain: bool | None = None,
+        interval: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.stream = stream
         self.show = show
         self.plain = plain
@@ -110,8 +117,15 @@ class ProgressDisplay:
         self._label = label
         self._started = self._last_line = self.clock()
         if self.show and not self._is_plain():
-            self._bar = tqdm(total=total, desc=label, file=self.stream, bar_format=_FORMAT,
-                             dynamic_ncols=True, leave=True, **_UNITS)
+            self._bar = tqdm(
+                total=total,
+                desc=label,
+                file=self.stream,
+                bar_format=_FORMAT,
+                dynamic_ncols=True,
+                leave=True,
+                **_UNITS,
+            )
 
     def _draw(self, label: str, done: int, total: int, complete: bool) -> None:
         if self._bar is not None:
@@ -123,8 +137,9 @@ class ProgressDisplay:
         now = self.clock()
         if complete or now - self._last_line >= self.interval:
             self._last_line = now
-            line = tqdm.format_meter(done, total, now - self._started, prefix=label,
-                                     bar_format=_PLAIN_FORMAT, **_UNITS)
+            line = tqdm.format_meter(
+                done, total, now - self._started, prefix=label, bar_format=_PLAIN_FORMAT, **_UNITS
+            )
             self._write(line + "\n")
 
     def _end_bar(self) -> None:

@@ -48,20 +48,34 @@ class RetryPolicy:
     growth: float = 2.0
     jitter: bool = True
 
-    def call(self, fn: Callable[[], T], *, what: str = "operation",
-             sleep: Callable[[float], None] = time.sleep,
-             clock: Callable[[], float] = time.monotonic) -> T:
+    def call(
+        self,
+        fn: Callable[[], T],
+        *,
+        what: str = "operation",
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> T:
         """Run ``fn``, retrying transient failures; the last error propagates."""
 
         def before_sleep(state: RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None
-            log.warning("%s failed (attempt %d of %s), retrying in %.2fs: %s", what,
-                        state.attempt_number, self.attempts,
-                        state.next_action.sleep if state.next_action else 0.0, exc)
+            log.warning(
+                "%s failed (attempt %d of %s), retrying in %.2fs: %s",
+                what,
+                state.attempt_number,
+                self.attempts,
+                state.next_action.sleep if state.next_action else 0.0,
+                exc,
+            )
 
         retrying: Retrying = Retrying(
-            stop=self._stop(clock), wait=self._wait(), retry=retry_if_exception(is_transient),
-            sleep=sleep, before_sleep=before_sleep, reraise=True,
+            stop=self._stop(clock),
+            wait=self._wait(),
+            retry=retry_if_exception(is_transient),
+            sleep=sleep,
+            before_sleep=before_sleep,
+            reraise=True,
         )
         # Hand the result back beside tenacity, not through it: its retry state is a
         # reference cycle, and a large block returned through it would stay alive until
@@ -70,20 +84,30 @@ class RetryPolicy:
         retrying(lambda: box.append(fn()))
         return box.pop()
 
-    def poll(self, probe: Callable[[], T], *, until: Callable[[T], bool],
-             sleep: Callable[[float], None] = time.sleep,
-             clock: Callable[[], float] = time.monotonic) -> T:
+    def poll(
+        self,
+        probe: Callable[[], T],
+        *,
+        until: Callable[[T], bool],
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> T:
         """Call ``probe`` until ``until(answer)`` holds, waiting between calls as the policy
         says; return the last answer, also when attempts or the deadline ran out first (the
         caller tells the two apart with ``until``). An error ``probe`` raises propagates at
         once: a poll repeats a question, not a failure."""
+
         def last_answer(state: RetryCallState) -> T:
             assert state.outcome is not None  # tenacity stops only after an attempt
             return state.outcome.result()  # type: ignore[no-any-return]
 
         retrying: Retrying = Retrying(
-            stop=self._stop(clock), wait=self._wait(), retry=retry_if_result(lambda a: not until(a)),
-            sleep=sleep, reraise=True, retry_error_callback=last_answer,
+            stop=self._stop(clock),
+            wait=self._wait(),
+            retry=retry_if_result(lambda a: not until(a)),
+            sleep=sleep,
+            reraise=True,
+            retry_error_callback=last_answer,
         )
         return retrying(probe)
 
@@ -108,8 +132,14 @@ def polling(interval: float, timeout: float | None = None, *, maximum: float | N
     ``maximum``, the interval doubles after each poll up to ``maximum`` (never below
     ``interval``). No jitter: a poll is one reader, not a crowd."""
     ceiling = interval if maximum is None else max(interval, maximum)
-    return RetryPolicy(attempts=None, deadline=timeout, initial=interval, maximum=ceiling,
-                       growth=1.0 if maximum is None else 2.0, jitter=False)
+    return RetryPolicy(
+        attempts=None,
+        deadline=timeout,
+        initial=interval,
+        maximum=ceiling,
+        growth=1.0 if maximum is None else 2.0,
+        jitter=False,
+    )
 
 
 DEFAULT = RetryPolicy()

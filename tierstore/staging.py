@@ -28,6 +28,7 @@ __all__ = ["ReusedStaging", "staging_options"]
 
 log = logging.getLogger(__name__)
 
+
 def staging_options(async_mode: str) -> StagingOptions:
     """The options this machine supports: pinned buffers and non-blocking copies need an
     accelerator (they fail on a CPU-only build), shared memory spares PROCESS mode a copy into
@@ -87,8 +88,7 @@ class ReusedStaging(AsyncStager):
                 new += storage.nbytes()
         self.new_bytes = new
         if new:
-            log.info("staging allocated %d bytes (first save, or the state's structure changed)",
-                     new)
+            log.info("staging allocated %d bytes (first save, or the state's structure changed)", new)
 
     def synchronize_staging(self) -> None:
         """Nothing to wait for here: callers wait on the future :meth:`stage` returns."""

@@ -183,9 +183,7 @@ class BackendContract:
 
     # -- deferred directory durability -----------------------------------------------------
 
-    def test_deferred_dir_sync_write_is_readable_and_listed_once_closed(
-        self, backend: Backend
-    ) -> None:
+    def test_deferred_dir_sync_write_is_readable_and_listed_once_closed(self, backend: Backend) -> None:
         data = {f"dd/r0/{i}.bin": _payload(70_000 + i, seed=i) for i in range(3)}
         for key, payload in data.items():
             with backend.open_write(key, defer_dir_sync=True) as out:
@@ -320,11 +318,16 @@ class BackendContract:
         data = bytes(range(256)) * 64 + b"tail"
         with backend.open_write("rg/obj") as writer:
             writer.write(data)
-        for offset, length in ((0, 10), (300, 1000), (len(data) - 4, 4), (len(data) - 2, 100),
-                               (len(data), 5)):
+        for offset, length in (
+            (0, 10),
+            (300, 1000),
+            (len(data) - 4, 4),
+            (len(data) - 2, 100),
+            (len(data), 5),
+        ):
             with backend.open_range("rg/obj", offset, length) as stream:
                 got = stream.read()
-            assert got == data[offset:offset + length], (offset, length)
+            assert got == data[offset : offset + length], (offset, length)
         with backend.open_range("rg/obj", 1000, 3000) as stream:  # read in pieces
             pieces = [stream.read(1000) for _ in range(4)]
         assert b"".join(pieces) == data[1000:4000] and pieces[-1] == b""

@@ -18,8 +18,16 @@ from urllib.parse import urlparse
 
 from benchmarks.infra.servers import serve_until_stdin_closes
 
-_HOP_BY_HOP = {"connection", "keep-alive", "expect", "transfer-encoding", "proxy-connection",
-               "te", "trailer", "upgrade"}
+_HOP_BY_HOP = {
+    "connection",
+    "keep-alive",
+    "expect",
+    "transfer-encoding",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "upgrade",
+}
 _CHUNK = 1 << 20
 
 

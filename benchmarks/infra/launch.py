@@ -27,14 +27,17 @@ class JobFailed(RuntimeError):
 
 def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
     return {
-        **os.environ, **CREDENTIALS, **torchrun_env(rank, world, port),
+        **os.environ,
+        **CREDENTIALS,
+        **torchrun_env(rank, world, port),
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
         "TIERSTORE_EXIT_WAIT": "30",
     }
 
 
-def run_ranks(spec: dict[str, Any], world: int, workdir: Path, *, timeout: float = 3600,
-              grace: float = 5.0) -> list[list[dict[str, Any]]]:
+def run_ranks(
+    spec: dict[str, Any], world: int, workdir: Path, *, timeout: float = 3600, grace: float = 5.0
+) -> list[list[dict[str, Any]]]:
     """Run ``benchmarks.jobs.rank_job`` on ``world`` ranks; return each rank's records."""
     workdir.mkdir(parents=True, exist_ok=True)
     spec = {**spec, "out": str(workdir)}
@@ -48,8 +51,14 @@ def run_ranks(spec: dict[str, Any], world: int, workdir: Path, *, timeout: float
         if rank:
             log = open(workdir / f"rank{rank}.log", "wb")  # noqa: SIM115
             logs.append(log)
-        procs.append(start_rank([sys.executable, "-m", "benchmarks.jobs.rank_job", str(spec_file)],
-                                rank_env(rank, world, port), cwd=ROOT, output=log))
+        procs.append(
+            start_rank(
+                [sys.executable, "-m", "benchmarks.jobs.rank_job", str(spec_file)],
+                rank_env(rank, world, port),
+                cwd=ROOT,
+                output=log,
+            )
+        )
     try:
         wait_ranks(procs, timeout, grace)
     finally:
@@ -60,8 +69,9 @@ def run_ranks(spec: dict[str, Any], world: int, workdir: Path, *, timeout: float
     failed = [r for r, p in enumerate(procs) if p.returncode != 0]
     if failed:
         tails = "".join(_tail(workdir / f"rank{r}.log") for r in failed if r)
-        raise JobFailed(f"benchmark ranks {failed} failed (exit codes "
-                        f"{[procs[r].returncode for r in failed]}){tails}")
+        raise JobFailed(
+            f"benchmark ranks {failed} failed (exit codes {[procs[r].returncode for r in failed]}){tails}"
+        )
     return [json.loads((workdir / f"rank{r}.json").read_text()) for r in range(world)]
 
 
@@ -69,9 +79,13 @@ def run_module(name: str, spec: dict[str, Any], work: Path, timeout: float = 360
     """Run ``python -m benchmarks.jobs.<name> SPEC OUT`` in its own process; return OUT."""
     work.mkdir(parents=True)
     (work / "spec.json").write_text(json.dumps(spec))
-    subprocess.run([sys.executable, "-m", f"benchmarks.jobs.{name}", str(work / "spec.json"),
-                    str(work / "out.json")], cwd=ROOT, env=rank_env(0, 1, 0), check=True,
-                   timeout=timeout)
+    subprocess.run(
+        [sys.executable, "-m", f"benchmarks.jobs.{name}", str(work / "spec.json"), str(work / "out.json")],
+        cwd=ROOT,
+        env=rank_env(0, 1, 0),
+        check=True,
+        timeout=timeout,
+    )
     return json.loads((work / "out.json").read_text())
 
 

@@ -9,8 +9,18 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-PACKAGES = ("torch", "tierstore", "fsspec", "s3fs", "botocore", "aiobotocore", "moto", "crc32c",
-            "s3torchconnector", "matplotlib")
+PACKAGES = (
+    "torch",
+    "tierstore",
+    "fsspec",
+    "s3fs",
+    "botocore",
+    "aiobotocore",
+    "moto",
+    "crc32c",
+    "s3torchconnector",
+    "matplotlib",
+)
 
 
 def _cpu_model() -> str:
@@ -75,8 +85,12 @@ def describe(scratch: Path) -> dict[str, Any]:
         "cores": os.cpu_count(),
         "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "memory_bytes": _mem_total(),
-        "disk": {**mount, "kind": _rotational(mount["device"]), "size_bytes": usage.total,
-                 "free_bytes": usage.free},
+        "disk": {
+            **mount,
+            "kind": _rotational(mount["device"]),
+            "size_bytes": usage.total,
+            "free_bytes": usage.free,
+        },
         "os": f"{platform.system()} {platform.release()}",
         "python": platform.python_version(),
         "packages": {name: _version(name) for name in PACKAGES},

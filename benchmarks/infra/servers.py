@@ -19,8 +19,11 @@ REGION = "us-west-2"  # bucket creation in us-east-1 fails on moto
 # moto completes a multipart upload by joining its parts in Python: for objects of a GiB
 # or more that can outlast botocore's 60 s default read timeout. Same for every client.
 CLIENT_CONFIG = {"read_timeout": 600, "connect_timeout": 60}
-CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-               "AWS_DEFAULT_REGION": REGION}
+CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": REGION,
+}
 
 
 @dataclass(frozen=True)
@@ -35,13 +38,24 @@ class S3Target:
 
     def fsspec_options(self) -> dict[str, Any]:
         """Storage options for s3fs (DCP's FsspecWriter/Reader, plain put_file)."""
-        return {"key": "testing", "secret": "testing", "endpoint_url": self.endpoint,
-                "client_kwargs": {"region_name": REGION}, "config_kwargs": dict(CLIENT_CONFIG)}
+        return {
+            "key": "testing",
+            "secret": "testing",
+            "endpoint_url": self.endpoint,
+            "client_kwargs": {"region_name": REGION},
+            "config_kwargs": dict(CLIENT_CONFIG),
+        }
 
     def tier_options(self, **extra: Any) -> dict[str, Any]:
         """Options for tierstore's S3 tier."""
-        return {"endpoint_url": self.endpoint, "key": "testing", "secret": "testing",
-                "region": REGION, "s3fs_options": {"config_kwargs": dict(CLIENT_CONFIG)}, **extra}
+        return {
+            "endpoint_url": self.endpoint,
+            "key": "testing",
+            "secret": "testing",
+            "region": REGION,
+            "s3fs_options": {"config_kwargs": dict(CLIENT_CONFIG)},
+            **extra,
+        }
 
     def to_json(self) -> dict[str, str]:
         return {"endpoint": self.endpoint, "bucket": self.bucket}
@@ -52,8 +66,12 @@ class ServerProcess:
 
     def __init__(self, args: list[str]) -> None:
         self._proc = subprocess.Popen(
-            [sys.executable, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL, text=True, env={**os.environ, **CREDENTIALS},
+            [sys.executable, *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env={**os.environ, **CREDENTIALS},
         )
         assert self._proc.stdout is not None
         line = self._proc.stdout.readline().strip()
@@ -84,8 +102,13 @@ def start_proxy(upstream: str, delay: float) -> ServerProcess:
 def create_bucket(endpoint: str, bucket: str) -> S3Target:
     import boto3
 
-    client = boto3.client("s3", endpoint_url=endpoint, region_name=REGION,
-                          aws_access_key_id="testing", aws_secret_access_key="testing")
+    client = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name=REGION,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
     client.create_bucket(Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": REGION})
     return S3Target(endpoint, bucket)
 

@@ -15,12 +15,17 @@ from benchmarks.infra.measure import Record
 
 def summarize(values: Sequence[float]) -> dict[str, float]:
     """Median, min, max and count of repeated measurements."""
-    return {"median": statistics.median(values), "min": min(values), "max": max(values),
-            "n": float(len(values))}
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "n": float(len(values)),
+    }
 
 
-def merge_ranks(records: Iterable[Record], keys: Sequence[str], slowest: Sequence[str],
-                summed: Sequence[str]) -> list[Record]:
+def merge_ranks(
+    records: Iterable[Record], keys: Sequence[str], slowest: Sequence[str], summed: Sequence[str]
+) -> list[Record]:
     """Merge per-rank records of one measurement (same values for ``keys``).
 
     A training step waits for its slowest rank, so times and peak memory take the max over
@@ -44,8 +49,7 @@ def merge_ranks(records: Iterable[Record], keys: Sequence[str], slowest: Sequenc
     return list(merged.values())
 
 
-def by_variant(records: Iterable[Record], field: str, key: str = "variant"
-               ) -> dict[str, dict[str, float]]:
+def by_variant(records: Iterable[Record], field: str, key: str = "variant") -> dict[str, dict[str, float]]:
     """``{variant: summary of field over reps}`` for records that have the field."""
     values: dict[str, list[float]] = {}
     for record in records:
@@ -55,8 +59,9 @@ def by_variant(records: Iterable[Record], field: str, key: str = "variant"
     return {name: summarize(vals) for name, vals in values.items()}
 
 
-def paired_ratios(records: Iterable[Record], field: str, num: str, den: str,
-                  key: str = "variant") -> dict[str, float] | None:
+def paired_ratios(
+    records: Iterable[Record], field: str, num: str, den: str, key: str = "variant"
+) -> dict[str, float] | None:
     """Per-rep ratio ``num/den`` (measured back to back), summarized: a noise band."""
     per_rep: dict[Any, dict[str, float]] = {}
     for record in records:

@@ -73,13 +73,15 @@ class Bench:
         hot = str(self.scratch / name.replace("/", "-"))  # one store (and migrator) per case
         if mode is None:
             return TieredWriter(hot, step=step)
-        options = {"endpoint_url": self.proxies[mode].url, "key": "testing",
-                   "secret": "testing", "region": REGION}
-        return TieredWriter(hot, f"s3://{self.spec['bucket']}/{name}", step=step,
-                            cold_options=options)
+        options = {
+            "endpoint_url": self.proxies[mode].url,
+            "key": "testing",
+            "secret": "testing",
+            "region": REGION,
+        }
+        return TieredWriter(hot, f"s3://{self.spec['bucket']}/{name}", step=step, cold_options=options)
 
-    def save(self, kind: str, mode: str | None, against: str, state: dict[str, Any],
-             step: int) -> Record:
+    def save(self, kind: str, mode: str | None, against: str, state: dict[str, Any], step: int) -> Record:
         name = label(kind, mode, against)
         writer = self.writer(name, mode, step)
         self.migrators[name] = writer.migrator
@@ -97,12 +99,16 @@ class Bench:
             writer.migrator.wait(600)  # untimed: the next save starts with no upload running
         return record
 
-    def measure(self, kind: str, mode: str | None, against: str, state: dict[str, Any],
-                rep: int) -> Record:
+    def measure(self, kind: str, mode: str | None, against: str, state: dict[str, Any], rep: int) -> Record:
         name = label(kind, mode, against)
-        record: Record = {"variant": name, "kind": kind, "mode": mode or "hot_only",
-                          "against": against, "rep": rep,
-                          "bytes": sum(t.numel() * t.element_size() for t in state.values())}
+        record: Record = {
+            "variant": name,
+            "kind": kind,
+            "mode": mode or "hot_only",
+            "against": against,
+            "rep": rep,
+            "bytes": sum(t.numel() * t.element_size() for t in state.values()),
+        }
         try:
             record.update(self.save(kind, mode, against, state, rep + 1))
         except (Exception, CheckpointException) as err:
@@ -120,8 +126,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         logging.getLogger(name).setLevel(logging.CRITICAL)
     count = max(1, spec["bytes"] // (16 * MiB))
     gen = torch.Generator().manual_seed(11)
-    state = {f"layers.{i:03d}.weight": torch.rand(16 * MiB // 4, generator=gen)
-             for i in range(count)}
+    state = {f"layers.{i:03d}.weight": torch.rand(16 * MiB // 4, generator=gen) for i in range(count)}
     proxies = {mode: ServerProcess([str(PROXY), spec["endpoint"], mode]) for mode in MODES}
     records: list[Record] = []
     bench = Bench(spec, proxies)
@@ -150,8 +155,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         for proxy in proxies.values():
             proxy.stop()
         shutil.rmtree(spec["scratch"], ignore_errors=True)
-    return {"bytes": records[0]["bytes"] if records else spec["bytes"], "reps": spec["reps"],
-            "records": records, "broken": bench.broken, "migrations": migrations}
+    return {
+        "bytes": records[0]["bytes"] if records else spec["bytes"],
+        "reps": spec["reps"],
+        "records": records,
+        "broken": bench.broken,
+        "migrations": migrations,
+    }
 
 
 def _say(record: Record, reps: int) -> None:
@@ -159,8 +169,11 @@ def _say(record: Record, reps: int) -> None:
     if record.get("error"):
         print(f"{head} ERROR {record['error'][:200]}", flush=True)
     else:
-        print(f"{head} stall {record['stall']:6.3f}s  commit {record['commit']:6.3f}s  "
-              f"cpu {record['cpu']:6.3f}s", flush=True)
+        print(
+            f"{head} stall {record['stall']:6.3f}s  commit {record['commit']:6.3f}s  "
+            f"cpu {record['cpu']:6.3f}s",
+            flush=True,
+        )
 
 
 def main() -> None:

@@ -57,6 +57,7 @@ def pieces(state: dict[str, torch.Tensor]) -> dict[str, Callable[[], None]]:
             with zip_crc32(crc):
                 for tensor in state.values():
                     torch.save(tensor, _Sink())
+
         return run
 
     def checksum() -> None:
@@ -77,6 +78,7 @@ def saves(state: dict[str, torch.Tensor], root: Path) -> dict[str, Callable[[], 
             else:
                 dcp.save(state, storage_writer=TieredWriter(str(where), name="ckpt"), no_dist=True)
             shutil.rmtree(where)
+
         return save
 
     return {name: run(name) for name in ("fsw_tmpfs", "tiered_tmpfs")}
@@ -88,11 +90,18 @@ def measure(cases: dict[str, Callable[[], None]], reps: int, size: int) -> list[
     for name in names:
         cases[name]()  # warm-up
     for rep in range(reps):
-        for name in names[rep % len(names):] + names[: rep % len(names)]:
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
             cpu, start = cpu_seconds(), now()
             cases[name]()
-            records.append({"variant": name, "rep": rep, "seconds": now() - start,
-                            "cpu": cpu_seconds() - cpu, "bytes": size})
+            records.append(
+                {
+                    "variant": name,
+                    "rep": rep,
+                    "seconds": now() - start,
+                    "cpu": cpu_seconds() - cpu,
+                    "bytes": size,
+                }
+            )
     return records
 
 

@@ -48,8 +48,7 @@ def save_once(state: dict[str, Any], hot: str, stager: Any) -> Record:
     from tierstore import TieredWriter
 
     start = now()
-    answer = dcp.async_save(state, storage_writer=TieredWriter(hot, name="ckpt"),
-                            async_stager=stager)
+    answer = dcp.async_save(state, storage_writer=TieredWriter(hot, name="ckpt"), async_stager=stager)
     stall, staged, commit = await_async_save(answer, start)
     return {"stall": stall, "staged": staged, "commit": commit}
 
@@ -73,14 +72,21 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                 shutil.rmtree(hot, ignore_errors=True)
                 if rep >= 0:
                     records.append(record)
-                    print(f"    rep {rep + 1} {name:<16} stall {record['stall']:6.3f}s  "
-                          f"staged {record['staged']:6.3f}s  commit {record['commit']:6.2f}s", flush=True)
+                    print(
+                        f"    rep {rep + 1} {name:<16} stall {record['stall']:6.3f}s  "
+                        f"staged {record['staged']:6.3f}s  commit {record['commit']:6.2f}s",
+                        flush=True,
+                    )
             if stager is not None:
                 stager.close()
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    return {"skipped": False, "device": torch.cuda.get_device_name(), "bytes": spec["bytes"],
-            "records": records}
+    return {
+        "skipped": False,
+        "device": torch.cuda.get_device_name(),
+        "bytes": spec["bytes"],
+        "records": records,
+    }
 
 
 if __name__ == "__main__":

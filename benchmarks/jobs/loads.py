@@ -80,8 +80,12 @@ def write_sources(ctx: Context, state: dict[str, Any]) -> tuple[dict[str, str], 
     s3: dict[str, str] = {}
     stager = DefaultStager(StagingOptions(False, False, False, False))
     needed = {case.split("_")[0] for case in ctx.spec["cases"]}
-    plan = [("fsw", "fsw_sync"), ("tiered", "tiered_async"), ("fsspec", "fsspec_sync"),
-            ("s3torch", "s3torch_sync")]
+    plan = [
+        ("fsw", "fsw_sync"),
+        ("tiered", "tiered_async"),
+        ("fsspec", "fsspec_sync"),
+        ("s3torch", "s3torch_sync"),
+    ]
     for name, variant in plan:
         if name not in needed and not (name == "fsw" and "fsr" in needed):
             continue
@@ -95,8 +99,9 @@ def write_sources(ctx: Context, state: dict[str, Any]) -> tuple[dict[str, str], 
     return local, s3
 
 
-def load_once(ctx: Context, variant: str, target_state: dict[str, Any], local: dict[str, str],
-              s3: dict[str, str]) -> Record:
+def load_once(
+    ctx: Context, variant: str, target_state: dict[str, Any], local: dict[str, str], s3: dict[str, str]
+) -> Record:
     kind = variant.removesuffix("_warm")
 
     def load() -> Record:
@@ -137,29 +142,38 @@ def run_loads(ctx: Context) -> list[Record]:
     spec = ctx.spec
     state = make_state(ctx, spec["bytes"])
     local, s3 = write_sources(ctx, state)
-    target = {k: DTensor.from_local(torch.zeros_like(v.to_local()), ctx.mesh, [Shard(0)],
-                                    run_check=False) for k, v in state.items()}
+    target = {
+        k: DTensor.from_local(torch.zeros_like(v.to_local()), ctx.mesh, [Shard(0)], run_check=False)
+        for k, v in state.items()
+    }
     records: list[Record] = []
     cases = [{"label": c} for c in spec["cases"]]
     for rep in range(spec["reps"]):
         for case in rotated(cases, rep):
             records.append(_measure_load(ctx, case["label"], rep, state, target, local, s3))
         if "tiered" in local:
-            records.append({"variant": "crc_only", "rep": rep, "rank": ctx.rank,
-                            "load": crc_only(ctx, local["tiered"])})
+            records.append(
+                {"variant": "crc_only", "rep": rep, "rank": ctx.rank, "load": crc_only(ctx, local["tiered"])}
+            )
     return records
 
 
-def _measure_load(ctx: Context, variant: str, rep: int, state: dict[str, Any],
-                  target: dict[str, Any], local: dict[str, str], s3: dict[str, str]) -> Record:
+def _measure_load(
+    ctx: Context,
+    variant: str,
+    rep: int,
+    state: dict[str, Any],
+    target: dict[str, Any],
+    local: dict[str, str],
+    s3: dict[str, str],
+) -> Record:
     record: Record = {"variant": variant, "rep": rep, "rank": ctx.rank, "bytes": local_bytes(state)}
     if rep == 0:
         for tensor in target.values():
             tensor.to_local().zero_()
     try:
         record.update(load_once(ctx, variant, target, local, s3))
-        if rep == 0 and not all(torch.equal(state[k].to_local(), target[k].to_local())
-                                for k in state):
+        if rep == 0 and not all(torch.equal(state[k].to_local(), target[k].to_local()) for k in state):
             record["error"] = "loaded state differs from the saved state"
     except (Exception, CheckpointException) as err:
         record["error"] = f"{type(err).__name__}: {err}"[:2000]

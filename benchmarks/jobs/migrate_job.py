@@ -52,8 +52,13 @@ def migrate_tiered(spec: dict[str, Any], target: S3Target, name: str, inflight: 
     rss = reset_peak_rss()
     cpu = cpu_seconds()
     start = now()
-    results = migrate_pending(spec["hot"], cold, cold_options=options, names=[name],
-                              config=MigrationConfig(chunk_size=spec["chunk_size"]))
+    results = migrate_pending(
+        spec["hot"],
+        cold,
+        cold_options=options,
+        names=[name],
+        config=MigrationConfig(chunk_size=spec["chunk_size"]),
+    )
     record: Record = {"seconds": now() - start, "growth": peak_growth(rss), "cpu": cpu_seconds() - cpu}
     if [r.state.value for r in results] != ["committed"]:
         record["error"] = f"migration ended {[(r.state.value, r.error) for r in results]}"
@@ -71,8 +76,9 @@ def put_plain(spec: dict[str, Any], target: S3Target, name: str, inflight: int) 
     start = now()
     fs = s3fs.S3FileSystem(**target.fsspec_options(), skip_instance_cache=True)
     for path, rel in files:
-        fs.put_file(path, f"{target.bucket}/{prefix}/{rel}", chunksize=spec["part_size"],
-                    max_concurrency=inflight)
+        fs.put_file(
+            path, f"{target.bucket}/{prefix}/{rel}", chunksize=spec["part_size"], max_concurrency=inflight
+        )
     record: Record = {"seconds": now() - start, "growth": peak_growth(rss), "cpu": cpu_seconds() - cpu}
     remove_prefix(target, target.url(prefix))
     return record
@@ -81,19 +87,29 @@ def put_plain(spec: dict[str, Any], target: S3Target, name: str, inflight: int) 
 KINDS = {"tiered": migrate_tiered, "s3fs": put_plain}
 
 
-def measure(spec: dict[str, Any], target: S3Target, kind: str, name: str, inflight: int,
-            rep: int, group: str) -> Record:
+def measure(
+    spec: dict[str, Any], target: S3Target, kind: str, name: str, inflight: int, rep: int, group: str
+) -> Record:
     _, size = hot_files(spec["hot"], name)
-    record: Record = {"group": group, "variant": kind, "name": name, "bytes": size,
-                      "inflight": inflight, "rep": rep}
+    record: Record = {
+        "group": group,
+        "variant": kind,
+        "name": name,
+        "bytes": size,
+        "inflight": inflight,
+        "rep": rep,
+    }
     try:
         record.update(KINDS[kind](spec, target, name, inflight))
     except Exception as err:
         record["error"] = f"{type(err).__name__}: {err}"[:2000]
     detail = record.get("error") or (
-        f"{size / MiB / record['seconds']:7.1f} MiB/s  peak RSS +{(record['growth'] or 0) / MiB:6.1f} MiB")
-    print(f"    rep {rep + 1} {group:<6} {kind:<6} {size // MiB:>5} MiB  {inflight} in flight  {detail}",
-          flush=True)
+        f"{size / MiB / record['seconds']:7.1f} MiB/s  peak RSS +{(record['growth'] or 0) / MiB:6.1f} MiB"
+    )
+    print(
+        f"    rep {rep + 1} {group:<6} {kind:<6} {size // MiB:>5} MiB  {inflight} in flight  {detail}",
+        flush=True,
+    )
     return record
 
 
@@ -111,14 +127,13 @@ def run(spec: dict[str, Any]) -> list[Record]:
     kinds = list(KINDS)
     for rep in range(spec["reps"]):
         for i, inflight in enumerate(spec["sweep"]):
-            for kind in kinds[(rep + i) % 2:] + kinds[: (rep + i) % 2]:
+            for kind in kinds[(rep + i) % 2 :] + kinds[: (rep + i) % 2]:
                 records.append(measure(spec, target, kind, sweep_name, inflight, rep, "sweep"))
     # The migrator's memory by checkpoint size (the sweep's size is measured already).
     for rep in range(spec["memory_reps"]):
         for name in spec["memory_names"]:
             if name != sweep_name:
-                records.append(measure(spec, target, "tiered", name, spec["default_inflight"],
-                                       rep, "sizes"))
+                records.append(measure(spec, target, "tiered", name, spec["default_inflight"], rep, "sizes"))
     return records
 
 

@@ -41,10 +41,16 @@ def make_state(size: int, seed: int = 14) -> dict[str, Any]:
     shapes: dict[str, tuple[int, ...]] = {"embed.weight": (8 * width, width)}
     for layer in range(LAYERS):
         p = f"layers.{layer}."
-        shapes |= {p + "attn.qkv.weight": (3 * width, width), p + "attn.qkv.bias": (3 * width,),
-                   p + "attn.out.weight": (width, width), p + "mlp.up.weight": (4 * width, width),
-                   p + "mlp.up.bias": (4 * width,), p + "mlp.down.weight": (width, 4 * width),
-                   p + "norm1.weight": (width,), p + "norm2.weight": (width,)}
+        shapes |= {
+            p + "attn.qkv.weight": (3 * width, width),
+            p + "attn.qkv.bias": (3 * width,),
+            p + "attn.out.weight": (width, width),
+            p + "mlp.up.weight": (4 * width, width),
+            p + "mlp.up.bias": (4 * width,),
+            p + "mlp.down.weight": (width, 4 * width),
+            p + "norm1.weight": (width,),
+            p + "norm2.weight": (width,),
+        }
     used = sum(math.prod(shape) for shape in shapes.values())
     if floats - used >= width:  # the rest, in one more matrix (an output head)
         shapes["head.weight"] = ((floats - used) // width, width)
@@ -65,8 +71,10 @@ def nbytes(state: dict[str, Any]) -> int:
 
 def blank_like(state: dict[str, Any]) -> dict[str, Any]:
     """A load target: the same structure, tensors allocated (not filled), plain values reset."""
-    return {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else dict.fromkeys(v, -1)
-            for k, v in state.items()}
+    return {
+        k: torch.empty_like(v) if isinstance(v, torch.Tensor) else dict.fromkeys(v, -1)
+        for k, v in state.items()
+    }
 
 
 def accepts(func: Any, name: str) -> bool:
@@ -76,14 +84,15 @@ def accepts(func: Any, name: str) -> bool:
 def features() -> dict[str, str | None]:
     """Issue 14's features by name: ``None`` if this tree has it, else why not."""
     probes: dict[str, tuple[str, str, Callable[[Any], bool]]] = {
-        "encoding": ("tierstore.dcp.writer", "TieredWriter",
-                     lambda c: accepts(c, "encoding")),
-        "reader_threads": ("tierstore.dcp.reader", "TieredReader",
-                           lambda c: accepts(c, "thread_count")),
+        "encoding": ("tierstore.dcp.writer", "TieredWriter", lambda c: accepts(c, "encoding")),
+        "reader_threads": ("tierstore.dcp.reader", "TieredReader", lambda c: accepts(c, "thread_count")),
         "staging": ("tierstore.manager", "CheckpointManager", lambda c: accepts(c, "staging")),
         # LocalBackend takes **options: its source names the option once it is there.
-        "direct_io": ("tierstore.storage.local", "LocalBackend",
-                      lambda c: "direct_io" in inspect.getsource(c)),
+        "direct_io": (
+            "tierstore.storage.local",
+            "LocalBackend",
+            lambda c: "direct_io" in inspect.getsource(c),
+        ),
         "verify_blocks": ("tierstore.format.encoding", "verify_blocks", callable),
     }
     found: dict[str, str | None] = {}
@@ -93,8 +102,9 @@ def features() -> dict[str, str | None]:
         except Exception as err:
             found[feature] = f"{module} does not import ({type(err).__name__}: {err})"[:300]
             continue
-        found[feature] = None if value is not None and has(value) else \
-            f"{module}.{name} lacks it (not landed)"
+        found[feature] = (
+            None if value is not None and has(value) else f"{module}.{name} lacks it (not landed)"
+        )
     return found
 
 
@@ -151,8 +161,9 @@ def measure(variant: str, case: Case, size: int, rep: int, **fields: Any) -> Rec
     return record
 
 
-def best_of(cases: dict[str, Case], size: int, reps: int, *, rotate: bool = True,
-            say: str = "", **fields: Any) -> list[Record]:
+def best_of(
+    cases: dict[str, Case], size: int, reps: int, *, rotate: bool = True, say: str = "", **fields: Any
+) -> list[Record]:
     """Each case once untimed, then ``reps`` timed runs each, back to back, in an order
     rotated every rep; a case that fails is not run again."""
     names = list(cases)
@@ -171,8 +182,10 @@ def best_of(cases: dict[str, Case], size: int, reps: int, *, rotate: bool = True
         runs = [r for r in records if r["variant"] == name and "seconds" in r]
         if runs:
             best = min(runs, key=lambda r: r["seconds"])
-            print(f"    {say}{name:<24} best {best['seconds']:.3f}s  "
-                  f"cpu {min(r['cpu'] for r in runs):.3f}s", flush=True)
+            print(
+                f"    {say}{name:<24} best {best['seconds']:.3f}s  cpu {min(r['cpu'] for r in runs):.3f}s",
+                flush=True,
+            )
         elif name in failed:
             print(f"    {say}{name:<24} ERROR {failed[name]['error'][:160]}", flush=True)
     return records

@@ -107,14 +107,18 @@ class NullWriter(StorageWriter):
         pass
 
 
-def save_cases(state: dict[str, Any], root: Path, place: str,
-               found: dict[str, str | None]) -> tuple[dict[str, Case], list[Record]]:
+def save_cases(
+    state: dict[str, Any], root: Path, place: str, found: dict[str, str | None]
+) -> tuple[dict[str, Case], list[Record]]:
     from tierstore import TieredWriter
 
     cases: dict[str, Case] = {}
     missing: list[Record] = []
-    views = [memoryview(t.reshape(-1).numpy()).cast("B")  # type: ignore[arg-type]
-             for t in state.values() if isinstance(t, torch.Tensor)]
+    views = [
+        memoryview(t.reshape(-1).numpy()).cast("B")  # type: ignore[arg-type]
+        for t in state.values()
+        if isinstance(t, torch.Tensor)
+    ]
 
     def case(variant: str, save: Callable[[Path], Record | None]) -> Case:
         def empty() -> None:
@@ -134,6 +138,7 @@ def save_cases(state: dict[str, Any], root: Path, place: str,
     def tiered(args: dict[str, Any]) -> Callable[[Path], None]:
         def save(path: Path) -> None:
             dcp.save(state, storage_writer=TieredWriter(str(path), name="ckpt", **args), no_dist=True)
+
         return save
 
     for variant in SAVES:
@@ -158,8 +163,9 @@ def write_sources(state: dict[str, Any], root: Path, found: dict[str, str | None
         args = writer_args(f"tiered_{encoding}", found)
         if isinstance(args, dict):
             sources[encoding] = fresh_dir(root, f"src-{encoding}")
-            dcp.save(state, storage_writer=TieredWriter(str(sources[encoding]), name="ckpt", **args),
-                     no_dist=True)
+            dcp.save(
+                state, storage_writer=TieredWriter(str(sources[encoding]), name="ckpt", **args), no_dist=True
+            )
     return sources
 
 
@@ -175,8 +181,11 @@ def reader_for(variant: str, sources: dict[str, Path], found: dict[str, str | No
         return str(found["encoding"])
     threads = int(variant.rsplit("_t", 1)[1])
     if found["reader_threads"] is not None:
-        return str(found["reader_threads"]) if threads > 1 else (
-            lambda: TieredReader(str(sources["raw"]), name="ckpt"))
+        return (
+            str(found["reader_threads"])
+            if threads > 1
+            else (lambda: TieredReader(str(sources["raw"]), name="ckpt"))
+        )
     return lambda: TieredReader(str(sources["raw"]), name="ckpt", thread_count=threads)
 
 
@@ -184,8 +193,9 @@ def source_of(variant: str, sources: dict[str, Path]) -> Path:
     return sources["fsw" if variant == "fsr" else "dcp" if variant == "tiered_dcp" else "raw"]
 
 
-def load_cases(state: dict[str, Any], sources: dict[str, Path], place: str, cache: str,
-               found: dict[str, str | None]) -> tuple[dict[str, Case], list[Record]]:
+def load_cases(
+    state: dict[str, Any], sources: dict[str, Path], place: str, cache: str, found: dict[str, str | None]
+) -> tuple[dict[str, Case], list[Record]]:
     target = blank_like(state)
     cases: dict[str, Case] = {}
     missing: list[Record] = []
@@ -199,8 +209,9 @@ def load_cases(state: dict[str, Any], sources: dict[str, Path], place: str, cach
     return cases, missing
 
 
-def _load_case(target: dict[str, Any], make: Callable[[], Any], before: Callable[[Path], None],
-               source: Path) -> Case:
+def _load_case(
+    target: dict[str, Any], make: Callable[[], Any], before: Callable[[Path], None], source: Path
+) -> Case:
     def prepare() -> None:
         before(source)
 
@@ -210,8 +221,9 @@ def _load_case(target: dict[str, Any], make: Callable[[], Any], before: Callable
     return (prepare, load)
 
 
-def check_loads(state: dict[str, Any], sources: dict[str, Path],
-                found: dict[str, str | None]) -> dict[str, str]:
+def check_loads(
+    state: dict[str, Any], sources: dict[str, Path], found: dict[str, str | None]
+) -> dict[str, str]:
     """Each reader's load compared with the state saved, once, untimed: a fast reader that
     loads wrong bytes must not pass for a fast one."""
     problems: dict[str, str] = {}
@@ -225,8 +237,7 @@ def check_loads(state: dict[str, Any], sources: dict[str, Path],
         except Exception as err:  # reported per case by the timed runs too
             problems[variant] = f"{type(err).__name__}: {err}"[:500]
             continue
-        wrong = [k for k, v in state.items()
-                 if isinstance(v, torch.Tensor) and not torch.equal(v, target[k])]
+        wrong = [k for k, v in state.items() if isinstance(v, torch.Tensor) and not torch.equal(v, target[k])]
         if wrong or target["train.progress"] != state["train.progress"]:
             problems[variant] = f"loaded values differ from the saved ones ({wrong[:3]}...)"
     return problems
@@ -246,8 +257,11 @@ def verification(enabled: bool) -> Iterator[None]:
     def skip(*args: Any, **kwargs: Any) -> None:
         return None
 
-    holders = [m for name, m in list(sys.modules.items())
-               if name.startswith("tierstore") and getattr(m, "verify_blocks", None) is original]
+    holders = [
+        m
+        for name, m in list(sys.modules.items())
+        if name.startswith("tierstore") and getattr(m, "verify_blocks", None) is original
+    ]
     for module in holders:
         module.verify_blocks = skip  # type: ignore[attr-defined]
     try:
@@ -257,8 +271,9 @@ def verification(enabled: bool) -> Iterator[None]:
             module.verify_blocks = original
 
 
-def crc_cases(state: dict[str, Any], sources: dict[str, Path],
-              found: dict[str, str | None]) -> tuple[dict[str, Case], list[Record]]:
+def crc_cases(
+    state: dict[str, Any], sources: dict[str, Path], found: dict[str, str | None]
+) -> tuple[dict[str, Case], list[Record]]:
     reason = found["encoding"] if "raw" not in sources else found["verify_blocks"]
     if reason is not None:
         return {}, [unavailable(v, reason, op="crc") for v in ("crc_on", "crc_off")]
@@ -269,6 +284,7 @@ def crc_cases(state: dict[str, Any], sources: dict[str, Path],
         def run() -> None:
             with verification(verify):
                 dcp.load(target, storage_reader=make(), no_dist=True)
+
         return run
 
     return {"crc_on": load(True), "crc_off": load(False)}, []
@@ -298,8 +314,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
                 if load_place == place:
                     print(f"  perf: loads from {place}, {cache} page cache", flush=True)
                     cases, missing = load_cases(state, sources, place, cache, found)
-                    records += missing + best_of(cases, size, reps, op="load", place=place,
-                                                 cache=cache)
+                    records += missing + best_of(cases, size, reps, op="load", place=place, cache=cache)
             if place == ("tmpfs" if "tmpfs" in roots else "disk"):
                 print(f"  perf: CRC32C A/B, raw load from {place}", flush=True)
                 cases, missing = crc_cases(state, sources, found)
@@ -311,11 +326,20 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     tensors = [t.numel() * t.element_size() for t in state.values() if isinstance(t, torch.Tensor)]
     import crc32c
 
-    return {"bytes": size, "reps": reps, "features": found, "places": sorted(roots),
-            "crc_hardware": bool(getattr(crc32c, "hardware_based", False)),
-            "cores": len(os.sched_getaffinity(0)), "loadavg": [load, os.getloadavg()[0]],
-            "load_checks": checks, "tensors": len(tensors), "largest": max(tensors),
-            "smallest": min(tensors), "records": records}
+    return {
+        "bytes": size,
+        "reps": reps,
+        "features": found,
+        "places": sorted(roots),
+        "crc_hardware": bool(getattr(crc32c, "hardware_based", False)),
+        "cores": len(os.sched_getaffinity(0)),
+        "loadavg": [load, os.getloadavg()[0]],
+        "load_checks": checks,
+        "tensors": len(tensors),
+        "largest": max(tensors),
+        "smallest": min(tensors),
+        "records": records,
+    }
 
 
 if __name__ == "__main__":

@@ -82,8 +82,12 @@ class Ours(System):
         staged = now() - start
         self.manager.wait(migrations=False)
         allocated = getattr(self.manager, "staging_allocated", {}).get(i + 1)
-        return {"stall": stall, "staged": staged, "durable": now() - start,
-                **({"allocated": allocated} if allocated is not None else {})}
+        return {
+            "stall": stall,
+            "staged": staged,
+            "durable": now() - start,
+            **({"allocated": allocated} if allocated is not None else {}),
+        }
 
     def close(self) -> None:
         self.manager.close()
@@ -112,8 +116,7 @@ class DcpAsync(System):
         path = self.root / f"step-{i}"
         writer = FileSystemWriter(str(path), cache_staged_state_dict=self.cached)
         start = now()
-        response = dcp.async_save(self.state, storage_writer=writer, async_stager=self.stager,
-                                  no_dist=True)
+        response = dcp.async_save(self.state, storage_writer=writer, async_stager=self.stager, no_dist=True)
         stall, staged, durable = await_async_save(response, start)
         shutil.rmtree(self.root / f"step-{i - 2}", ignore_errors=True)
         return {"stall": stall, "staged": staged, "durable": durable}
@@ -137,11 +140,13 @@ class TorchCheckpointing(System):
         # fallback) stays at its defaults.
         staging = CheckpointStagerConfig(use_pinned_memory=False, use_non_blocking_copy=False)
         self.manager = CheckpointManager.Config(
-            save=AsyncCheckpointSaverConfig(staging_config=staging)).build()
+            save=AsyncCheckpointSaverConfig(staging_config=staging)
+        ).build()
         self.payload = {
             "model": {k: v for k, v in state.items() if k.startswith("model.")},
             "optim": {k: v for k, v in state.items() if k.startswith("optim.")},
-            "train": state["train.progress"]}
+            "train": state["train.progress"],
+        }
 
     def save(self, i: int) -> Record:
         path = self.root / f"step-{i}"
@@ -240,9 +245,15 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             except Exception as err:
                 print(f"    closing failed: {type(err).__name__}: {err}", flush=True)
         shutil.rmtree(root, ignore_errors=True)
-    return {"bytes": size, "saves": spec["saves"], "hot": "tmpfs" if tmpfs else "disk",
-            "features": found, "copy": copy, "loadavg": [load, os.getloadavg()[0]],
-            "records": records}
+    return {
+        "bytes": size,
+        "saves": spec["saves"],
+        "hot": "tmpfs" if tmpfs else "disk",
+        "features": found,
+        "copy": copy,
+        "loadavg": [load, os.getloadavg()[0]],
+        "records": records,
+    }
 
 
 def _say(record: Record) -> None:
@@ -250,8 +261,11 @@ def _say(record: Record) -> None:
     if record.get("error"):
         print(f"{head} ERROR {record['error'][:200]}", flush=True)
     else:
-        print(f"{head} stall {record['stall']:6.3f}s  staged {record['staged']:6.3f}s  "
-              f"durable {record['durable']:6.3f}s  cpu {record['cpu']:6.3f}s", flush=True)
+        print(
+            f"{head} stall {record['stall']:6.3f}s  staged {record['staged']:6.3f}s  "
+            f"durable {record['durable']:6.3f}s  cpu {record['cpu']:6.3f}s",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

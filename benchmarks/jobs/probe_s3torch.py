@@ -15,8 +15,11 @@ def probe(endpoint: str, bucket: str) -> dict[str, object]:
     try:
         version = metadata.version("s3torchconnector")
     except metadata.PackageNotFoundError:
-        return {"available": False, "reason": "s3torchconnector is not installed (pip install "
-                "s3torchconnector failed or was skipped)"}
+        return {
+            "available": False,
+            "reason": "s3torchconnector is not installed (pip install "
+            "s3torchconnector failed or was skipped)",
+        }
     try:
         import torch
         import torch.distributed.checkpoint as dcp
@@ -32,10 +35,16 @@ def probe(endpoint: str, bucket: str) -> dict[str, object]:
         if not torch.equal(state["w"], loaded["w"]):
             return {"available": False, "version": version, "reason": "round trip differs"}
     except BaseException as err:  # CheckpointException is a BaseException
-        return {"available": False, "version": version,
-                "reason": f"cannot save/load through the local server: {type(err).__name__}: {err}"[:500]}
-    return {"available": True, "version": version,
-            "reason": "endpoint set through its S3Client(endpoint=...), path-style addressing"}
+        return {
+            "available": False,
+            "version": version,
+            "reason": f"cannot save/load through the local server: {type(err).__name__}: {err}"[:500],
+        }
+    return {
+        "available": True,
+        "version": version,
+        "reason": "endpoint set through its S3Client(endpoint=...), path-style addressing",
+    }
 
 
 if __name__ == "__main__":

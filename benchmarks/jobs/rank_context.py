@@ -50,9 +50,12 @@ def make_state(ctx: Context, total: int, seed: int = 0) -> dict[str, Any]:
     count = max(1, min(MAX_TENSORS, per_rank // TENSOR_BYTES))
     numel = per_rank // count // 4
     gen = torch.Generator().manual_seed(1000 * seed + ctx.rank)
-    return {f"layers.{i:03d}.weight": DTensor.from_local(
-        torch.rand(numel, generator=gen), ctx.mesh, [Shard(0)], run_check=False)
-        for i in range(count)}
+    return {
+        f"layers.{i:03d}.weight": DTensor.from_local(
+            torch.rand(numel, generator=gen), ctx.mesh, [Shard(0)], run_check=False
+        )
+        for i in range(count)
+    }
 
 
 def local_views(state: dict[str, Any]) -> list[memoryview]:

@@ -36,7 +36,9 @@ warnings.filterwarnings("ignore")
 
 
 OPS: dict[str, Callable[[Context], list[Record]]] = {
-    "save": run_saves, "load": run_loads, "prepare": run_prepare,
+    "save": run_saves,
+    "load": run_loads,
+    "prepare": run_prepare,
 }
 
 
@@ -45,8 +47,12 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=60))
     rank, world = dist.get_rank(), dist.get_world_size()
     ctx = Context(
-        spec=spec, rank=rank, world=world, group=dist.new_group(backend="gloo"),
-        mesh=init_device_mesh("cpu", (world,)), scratch=Path(spec["scratch"]),
+        spec=spec,
+        rank=rank,
+        world=world,
+        group=dist.new_group(backend="gloo"),
+        mesh=init_device_mesh("cpu", (world,)),
+        scratch=Path(spec["scratch"]),
         targets={k: S3Target(**v) for k, v in spec.get("s3", {}).items()},
     )
     started = time.time()

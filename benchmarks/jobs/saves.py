@@ -31,8 +31,9 @@ from benchmarks.jobs.rank_context import (
 from benchmarks.profiles import checkpoint_name
 
 
-def save_once(ctx: Context, variant: str, state: dict[str, Any], place: writers.Where,
-              stager: DefaultStager) -> Record:
+def save_once(
+    ctx: Context, variant: str, state: dict[str, Any], place: writers.Where, stager: DefaultStager
+) -> Record:
     """Save ``state`` once with ``variant``; time it (and its migration) on this rank."""
     rss = reset_peak_rss()
     cpu = cpu_seconds()
@@ -45,8 +46,7 @@ def save_once(ctx: Context, variant: str, state: dict[str, Any], place: writers.
         stall = commit = now() - start
     elif writers.is_async(variant):
         writer = writers.make_writer(variant, place)
-        future = dcp.async_save(state, storage_writer=writer, process_group=ctx.group,
-                                async_stager=stager)
+        future = dcp.async_save(state, storage_writer=writer, process_group=ctx.group, async_stager=stager)
         stall = now() - start
         # A blocking stager: a plain Future, not an AsyncSaveResponse.
         assert isinstance(future, Future), type(future)
@@ -56,8 +56,13 @@ def save_once(ctx: Context, variant: str, state: dict[str, Any], place: writers.
         writer = writers.make_writer(variant, place)
         dcp.save(state, storage_writer=writer, process_group=ctx.group)
         stall = commit = now() - start
-    record: Record = {"stall": stall, "commit": commit, "growth_save": peak_growth(rss),
-                      "cpu": cpu_seconds() - cpu, **extra}
+    record: Record = {
+        "stall": stall,
+        "commit": commit,
+        "growth_save": peak_growth(rss),
+        "cpu": cpu_seconds() - cpu,
+        **extra,
+    }
     migrator = getattr(writer, "migrator", None)
     if migrator is not None:
         record.update(_wait_migration(migrator, start))
@@ -77,12 +82,12 @@ def _wait_migration(migrator: Any, start: float) -> Record:
     return {"cold": cold}
 
 
-def measure_save(ctx: Context, case: dict[str, str], state: dict[str, Any], rep: int,
-                 stager: DefaultStager) -> Record:
+def measure_save(
+    ctx: Context, case: dict[str, str], state: dict[str, Any], rep: int, stager: DefaultStager
+) -> Record:
     label = case["label"]
     place = where(ctx, f"{label}-rep{rep}", case.get("endpoint", "direct"))
-    record: Record = {"variant": label, "rep": rep, "rank": ctx.rank,
-                      "bytes": local_bytes(state)}
+    record: Record = {"variant": label, "rep": rep, "rank": ctx.rank, "bytes": local_bytes(state)}
     dist.barrier()
     try:
         record.update(save_once(ctx, case["variant"], state, place, stager))
@@ -132,18 +137,22 @@ def _due(ctx: Context, cases: list[dict[str, str]], rep: int) -> list[dict[str, 
     """Cases still to run at ``rep``: S3 ones for ``reps``, local ones for ``local_reps``."""
     has_s3 = ctx.direct is not None
     limit = {True: ctx.spec["reps"], False: ctx.spec.get("local_reps", ctx.spec["reps"])}
-    return [c for c in cases if c["label"] not in ctx.broken
-            and rep < limit[writers.uses_s3(c["variant"], has_s3)]]
+    return [
+        c
+        for c in cases
+        if c["label"] not in ctx.broken and rep < limit[writers.uses_s3(c["variant"], has_s3)]
+    ]
 
 
 def _progress(ctx: Context, record: Record, reps: int) -> None:
     if record.get("error"):
-        ctx.say(f"    rep {record['rep'] + 1}/{reps} {record['variant']:<24} ERROR "
-                f"{record['error'][:200]}")
+        ctx.say(f"    rep {record['rep'] + 1}/{reps} {record['variant']:<24} ERROR {record['error'][:200]}")
         return
     cold = f"  cold {record['cold']:6.2f}s" if record.get("cold") is not None else ""
-    ctx.say(f"    rep {record['rep'] + 1}/{reps} {record['variant']:<24} stall "
-            f"{record['stall']:6.2f}s  commit {record['commit']:6.2f}s{cold}")
+    ctx.say(
+        f"    rep {record['rep'] + 1}/{reps} {record['variant']:<24} stall "
+        f"{record['stall']:6.2f}s  commit {record['commit']:6.2f}s{cold}"
+    )
 
 
 def run_prepare(ctx: Context) -> list[Record]:
@@ -154,8 +163,7 @@ def run_prepare(ctx: Context) -> list[Record]:
     for size in ctx.spec["sizes"]:
         state = make_state(ctx, size, seed=size // MiB)
         name = checkpoint_name(size)
-        dcp.save(state, storage_writer=TieredWriter(ctx.spec["hot"], name=name),
-                 process_group=ctx.group)
+        dcp.save(state, storage_writer=TieredWriter(ctx.spec["hot"], name=name), process_group=ctx.group)
         records.append({"variant": name, "rank": ctx.rank, "bytes": local_bytes(state)})
         del state
     return records

@@ -42,8 +42,14 @@ class Bench:
         """Run one multi-rank job; return its records merged over ranks (slowest wins)."""
         self.jobs += 1
         job = f"{op}{self.jobs}"
-        spec = {"op": op, "job": job, "scratch": str(self.scratch / job), "reps": self.profile.reps,
-                "s3": {"direct": self.target.to_json()}, **spec}
+        spec = {
+            "op": op,
+            "job": job,
+            "scratch": str(self.scratch / job),
+            "reps": self.profile.reps,
+            "s3": {"direct": self.target.to_json()},
+            **spec,
+        }
         try:
             per_rank = run_ranks(spec, world, self.scratch / f"{job}-out")
         finally:
@@ -61,11 +67,28 @@ class Bench:
 
 # -- suites --------------------------------------------------------------------------------
 
-SAVE_VARIANTS = ("disk_sync", "fsw_sync", "fsw_async", "tiered_sync", "tiered_async",
-                 "fsspec_sync", "fsspec_async", "s3torch_sync", "s3torch_async")
+SAVE_VARIANTS = (
+    "disk_sync",
+    "fsw_sync",
+    "fsw_async",
+    "tiered_sync",
+    "tiered_async",
+    "fsspec_sync",
+    "fsspec_async",
+    "s3torch_sync",
+    "s3torch_async",
+)
 LOCAL_VARIANTS = ("disk_sync", "fsw_sync", "fsw_async", "tiered_sync", "tiered_async")
-LOAD_VARIANTS = ("fsr_hot", "tiered_hot", "fsr_hot_warm", "tiered_hot_warm", "tiered_hot_nocrc_warm",
-                 "fsspec_cold", "tiered_cold", "s3torch_cold")
+LOAD_VARIANTS = (
+    "fsr_hot",
+    "tiered_hot",
+    "fsr_hot_warm",
+    "tiered_hot_warm",
+    "tiered_hot_nocrc_warm",
+    "fsspec_cold",
+    "tiered_cold",
+    "s3torch_cold",
+)
 
 
 def _available(bench: Bench, names: tuple[str, ...]) -> list[str]:
@@ -77,12 +100,18 @@ def suite_save(bench: Bench) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for size in (*bench.profile.save_sizes, *bench.profile.hot_only_sizes):
         with_s3 = size in bench.profile.save_sizes
-        variants = [v for v in _available(bench, SAVE_VARIANTS if with_s3 else LOCAL_VARIANTS)
-                    if v not in bench.profile.save_skip_variants]
+        variants = [
+            v
+            for v in _available(bench, SAVE_VARIANTS if with_s3 else LOCAL_VARIANTS)
+            if v not in bench.profile.save_skip_variants
+        ]
         print(f"  save, 2 ranks, {size // MiB} MiB: {', '.join(variants)}", flush=True)
         cases = [{"label": v, "variant": v} for v in variants]
-        reps = {"local_reps": bench.profile.local_reps} if with_s3 else {
-            "s3": {}, "reps": bench.profile.hot_only_reps, "local_reps": bench.profile.hot_only_reps}
+        reps = (
+            {"local_reps": bench.profile.local_reps}
+            if with_s3
+            else {"s3": {}, "reps": bench.profile.hot_only_reps, "local_reps": bench.profile.hot_only_reps}
+        )
         out[str(size)] = bench.ranks("save", 2, bytes=size, cases=cases, **reps)
         bench.fresh_bucket()
     return out
@@ -94,14 +123,18 @@ def suite_latency(bench: Bench) -> dict[str, Any]:
     proxies = {ms: start_proxy(bench.moto.url, ms / 1000) for ms in bench.profile.latency_ms}
     try:
         s3 = {"direct": bench.target.to_json()}
-        s3.update({f"{ms}ms": {"endpoint": p.url, "bucket": bench.target.bucket}
-                   for ms, p in proxies.items()})
-        cases = [{"label": f"{v}@{ms}ms", "variant": v, "endpoint": f"{ms}ms"}
-                 for ms in bench.profile.latency_ms
-                 for v in _available(bench, bench.profile.latency_variants)]
+        s3.update(
+            {f"{ms}ms": {"endpoint": p.url, "bucket": bench.target.bucket} for ms, p in proxies.items()}
+        )
+        cases = [
+            {"label": f"{v}@{ms}ms", "variant": v, "endpoint": f"{ms}ms"}
+            for ms in bench.profile.latency_ms
+            for v in _available(bench, bench.profile.latency_variants)
+        ]
         size = bench.profile.latency_size
-        print(f"  latency, 2 ranks, {size // MiB} MiB, +{bench.profile.latency_ms} ms per request",
-              flush=True)
+        print(
+            f"  latency, 2 ranks, {size // MiB} MiB, +{bench.profile.latency_ms} ms per request", flush=True
+        )
         records = bench.ranks("save", 2, bytes=size, cases=cases, s3=s3)
     finally:
         for proxy in proxies.values():
@@ -117,19 +150,24 @@ def suite_migration(bench: Bench) -> dict[str, Any]:
     sizes = sorted({profile.migration_sweep_size, *profile.migration_memory_sizes})
     print(f"  migration: writing hot checkpoints of {[s // MiB for s in sizes]} MiB", flush=True)
     bench.ranks("prepare", 2, sizes=sizes, hot=str(hot))
-    spec = {"hot": str(hot), "sweep_name": checkpoint_name(profile.migration_sweep_size),
-            "memory_names": [checkpoint_name(s) for s in profile.migration_memory_sizes],
-            "target": bench.target.to_json(), "sweep": list(profile.migration_sweep),
-            "reps": profile.reps, "memory_reps": profile.migration_memory_reps,
-            "part_size": profile.part_size, "chunk_size": 8 * MiB,
-            "default_inflight": profile.default_inflight}
+    spec = {
+        "hot": str(hot),
+        "sweep_name": checkpoint_name(profile.migration_sweep_size),
+        "memory_names": [checkpoint_name(s) for s in profile.migration_memory_sizes],
+        "target": bench.target.to_json(),
+        "sweep": list(profile.migration_sweep),
+        "reps": profile.reps,
+        "memory_reps": profile.migration_memory_reps,
+        "part_size": profile.part_size,
+        "chunk_size": 8 * MiB,
+        "default_inflight": profile.default_inflight,
+    }
     try:
         records = bench.module("migrate_job", spec)
     finally:
         shutil.rmtree(hot, ignore_errors=True)
     bench.fresh_bucket()
-    return {"records": records, "part_size": profile.part_size,
-            "default_inflight": profile.default_inflight}
+    return {"records": records, "part_size": profile.part_size, "default_inflight": profile.default_inflight}
 
 
 def suite_load(bench: Bench) -> dict[str, Any]:
@@ -146,27 +184,27 @@ def suite_scaling(bench: Bench) -> dict[str, Any]:
     """Scaling: the same total bytes saved by 1, 2 and 4 ranks (local tiers)."""
     size = bench.profile.scaling_size
     out: dict[str, Any] = {"bytes": size, "by_ranks": {}}
-    cases = [{"label": v, "variant": v} for v in ("disk_sync", "fsw_sync", "tiered_sync",
-                                                  "tiered_async")]
+    cases = [{"label": v, "variant": v} for v in ("disk_sync", "fsw_sync", "tiered_sync", "tiered_async")]
     for world in bench.profile.scaling_ranks:
         print(f"  scaling: {size // MiB} MiB on {world} rank(s)", flush=True)
-        out["by_ranks"][str(world)] = bench.ranks("save", world, bytes=size, cases=cases, s3={},
-                                                  reps=bench.profile.scaling_reps)
+        out["by_ranks"][str(world)] = bench.ranks(
+            "save", world, bytes=size, cases=cases, s3={}, reps=bench.profile.scaling_reps
+        )
     return out
 
 
 def suite_cpu(bench: Bench) -> dict[str, Any]:
     """The CPU side of hot write throughput: the pieces of a save per GiB, and saves into tmpfs."""
     size = bench.profile.cpu_size
-    print(f"  cpu: torch.save, CRC32C and dcp.save into tmpfs, {size // MiB} MiB, one process",
-          flush=True)
+    print(f"  cpu: torch.save, CRC32C and dcp.save into tmpfs, {size // MiB} MiB, one process", flush=True)
     return dict(bench.module("cpu_costs", {"bytes": size, "reps": bench.profile.hot_only_reps + 2}))
 
 
 def suite_gpu(bench: Bench) -> dict[str, Any]:
     """GPU staging: pinned-memory staging vs DCP's default stager; skipped without CUDA."""
-    result = bench.module("gpu", {"bytes": bench.profile.gpu_size, "reps": bench.profile.reps,
-                                  "scratch": str(bench.scratch)})
+    result = bench.module(
+        "gpu", {"bytes": bench.profile.gpu_size, "reps": bench.profile.reps, "scratch": str(bench.scratch)}
+    )
     if result.get("skipped"):
         print(f"  gpu: skipped ({result['reason']})", flush=True)
     return dict(result)
@@ -175,10 +213,18 @@ def suite_gpu(bench: Bench) -> dict[str, Any]:
 def suite_cold_down(bench: Bench) -> dict[str, Any]:
     """Saves with the S3 cold tier healthy, refusing, stalled, denying writes."""
     size = bench.profile.cold_down_size
-    print(f"  cold-down: {size // MiB} MiB, one process, cold tier healthy / refusing / "
-          "stalled / denying writes vs hot only", flush=True)
-    spec = {"bytes": size, "reps": bench.profile.cold_down_reps, "endpoint": bench.moto.url,
-            "bucket": bench.target.bucket, "scratch": str(bench.scratch / "cold-down")}
+    print(
+        f"  cold-down: {size // MiB} MiB, one process, cold tier healthy / refusing / "
+        "stalled / denying writes vs hot only",
+        flush=True,
+    )
+    spec = {
+        "bytes": size,
+        "reps": bench.profile.cold_down_reps,
+        "endpoint": bench.moto.url,
+        "bucket": bench.target.bucket,
+        "scratch": str(bench.scratch / "cold-down"),
+    }
     result = dict(bench.module("cold_down", spec))
     bench.fresh_bucket()
     return result
@@ -189,27 +235,44 @@ def suite_perf(bench: Bench) -> dict[str, Any]:
     and the disk, the CRC32C share, CheckpointManager's stall against a sync save and the
     peers (DCP async_save, torch_checkpointing). One process per job, local tiers only."""
     profile = bench.profile
-    print(f"  perf: {profile.perf_size // MiB} MiB model + optimizer state, one process, "
-          f"best of {profile.perf_reps}", flush=True)
+    print(
+        f"  perf: {profile.perf_size // MiB} MiB model + optimizer state, one process, "
+        f"best of {profile.perf_reps}",
+        flush=True,
+    )
     scratch = str(bench.scratch / "perf")
-    io = bench.module("perf_io", {"bytes": profile.perf_size, "reps": profile.perf_reps,
-                                  "scratch": scratch})
+    io = bench.module("perf_io", {"bytes": profile.perf_size, "reps": profile.perf_reps, "scratch": scratch})
     # One process per system: their CPU is counted over the process tree, and a system's
     # background threads or helper processes must not run inside another's window.
     stall: dict[str, Any] = {}
     for system in STALL_SYSTEMS:
-        part = bench.module("perf_stall", {"bytes": profile.perf_size, "saves": profile.perf_saves,
-                                           "scratch": scratch, "only": [system]})
+        part = bench.module(
+            "perf_stall",
+            {"bytes": profile.perf_size, "saves": profile.perf_saves, "scratch": scratch, "only": [system]},
+        )
         stall = {**part, "records": [*stall.get("records", []), *part["records"]]} if stall else part
     shutil.rmtree(scratch, ignore_errors=True)
     return {"io": io, "stall": stall}
 
 
-STALL_SYSTEMS = ("sync_tiered", "ours_reuse", "ours_overlap", "ours_fresh", "dcp_async",
-                 "dcp_async_cached", "torch_checkpointing")
+STALL_SYSTEMS = (
+    "sync_tiered",
+    "ours_reuse",
+    "ours_overlap",
+    "ours_fresh",
+    "dcp_async",
+    "dcp_async_cached",
+    "torch_checkpointing",
+)
 
 SUITES: dict[str, Callable[[Bench], dict[str, Any]]] = {
-    "cpu": suite_cpu, "save": suite_save, "latency": suite_latency, "migration": suite_migration,
-    "load": suite_load, "scaling": suite_scaling, "gpu": suite_gpu, "cold-down": suite_cold_down,
+    "cpu": suite_cpu,
+    "save": suite_save,
+    "latency": suite_latency,
+    "migration": suite_migration,
+    "load": suite_load,
+    "scaling": suite_scaling,
+    "gpu": suite_gpu,
+    "cold-down": suite_cold_down,
     "perf": suite_perf,
 }

@@ -69,8 +69,7 @@ def _tiered_writer(variant: str, where: Where) -> StorageWriter:
 
     # The cold tier only under async_save: the sync variant measures the hot write alone.
     if is_async(variant) and where.s3 is not None and where.target is not None:
-        return TieredWriter(where.local, where.s3, name=CKPT,
-                            cold_options=where.target.tier_options())
+        return TieredWriter(where.local, where.s3, name=CKPT, cold_options=where.target.tier_options())
     return TieredWriter(where.local, name=CKPT)
 
 
@@ -103,8 +102,9 @@ def s3torch_reader(url: str, target: S3Target) -> StorageReader:
     return reader
 
 
-def make_reader(variant: str, local: dict[str, str], s3: dict[str, str],
-                target: S3Target | None) -> StorageReader:
+def make_reader(
+    variant: str, local: dict[str, str], s3: dict[str, str], target: S3Target | None
+) -> StorageReader:
     """``local``/``s3``: where each writer's checkpoint for the load benchmark lies."""
     from tierstore import TieredReader
 
@@ -134,7 +134,7 @@ def write_raw(views: list[memoryview], path: str) -> float:
     try:
         for view in views:
             while view:
-                view = view[os.write(fd, view[: 1 << 30]):]
+                view = view[os.write(fd, view[: 1 << 30]) :]
         start = time.perf_counter()
         os.fsync(fd)
     finally:

@@ -45,8 +45,11 @@ def div(a: float | None, b: float | None) -> float | None:
 
 def rates(records: Iterable[Record], field: str) -> list[Record]:
     """Records with ``rate`` = bytes / ``field`` (a duration) added."""
-    return [{**r, "rate": r["bytes"] / r[field]} for r in records
-            if r.get(field) and r.get("bytes") and not r.get("error")]
+    return [
+        {**r, "rate": r["bytes"] / r[field]}
+        for r in records
+        if r.get(field) and r.get("bytes") and not r.get("error")
+    ]
 
 
 def throughput(records: Iterable[Record], field: str) -> Summaries:
@@ -55,8 +58,11 @@ def throughput(records: Iterable[Record], field: str) -> Summaries:
 
 def cpu_per_gib(records: Iterable[Record]) -> Summaries:
     """CPU seconds (all ranks, all threads) per GiB saved or loaded, per variant."""
-    per = [{**r, "cpu_gib": r["cpu"] / r["bytes"] * GiB} for r in records
-           if r.get("cpu") and r.get("bytes") and not r.get("error")]
+    per = [
+        {**r, "cpu_gib": r["cpu"] / r["bytes"] * GiB}
+        for r in records
+        if r.get("cpu") and r.get("bytes") and not r.get("error")
+    ]
     return by_variant(per, "cpu_gib")
 
 
@@ -91,8 +97,11 @@ def save_records(results: Results, size: int) -> list[Record]:
 
 
 def largest_with(results: Results, variant: str) -> int | None:
-    sizes = [s for s in save_sizes(results) if any(
-        r["variant"] == variant and not r.get("error") for r in save_records(results, s))]
+    sizes = [
+        s
+        for s in save_sizes(results)
+        if any(r["variant"] == variant and not r.get("error") for r in save_records(results, s))
+    ]
     return max(sizes) if sizes else None
 
 
@@ -103,14 +112,38 @@ def stall_targets(results: Results) -> list[Target]:
     stall = by_variant(save_records(results, size), "stall")
     label = f"{size // MiB} MiB, 2 ranks"
     tiered = med(stall, "tiered_async")
-    out = [Target("stall_fsw_async", "1", f"save stall, TieredWriter async / FileSystemWriter "
-                  f"async ({label})", div(tiered, med(stall, "fsw_async")), "<=", 1.1, "ours"),
-           Target("stall_fsw_sync", "1", f"save stall, TieredWriter async / FileSystemWriter "
-                  f"sync ({label})", div(tiered, med(stall, "fsw_sync")), "<=", 0.5, "ours")]
+    out = [
+        Target(
+            "stall_fsw_async",
+            "1",
+            f"save stall, TieredWriter async / FileSystemWriter async ({label})",
+            div(tiered, med(stall, "fsw_async")),
+            "<=",
+            1.1,
+            "ours",
+        ),
+        Target(
+            "stall_fsw_sync",
+            "1",
+            f"save stall, TieredWriter async / FileSystemWriter sync ({label})",
+            div(tiered, med(stall, "fsw_sync")),
+            "<=",
+            0.5,
+            "ours",
+        ),
+    ]
     if "fsspec_sync" in stall:
-        out.append(Target("stall_fsspec_sync", "1", f"save stall, TieredWriter async / "
-                          f"FsspecWriter sync to S3 ({label})",
-                          div(tiered, med(stall, "fsspec_sync")), "<=", 0.5, "ours"))
+        out.append(
+            Target(
+                "stall_fsspec_sync",
+                "1",
+                f"save stall, TieredWriter async / FsspecWriter sync to S3 ({label})",
+                div(tiered, med(stall, "fsspec_sync")),
+                "<=",
+                0.5,
+                "ours",
+            )
+        )
     return out
 
 
@@ -120,15 +153,31 @@ def hot_targets(results: Results) -> list[Target]:
         records = save_records(results, size)
         rate = throughput(records, "commit")
         label = f"{size // MiB} MiB, 2 ranks"
-        out.append(Target("hot_fsw", "3", f"hot write throughput, TieredWriter / FileSystemWriter "
-                          f"({label})", div(med(rate, "tiered_sync"), med(rate, "fsw_sync")),
-                          ">=", 1.0, "issue",
-                          detail=band(records, "commit", "tiered_sync", "fsw_sync", invert=True)
-                          + cpu_note(records, "tiered_sync", "fsw_sync")))
-        out.append(Target("hot_disk", "3", f"hot write throughput, TieredWriter / disk write+fsync "
-                          f"({label})", div(med(rate, "tiered_sync"), med(rate, "disk_sync")),
-                          ">=", 0.8, "issue",
-                          detail=band(records, "commit", "tiered_sync", "disk_sync", invert=True)))
+        out.append(
+            Target(
+                "hot_fsw",
+                "3",
+                f"hot write throughput, TieredWriter / FileSystemWriter ({label})",
+                div(med(rate, "tiered_sync"), med(rate, "fsw_sync")),
+                ">=",
+                1.0,
+                "issue",
+                detail=band(records, "commit", "tiered_sync", "fsw_sync", invert=True)
+                + cpu_note(records, "tiered_sync", "fsw_sync"),
+            )
+        )
+        out.append(
+            Target(
+                "hot_disk",
+                "3",
+                f"hot write throughput, TieredWriter / disk write+fsync ({label})",
+                div(med(rate, "tiered_sync"), med(rate, "disk_sync")),
+                ">=",
+                0.8,
+                "issue",
+                detail=band(records, "commit", "tiered_sync", "disk_sync", invert=True),
+            )
+        )
     return out
 
 
@@ -138,12 +187,26 @@ def memory_targets(results: Results) -> list[Target]:
         return []
     growth = by_variant(save_records(results, size), "growth_save")
     label = f"{size // MiB} MiB, 2 ranks"
-    return [Target("memory_save_sync", "6", f"save peak RSS growth, TieredWriter / "
-                   f"FileSystemWriter, sync ({label})",
-                   div(med(growth, "tiered_sync"), med(growth, "fsw_sync")), "<=", 1.1, "ours"),
-            Target("memory_save_async", "6", f"save peak RSS growth, TieredWriter / "
-                   f"FileSystemWriter, async ({label})",
-                   div(med(growth, "tiered_async"), med(growth, "fsw_async")), "<=", 1.1, "ours")]
+    return [
+        Target(
+            "memory_save_sync",
+            "6",
+            f"save peak RSS growth, TieredWriter / FileSystemWriter, sync ({label})",
+            div(med(growth, "tiered_sync"), med(growth, "fsw_sync")),
+            "<=",
+            1.1,
+            "ours",
+        ),
+        Target(
+            "memory_save_async",
+            "6",
+            f"save peak RSS growth, TieredWriter / FileSystemWriter, async ({label})",
+            div(med(growth, "tiered_async"), med(growth, "fsw_async")),
+            "<=",
+            1.1,
+            "ours",
+        ),
+    ]
 
 
 def cpu_costs(results: Results) -> Summaries:
@@ -161,9 +224,18 @@ def cpu_targets(results: Results) -> list[Target]:
         return []
     records = results["suites"]["cpu"]["records"]
     fsw = med(costs, "fsw_tmpfs")
-    return [Target("hot_tmpfs", "3", "hot write throughput, TieredWriter / FileSystemWriter, "
-                   "tmpfs (CPU-bound, one process)", div(fsw, med(costs, "tiered_tmpfs")), ">=",
-                   1.0, "issue", detail=band(records, "cpu", "fsw_tmpfs", "tiered_tmpfs"))]
+    return [
+        Target(
+            "hot_tmpfs",
+            "3",
+            "hot write throughput, TieredWriter / FileSystemWriter, tmpfs (CPU-bound, one process)",
+            div(fsw, med(costs, "tiered_tmpfs")),
+            ">=",
+            1.0,
+            "issue",
+            detail=band(records, "cpu", "fsw_tmpfs", "tiered_tmpfs"),
+        )
+    ]
 
 
 # -- stall vs cold-tier latency ----------------------------------------------------------------
@@ -184,13 +256,24 @@ def latency_summary(results: Results, field: str = "stall") -> dict[str, dict[in
 def latency_targets(results: Results) -> list[Target]:
     table = latency_summary(results)
     out = []
-    for writer, op, bound, what in (("tiered_async", "<=", 1.25, "stays flat"),
-                                    ("fsspec_sync", ">=", 1.25, "grows")):
+    for writer, op, bound, what in (
+        ("tiered_async", "<=", 1.25, "stays flat"),
+        ("fsspec_sync", ">=", 1.25, "grows"),
+    ):
         series = table.get(writer, {})
         top = max(series) if series else None
         value = div(series.get(top), series.get(0)) if top else None
-        out.append(Target(f"latency_{writer}", "2", f"stall at +{top} ms / at +0 ms, {writer} "
-                          f"({what})", value, op, bound, "ours"))
+        out.append(
+            Target(
+                f"latency_{writer}",
+                "2",
+                f"stall at +{top} ms / at +0 ms, {writer} ({what})",
+                value,
+                op,
+                bound,
+                "ours",
+            )
+        )
     return out
 
 
@@ -207,8 +290,7 @@ def migration_rates(results: Results) -> dict[str, dict[int, dict[str, float]]]:
     for inflight in sorted({r["inflight"] for r in sweep}):
         subset = [r for r in sweep if r["inflight"] == inflight]
         for kind, summary in throughput(subset, "seconds").items():
-            out.setdefault(kind, {})[inflight] = {k: v / MiB if k != "n" else v
-                                                  for k, v in summary.items()}
+            out.setdefault(kind, {})[inflight] = {k: v / MiB if k != "n" else v for k, v in summary.items()}
     return out
 
 
@@ -222,8 +304,9 @@ def migration_memory(results: Results) -> dict[str, dict[int, float]]:
     for r in suite["records"]:
         if r["inflight"] == default and r.get("growth") is not None and not r.get("error"):
             grouped.setdefault(r["variant"], {}).setdefault(r["bytes"], []).append(r["growth"])
-    return {kind: {size: sorted(v)[len(v) // 2] for size, v in sizes.items()}
-            for kind, sizes in grouped.items()}
+    return {
+        kind: {size: sorted(v)[len(v) // 2] for size, v in sizes.items()} for kind, sizes in grouped.items()
+    }
 
 
 def migration_targets(results: Results) -> list[Target]:
@@ -233,12 +316,22 @@ def migration_targets(results: Results) -> list[Target]:
     speed = migration_rates(results)
     default = suite["default_inflight"]
     sweep = [r for r in suite["records"] if r["group"] == "sweep" and r["inflight"] == default]
-    out = [Target("migration", "4", f"migration throughput, migrate_pending / s3fs put_file "
-                  f"({default} parts in flight, same part size)",
-                  div(speed.get("tiered", {}).get(default, {}).get("median"),
-                      speed.get("s3fs", {}).get(default, {}).get("median")), ">=", 0.9, "issue",
-                  detail=band(sweep, "seconds", "tiered", "s3fs", invert=True)
-                  + cpu_note(sweep, "tiered", "s3fs"))]
+    out = [
+        Target(
+            "migration",
+            "4",
+            f"migration throughput, migrate_pending / s3fs put_file "
+            f"({default} parts in flight, same part size)",
+            div(
+                speed.get("tiered", {}).get(default, {}).get("median"),
+                speed.get("s3fs", {}).get(default, {}).get("median"),
+            ),
+            ">=",
+            0.9,
+            "issue",
+            detail=band(sweep, "seconds", "tiered", "s3fs", invert=True) + cpu_note(sweep, "tiered", "s3fs"),
+        )
+    ]
     memory = migration_memory(results)
     ours, plain = memory.get("tiered", {}), memory.get("s3fs", {})
     if len(ours) >= 2:
@@ -246,15 +339,32 @@ def migration_targets(results: Results) -> list[Target]:
         # read-ahead); a checkpoint smaller than that never fills it. Flat means: past the
         # fill, doubling (or more) the checkpoint leaves memory where it was.
         small, large = sorted(ours)[-2:]
-        out.append(Target("migration_memory_flat", "6", f"migrator peak RSS growth, "
-                          f"{large // MiB} MiB / {small // MiB} MiB checkpoint (flat)",
-                          div(ours[large], ours[small]), "<=", 1.25, "ours"))
+        out.append(
+            Target(
+                "migration_memory_flat",
+                "6",
+                f"migrator peak RSS growth, {large // MiB} MiB / {small // MiB} MiB checkpoint (flat)",
+                div(ours[large], ours[small]),
+                "<=",
+                1.25,
+                "ours",
+            )
+        )
     common = sorted(set(ours) & set(plain))
     if common:
         size = common[-1]
-        out.append(Target("migration_memory", "6", f"migration peak RSS growth, migrate_pending / "
-                          f"s3fs put_file ({size // MiB} MiB, {default} parts in flight)",
-                          div(ours[size], plain[size]), "<=", 1.5, "ours"))
+        out.append(
+            Target(
+                "migration_memory",
+                "6",
+                f"migration peak RSS growth, migrate_pending / "
+                f"s3fs put_file ({size // MiB} MiB, {default} parts in flight)",
+                div(ours[size], plain[size]),
+                "<=",
+                1.5,
+                "ours",
+            )
+        )
     return out
 
 
@@ -272,27 +382,67 @@ def load_targets(results: Results) -> list[Target]:
         return []
     t = load_summary(results)
     records = suite["records"]
-    out = [Target("load_hot", "5", "hot load throughput, TieredReader / FileSystemReader, page "
-                  "cache dropped", div(med(t, "fsr_hot"), med(t, "tiered_hot")), ">=", 1.0, "issue",
-                  detail=band(records, "load", "fsr_hot", "tiered_hot")
-                  + cpu_note(records, "tiered_hot", "fsr_hot")),
-           Target("load_hot_warm", "5", "hot load throughput, TieredReader / FileSystemReader, "
-                  "warm page cache", div(med(t, "fsr_hot_warm"), med(t, "tiered_hot_warm")), ">=",
-                  1.0, "issue", detail=band(records, "load", "fsr_hot_warm", "tiered_hot_warm")
-                  + cpu_note(records, "tiered_hot_warm", "fsr_hot_warm")),
-           Target("load_cold", "5", "cold-only load throughput, TieredReader / FsspecReader (S3)",
-                  div(med(t, "fsspec_cold"), med(t, "tiered_cold")), ">=", 0.9, "issue",
-                  detail=band(records, "load", "fsspec_cold", "tiered_cold")
-                  + cpu_note(records, "tiered_cold", "fsspec_cold")),
-           Target("crc", "5", "checksum cost: CRC32C time / hot load time (warm page cache, "
-                  "the worst case)", div(med(t, "crc_only"), med(t, "tiered_hot_warm")), "<=",
-                  0.05, "issue", unit="%")]
+    out = [
+        Target(
+            "load_hot",
+            "5",
+            "hot load throughput, TieredReader / FileSystemReader, page cache dropped",
+            div(med(t, "fsr_hot"), med(t, "tiered_hot")),
+            ">=",
+            1.0,
+            "issue",
+            detail=band(records, "load", "fsr_hot", "tiered_hot")
+            + cpu_note(records, "tiered_hot", "fsr_hot"),
+        ),
+        Target(
+            "load_hot_warm",
+            "5",
+            "hot load throughput, TieredReader / FileSystemReader, warm page cache",
+            div(med(t, "fsr_hot_warm"), med(t, "tiered_hot_warm")),
+            ">=",
+            1.0,
+            "issue",
+            detail=band(records, "load", "fsr_hot_warm", "tiered_hot_warm")
+            + cpu_note(records, "tiered_hot_warm", "fsr_hot_warm"),
+        ),
+        Target(
+            "load_cold",
+            "5",
+            "cold-only load throughput, TieredReader / FsspecReader (S3)",
+            div(med(t, "fsspec_cold"), med(t, "tiered_cold")),
+            ">=",
+            0.9,
+            "issue",
+            detail=band(records, "load", "fsspec_cold", "tiered_cold")
+            + cpu_note(records, "tiered_cold", "fsspec_cold"),
+        ),
+        Target(
+            "crc",
+            "5",
+            "checksum cost: CRC32C time / hot load time (warm page cache, the worst case)",
+            div(med(t, "crc_only"), med(t, "tiered_hot_warm")),
+            "<=",
+            0.05,
+            "issue",
+            unit="%",
+        ),
+    ]
     # CPU seconds, not wall time: a few percent is below the wall-time noise of this VM.
     ab = paired_ratios(records, "cpu", "tiered_hot_warm", "tiered_hot_nocrc_warm")
     if ab is not None:
-        out.append(Target("crc_ab", "5", "checksum cost, A/B: CPU time of a hot load (warm) with "
-                          "/ without CRC32C - 1", ab["median"] - 1, "<=", 0.05, "issue", unit="%",
-                          detail=f"per-rep {ab['min'] - 1:+.0%} .. {ab['max'] - 1:+.0%}"))
+        out.append(
+            Target(
+                "crc_ab",
+                "5",
+                "checksum cost, A/B: CPU time of a hot load (warm) with / without CRC32C - 1",
+                ab["median"] - 1,
+                "<=",
+                0.05,
+                "issue",
+                unit="%",
+                detail=f"per-rep {ab['min'] - 1:+.0%} .. {ab['max'] - 1:+.0%}",
+            )
+        )
     return out
 
 
@@ -311,11 +461,19 @@ def scaling_targets(results: Results) -> list[Target]:
     out = []
     for world, commit in sorted(scaling_table(results).items()):
         records = suite["by_ranks"][str(world)]
-        out.append(Target(f"scaling_{world}", "7", f"time to commit, TieredWriter / "
-                          f"FileSystemWriter, sync, {world} rank(s)",
-                          div(med(commit, "tiered_sync"), med(commit, "fsw_sync")), "<=", 1.0, "ours",
-                          detail=band(records, "commit", "tiered_sync", "fsw_sync")
-                          + cpu_note(records, "tiered_sync", "fsw_sync")))
+        out.append(
+            Target(
+                f"scaling_{world}",
+                "7",
+                f"time to commit, TieredWriter / FileSystemWriter, sync, {world} rank(s)",
+                div(med(commit, "tiered_sync"), med(commit, "fsw_sync")),
+                "<=",
+                1.0,
+                "ours",
+                detail=band(records, "commit", "tiered_sync", "fsw_sync")
+                + cpu_note(records, "tiered_sync", "fsw_sync"),
+            )
+        )
     return out
 
 
@@ -324,15 +482,32 @@ def gpu_targets(results: Results) -> list[Target]:
     if not gpu or gpu.get("skipped"):
         return []
     stall = by_variant(gpu["records"], "stall")
-    return [Target("gpu_pinned", "8", "async_save stall, pinned async staging / DCP default stager",
-                   div(med(stall, "pinned_async"), med(stall, "dcp_default")), "<=", 1.0, "ours")]
+    return [
+        Target(
+            "gpu_pinned",
+            "8",
+            "async_save stall, pinned async staging / DCP default stager",
+            div(med(stall, "pinned_async"), med(stall, "dcp_default")),
+            "<=",
+            1.0,
+            "ours",
+        )
+    ]
 
 
 def all_targets(results: Results) -> list[Target]:
     found: list[Target] = []
-    for rule in (stall_targets, latency_targets, hot_targets, cpu_targets, migration_targets,
-                 load_targets,
-                 memory_targets, scaling_targets, gpu_targets):
+    for rule in (
+        stall_targets,
+        latency_targets,
+        hot_targets,
+        cpu_targets,
+        migration_targets,
+        load_targets,
+        memory_targets,
+        scaling_targets,
+        gpu_targets,
+    ):
         found.extend(rule(results))
     return found
 
@@ -341,8 +516,11 @@ def fsync_share(records: Iterable[Record]) -> dict[str, float] | None:
     """The share of the disk baseline's time spent in fsync (``median``, ``min``, ``max``):
     near 0, the page cache absorbed the writes and the baseline ran at memory speed. The
     median of an even count is the upper middle value."""
-    shares = sorted(r["fsync"] / r["commit"] for r in records
-                    if r.get("variant") == "disk_sync" and r.get("fsync") and r.get("commit"))
+    shares = sorted(
+        r["fsync"] / r["commit"]
+        for r in records
+        if r.get("variant") == "disk_sync" and r.get("fsync") and r.get("commit")
+    )
     if not shares:
         return None
     return {"median": shares[len(shares) // 2], "min": shares[0], "max": shares[-1]}
@@ -372,8 +550,12 @@ def paired_medians(records: Iterable[Record], mode: str) -> list[float | None]:
     records = list(records)
     medians: list[float | None] = []
     for kind, field in (("sync", "commit"), ("async", "stall"), ("async", "commit")):
-        pair = paired_ratios([r for r in records if r.get("against") == mode and r["kind"] == kind],
-                             field, f"{kind}@{mode}", f"{kind}@hot_only/{mode}")
+        pair = paired_ratios(
+            [r for r in records if r.get("against") == mode and r["kind"] == kind],
+            field,
+            f"{kind}@{mode}",
+            f"{kind}@hot_only/{mode}",
+        )
         medians.append(None if pair is None else pair["median"])
     return medians
 

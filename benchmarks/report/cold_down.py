@@ -11,9 +11,12 @@ from benchmarks.report.tables import Lines, size_label, table
 from benchmarks.report.template import block, paragraph
 
 COLD_DOWN_TARGET = 1.5  # issue 11: a save with the cold tier down, within 1.5x of hot-only
-COLD_DOWN_MODES = {"healthy": "**healthy**", "refuse": "**refusing connections**",
-                   "stall": "**stalled** (never answers)",
-                   "deny_writes": "**denying writes** (403)"}
+COLD_DOWN_MODES = {
+    "healthy": "**healthy**",
+    "refuse": "**refusing connections**",
+    "stall": "**stalled** (never answers)",
+    "deny_writes": "**denying writes** (403)",
+}
 # (kind of save, field) of each column: dcp.save wall time and CPU, async_save stall and commit
 MEASURES = (("sync", "commit"), ("sync", "cpu"), ("async", "stall"), ("async", "commit"))
 
@@ -31,27 +34,57 @@ def cold_down_section(results: Mapping[str, Any], img: Path | None = None) -> Li
             base = best[field].get(f"{kind}@hot_only/{mode}")
             ratio = A.div(value, base)
             base_cells.append("n/a" if base is None else f"{base:.3f}")
-            cells.append("n/a" if value is None else
-                         f"{value:.3f} ({ratio:.2f}x)" if ratio else f"{value:.3f}")
+            cells.append(
+                "n/a" if value is None else f"{value:.3f} ({ratio:.2f}x)" if ratio else f"{value:.3f}"
+            )
         paired = A.paired_medians(suite["records"], mode)
         states = A.migration_states(suite, mode)
         rows.append([f"hot only, paired with {mode}", *base_cells, "", "", ""])
-        rows.append([text, *cells, "save {}, stall {}, commit {}".format(
-            *("n/a" if v is None else f"{v:.2f}x" for v in paired)), _verdict(suite, mode, paired),
-            ", ".join(f"{count} {state}" for state, count in states.items()) or "-"])
-    broken = "\n".join(block("errors.one", name=name, error=error[:300])
-                       for name, error in suite.get("broken", {}).items())
+        rows.append(
+            [
+                text,
+                *cells,
+                "save {}, stall {}, commit {}".format(*("n/a" if v is None else f"{v:.2f}x" for v in paired)),
+                _verdict(suite, mode, paired),
+                ", ".join(f"{count} {state}" for state, count in states.items()) or "-",
+            ]
+        )
+    broken = "\n".join(
+        block("errors.one", name=name, error=error[:300]) for name, error in suite.get("broken", {}).items()
+    )
     return paragraph(
-        "cold_down", started=results.get("started", ""), size=size_label(suite["bytes"]),
-        reps=suite["reps"], target=COLD_DOWN_TARGET, broken=broken,
-        table=table(["cold tier", "dcp.save s", "dcp.save CPU s", "async_save stall s",
-                     "async_save commit s", "per-rep paired ratio, median", "verdict",
-                     "migrations at the end"], rows))
+        "cold_down",
+        started=results.get("started", ""),
+        size=size_label(suite["bytes"]),
+        reps=suite["reps"],
+        target=COLD_DOWN_TARGET,
+        broken=broken,
+        table=table(
+            [
+                "cold tier",
+                "dcp.save s",
+                "dcp.save CPU s",
+                "async_save stall s",
+                "async_save commit s",
+                "per-rep paired ratio, median",
+                "verdict",
+                "migrations at the end",
+            ],
+            rows,
+        ),
+    )
 
 
 def _verdict(suite: Mapping[str, Any], mode: str, paired: list[float | None]) -> str:
     """Failed if a save failed; else judged on the worst paired median."""
     worst = max((v for v in paired if v is not None), default=None)
     failed = [v for v in (f"sync@{mode}", f"async@{mode}") if v in suite.get("broken", {})]
-    return (f"**failed** ({', '.join(failed)})" if failed else "n/a" if worst is None else
-            "met" if worst <= COLD_DOWN_TARGET else f"**missed** ({worst:.2f}x)")
+    return (
+        f"**failed** ({', '.join(failed)})"
+        if failed
+        else "n/a"
+        if worst is None
+        else "met"
+        if worst <= COLD_DOWN_TARGET
+        else f"**missed** ({worst:.2f}x)"
+    )

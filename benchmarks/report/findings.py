@@ -14,7 +14,8 @@ from benchmarks.report.template import block, blocks, paragraph
 # Which findings explain a missed target, by Target.key prefix.
 CAUSES: dict[str, tuple[str, ...]] = {
     "hot_disk": ("F2",),
-    "load_hot": ("F3",), "crc": ("F3",),
+    "load_hot": ("F3",),
+    "crc": ("F3",),
 }
 
 
@@ -55,9 +56,11 @@ def cpu_values(results: Mapping[str, Any]) -> dict[str, str]:
     save, bare = A.med(costs, "torch_save"), A.med(costs, "torch_save_nozipcrc")
     fsw = A.med(costs, "fsw_tmpfs")
     tmpfs = A.div(fsw, A.med(costs, "tiered_tmpfs"))
-    return {"zip_crc": "n/a" if save is None or bare is None else f"{save - bare:.3f}",
-            "crc32c": "n/a" if "crc32c" not in costs else f"{costs['crc32c']['median']:.3f}",
-            "tmpfs": "n/a" if tmpfs is None else f"{tmpfs:.2f}x"}
+    return {
+        "zip_crc": "n/a" if save is None or bare is None else f"{save - bare:.3f}",
+        "crc32c": "n/a" if "crc32c" not in costs else f"{costs['crc32c']['median']:.3f}",
+        "tmpfs": "n/a" if tmpfs is None else f"{tmpfs:.2f}x",
+    }
 
 
 def disk_values(results: Mapping[str, Any]) -> dict[str, str]:

@@ -17,27 +17,41 @@ SOURCES = {"issue": "issue 8", "ours": "this report", "what-if": "what-if"}
 def header(results: Mapping[str, Any]) -> Lines:
     profile = results["profile"]
     return paragraph(
-        "header", command="make bench" if profile["name"] == "quick" else "make bench-full",
-        profile=profile["name"], started=results["started"],
-        minutes=f"{results['seconds'] / 60:.1f}", reps=profile["reps"],
-        local_reps=profile["local_reps"], hot_only_reps=profile["hot_only_reps"],
-        scaling_reps=profile["scaling_reps"])
+        "header",
+        command="make bench" if profile["name"] == "quick" else "make bench-full",
+        profile=profile["name"],
+        started=results["started"],
+        minutes=f"{results['seconds'] / 60:.1f}",
+        reps=profile["reps"],
+        local_reps=profile["local_reps"],
+        hot_only_reps=profile["hot_only_reps"],
+        scaling_reps=profile["scaling_reps"],
+    )
 
 
 def machine(results: Mapping[str, Any]) -> Lines:
     m = results["machine"]
     disk = m["disk"]
     packages = ", ".join(f"{k} {v}" for k, v in m["packages"].items())
-    rows = [["CPU", f"{m['cpu']}, {m['cores']} cores ({m['usable_cores']} usable)"],
-            ["memory", f"{m['memory_bytes'] / GiB:.1f} GiB"],
-            ["disk (hot tier)", f"{disk['device']} ({disk['kind']}), {disk['fstype']} on "
-             f"{disk['mount']}, {disk['size_bytes'] / GiB:.0f} GiB"],
-            ["OS / Python", f"{m['os']}, Python {m['python']}"],
-            ["packages", packages],
-            ["fio", "installed" if m["fio"] else "not installed: the disk baseline is a Python "
-             "write + fsync loop (below)"],
-            ["GPU", _gpu_line(results)],
-            ["s3torchconnector", _s3torch_line(results)]]
+    rows = [
+        ["CPU", f"{m['cpu']}, {m['cores']} cores ({m['usable_cores']} usable)"],
+        ["memory", f"{m['memory_bytes'] / GiB:.1f} GiB"],
+        [
+            "disk (hot tier)",
+            f"{disk['device']} ({disk['kind']}), {disk['fstype']} on "
+            f"{disk['mount']}, {disk['size_bytes'] / GiB:.0f} GiB",
+        ],
+        ["OS / Python", f"{m['os']}, Python {m['python']}"],
+        ["packages", packages],
+        [
+            "fio",
+            "installed"
+            if m["fio"]
+            else "not installed: the disk baseline is a Python write + fsync loop (below)",
+        ],
+        ["GPU", _gpu_line(results)],
+        ["s3torchconnector", _s3torch_line(results)],
+    ]
     return paragraph("machine", table=table(["", ""], rows))
 
 
@@ -55,16 +69,20 @@ def _s3torch_line(results: Mapping[str, Any]) -> str:
 
 
 def targets(found: list[A.Target]) -> Lines:
-    rows = [[t.section, t.what, A.fmt_value(t), A.fmt_bound(t), SOURCES[t.source], A.verdict(t),
-             t.detail] for t in found]
-    out = paragraph("targets", table=table(
-        ["item", "measure", "ratio", "target", "from", "verdict", "noise"], rows))
+    rows = [
+        [t.section, t.what, A.fmt_value(t), A.fmt_bound(t), SOURCES[t.source], A.verdict(t), t.detail]
+        for t in found
+    ]
+    out = paragraph(
+        "targets", table=table(["item", "measure", "ratio", "target", "from", "verdict", "noise"], rows)
+    )
     missed = [t for t in found if t.met is False and t.source != "what-if"]
     if missed:
         out += paragraph("targets.missed")
         for t in missed:
-            out += paragraph("targets.miss", what=t.what, value=A.fmt_value(t),
-                             bound=A.fmt_bound(t), why=explain(t))
+            out += paragraph(
+                "targets.miss", what=t.what, value=A.fmt_value(t), bound=A.fmt_bound(t), why=explain(t)
+            )
     return out
 
 

@@ -23,8 +23,15 @@ OURS = ("ours_reuse", "ours_overlap")
 PEERS = ("dcp_async", "torch_checkpointing")
 SAVE_ROWS = ("fsw", "tiered_dcp", "tiered_raw", "tiered_raw_direct", "raw_write", "dcp_null")
 LOAD_ROWS = ("fsr", "tiered_dcp", "tiered_raw_t1", "tiered_raw_t4")
-STALL_ROWS = ("sync_tiered", "ours_reuse", "ours_overlap", "ours_fresh", "dcp_async",
-              "dcp_async_cached", "torch_checkpointing")
+STALL_ROWS = (
+    "sync_tiered",
+    "ours_reuse",
+    "ours_overlap",
+    "ours_fresh",
+    "dcp_async",
+    "dcp_async_cached",
+    "torch_checkpointing",
+)
 
 
 def select(records: Iterable[Record], **where: Any) -> list[Record]:
@@ -55,8 +62,11 @@ def first(records: Iterable[Record], field: str) -> dict[str, float]:
 
 def reasons(records: Iterable[Record]) -> dict[str, str]:
     """Why a variant has no measurement: not in this tree, or failed."""
-    return {r["variant"]: r.get("unavailable") or f"failed: {r['error']}" for r in records
-            if r.get("unavailable") or r.get("error")}
+    return {
+        r["variant"]: r.get("unavailable") or f"failed: {r['error']}"
+        for r in records
+        if r.get("unavailable") or r.get("error")
+    }
 
 
 def pick(values: Mapping[str, float], names: Iterable[str]) -> tuple[str | None, float | None]:
@@ -65,8 +75,9 @@ def pick(values: Mapping[str, float], names: Iterable[str]) -> tuple[str | None,
     return (min(there)[1], min(there)[0]) if there else (None, None)
 
 
-def _target(key: str, what: str, value: float | None, op: str, bound: float,
-            detail: str = "", unit: str = "x") -> A.Target:
+def _target(
+    key: str, what: str, value: float | None, op: str, bound: float, detail: str = "", unit: str = "x"
+) -> A.Target:
     return A.Target(key, "10", what, value, op, bound, "issue", unit, detail)
 
 
@@ -74,49 +85,115 @@ def io_targets(io: Mapping[str, Any]) -> list[A.Target]:
     rec = io["records"]
     out = []
     cpu, secs = best(rec, "cpu", op="save", place="tmpfs"), best(rec, "seconds", op="save", place="tmpfs")
-    out.append(_target("save_cpu", "save CPU per GiB, tiered_raw / FileSystemWriter (tmpfs)",
-                       A.div(cpu.get("tiered_raw"), cpu.get("fsw")), "<=", 0.5))
-    out.append(_target("save_tmpfs", "save throughput on tmpfs, tiered_raw / FileSystemWriter",
-                       A.div(secs.get("fsw"), secs.get("tiered_raw")), ">=", 1.8))
+    out.append(
+        _target(
+            "save_cpu",
+            "save CPU per GiB, tiered_raw / FileSystemWriter (tmpfs)",
+            A.div(cpu.get("tiered_raw"), cpu.get("fsw")),
+            "<=",
+            0.5,
+        )
+    )
+    out.append(
+        _target(
+            "save_tmpfs",
+            "save throughput on tmpfs, tiered_raw / FileSystemWriter",
+            A.div(secs.get("fsw"), secs.get("tiered_raw")),
+            ">=",
+            1.8,
+        )
+    )
     disk = best(rec, "seconds", op="save", place="disk")
     arm, took = pick(disk, ("tiered_raw", "tiered_raw_direct"))
-    out.append(_target("save_disk", "save throughput on the disk, TieredWriter raw / raw write+fsync",
-                       A.div(disk.get("raw_write"), took), ">=", 0.8, f"`{arm}`" if arm else ""))
+    out.append(
+        _target(
+            "save_disk",
+            "save throughput on the disk, TieredWriter raw / raw write+fsync",
+            A.div(disk.get("raw_write"), took),
+            ">=",
+            0.8,
+            f"`{arm}`" if arm else "",
+        )
+    )
     for place, cache in (("tmpfs", "warm"), ("disk", "warm"), ("disk", "cold")):
         where = {"op": "load", "place": place, "cache": cache}
         cpu, secs = best(rec, "cpu", **where), best(rec, "seconds", **where)
         if place == "tmpfs" or cache == "cold":
             arm, value = pick(cpu, RAW_LOADS)
-            out.append(_target(f"load_cpu_{place}_{cache}",
-                               f"load CPU per GiB, TieredReader raw / FileSystemReader ({place}, {cache})",
-                               A.div(value, cpu.get("fsr")), "<=", 0.5, f"`{arm}`" if arm else ""))
+            out.append(
+                _target(
+                    f"load_cpu_{place}_{cache}",
+                    f"load CPU per GiB, TieredReader raw / FileSystemReader ({place}, {cache})",
+                    A.div(value, cpu.get("fsr")),
+                    "<=",
+                    0.5,
+                    f"`{arm}`" if arm else "",
+                )
+            )
         arm, value = pick(secs, RAW_LOADS)
-        out.append(_target(f"load_rate_{place}_{cache}",
-                           f"load throughput, TieredReader raw / FileSystemReader ({place}, {cache})",
-                           A.div(secs.get("fsr"), value), ">=", 1.8, f"`{arm}`" if arm else ""))
+        out.append(
+            _target(
+                f"load_rate_{place}_{cache}",
+                f"load throughput, TieredReader raw / FileSystemReader ({place}, {cache})",
+                A.div(secs.get("fsr"), value),
+                ">=",
+                1.8,
+                f"`{arm}`" if arm else "",
+            )
+        )
     crc = best(rec, "cpu", op="crc")
-    share = None if "crc_on" not in crc or "crc_off" not in crc else \
-        (crc["crc_on"] - crc["crc_off"]) / crc["crc_on"]
-    out.append(_target("crc_share", "CRC32C share of a raw load's CPU (A/B)", share, "<=", 0.05,
-                       unit="%"))
+    share = (
+        None
+        if "crc_on" not in crc or "crc_off" not in crc
+        else (crc["crc_on"] - crc["crc_off"]) / crc["crc_on"]
+    )
+    out.append(_target("crc_share", "CRC32C share of a raw load's CPU (A/B)", share, "<=", 0.05, unit="%"))
     return out
 
 
 def stall_targets(stall: Mapping[str, Any]) -> list[A.Target]:
     rec = stall["records"]
     stalls, cpu = steady(rec, "stall"), steady(rec, "cpu")
-    out = [_target("stall", "CheckpointManager steady stall / sync dcp.save (TieredWriter)",
-                   A.div(stalls.get("ours_reuse"), stalls.get("sync_tiered")), "<=", 0.03,
-                   "`ours_reuse` (the default)"),
-           _target("stall_overlap", "CheckpointManager steady stall with overlap_staging / sync dcp.save",
-                   A.div(stalls.get("ours_overlap"), stalls.get("sync_tiered")), "<=", 0.03,
-                   "`ours_overlap` (save() returns before the copy, as both peers do)")]
+    out = [
+        _target(
+            "stall",
+            "CheckpointManager steady stall / sync dcp.save (TieredWriter)",
+            A.div(stalls.get("ours_reuse"), stalls.get("sync_tiered")),
+            "<=",
+            0.03,
+            "`ours_reuse` (the default)",
+        ),
+        _target(
+            "stall_overlap",
+            "CheckpointManager steady stall with overlap_staging / sync dcp.save",
+            A.div(stalls.get("ours_overlap"), stalls.get("sync_tiered")),
+            "<=",
+            0.03,
+            "`ours_overlap` (save() returns before the copy, as both peers do)",
+        ),
+    ]
     arm, ours = pick(stalls, OURS)
     for peer in PEERS:
-        out.append(_target(f"peer_stall_{peer}", f"stall, ours / {peer}", A.div(ours, stalls.get(peer)),
-                           "<", 1.0, f"`{arm}`" if arm else ""))
-        out.append(_target(f"peer_cpu_{peer}", f"CPU per GiB saved, ours / {peer}",
-                           A.div(cpu.get("ours_reuse"), cpu.get(peer)), "<", 1.0, "`ours_reuse`"))
+        out.append(
+            _target(
+                f"peer_stall_{peer}",
+                f"stall, ours / {peer}",
+                A.div(ours, stalls.get(peer)),
+                "<",
+                1.0,
+                f"`{arm}`" if arm else "",
+            )
+        )
+        out.append(
+            _target(
+                f"peer_cpu_{peer}",
+                f"CPU per GiB saved, ours / {peer}",
+                A.div(cpu.get("ours_reuse"), cpu.get(peer)),
+                "<",
+                1.0,
+                "`ours_reuse`",
+            )
+        )
     return out
 
 
@@ -147,8 +224,10 @@ def why(target: A.Target, suite: Mapping[str, Any]) -> str:
     if target.value is None:
         missing = reasons(io["records"]) | reasons(stall["records"])
         names = [n for n in (*SAVE_ROWS, *LOAD_ROWS, "crc_on", *STALL_ROWS) if n in missing]
-        return block("perf.why.unmeasured", reasons="; ".join(
-            f"`{n}`: {missing[n][:200]}" for n in names[:3]) or "no measurement")
+        return block(
+            "perf.why.unmeasured",
+            reasons="; ".join(f"`{n}`: {missing[n][:200]}" for n in names[:3]) or "no measurement",
+        )
     rec, scale = io["records"], GiB / io["bytes"]
     if key.startswith("save"):
         place = "disk" if key == "save_disk" else "tmpfs"
@@ -156,48 +235,69 @@ def why(target: A.Target, suite: Mapping[str, Any]) -> str:
         secs = best(rec, "seconds", op="save", place=place)
         crc_gib = _crc_gib(io)
         floor, dcp_own = cpu.get("raw_write"), cpu.get("dcp_null")
-        reach = (None if floor is None or crc_gib == "n/a" or not cpu.get("fsw")
-                 else (floor * scale + float(crc_gib)) / (cpu["fsw"] * scale))
-        reach_dcp = (None if reach is None or dcp_own is None
-                     else reach + dcp_own / cpu["fsw"])
-        return block(f"perf.why.{key}", ours=_scaled(cpu.get("tiered_raw"), scale),
-                     reach="n/a" if reach is None else f"{reach:.2f}",
-                     reach_dcp="n/a" if reach_dcp is None else f"{reach_dcp:.2f}",
-                     dcp_own=_scaled(dcp_own, scale),
-                     fsw=_scaled(cpu.get("fsw"), scale), floor=_scaled(cpu.get("raw_write"), scale),
-                     ours_s=A.seconds(secs.get("tiered_raw")), raw_s=A.seconds(secs.get("raw_write")),
-                     fsync_s=A.seconds(best(rec, "fsync", op="save", place=place).get("raw_write")),
-                     crc=crc_gib)
+        reach = (
+            None
+            if floor is None or crc_gib == "n/a" or not cpu.get("fsw")
+            else (floor * scale + float(crc_gib)) / (cpu["fsw"] * scale)
+        )
+        reach_dcp = None if reach is None or dcp_own is None else reach + dcp_own / cpu["fsw"]
+        return block(
+            f"perf.why.{key}",
+            ours=_scaled(cpu.get("tiered_raw"), scale),
+            reach="n/a" if reach is None else f"{reach:.2f}",
+            reach_dcp="n/a" if reach_dcp is None else f"{reach_dcp:.2f}",
+            dcp_own=_scaled(dcp_own, scale),
+            fsw=_scaled(cpu.get("fsw"), scale),
+            floor=_scaled(cpu.get("raw_write"), scale),
+            ours_s=A.seconds(secs.get("tiered_raw")),
+            raw_s=A.seconds(secs.get("raw_write")),
+            fsync_s=A.seconds(best(rec, "fsync", op="save", place=place).get("raw_write")),
+            crc=crc_gib,
+        )
     if key.startswith("load"):
         place, cache = key.split("_")[2:]
         cpu = best(rec, "cpu", op="load", place=place, cache=cache)
         secs = best(rec, "seconds", op="load", place=place, cache=cache)
         which = "load_cpu" if key.startswith("load_cpu") else "load_rate"
         unverified = best(rec, "cpu", op="crc").get("crc_off")
-        return block(f"perf.why.{which}", place=place, cache=cache, crc=_crc_gib(io),
-                     unverified=_scaled(unverified, scale),
-                     unverified_ratio=_ratio2(A.div(unverified, cpu.get("fsr"))),
-                     cores=io.get("cores", "?"),
-                     t1=_scaled(cpu.get("tiered_raw_t1"), scale),
-                     t4=_scaled(cpu.get("tiered_raw_t4"), scale), fsr=_scaled(cpu.get("fsr"), scale),
-                     t1_s=A.seconds(secs.get("tiered_raw_t1")),
-                     t4_s=A.seconds(secs.get("tiered_raw_t4")), fsr_s=A.seconds(secs.get("fsr")))
+        return block(
+            f"perf.why.{which}",
+            place=place,
+            cache=cache,
+            crc=_crc_gib(io),
+            unverified=_scaled(unverified, scale),
+            unverified_ratio=_ratio2(A.div(unverified, cpu.get("fsr"))),
+            cores=io.get("cores", "?"),
+            t1=_scaled(cpu.get("tiered_raw_t1"), scale),
+            t4=_scaled(cpu.get("tiered_raw_t4"), scale),
+            fsr=_scaled(cpu.get("fsr"), scale),
+            t1_s=A.seconds(secs.get("tiered_raw_t1")),
+            t4_s=A.seconds(secs.get("tiered_raw_t4")),
+            fsr_s=A.seconds(secs.get("fsr")),
+        )
     if key == "crc_share":
-        hardware = {True: "the `crc32c` package's hardware CRC32C instruction",
-                    False: "the `crc32c` package's software fallback"}.get(
-                        io.get("crc_hardware"), "CRC32C implementation not recorded")
+        hardware = {
+            True: "the `crc32c` package's hardware CRC32C instruction",
+            False: "the `crc32c` package's software fallback",
+        }.get(io.get("crc_hardware"), "CRC32C implementation not recorded")
         return block("perf.why.crc_share", crc=_crc_gib(io), hardware=hardware)
     srec, scale = stall["records"], GiB / stall["bytes"]
     stalls, staged, cpu = steady(srec, "stall"), steady(srec, "staged"), steady(srec, "cpu")
     peer = key.split("_", 2)[2] if key.startswith("peer") else ""
-    return block("perf.why.stall" if key.startswith("stall") else "perf.why.peer", peer=peer,
-                 reuse=A.seconds(stalls.get("ours_reuse")), overlap=A.seconds(stalls.get("ours_overlap")),
-                 sync=A.seconds(stalls.get("sync_tiered")),
-                 staged=A.seconds(staged.get("ours_overlap") or staged.get("ours_reuse")),
-                 copy=f"{stall['copy']:.3f}" if stall.get("copy") else "n/a",
-                 sync_over_copy=_ratio(A.div(stalls.get("sync_tiered"), stall.get("copy"))),
-                 ours_cpu=_scaled(cpu.get("ours_reuse"), scale), peer_cpu=_scaled(cpu.get(peer), scale),
-                 peer_stall=A.seconds(stalls.get(peer)), peer_staged=A.seconds(staged.get(peer)))
+    return block(
+        "perf.why.stall" if key.startswith("stall") else "perf.why.peer",
+        peer=peer,
+        reuse=A.seconds(stalls.get("ours_reuse")),
+        overlap=A.seconds(stalls.get("ours_overlap")),
+        sync=A.seconds(stalls.get("sync_tiered")),
+        staged=A.seconds(staged.get("ours_overlap") or staged.get("ours_reuse")),
+        copy=f"{stall['copy']:.3f}" if stall.get("copy") else "n/a",
+        sync_over_copy=_ratio(A.div(stalls.get("sync_tiered"), stall.get("copy"))),
+        ours_cpu=_scaled(cpu.get("ours_reuse"), scale),
+        peer_cpu=_scaled(cpu.get(peer), scale),
+        peer_stall=A.seconds(stalls.get(peer)),
+        peer_staged=A.seconds(staged.get(peer)),
+    )
 
 
 def _ratio2(value: float | None) -> str:
@@ -228,39 +328,64 @@ def perf_section(results: Results, img: Path | None = None) -> Lines:
         return []
     io, stall = suite["io"], suite["stall"]
     found = perf_targets(results)
-    rows = [[t.what, A.fmt_value(t) if t.unit == "%" else
-             ("n/a" if t.value is None else f"{t.value:.3f}x"),
-             f"{t.op} {t.bound:.0%}" if t.unit == "%" else f"{t.op} {t.bound:.2f}x",
-             verdict(t), t.detail] for t in found]
+    rows = [
+        [
+            t.what,
+            A.fmt_value(t) if t.unit == "%" else ("n/a" if t.value is None else f"{t.value:.3f}x"),
+            f"{t.op} {t.bound:.0%}" if t.unit == "%" else f"{t.op} {t.bound:.2f}x",
+            verdict(t),
+            t.detail,
+        ]
+        for t in found
+    ]
     name = results.get("profile", {}).get("name", "quick")
     command = f"python -m benchmarks --profile {name} --only perf" + (" --splice" if name != "smoke" else "")
     loads = [x for part in (io, stall) for x in part.get("loadavg", [])]
-    out = paragraph("perf", command=command, size=size_label(io["bytes"]),
-                    cores=io.get("cores", "?"),
-                    loadavg=f"{min(loads):.1f}-{max(loads):.1f}" if loads else "n/a", tensors=io["tensors"],
-                    largest=size_label(io["largest"]), smallest=io["smallest"],
-                    reps=io["reps"], saves=stall["saves"], hot=stall["hot"],
-                    started=results.get("started", ""), features=_features(io["features"]),
-                    table=table(["target", "measured", "bound", "verdict", "ours"], rows))
+    out = paragraph(
+        "perf",
+        command=command,
+        size=size_label(io["bytes"]),
+        cores=io.get("cores", "?"),
+        loadavg=f"{min(loads):.1f}-{max(loads):.1f}" if loads else "n/a",
+        tensors=io["tensors"],
+        largest=size_label(io["largest"]),
+        smallest=io["smallest"],
+        reps=io["reps"],
+        saves=stall["saves"],
+        hot=stall["hot"],
+        started=results.get("started", ""),
+        features=_features(io["features"]),
+        table=table(["target", "measured", "bound", "verdict", "ours"], rows),
+    )
     missed = [t for t in found if met(t) is not True]
     if missed:
         out += paragraph("perf.missed")
-        out += [block("perf.miss", what=t.what, value="n/a" if t.value is None else
-                      (A.fmt_value(t) if t.unit == "%" else f"{t.value:.3f}x"),
-                      bound=f"{t.op} {t.bound:.0%}" if t.unit == "%" else f"{t.op} {t.bound:.2f}x",
-                      why=why(t, suite)) for t in missed] + [""]
+        out += [
+            block(
+                "perf.miss",
+                what=t.what,
+                value="n/a" if t.value is None else (A.fmt_value(t) if t.unit == "%" else f"{t.value:.3f}x"),
+                bound=f"{t.op} {t.bound:.0%}" if t.unit == "%" else f"{t.op} {t.bound:.2f}x",
+                why=why(t, suite),
+            )
+            for t in missed
+        ] + [""]
     out += _io_tables(io, img)
     out += _stall_table(stall, img)
-    checks = {f"{place}/{name}": text for place, bad in io.get("load_checks", {}).items()
-              for name, text in bad.items()}
+    checks = {
+        f"{place}/{name}": text
+        for place, bad in io.get("load_checks", {}).items()
+        for name, text in bad.items()
+    }
     if checks:
         out += paragraph("perf.checks", problems="; ".join(f"`{k}`: {v}" for k, v in checks.items()))
     return out
 
 
 def _features(found: Mapping[str, str | None]) -> str:
-    return ", ".join(f"`{name}` {'present' if reason is None else 'absent'}"
-                     for name, reason in found.items())
+    return ", ".join(
+        f"`{name}` {'present' if reason is None else 'absent'}" for name, reason in found.items()
+    )
 
 
 def _io_tables(io: Mapping[str, Any], img: Path | None) -> Lines:
@@ -268,9 +393,11 @@ def _io_tables(io: Mapping[str, Any], img: Path | None) -> Lines:
     rows: list[list[str]] = []
     cpu_bars: dict[str, dict[str, float]] = {}
     missing = reasons(rec)
-    for op, places, names in (("save", (("tmpfs", None), ("disk", None)), SAVE_ROWS),
-                              ("load", (("tmpfs", "warm"), ("disk", "warm"), ("disk", "cold")), LOAD_ROWS),
-                              ("crc", (("tmpfs", None), ("disk", None)), ("crc_on", "crc_off"))):
+    for op, places, names in (
+        ("save", (("tmpfs", None), ("disk", None)), SAVE_ROWS),
+        ("load", (("tmpfs", "warm"), ("disk", "warm"), ("disk", "cold")), LOAD_ROWS),
+        ("crc", (("tmpfs", None), ("disk", None)), ("crc_on", "crc_off")),
+    ):
         for place, cache in places:
             where = {"op": op, "place": place, **({"cache": cache} if cache else {})}
             cpu, secs = best(rec, "cpu", **where), best(rec, "seconds", **where)
@@ -278,21 +405,31 @@ def _io_tables(io: Mapping[str, Any], img: Path | None) -> Lines:
             label = f"{op} {place}" + (f" {cache}" if cache else "")
             for name in names:
                 if name in secs:
-                    rows.append([label, f"`{name}`", f"{io['bytes'] / secs[name] / MiB:.0f}",
-                                 f"{cpu[name] * scale:.3f}",
-                                 f"{A.div(secs.get(base), secs[name]) or 0:.2f}x",
-                                 f"{A.div(cpu[name], cpu.get(base)) or 0:.2f}x"])
+                    rows.append(
+                        [
+                            label,
+                            f"`{name}`",
+                            f"{io['bytes'] / secs[name] / MiB:.0f}",
+                            f"{cpu[name] * scale:.3f}",
+                            f"{A.div(secs.get(base), secs[name]) or 0:.2f}x",
+                            f"{A.div(cpu[name], cpu.get(base)) or 0:.2f}x",
+                        ]
+                    )
                     cpu_bars.setdefault(label, {})[name] = cpu[name] * scale
                 elif name in missing and select(rec, variant=name, op=op, place=place):
                     rows.append([label, f"`{name}`", "n/a", "n/a", "", missing[name][:120]])
-    out = paragraph("perf.io", table=table(
-        ["case", "variant", "MiB/s (best)", "CPU s/GiB (best)", "speed vs base", "CPU vs base"],
-        rows))
+    out = paragraph(
+        "perf.io",
+        table=table(
+            ["case", "variant", "MiB/s (best)", "CPU s/GiB (best)", "speed vs base", "CPU vs base"], rows
+        ),
+    )
     if img is not None and cpu_bars:
         from benchmarks.report import plots  # matplotlib: only where a figure is drawn
 
-        path = plots.bars(img / "perf_cpu.png", "CPU seconds per GiB, best of reps (lower is better)",
-                          "CPU s/GiB", cpu_bars)
+        path = plots.bars(
+            img / "perf_cpu.png", "CPU seconds per GiB, best of reps (lower is better)", "CPU s/GiB", cpu_bars
+        )
         out += [image(path, "CPU per GiB of saves and loads"), ""]
     return out
 
@@ -307,22 +444,42 @@ def _stall_table(stall: Mapping[str, Any], img: Path | None) -> Lines:
     bars: dict[str, dict[str, float]] = {}
     for name in STALL_ROWS:
         if name in med["stall"]:
-            rows.append([f"`{name}`", *[f"{med[f][name]:.3f}" for f in fields[:3]],
-                         f"{med['cpu'][name] * scale:.3f}",
-                         f"{A.div(med['stall'][name], med['stall'].get('sync_tiered')) or 0:.3f}x",
-                         " / ".join(f"{one[f].get(name, 0):.3f}" for f in fields[:3])])
+            rows.append(
+                [
+                    f"`{name}`",
+                    *[f"{med[f][name]:.3f}" for f in fields[:3]],
+                    f"{med['cpu'][name] * scale:.3f}",
+                    f"{A.div(med['stall'][name], med['stall'].get('sync_tiered')) or 0:.3f}x",
+                    " / ".join(f"{one[f].get(name, 0):.3f}" for f in fields[:3]),
+                ]
+            )
             bars.setdefault("stall", {})[name] = med["stall"][name]
             bars.setdefault("staged", {})[name] = med["staged"][name]
             bars.setdefault("durable", {})[name] = med["durable"][name]
         elif name in missing:
             rows.append([f"`{name}`", "n/a", "n/a", "n/a", "n/a", "", missing[name][:300]])
-    out = paragraph("perf.stall", hot=stall["hot"], saves=stall["saves"], table=table(
-        ["system", "stall s", "staged s", "durable s", "CPU s/GiB", "stall / sync",
-         "first save: stall / staged / durable s"], rows))
+    out = paragraph(
+        "perf.stall",
+        hot=stall["hot"],
+        saves=stall["saves"],
+        table=table(
+            [
+                "system",
+                "stall s",
+                "staged s",
+                "durable s",
+                "CPU s/GiB",
+                "stall / sync",
+                "first save: stall / staged / durable s",
+            ],
+            rows,
+        ),
+    )
     if img is not None and bars:
         from benchmarks.report import plots  # matplotlib: only where a figure is drawn
 
-        path = plots.bars(img / "perf_stall.png", "Seconds per save, steady state (log)", "seconds",
-                          bars, log=True)
+        path = plots.bars(
+            img / "perf_stall.png", "Seconds per save, steady state (log)", "seconds", bars, log=True
+        )
         out += [image(path, "stall, staged and durable per system"), ""]
     return out

@@ -13,10 +13,21 @@ import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-COLORS = {"tiered": "#1b7837", "fsw": "#2166ac", "fsspec": "#b2182b", "s3torch": "#e08214",
-          "disk": "#555555", "fsr": "#2166ac", "s3fs": "#b2182b", "crc": "#999999",
-          "ours": "#1b7837", "dcp": "#2166ac", "torch": "#e08214", "sync": "#555555",
-          "raw": "#555555"}
+COLORS = {
+    "tiered": "#1b7837",
+    "fsw": "#2166ac",
+    "fsspec": "#b2182b",
+    "s3torch": "#e08214",
+    "disk": "#555555",
+    "fsr": "#2166ac",
+    "s3fs": "#b2182b",
+    "crc": "#999999",
+    "ours": "#1b7837",
+    "dcp": "#2166ac",
+    "torch": "#e08214",
+    "sync": "#555555",
+    "raw": "#555555",
+}
 DPI = 80
 Points = Mapping[Any, float]  # x (int or float) -> y
 
@@ -33,8 +44,15 @@ def _save(fig: Figure, path: Path) -> Path:
     return path
 
 
-def bars(path: Path, title: str, ylabel: str, groups: Mapping[str, Mapping[str, float]],
-         *, log: bool = False, reference: float | None = None) -> Path:
+def bars(
+    path: Path,
+    title: str,
+    ylabel: str,
+    groups: Mapping[str, Mapping[str, float]],
+    *,
+    log: bool = False,
+    reference: float | None = None,
+) -> Path:
     """Grouped bars: ``groups[group][series] = value``; one colour per series."""
     fig, ax = plt.subplots(figsize=(7.2, 3.4))
     series = list(dict.fromkeys(s for values in groups.values() for s in values))
@@ -49,9 +67,17 @@ def bars(path: Path, title: str, ylabel: str, groups: Mapping[str, Mapping[str, 
     return _save(fig, path)
 
 
-def lines(path: Path, title: str, xlabel: str, ylabel: str,
-          series: Mapping[str, Points], *, log: bool = False,
-          reference: float | None = None, xticks: Sequence[float] | None = None) -> Path:
+def lines(
+    path: Path,
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    series: Mapping[str, Points],
+    *,
+    log: bool = False,
+    reference: float | None = None,
+    xticks: Sequence[float] | None = None,
+) -> Path:
     fig, ax = plt.subplots(figsize=(6.4, 3.4))
     for name, points in series.items():
         xs = sorted(points)

@@ -19,8 +19,17 @@ from benchmarks.report.tables import DOC, FIGURES, Lines
 Section = Callable[[Mapping[str, Any], Path], Lines]
 
 SECTIONS: tuple[Section, ...] = (
-    S.save_section, S.latency_section, S.hot_section, S.migration_section, S.load_section,
-    S.memory_section, S.scaling_section, S.gpu_section, cold_down_section, perf_section)
+    S.save_section,
+    S.latency_section,
+    S.hot_section,
+    S.migration_section,
+    S.load_section,
+    S.memory_section,
+    S.scaling_section,
+    S.gpu_section,
+    cold_down_section,
+    perf_section,
+)
 # Sections rendered from their own suite alone: a run of only those suites can update them in
 # the report without the rest (``--only cold-down --splice``).
 STANDALONE: dict[str, Section] = {"cold-down": cold_down_section, "perf": perf_section}

@@ -29,8 +29,9 @@ Results = Mapping[str, Any]
 
 def errors(records: list[dict[str, Any]]) -> str:
     """One list item per case that failed."""
-    return "\n".join(block("errors.one", name=name, error=error[:300])
-                     for name, error in A.errors(records).items())
+    return "\n".join(
+        block("errors.one", name=name, error=error[:300]) for name, error in A.errors(records).items()
+    )
 
 
 def save_section(results: Results, img: Path) -> Lines:
@@ -44,18 +45,35 @@ def save_section(results: Results, img: Path) -> Lines:
         rows = []
         for name in A.ordered(stall, SAVE_ORDER):
             ratio = A.div(A.med(stall, name), base)
-            rows.append([f"`{name}`", spread(stall[name]), f"{ratio:.3f}x" if ratio else "n/a",
-                         spread(commit.get(name)), spread(cold.get(name)) if name in cold else ""])
+            rows.append(
+                [
+                    f"`{name}`",
+                    spread(stall[name]),
+                    f"{ratio:.3f}x" if ratio else "n/a",
+                    spread(commit.get(name)),
+                    spread(cold.get(name)) if name in cold else "",
+                ]
+            )
             if ratio and name != "disk_sync":
                 groups.setdefault(size_label(size), {})[name] = ratio
-        out += paragraph("save.size", size=size_label(size), errors=errors(records), table=table(
-            ["writer", "stall s", "stall / fsw_sync", "commit s", "cold commit s"], rows))
+        out += paragraph(
+            "save.size",
+            size=size_label(size),
+            errors=errors(records),
+            table=table(["writer", "stall s", "stall / fsw_sync", "commit s", "cold commit s"], rows),
+        )
     hot_only = [s for s in A.save_sizes(results) if s in results["profile"]["hot_only_sizes"]]
     if hot_only:
         out += paragraph("save.hot_only", sizes=", ".join(size_label(s) for s in hot_only))
     if groups:
-        path = plots.bars(img / "save_stall.png", "Save stall / FileSystemWriter sync (lower is better)",
-                          "ratio (log)", groups, log=True, reference=1.0)
+        path = plots.bars(
+            img / "save_stall.png",
+            "Save stall / FileSystemWriter sync (lower is better)",
+            "ratio (log)",
+            groups,
+            log=True,
+            reference=1.0,
+        )
         out += [image(path, "save stall ratios"), ""]
     return out
 
@@ -69,17 +87,33 @@ def latency_section(results: Results, img: Path) -> Lines:
     rows = []
     for writer in A.ordered(stall, SAVE_ORDER):
         s, c = stall[writer], commit.get(writer, {})
-        rows.append([f"`{writer}`", *[f"{s.get(ms, 0):.2f} ({A.div(s.get(ms), s.get(0)) or 0:.2f}x)"
-                                      for ms in delays],
-                     *[f"{c.get(ms, 0):.2f}" for ms in delays]])
+        rows.append(
+            [
+                f"`{writer}`",
+                *[f"{s.get(ms, 0):.2f} ({A.div(s.get(ms), s.get(0)) or 0:.2f}x)" for ms in delays],
+                *[f"{c.get(ms, 0):.2f}" for ms in delays],
+            ]
+        )
     series = {w: {ms: (A.div(v, s[0]) or 0.0) for ms, v in s.items()} for w, s in stall.items() if 0 in s}
-    path = plots.lines(img / "latency.png", "Save stall vs added S3 latency (ratio to +0 ms)",
-                       "added latency per S3 request (ms)", "stall / stall at +0 ms", series,
-                       reference=1.0, xticks=delays)
-    return paragraph("latency", size=size_label(suite["bytes"]), errors=errors(suite["records"]),
-                     figure=image(path, "stall vs latency"),
-                     table=table(["writer", *[f"stall s @+{ms} ms" for ms in delays],
-                                  *[f"commit s @+{ms} ms" for ms in delays]], rows))
+    path = plots.lines(
+        img / "latency.png",
+        "Save stall vs added S3 latency (ratio to +0 ms)",
+        "added latency per S3 request (ms)",
+        "stall / stall at +0 ms",
+        series,
+        reference=1.0,
+        xticks=delays,
+    )
+    return paragraph(
+        "latency",
+        size=size_label(suite["bytes"]),
+        errors=errors(suite["records"]),
+        figure=image(path, "stall vs latency"),
+        table=table(
+            ["writer", *[f"stall s @+{ms} ms" for ms in delays], *[f"commit s @+{ms} ms" for ms in delays]],
+            rows,
+        ),
+    )
 
 
 def hot_section(results: Results, img: Path) -> Lines:
@@ -92,39 +126,56 @@ def hot_section(results: Results, img: Path) -> Lines:
         rows = []
         for name in A.ordered(set(rate) & set(LOCAL_ORDER), LOCAL_ORDER):
             value = A.med(rate, name)
-            rows.append([f"`{name}`", spread(rate[name], 1 / MiB, "{:.0f}"),
-                         f"{A.div(value, base_fsw) or 0:.2f}x", f"{A.div(value, base_disk) or 0:.2f}x",
-                         A.seconds(A.med(cpu, name)),
-                         f"{A.div(A.med(cpu, name), A.med(cpu, 'fsw_sync')) or 0:.2f}x"])
+            rows.append(
+                [
+                    f"`{name}`",
+                    spread(rate[name], 1 / MiB, "{:.0f}"),
+                    f"{A.div(value, base_fsw) or 0:.2f}x",
+                    f"{A.div(value, base_disk) or 0:.2f}x",
+                    A.seconds(A.med(cpu, name)),
+                    f"{A.div(A.med(cpu, name), A.med(cpu, 'fsw_sync')) or 0:.2f}x",
+                ]
+            )
             series.setdefault(size_label(size), {})[name] = (value or 0) / MiB
-        out += paragraph("hot.size", size=size_label(size), table=table(
-            ["writer", "MiB/s", "vs fsw_sync", "vs disk", "CPU s/GiB", "CPU vs fsw_sync"], rows))
+        out += paragraph(
+            "hot.size",
+            size=size_label(size),
+            table=table(["writer", "MiB/s", "vs fsw_sync", "vs disk", "CPU s/GiB", "CPU vs fsw_sync"], rows),
+        )
         fsync = A.fsync_share(records)
         if fsync is not None:
             out += paragraph("hot.fsync", share=share(fsync))
     if series:
-        path = plots.bars(img / "hot_throughput.png", "Hot write throughput (higher is better)",
-                          "MiB/s", series)
+        path = plots.bars(
+            img / "hot_throughput.png", "Hot write throughput (higher is better)", "MiB/s", series
+        )
         out += [image(path, "hot write throughput"), ""]
     return out + _cpu_costs(results)
 
 
-CPU_ROWS = {"torch_save": "`torch.save` of the tensors to a null sink (zip CRC32 on: the default)",
-            "torch_save_nozipcrc": "the same, zip CRC32 off",
-            "crc32c": "tierstore's CRC32C of the same bytes",
-            "fsw_tmpfs": "`dcp.save`, FileSystemWriter, into tmpfs",
-            "tiered_tmpfs": "`dcp.save`, TieredWriter (zip CRC32 off while it writes, F1), "
-                            "into tmpfs"}
+CPU_ROWS = {
+    "torch_save": "`torch.save` of the tensors to a null sink (zip CRC32 on: the default)",
+    "torch_save_nozipcrc": "the same, zip CRC32 off",
+    "crc32c": "tierstore's CRC32C of the same bytes",
+    "fsw_tmpfs": "`dcp.save`, FileSystemWriter, into tmpfs",
+    "tiered_tmpfs": "`dcp.save`, TieredWriter (zip CRC32 off while it writes, F1), into tmpfs",
+}
 
 
 def _cpu_costs(results: Results) -> Lines:
     costs = A.cpu_costs(results)
     if not costs:
         return []
-    rows = [[text, spread(costs[name], fmt="{:.3f}"), f"{GiB / MiB / costs[name]['median']:.0f}"]
-            for name, text in CPU_ROWS.items() if name in costs]
-    return paragraph("hot.cpu", size=size_label(results["suites"]["cpu"]["bytes"]),
-                     table=table(["what", "CPU s/GiB", "MiB per CPU s"], rows))
+    rows = [
+        [text, spread(costs[name], fmt="{:.3f}"), f"{GiB / MiB / costs[name]['median']:.0f}"]
+        for name, text in CPU_ROWS.items()
+        if name in costs
+    ]
+    return paragraph(
+        "hot.cpu",
+        size=size_label(results["suites"]["cpu"]["bytes"]),
+        table=table(["what", "CPU s/GiB", "MiB per CPU s"], rows),
+    )
 
 
 def migration_section(results: Results, img: Path) -> Lines:
@@ -139,30 +190,63 @@ def migration_section(results: Results, img: Path) -> Lines:
         sweep = [r for r in suite["records"] if r["group"] == "sweep" and r["inflight"] == inflight]
         cpu = A.cpu_per_gib(sweep)
         ratio = A.div(ours["median"] if ours else None, plain["median"] if plain else None)
-        rows.append([str(inflight), spread(ours, fmt="{:.0f}"), spread(plain, fmt="{:.0f}"),
-                     f"{ratio or 0:.2f}x",
-                     A.seconds(A.med(cpu, "tiered")), A.seconds(A.med(cpu, "s3fs"))])
+        rows.append(
+            [
+                str(inflight),
+                spread(ours, fmt="{:.0f}"),
+                spread(plain, fmt="{:.0f}"),
+                f"{ratio or 0:.2f}x",
+                A.seconds(A.med(cpu, "tiered")),
+                A.seconds(A.med(cpu, "s3fs")),
+            ]
+        )
     sizes = sorted({s for kind in memory.values() for s in kind})
-    mem_rows = [[size_label(s), A.mib(memory.get("tiered", {}).get(s)),
-                 A.mib(memory.get("s3fs", {}).get(s))] for s in sizes]
+    mem_rows = [
+        [size_label(s), A.mib(memory.get("tiered", {}).get(s)), A.mib(memory.get("s3fs", {}).get(s))]
+        for s in sizes
+    ]
     largest = max((r["bytes"] for r in suite["records"] if r["group"] == "sweep"), default=0)
-    path = plots.lines(img / "migration.png", "Migration to S3 (moto): throughput vs parts in flight",
-                       "parts in flight per file", "MiB/s",
-                       {k: {n: v["median"] for n, v in s.items()} for k, s in speed.items()},
-                       xticks=sorted({n for s in speed.values() for n in s}))
+    path = plots.lines(
+        img / "migration.png",
+        "Migration to S3 (moto): throughput vs parts in flight",
+        "parts in flight per file",
+        "MiB/s",
+        {k: {n: v["median"] for n, v in s.items()} for k, s in speed.items()},
+        xticks=sorted({n for s in speed.values() for n in s}),
+    )
     return paragraph(
-        "migration", size=size_label(largest), part_mib=suite["part_size"] // MiB,
-        inflight=suite["default_inflight"], errors=errors(suite["records"]),
+        "migration",
+        size=size_label(largest),
+        part_mib=suite["part_size"] // MiB,
+        inflight=suite["default_inflight"],
+        errors=errors(suite["records"]),
         figure=image(path, "migration throughput"),
-        table=table(["parts in flight", "migrate_pending MiB/s", "s3fs put_file MiB/s", "ratio",
-                     "CPU s/GiB migrate_pending", "CPU s/GiB s3fs"], rows),
-        memory_table=table(["checkpoint", "migrate_pending", "s3fs put_file"], mem_rows))
+        table=table(
+            [
+                "parts in flight",
+                "migrate_pending MiB/s",
+                "s3fs put_file MiB/s",
+                "ratio",
+                "CPU s/GiB migrate_pending",
+                "CPU s/GiB s3fs",
+            ],
+            rows,
+        ),
+        memory_table=table(["checkpoint", "migrate_pending", "s3fs put_file"], mem_rows),
+    )
 
 
 def _load_ratio(name: str, t: A.Summaries) -> str:
     """A throughput ratio to the load's baseline; for ``crc_only``, its share of the warm load."""
-    base = ("fsr_hot_warm" if name.endswith("_warm") else "fsr_hot" if "hot" in name
-            else "fsspec_cold" if "cold" in name else "tiered_hot_warm")
+    base = (
+        "fsr_hot_warm"
+        if name.endswith("_warm")
+        else "fsr_hot"
+        if "hot" in name
+        else "fsspec_cold"
+        if "cold" in name
+        else "tiered_hot_warm"
+    )
     if name == "crc_only":
         return f"{A.div(t[name]['median'], A.med(t, base)) or 0:.1%} of `{base}`"
     return f"{A.div(A.med(t, base), t[name]['median']) or 0:.2f}x vs `{base}`"
@@ -173,14 +257,28 @@ def load_section(results: Results, img: Path) -> Lines:
     if not suite:
         return []
     t, cpu = A.load_summary(results), A.cpu_per_gib(suite["records"])
-    rows = [[f"`{name}`", spread(t[name]), f"{suite['bytes'] / MiB / t[name]['median']:.0f}",
-             _load_ratio(name, t), A.seconds(A.med(cpu, name))] for name in A.ordered(t, LOAD_ORDER)]
-    series = {"hot": {n: suite["bytes"] / MiB / t[n]["median"] for n in t if "hot" in n},
-              "S3": {n: suite["bytes"] / MiB / t[n]["median"] for n in t if "cold" in n}}
+    rows = [
+        [
+            f"`{name}`",
+            spread(t[name]),
+            f"{suite['bytes'] / MiB / t[name]['median']:.0f}",
+            _load_ratio(name, t),
+            A.seconds(A.med(cpu, name)),
+        ]
+        for name in A.ordered(t, LOAD_ORDER)
+    ]
+    series = {
+        "hot": {n: suite["bytes"] / MiB / t[n]["median"] for n in t if "hot" in n},
+        "S3": {n: suite["bytes"] / MiB / t[n]["median"] for n in t if "cold" in n},
+    }
     path = plots.bars(img / "load.png", "Load throughput (higher is better)", "MiB/s", series)
-    return paragraph("load", size=size_label(suite["bytes"]), errors=errors(suite["records"]),
-                     figure=image(path, "load throughput"),
-                     table=table(["reader", "load s", "MiB/s", "ratio", "CPU s/GiB"], rows))
+    return paragraph(
+        "load",
+        size=size_label(suite["bytes"]),
+        errors=errors(suite["records"]),
+        figure=image(path, "load throughput"),
+        table=table(["reader", "load s", "MiB/s", "ratio", "CPU s/GiB"], rows),
+    )
 
 
 def memory_section(results: Results, img: Path) -> Lines:
@@ -191,17 +289,29 @@ def memory_section(results: Results, img: Path) -> Lines:
         for name in A.ordered(save, SAVE_ORDER):
             if name == "disk_sync":
                 continue
-            rows.append([size_label(size), f"`{name}`", A.mib(A.med(save, name)),
-                         A.mib(A.med(total, name)) if name in total else ""])
+            rows.append(
+                [
+                    size_label(size),
+                    f"`{name}`",
+                    A.mib(A.med(save, name)),
+                    A.mib(A.med(total, name)) if name in total else "",
+                ]
+            )
     memory = A.migration_memory(results)
     series = {kind: {s / MiB: v / MiB for s, v in sizes.items()} for kind, sizes in memory.items()}
     figure = ""
     if series:
-        path = plots.lines(img / "memory.png", "Peak RSS growth while migrating vs checkpoint size",
-                           "checkpoint MiB", "MiB", series)
+        path = plots.lines(
+            img / "memory.png",
+            "Peak RSS growth while migrating vs checkpoint size",
+            "checkpoint MiB",
+            "MiB",
+            series,
+        )
         figure = image(path, "migration memory")
-    return paragraph("memory", figure=figure,
-                     table=table(["state", "writer", "save MiB", "save + migration MiB"], rows))
+    return paragraph(
+        "memory", figure=figure, table=table(["state", "writer", "save MiB", "save + migration MiB"], rows)
+    )
 
 
 def scaling_section(results: Results, img: Path) -> Lines:
@@ -212,21 +322,43 @@ def scaling_section(results: Results, img: Path) -> Lines:
     rows = []
     for world in sorted(commit):
         c, s = commit[world], stall[world]
-        rows.append([str(world), *[A.seconds(A.med(c, n)) for n in ("disk_sync", "fsw_sync", "tiered_sync")],
-                     f"{A.div(A.med(c, 'tiered_sync'), A.med(c, 'fsw_sync')) or 0:.2f}x",
-                     A.seconds(A.med(s, "tiered_async"))])
-    bytes_path = plots.lines(img / "scaling_bytes.png", "Time to commit vs state size (2 ranks)",
-                             "state MiB", "seconds", _by_bytes(results), log=True)
-    ranks = {n: {float(w): A.med(commit[w], n) or 0.0 for w in commit}
-             for n in ("fsw_sync", "tiered_sync", "disk_sync")}
-    ranks_path = plots.lines(img / "scaling_ranks.png",
-                             f"Time to commit {size_label(suite['bytes'])} vs ranks", "ranks",
-                             "seconds", ranks, xticks=sorted(commit))
-    return paragraph("scaling", size=size_label(suite["bytes"]),
-                     figure_bytes=image(bytes_path, "time vs bytes"),
-                     figure_ranks=image(ranks_path, "time vs ranks"),
-                     table=table(["ranks", "disk s", "fsw_sync s", "tiered_sync s", "tiered / fsw",
-                                  "tiered_async stall s"], rows))
+        rows.append(
+            [
+                str(world),
+                *[A.seconds(A.med(c, n)) for n in ("disk_sync", "fsw_sync", "tiered_sync")],
+                f"{A.div(A.med(c, 'tiered_sync'), A.med(c, 'fsw_sync')) or 0:.2f}x",
+                A.seconds(A.med(s, "tiered_async")),
+            ]
+        )
+    bytes_path = plots.lines(
+        img / "scaling_bytes.png",
+        "Time to commit vs state size (2 ranks)",
+        "state MiB",
+        "seconds",
+        _by_bytes(results),
+        log=True,
+    )
+    ranks = {
+        n: {float(w): A.med(commit[w], n) or 0.0 for w in commit}
+        for n in ("fsw_sync", "tiered_sync", "disk_sync")
+    }
+    ranks_path = plots.lines(
+        img / "scaling_ranks.png",
+        f"Time to commit {size_label(suite['bytes'])} vs ranks",
+        "ranks",
+        "seconds",
+        ranks,
+        xticks=sorted(commit),
+    )
+    return paragraph(
+        "scaling",
+        size=size_label(suite["bytes"]),
+        figure_bytes=image(bytes_path, "time vs bytes"),
+        figure_ranks=image(ranks_path, "time vs ranks"),
+        table=table(
+            ["ranks", "disk s", "fsw_sync s", "tiered_sync s", "tiered / fsw", "tiered_async stall s"], rows
+        ),
+    )
 
 
 def _by_bytes(results: Results) -> dict[str, dict[float, float]]:
@@ -245,7 +377,10 @@ def gpu_section(results: Results, img: Path) -> Lines:
     if not gpu or gpu.get("skipped"):
         return out + paragraph("gpu.skipped", reason=gpu["reason"] if gpu else "not run")
     stall, staged = by_variant(gpu["records"], "stall"), by_variant(gpu["records"], "staged")
-    rows = [[f"`{n}`", spread(stall[n], fmt="{:.3f}"), spread(staged.get(n), fmt="{:.3f}")]
-            for n in stall]
-    return out + paragraph("gpu.measured", device=gpu["device"], size=size_label(gpu["bytes"]),
-                           table=table(["stager", "stall s", "staged s"], rows))
+    rows = [[f"`{n}`", spread(stall[n], fmt="{:.3f}"), spread(staged.get(n), fmt="{:.3f}")] for n in stall]
+    return out + paragraph(
+        "gpu.measured",
+        device=gpu["device"],
+        size=size_label(gpu["bytes"]),
+        table=table(["stager", "stall s", "staged s"], rows),
+    )

@@ -10,12 +10,31 @@ from benchmarks.infra.measure import GiB, MiB
 DOC = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
 FIGURES = "img/benchmarks"  # the figures' folder, relative to the report's
 
-SAVE_ORDER = ("disk_sync", "fsw_sync", "fsw_async", "tiered_sync", "tiered_async", "fsspec_sync",
-              "fsspec_async", "s3torch_sync", "s3torch_async")
+SAVE_ORDER = (
+    "disk_sync",
+    "fsw_sync",
+    "fsw_async",
+    "tiered_sync",
+    "tiered_async",
+    "fsspec_sync",
+    "fsspec_async",
+    "s3torch_sync",
+    "s3torch_async",
+)
 LOCAL_ORDER = ("disk_sync", "fsw_sync", "tiered_sync", "fsw_async", "tiered_async")
-LOAD_ORDER = ("fsr_hot", "tiered_hot", "tiered_hot_nocrc", "fsr_hot_warm", "tiered_hot_warm",
-              "tiered_hot_nocrc_warm", "fsspec_cold", "tiered_cold", "tiered_cold_nocrc",
-              "s3torch_cold", "crc_only")
+LOAD_ORDER = (
+    "fsr_hot",
+    "tiered_hot",
+    "tiered_hot_nocrc",
+    "fsr_hot_warm",
+    "tiered_hot_warm",
+    "tiered_hot_nocrc_warm",
+    "fsspec_cold",
+    "tiered_cold",
+    "tiered_cold_nocrc",
+    "s3torch_cold",
+    "crc_only",
+)
 Lines = list[str]
 
 
@@ -36,8 +55,10 @@ def image(path: Path, alt: str) -> str:
 def spread(summary: Mapping[str, float] | None, scale: float = 1.0, fmt: str = "{:.2f}") -> str:
     if summary is None:
         return "n/a"
-    return (f"{fmt.format(summary['median'] * scale)} ({fmt.format(summary['min'] * scale)}"
-            f"-{fmt.format(summary['max'] * scale)})")
+    return (
+        f"{fmt.format(summary['median'] * scale)} ({fmt.format(summary['min'] * scale)}"
+        f"-{fmt.format(summary['max'] * scale)})"
+    )
 
 
 def share(summary: Mapping[str, float]) -> str:

@@ -43,15 +43,24 @@ class Profile:
 
 
 PROFILES = {
-    "smoke": Profile({"local": (8, 64), "s3": (8,)}, {"local": 120, "s3": 120},
-                     "bench-scratch/scale/scale.md", load_sample=16),
-    "quick": Profile({"local": (8, 64, 512, 4096), "s3": (8, 64, 512, 1024)},
-                     {"local": 900, "s3": 600}, "docs/scale.md"),
+    "smoke": Profile(
+        {"local": (8, 64), "s3": (8,)},
+        {"local": 120, "s3": 120},
+        "bench-scratch/scale/scale.md",
+        load_sample=16,
+    ),
+    "quick": Profile(
+        {"local": (8, 64, 512, 4096), "s3": (8, 64, 512, 1024)}, {"local": 900, "s3": 600}, "docs/scale.md"
+    ),
     # S3: 2,048 is the first W past one manifest part (1,024 ranks) that the emulator answers
     # within the budget on a 2-core machine; 4,096 and up run where the budget allows.
-    "full": Profile({"local": (8, 64, 512, 4096, 16384), "s3": (8, 64, 512, 2048, 4096, 16384)},
-                    {"local": 1800, "s3": 900}, "docs/scale.md"),
+    "full": Profile(
+        {"local": (8, 64, 512, 4096, 16384), "s3": (8, 64, 512, 2048, 4096, 16384)},
+        {"local": 1800, "s3": 900},
+        "docs/scale.md",
+    ),
 }
+
 
 def _scratch() -> Path:
     shm = Path("/dev/shm")
@@ -83,22 +92,37 @@ def _moto() -> Iterator[Callable[[int, Path], Any]]:
         server.stop()
 
 
-def run_backend(backend: str, worlds: Sequence[int], cold: Callable[[int, Path], Any], *,
-                budget: float, load_sample: int, notes: list[str],
-                part_ranks: int | None = None) -> list[Measurement]:
+def run_backend(
+    backend: str,
+    worlds: Sequence[int],
+    cold: Callable[[int, Path], Any],
+    *,
+    budget: float,
+    load_sample: int,
+    notes: list[str],
+    part_ranks: int | None = None,
+) -> list[Measurement]:
     """Replay each W in turn on one backend; stop before a W predicted to overrun ``budget``."""
     done: list[Measurement] = []
     spent = 0.0
     for world in worlds:
         if done and spent + done[-1].seconds * world / done[-1].world > budget:
-            notes.append(f"{backend}: W={world} and above skipped: predicted to overrun the "
-                         f"{budget:.0f} s budget (W={done[-1].world} took {done[-1].seconds:.0f} s)")
+            notes.append(
+                f"{backend}: W={world} and above skipped: predicted to overrun the "
+                f"{budget:.0f} s budget (W={done[-1].world} took {done[-1].seconds:.0f} s)"
+            )
             break
         root = _scratch()
         try:
             with cold(world, root) as (cold_url, cold_options):
-                config = SimConfig(world, str(root / "hot"), cold_url, cold_options,
-                                   load_sample=load_sample, part_ranks=part_ranks)
+                config = SimConfig(
+                    world,
+                    str(root / "hot"),
+                    cold_url,
+                    cold_options,
+                    load_sample=load_sample,
+                    part_ranks=part_ranks,
+                )
                 start = time.perf_counter()
                 run = simulate(config)
                 seconds = time.perf_counter() - start
@@ -121,22 +145,27 @@ def _s3_missing() -> str | None:
     return None
 
 
-def _run_all(profile: Profile, backends: Sequence[str], notes: list[str],
-             ) -> dict[str, list[Measurement]]:
+def _run_all(
+    profile: Profile,
+    backends: Sequence[str],
+    notes: list[str],
+) -> dict[str, list[Measurement]]:
     out: dict[str, list[Measurement]] = {}
     for backend in backends:
         worlds, budget = profile.worlds[backend], profile.budget[backend]
         if backend == "local":
-            out[backend] = run_backend(backend, worlds, _local_cold, budget=budget,
-                                       load_sample=profile.load_sample, notes=notes)
+            out[backend] = run_backend(
+                backend, worlds, _local_cold, budget=budget, load_sample=profile.load_sample, notes=notes
+            )
             continue
         missing = _s3_missing()
         if missing:
             notes.append(missing)
             continue
         with _moto() as cold:
-            out[backend] = run_backend(backend, worlds, cold, budget=budget,
-                                       load_sample=profile.load_sample, notes=notes)
+            out[backend] = run_backend(
+                backend, worlds, cold, budget=budget, load_sample=profile.load_sample, notes=notes
+            )
     return out
 
 
@@ -151,14 +180,24 @@ def _saved(name: str) -> tuple[dict[str, list[Measurement]], list[str], dict[str
     return results, list(payload["notes"]), dict(payload["features"])
 
 
-def _publish(name: str, results: dict[str, list[Measurement]], notes: list[str],
-             found: dict[str, str] | None, *, doc: Path) -> None:
+def _publish(
+    name: str,
+    results: dict[str, list[Measurement]],
+    notes: list[str],
+    found: dict[str, str] | None,
+    *,
+    doc: Path,
+) -> None:
     """Record a fresh run (``found`` ``None``) and rebuild the page and plots from ``results``."""
     out = _results_path(name)
     if found is None:  # a fresh run: record it
         found = features()
-        payload = {"profile": name, "features": found, "notes": notes,
-                   "results": {b: [m.to_json() for m in ms] for b, ms in results.items()}}
+        payload = {
+            "profile": name,
+            "features": found,
+            "notes": notes,
+            "results": {b: [m.to_json() for m in ms] for b, ms in results.items()},
+        }
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(payload, indent=1))
     images = {}
@@ -175,8 +214,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--profile", choices=sorted(PROFILES), default="quick")
     parser.add_argument("--backends", default="local,s3", help="comma-separated: local, s3")
     parser.add_argument("--doc", type=Path, help="page to splice the tables into")
-    parser.add_argument("--render-only", action="store_true",
-                        help="rebuild the page and plots from the profile's saved results")
+    parser.add_argument(
+        "--render-only",
+        action="store_true",
+        help="rebuild the page and plots from the profile's saved results",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     profile = PROFILES[args.profile]

@@ -83,8 +83,7 @@ class RequestCounter:
         finally:
             if phase is not None:
                 with self._lock:
-                    self.tallies.setdefault((phase, actor), Tally()).seconds += \
-                        time.perf_counter() - start
+                    self.tallies.setdefault((phase, actor), Tally()).seconds += time.perf_counter() - start
             self.phase = None
 
     def _tally(self, key: str, *, own: bool = True) -> Tally | None:
@@ -184,8 +183,10 @@ class CountingBackend(Backend):
         self.label = inner.label
         # A filesystem has no request to batch: its delete_many is one call of the contract.
         # An object store batches only where its plugin overrides the default loop.
-        self._batches = (type(inner).delete_many is not Backend.delete_many
-                         or inner.scheme in ("file", "memory"))
+        self._batches = type(inner).delete_many is not Backend.delete_many or inner.scheme in (
+            "file",
+            "memory",
+        )
 
     def open_write(self, key: str, *, defer_dir_sync: bool = False) -> ObjectWriter:
         self.counter.request(self.role, "put", key)
@@ -242,8 +243,9 @@ class CountingBackend(Backend):
     def free_bytes(self) -> int | None:
         return self.inner.free_bytes()
 
-    def abort_stale_uploads(self, *, older_than: float, dry_run: bool = True,
-                            now: float | None = None) -> builtins.list[str]:
+    def abort_stale_uploads(
+        self, *, older_than: float, dry_run: bool = True, now: float | None = None
+    ) -> builtins.list[str]:
         self.counter.request(self.role, "list", "")  # one ListMultipartUploads
         return self.inner.abort_stale_uploads(older_than=older_than, dry_run=dry_run, now=now)
 

@@ -27,21 +27,31 @@ def _accepts(module: str, name: str, param: str) -> bool:
 
 
 _PROBES: dict[str, tuple[str, Callable[[], bool]]] = {
-    "range reads": ("TieredReader.bytes_read",
-                    lambda: "bytes_read" in _source("tierstore.dcp.reader", "TieredReader")),
-    "two-level manifest": ("TieredWriter(manifest_part_ranks=)",
-                           lambda: _accepts("tierstore.dcp.writer", "TieredWriter",
-                                            "manifest_part_ranks")),
-    "batched mark deletes": ("marks use Backend.delete_many",
-                             lambda: "delete_many" in _source("tierstore.tiers.marks")),
-    "fresh uploads": ("Migrator.submit_rank(fresh=)",
-                      lambda: "fresh" in _source("tierstore.tiers.migrator", "Migrator")),
-    "resolve once": ("reader broadcasts the resolved checkpoint",
-                     lambda: "broadcast" in _source("tierstore.dcp.reader")),
-    "batched prune": ("prune uses Backend.delete_many",
-                      lambda: "delete_many" in _source("tierstore.lifecycle.prune")),
-    "batched gc": ("gc uses Backend.delete_many",
-                   lambda: "delete_many" in _source("tierstore.lifecycle.gc")),
+    "range reads": (
+        "TieredReader.bytes_read",
+        lambda: "bytes_read" in _source("tierstore.dcp.reader", "TieredReader"),
+    ),
+    "two-level manifest": (
+        "TieredWriter(manifest_part_ranks=)",
+        lambda: _accepts("tierstore.dcp.writer", "TieredWriter", "manifest_part_ranks"),
+    ),
+    "batched mark deletes": (
+        "marks use Backend.delete_many",
+        lambda: "delete_many" in _source("tierstore.tiers.marks"),
+    ),
+    "fresh uploads": (
+        "Migrator.submit_rank(fresh=)",
+        lambda: "fresh" in _source("tierstore.tiers.migrator", "Migrator"),
+    ),
+    "resolve once": (
+        "reader broadcasts the resolved checkpoint",
+        lambda: "broadcast" in _source("tierstore.dcp.reader"),
+    ),
+    "batched prune": (
+        "prune uses Backend.delete_many",
+        lambda: "delete_many" in _source("tierstore.lifecycle.prune"),
+    ),
+    "batched gc": ("gc uses Backend.delete_many", lambda: "delete_many" in _source("tierstore.lifecycle.gc")),
 }
 
 

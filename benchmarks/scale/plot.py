@@ -34,8 +34,13 @@ def plot_requests(ms: Sequence[Measurement], backend: str, path: Path) -> Path |
         if any(m.phases[phase].ranks for m in ms):
             ranks = [max(m.phases[phase].rank_requests_max, 1) for m in ms]
             ax.plot(worlds, ranks, "--x", color=color, label=f"{phase} (worst rank)")
-    ax.plot(worlds, [w / 1000 + w / 64 + 10 for w in worlds], ":", color="black",
-            label="cold commit bound W/1000+W/64+10")
+    ax.plot(
+        worlds,
+        [w / 1000 + w / 64 + 10 for w in worlds],
+        ":",
+        color="black",
+        label="cold commit bound W/1000+W/64+10",
+    )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("ranks W")

@@ -28,30 +28,45 @@ def _size(n: float) -> str:
 
 
 def _phase_table(ms: Sequence[Measurement]) -> list[str]:
-    lines = ["| W | phase | phase s | coord req | coord read | coord s | ranks | rank req max / mean "
-             "| rank read max / mean | rank s max |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| W | phase | phase s | coord req | coord read | coord s | ranks | rank req max / mean "
+        "| rank read max / mean | rank s max |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for m in sorted(ms, key=lambda m: m.world):
         for phase in PHASES:
             p = m.phases[phase]
-            ranks = (f"{p.rank_requests_max} / {p.rank_requests_mean:g}",
-                     f"{_size(p.rank_read_max)} / {_size(p.rank_read_mean)}",
-                     f"{p.rank_seconds_max:.3f}") if p.ranks else ("", "", "")
-            lines.append(f"| {m.world} | {phase} | {p.seconds:.2f} | {p.coord_requests} | "
-                         f"{_size(p.coord_read)} | {p.coord_seconds:.2f} | {p.ranks or ''} | "
-                         + " | ".join(ranks) + " |")
+            ranks = (
+                (
+                    f"{p.rank_requests_max} / {p.rank_requests_mean:g}",
+                    f"{_size(p.rank_read_max)} / {_size(p.rank_read_mean)}",
+                    f"{p.rank_seconds_max:.3f}",
+                )
+                if p.ranks
+                else ("", "", "")
+            )
+            lines.append(
+                f"| {m.world} | {phase} | {p.seconds:.2f} | {p.coord_requests} | "
+                f"{_size(p.coord_read)} | {p.coord_seconds:.2f} | {p.ranks or ''} | "
+                + " | ".join(ranks)
+                + " |"
+            )
     return lines
 
 
 def _load_table(ms: Sequence[Measurement]) -> list[str]:
-    lines = ["| W | ranks replayed | data read / plan (worst) | manifest bytes (worst rank; "
-             "worst but rank 0) | .metadata bytes | upload req (worst) | replay s |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| W | ranks replayed | data read / plan (worst) | manifest bytes (worst rank; "
+        "worst but rank 0) | .metadata bytes | upload req (worst) | replay s |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for m in sorted(ms, key=lambda m: m.world):
-        lines.append(f"| {m.world} | {m.load_ranks} | {m.load_ratio_max:.2f}x | "
-                     f"{_size(m.load_manifest_max)}; {_size(m.load_manifest_others)} | "
-                     f"{_size(m.load_metadata_max)} | "
-                     f"{m.upload_requests_max} (1+2F = {1 + 2 * m.files_per_rank}) | {m.seconds:.1f} |")
+        lines.append(
+            f"| {m.world} | {m.load_ranks} | {m.load_ratio_max:.2f}x | "
+            f"{_size(m.load_manifest_max)}; {_size(m.load_manifest_others)} | "
+            f"{_size(m.load_metadata_max)} | "
+            f"{m.upload_requests_max} (1+2F = {1 + 2 * m.files_per_rank}) | {m.seconds:.1f} |"
+        )
     return lines
 
 
@@ -73,15 +88,34 @@ def _targets(ms: Sequence[Measurement]) -> list[str]:
     return lines
 
 
-def render(by_backend: Mapping[str, Sequence[Measurement]], features: Mapping[str, str],
-           notes: Sequence[str], profile: str, images: Mapping[str, str]) -> str:
+def render(
+    by_backend: Mapping[str, Sequence[Measurement]],
+    features: Mapping[str, str],
+    notes: Sequence[str],
+    profile: str,
+    images: Mapping[str, str],
+) -> str:
     out = [BEGIN, "", f"Profile `{profile}`. Issue 15's features in the tree measured:", ""]
     out += [f"- {name}: {state}" for name, state in features.items()]
     for backend, ms in by_backend.items():
-        out += ["", f"### {backend}", "", "**Targets**", "", *_targets(ms), "",
-                "**Load and upload, per rank**", "", *_load_table(ms), "",
-                "**Requests, bytes and seconds per phase**", "", *_phase_table(ms), "",
-                *_kinds_table(ms)]
+        out += [
+            "",
+            f"### {backend}",
+            "",
+            "**Targets**",
+            "",
+            *_targets(ms),
+            "",
+            "**Load and upload, per rank**",
+            "",
+            *_load_table(ms),
+            "",
+            "**Requests, bytes and seconds per phase**",
+            "",
+            *_phase_table(ms),
+            "",
+            *_kinds_table(ms),
+        ]
         if backend in images:
             out += ["", f"![requests vs W, {backend}]({images[backend]})"]
     if notes:

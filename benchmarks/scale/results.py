@@ -74,21 +74,29 @@ def _phase(run: SimRun, phase: str) -> PhaseStats:
     secs = [t.seconds for t in ranks] or [0.0]
     no_delete = coord.count() - sum(coord.count(kinds=[k]) for k in DELETES)
     return PhaseStats(
-        coord_requests=coord.count(), coord_cold_requests=coord.count("cold"),
-        coord_requests_no_delete=no_delete, coord_read=coord.read(),
-        coord_written=coord.bytes_written, coord_seconds=round(coord.seconds, 4),
-        coord_by_kind=dict(sorted(coord.requests.items())), ranks=len(ranks),
+        coord_requests=coord.count(),
+        coord_cold_requests=coord.count("cold"),
+        coord_requests_no_delete=no_delete,
+        coord_read=coord.read(),
+        coord_written=coord.bytes_written,
+        coord_seconds=round(coord.seconds, 4),
+        coord_by_kind=dict(sorted(coord.requests.items())),
+        ranks=len(ranks),
         seconds=round(sum(t.seconds for t in tallies.values()), 3),
-        rank_requests_max=max(requests), rank_requests_mean=round(mean(requests), 2),
-        rank_read_max=max(read), rank_read_mean=round(mean(read), 1),
-        rank_seconds_max=round(max(secs), 4), rank_seconds_mean=round(mean(secs), 5),
+        rank_requests_max=max(requests),
+        rank_requests_mean=round(mean(requests), 2),
+        rank_read_max=max(read),
+        rank_read_mean=round(mean(read), 1),
+        rank_seconds_max=round(max(secs), 4),
+        rank_seconds_mean=round(mean(secs), 5),
     )
 
 
 def _load_ratio(run: SimRun) -> float:
     tallies = run.counter.of("load")
-    ratios = [tallies[r].read(kinds=["data"]) / need
-              for r, need in run.plan_bytes.items() if need and r in tallies]
+    ratios = [
+        tallies[r].read(kinds=["data"]) / need for r, need in run.plan_bytes.items() if need and r in tallies
+    ]
     return round(max(ratios), 4) if ratios else 0.0
 
 
@@ -109,7 +117,8 @@ def _reader_agrees(run: SimRun) -> bool:
     """``TieredReader.bytes_read`` (where it exists) against the counter, rank by rank."""
     tallies = run.counter.of("load")
     return bool(run.reader_bytes) and all(
-        sum(seen.values()) == tallies[rank].read() for rank, seen in run.reader_bytes.items())
+        sum(seen.values()) == tallies[rank].read() for rank, seen in run.reader_bytes.items()
+    )
 
 
 def measure(run: SimRun, backend: str, seconds: float) -> Measurement:
@@ -117,15 +126,21 @@ def measure(run: SimRun, backend: str, seconds: float) -> Measurement:
     ranks = [t for actor, t in load.items() if actor != COORDINATOR]
     upload_worst, upload_excess = _upload(run)
     return Measurement(
-        backend=backend, world=run.config.world, seconds=round(seconds, 2),
-        phases={p: _phase(run, p) for p in PHASES}, load_ranks=len(ranks),
+        backend=backend,
+        world=run.config.world,
+        seconds=round(seconds, 2),
+        phases={p: _phase(run, p) for p in PHASES},
+        load_ranks=len(ranks),
         load_ratio_max=_load_ratio(run),
         load_manifest_max=max((t.read(kinds=["manifest"]) for t in ranks), default=0),
-        load_manifest_others=max((t.read(kinds=["manifest"]) for actor, t in load.items()
-                                  if actor > 0), default=0),
+        load_manifest_others=max(
+            (t.read(kinds=["manifest"]) for actor, t in load.items() if actor > 0), default=0
+        ),
         load_metadata_max=max((t.read(kinds=["metadata"]) for t in ranks), default=0),
-        upload_excess_max=upload_excess, upload_requests_max=upload_worst,
+        upload_excess_max=upload_excess,
+        upload_requests_max=upload_worst,
         files_per_rank=max(run.files_per_rank.values(), default=0),
         manifest_world=run.manifest.world_size,
-        part_ranks=run.config.part_ranks or tree_part_ranks(), reader_bytes_read=_reader_agrees(run),
+        part_ranks=run.config.part_ranks or tree_part_ranks(),
+        reader_bytes_read=_reader_agrees(run),
     )

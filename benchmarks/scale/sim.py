@@ -101,8 +101,10 @@ class Tiers:
     def __init__(self, config: SimConfig, counter: RequestCounter) -> None:
         self.counter = counter
         self._spec = {"hot": (config.hot_url, {}), "cold": (config.cold_url, config.cold_options)}
-        self._open = {role: counting_backend(open_backend(url, options, label=role), counter, role)
-                      for role, (url, options) in self._spec.items()}
+        self._open = {
+            role: counting_backend(open_backend(url, options, label=role), counter, role)
+            for role, (url, options) in self._spec.items()
+        }
 
     def tier(self, role: str) -> Tier:
         url, options = self._spec[role]
@@ -142,8 +144,9 @@ def simulate(config: SimConfig) -> SimRun:
     tiers = Tiers(config, counter)
     try:
         manifest, files = _save(tiers, config, "big", step=1)
-        run = SimRun(config, counter, manifest,
-                     files_per_rank={r: len(manifest.files_of_rank(r)) for r in files})
+        run = SimRun(
+            config, counter, manifest, files_per_rank={r: len(manifest.files_of_rank(r)) for r in files}
+        )
         _migrate(tiers, manifest, files, "cold")
         with counter.step("status", COORDINATOR):
             migration_status(tiers.store())
@@ -164,8 +167,15 @@ def _writer(store: Store, config: SimConfig, name: str, step: int) -> TieredWrit
     return TieredWriter(store, name=name, step=step, thread_count=FILES_PER_RANK, **extra)
 
 
-def _save(tiers: Tiers, config: SimConfig, name: str, *, step: int, world: int | None = None,
-          phase: str | None = "save") -> tuple[Manifest, dict[int, list[FileEntry]]]:
+def _save(
+    tiers: Tiers,
+    config: SimConfig,
+    name: str,
+    *,
+    step: int,
+    world: int | None = None,
+    phase: str | None = "save",
+) -> tuple[Manifest, dict[int, list[FileEntry]]]:
     """DCP's save steps; hot only, so the writer hands nothing to a migrator."""
     world, counter = config.world if world is None else world, tiers.counter
     writers = [_writer(tiers.store(cold=False), config, name, step) for _ in range(world)]
@@ -184,8 +194,9 @@ def _save(tiers: Tiers, config: SimConfig, name: str, *, step: int, world: int |
         with counter.step(phase, rank):
             final = planners[rank].finish_plan(plans[rank])
             results.append(writer.write_data(final, planners[rank]).wait())
-        files[rank] = [r.storage_data.file for r in results[-1]
-                       if getattr(r.storage_data, "file", None) is not None]
+        files[rank] = [
+            r.storage_data.file for r in results[-1] if getattr(r.storage_data, "file", None) is not None
+        ]
     with counter.step(phase, COORDINATOR):
         writers[0].finish(metadata, results)
     assert writers[0].manifest is not None
@@ -195,25 +206,29 @@ def _save(tiers: Tiers, config: SimConfig, name: str, *, step: int, world: int |
 def _migrator(tiers: Tiers) -> Migrator:
     # A short commit timeout: every mark is there before the commit job starts, so a wait
     # would only mean a mark went missing (a bug the replay must report, not sit out).
-    return Migrator(tiers.tier("hot"), tiers.tier("cold"),
-                    MigrationConfig(poll_interval=0.05, commit_timeout=120.0))
+    return Migrator(
+        tiers.tier("hot"), tiers.tier("cold"), MigrationConfig(poll_interval=0.05, commit_timeout=120.0)
+    )
 
 
-def _migrate(tiers: Tiers, manifest: Manifest, files: Mapping[int, Sequence[FileEntry]],
-             phase: str | None) -> None:
+def _migrate(
+    tiers: Tiers, manifest: Manifest, files: Mapping[int, Sequence[FileEntry]], phase: str | None
+) -> None:
     """Each rank's upload job (its own process's migrator), then the coordinator's commit."""
     counter, failed = tiers.counter, []
     fresh = {"fresh": True} if accepts(Migrator.submit_rank, "fresh") else {}
     for rank in sorted(r for r in files if r != 0):
         migrator = _migrator(tiers)
         with counter.step(phase, rank):
-            migrator.submit_rank(manifest.name, manifest.attempt, manifest.step, rank,
-                                 files[rank], **fresh)
+            migrator.submit_rank(manifest.name, manifest.attempt, manifest.step, rank, files[rank], **fresh)
             migrator.close()
         failed += migrator.failures()
     migrator = _migrator(tiers)
-    own_keys = {t.file_key(manifest.name, manifest.attempt, f.path)
-                for t in (migrator.hot, migrator.cold) for f in manifest.files_of_rank(0)}
+    own_keys = {
+        t.file_key(manifest.name, manifest.attempt, f.path)
+        for t in (migrator.hot, migrator.cold)
+        for f in manifest.files_of_rank(0)
+    }
     counter.own_upload = lambda key: key in own_keys or _rank_of_mark(key) == 0
     try:
         with counter.step(phase, COORDINATOR):
@@ -252,8 +267,7 @@ def _load(tiers: Tiers, run: SimRun) -> None:
     for rank in ranks:
         with counter.step("load", rank):
             # The coordinator resolves and leases; the others get the name it would broadcast.
-            reader = TieredReader(tiers.store(), name=None if rank == 0 else name,
-                                  lease=rank == 0)
+            reader = TieredReader(tiers.store(), name=None if rank == 0 else name, lease=rank == 0)
             metadata = metadata_of[rank] = reader.read_metadata()
             reader.set_up_storage_reader(metadata, rank == 0)
             targets[rank] = workload.empty_like_state(rank)

@@ -30,9 +30,12 @@ class Target:
 
 def _load_bytes(ms: Sequence[Measurement]) -> Target:
     worst = max(ms, key=lambda m: m.load_ratio_max)
-    return Target("per-rank bytes read on load", "data bytes read <= 1.1 x plan bytes",
-                  f"{worst.load_ratio_max:.2f}x (W={worst.world})",
-                  worst.load_ratio_max <= 1.1 if worst.load_ratio_max else None)
+    return Target(
+        "per-rank bytes read on load",
+        "data bytes read <= 1.1 x plan bytes",
+        f"{worst.load_ratio_max:.2f}x (W={worst.world})",
+        worst.load_ratio_max <= 1.1 if worst.load_ratio_max else None,
+    )
 
 
 def _coord(ms: Sequence[Measurement]) -> Target:
@@ -41,17 +44,23 @@ def _coord(ms: Sequence[Measurement]) -> Target:
 
     worst = max(ms, key=lambda m: m.phases["cold"].coord_cold_requests - bound(m.world))
     sent = worst.phases["cold"].coord_cold_requests
-    return Target("cold commit: coordinator requests", "<= W/1000 + W/64 + 10",
-                  f"{sent} vs {bound(worst.world):.1f} (W={worst.world})",
-                  all(m.phases["cold"].coord_cold_requests <= bound(m.world) for m in ms))
+    return Target(
+        "cold commit: coordinator requests",
+        "<= W/1000 + W/64 + 10",
+        f"{sent} vs {bound(worst.world):.1f} (W={worst.world})",
+        all(m.phases["cold"].coord_cold_requests <= bound(m.world) for m in ms),
+    )
 
 
 def _upload(ms: Sequence[Measurement]) -> Target:
     worst = max(ms, key=lambda m: m.upload_excess_max)
     files = worst.files_per_rank
-    return Target("cold commit: per-rank upload requests", "<= 1 + 2F",
-                  f"{worst.upload_requests_max} vs {1 + 2 * files} (F={files}, W={worst.world})",
-                  all(m.upload_excess_max <= 0 for m in ms))
+    return Target(
+        "cold commit: per-rank upload requests",
+        "<= 1 + 2F",
+        f"{worst.upload_requests_max} vs {1 + 2 * files} (F={files}, W={worst.world})",
+        all(m.upload_excess_max <= 0 for m in ms),
+    )
 
 
 def _independent(ms: Sequence[Measurement]) -> Target:
@@ -65,14 +74,20 @@ def _independent(ms: Sequence[Measurement]) -> Target:
         read = {m.world: m.phases[phase].coord_read for m in ms}
         most_req = max(req[m.world] for m in small or ms)
         most_read = max(read[m.world] for m in small or ms)
-        ok &= all(req[m.world] <= FLAT * most_req + SLACK_REQUESTS
-                  and read[m.world] <= FLAT * most_read + SLACK_BYTES for m in large)
+        ok &= all(
+            req[m.world] <= FLAT * most_req + SLACK_REQUESTS
+            and read[m.world] <= FLAT * most_read + SLACK_BYTES
+            for m in large
+        )
         parts.append(f"{phase} " + ", ".join(f"{req[w]} req/{read[w]} B" for w in req))
-    return Target("list / status / prune independent of W",
-                  f"every W > PART_RANKS <= {FLAT} x the most at W <= PART_RANKS (+{SLACK_REQUESTS}"
-                  f" req, +{SLACK_BYTES >> 10} KiB); prune without finding and deleting the doomed keys"
-                  " (listings and batch deletes, one request per 1,000 keys each)",
-                  "; ".join(parts), ok if small and large else None)
+    return Target(
+        "list / status / prune independent of W",
+        f"every W > PART_RANKS <= {FLAT} x the most at W <= PART_RANKS (+{SLACK_REQUESTS}"
+        f" req, +{SLACK_BYTES >> 10} KiB); prune without finding and deleting the doomed keys"
+        " (listings and batch deletes, one request per 1,000 keys each)",
+        "; ".join(parts),
+        ok if small and large else None,
+    )
 
 
 def _judged_requests(m: Measurement, phase: str) -> int:
@@ -91,9 +106,12 @@ def _manifest(ms: Sequence[Measurement]) -> Target:
     above = [m.world for m in ms if m.world > m.part_ranks]
     value = ", ".join(f"W={w}: {v:.0f} B/rank" for w, v in norm.items())
     met = None if not above else all(norm[w] <= FLAT * min(norm.values()) for w in above)
-    return Target("manifest bytes one rank reads on load",
-                  f"(manifest bytes read) / min(W, PART_RANKS) flat in W (<= {FLAT} x its least)",
-                  value, met)
+    return Target(
+        "manifest bytes one rank reads on load",
+        f"(manifest bytes read) / min(W, PART_RANKS) flat in W (<= {FLAT} x its least)",
+        value,
+        met,
+    )
 
 
 def judge(ms: Sequence[Measurement]) -> list[Target]:
@@ -101,5 +119,4 @@ def judge(ms: Sequence[Measurement]) -> list[Target]:
     ms = sorted(ms, key=lambda m: m.world)
     if not ms:
         return []
-    return [_load_bytes(ms), _coord(ms), _upload(ms), _independent(ms),
-            _manifest(ms)]
+    return [_load_bytes(ms), _coord(ms), _upload(ms), _independent(ms), _manifest(ms)]

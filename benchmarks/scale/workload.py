@@ -18,8 +18,16 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan
 
-__all__ = ["OWN_NUMEL", "SHARED_NUMEL", "state_dict", "empty_like_state", "save_planner",
-           "load_planner", "plan_bytes", "check_loaded"]
+__all__ = [
+    "OWN_NUMEL",
+    "SHARED_NUMEL",
+    "state_dict",
+    "empty_like_state",
+    "save_planner",
+    "load_planner",
+    "plan_bytes",
+    "check_loaded",
+]
 
 OWN_NUMEL = 1024  # float32 elements per own tensor: 4 KiB
 SHARED_NUMEL = 4096  # the replicated vector: 16 KiB

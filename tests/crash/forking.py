@@ -47,8 +47,18 @@ class Outcome:
         return all(code == 0 for code in self.exitcodes) and not any(self.errors)
 
 
-def _child(fn: Callable[[int], Any], rank: int, world: int, store: str | None, crash_at: int | None,
-           action: str, trace: str, out: str, env: dict[str, str], block: str | None = None) -> None:
+def _child(
+    fn: Callable[[int], Any],
+    rank: int,
+    world: int,
+    store: str | None,
+    crash_at: int | None,
+    action: str,
+    trace: str,
+    out: str,
+    env: dict[str, str],
+    block: str | None = None,
+) -> None:
     code = 0
     try:
         os.environ.update(env)
@@ -62,8 +72,13 @@ def _child(fn: Callable[[int], Any], rank: int, world: int, store: str | None, c
         if world > 1:
             import torch.distributed as dist
 
-            dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
-                                    world_size=world, timeout=datetime.timedelta(seconds=30))
+            dist.init_process_group(
+                "gloo",
+                init_method=f"file://{store}",
+                rank=rank,
+                world_size=world,
+                timeout=datetime.timedelta(seconds=30),
+            )
         try:
             result: Any = (fn(rank), None, None)
         except BaseException as err:  # report, the parent decides what it means
@@ -81,15 +96,22 @@ def _child(fn: Callable[[int], Any], rank: int, world: int, store: str | None, c
         os._exit(code)  # never run the parent's atexit handlers or pytest's teardown
 
 
-def run(fn: Callable[[int], Any], *, world: int = 1, crash_at: int | None = None, victim: int = 0,
-        action: str = "killgroup", timeout: float = 120.0, env: dict[str, str] | None = None) -> Outcome:
+def run(
+    fn: Callable[[int], Any],
+    *,
+    world: int = 1,
+    crash_at: int | None = None,
+    victim: int = 0,
+    action: str = "killgroup",
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+) -> Outcome:
     """Fork ``world`` children running ``fn(rank)``; arm rank ``victim`` with ``crash_at``.
 
     The children form a process group of their own, so the default action kills the whole
     job at the victim's point at once: no survivor makes timing-dependent progress.
     """
-    return start(fn, world=world, crash_at=crash_at, victim=victim, action=action,
-                 env=env).wait(timeout)
+    return start(fn, world=world, crash_at=crash_at, victim=victim, action=action, env=env).wait(timeout)
 
 
 @dataclass
@@ -112,9 +134,16 @@ class Job:
             pass
 
 
-def start(fn: Callable[[int], Any], *, world: int = 1, crash_at: int | None = None, victim: int = 0,
-          action: str = "killgroup", env: dict[str, str] | None = None,
-          block: str | None = None) -> Job:
+def start(
+    fn: Callable[[int], Any],
+    *,
+    world: int = 1,
+    crash_at: int | None = None,
+    victim: int = 0,
+    action: str = "killgroup",
+    env: dict[str, str] | None = None,
+    block: str | None = None,
+) -> Job:
     """Like :func:`run`, but return at once; rank ``victim`` may also ``block`` at a point."""
     scratch = tempfile.mkdtemp(prefix="tierstore-fork-")
     store = os.path.join(scratch, "pg-store") if world > 1 else None

@@ -75,7 +75,8 @@ class CrashConsistency(RuleBasedStateMachine):
         tier = Tier(role, self._root(role))
         manifest = tier.find_manifest(name)
         return manifest is not None and any(
-            not has_verified_copy(tier, name, manifest.attempt, entry) for entry in manifest.files)
+            not has_verified_copy(tier, name, manifest.attempt, entry) for entry in manifest.files
+        )
 
     def _listed(self, role: str) -> dict[str, Any]:
         hot, cold = (self.hot, None) if role == "hot" else (None, self.cold)
@@ -101,8 +102,9 @@ class CrashConsistency(RuleBasedStateMachine):
         # operation (small draws, which hypothesis favours, alone would mostly hit the first).
         pick = data.draw(st.one_of(st.none(), st.integers(0, 1 << 31)), label="crash at point")
         crash = None if pick is None or not passed else 1 + pick % passed
-        outcome = forking.run(lambda rank: op(self.hot, self.cold, rank), world=world,
-                              crash_at=crash, victim=victim)
+        outcome = forking.run(
+            lambda rank: op(self.hot, self.cold, rank), world=world, crash_at=crash, victim=victim
+        )
         self.last = (op.__qualname__, world, victim, crash, outcome)
         STATS.steps += 1
         if outcome.killed:
@@ -113,14 +115,24 @@ class CrashConsistency(RuleBasedStateMachine):
 
     # -- rules ---------------------------------------------------------------------------
 
-    @rule(data=st.data(), world=st.sampled_from([1, 2]), per_item=st.booleans(),
-          with_cold=st.booleans(), mode=st.sampled_from(["sync", "thread"]))
+    @rule(
+        data=st.data(),
+        world=st.sampled_from([1, 2]),
+        per_item=st.booleans(),
+        with_cold=st.booleans(),
+        mode=st.sampled_from(["sync", "thread"]),
+    )
     def save(self, data: st.DataObject, world: int, per_item: bool, with_cold: bool, mode: str) -> None:
         step, self.next_step = self.next_step, self.next_step + 1
 
         def op(hot: str, cold: str, rank: int) -> list[tuple[str, str, str | None]]:
-            writer = TieredWriter(hot, cold if with_cold else None, step=step,
-                                  single_file_per_rank=not per_item, migration=model.FAST)
+            writer = TieredWriter(
+                hot,
+                cold if with_cold else None,
+                step=step,
+                single_file_per_rank=not per_item,
+                migration=model.FAST,
+            )
             return model.save_and_migrate(writer, step, mode, 60)
 
         outcome = self._run(data, op, world)
@@ -150,15 +162,21 @@ class CrashConsistency(RuleBasedStateMachine):
             if not self._damaged("hot", status.name):
                 assert status.state is MigrationState.COMMITTED, status
 
-    @rule(data=st.data(), hot_keep=st.integers(1, 3), cold_keep=st.integers(1, 3),
-          every=st.sampled_from([0, 2, 3]))
+    @rule(
+        data=st.data(),
+        hot_keep=st.integers(1, 3),
+        cold_keep=st.integers(1, 3),
+        every=st.sampled_from([0, 2, 3]),
+    )
     def prune(self, data: st.DataObject, hot_keep: int, cold_keep: int, every: int) -> None:
         hot_policy: Policy = keep_last(hot_keep)
         cold_policy: Policy = keep_last(cold_keep) | keep_every(every) if every else keep_last(cold_keep)
         hot, cold = Tier("hot", self.hot), Tier("cold", self.cold)
         now = time.time()
-        doomed_hot = {m.name for m in plan_prune(hot.manifests(), hot_policy,
-                                                 protect=pending_in_cold(hot, cold), now=now)[0]}
+        doomed_hot = {
+            m.name
+            for m in plan_prune(hot.manifests(), hot_policy, protect=pending_in_cold(hot, cold), now=now)[0]
+        }
         doomed_cold = {m.name for m in plan_prune(cold.manifests(), cold_policy, now=now)[0]}
         self.may_vanish["hot"] |= doomed_hot
         self.may_vanish["cold"] |= doomed_cold
@@ -193,7 +211,9 @@ class CrashConsistency(RuleBasedStateMachine):
             assert outcome.results[0] == (newest.name, True), outcome.results
         else:  # per-file fallback can succeed even with both copies damaged; failing needs one
             assert all((role, newest.name) in self.touched for role in holders), outcome.errors
-            assert outcome.error_types[0] in ("ChecksumMismatch", "ObjectNotFound", "IntegrityError"), outcome.errors
+            assert outcome.error_types[0] in ("ChecksumMismatch", "ObjectNotFound", "IntegrityError"), (
+                outcome.errors
+            )
 
     @rule(world=st.sampled_from([1, 2]), mode=st.sampled_from(["sync", "thread"]))
     def save_while_cold_is_down(self, world: int, mode: str) -> None:
@@ -228,8 +248,12 @@ class CrashConsistency(RuleBasedStateMachine):
         assert outcome.ok, f"a save failed because the cold tier was down: {outcome.errors}"
         assert layout.default_name(step) in self._listed("hot"), "a save that returned must be committed"
         assert "committed" not in {s for states in outcome.results for s in states}, outcome.results
-        back = forking.run(lambda rank: [(s.name, s.state.value, s.error)
-                                         for s in migrate_pending(self.hot, self.cold, config=model.FAST)])
+        back = forking.run(
+            lambda rank: [
+                (s.name, s.state.value, s.error)
+                for s in migrate_pending(self.hot, self.cold, config=model.FAST)
+            ]
+        )
         assert back.ok, back.errors
         for status in migration_status(self.hot, self.cold):
             if not self._damaged("hot", status.name):
@@ -237,8 +261,12 @@ class CrashConsistency(RuleBasedStateMachine):
 
     # Every draw below comes from a fixed range and is mapped onto what the store holds, so
     # generation never depends on store state (two-rank crashes make that state racy).
-    @rule(kind=st.sampled_from(["flip", "truncate", "delete"]), which=st.integers(0, 1 << 16),
-          file_pick=st.integers(0, 1 << 16), where=st.integers(0, 1 << 30))
+    @rule(
+        kind=st.sampled_from(["flip", "truncate", "delete"]),
+        which=st.integers(0, 1 << 16),
+        file_pick=st.integers(0, 1 << 16),
+        where=st.integers(0, 1 << 30),
+    )
     def corrupt_a_file(self, kind: str, which: int, file_pick: int, where: int) -> None:
         choices = sorted((role, name) for role in ("hot", "cold") for name in self._listed(role))
         if not choices:
@@ -313,7 +341,9 @@ class CrashConsistency(RuleBasedStateMachine):
                 try:
                     target, _ = model.load(self.hot, self.cold, name)
                 except BaseException as err:
-                    assert ("hot", name) in self.touched and ("cold", name) in self.touched, repr(model.unwrap(err))
+                    assert ("hot", name) in self.touched and ("cold", name) in self.touched, repr(
+                        model.unwrap(err)
+                    )
                     continue
                 assert model.matches(target, step), f"{name} loaded wrong bytes through both tiers"
 
@@ -325,7 +355,9 @@ class CrashConsistency(RuleBasedStateMachine):
             for role in ("hot", "cold"):
                 now = set(self._listed(role))
                 gone = self.seen[role] - now
-                assert gone <= self.may_vanish[role], f"{role}: {sorted(gone - self.may_vanish[role])} vanished"
+                assert gone <= self.may_vanish[role], (
+                    f"{role}: {sorted(gone - self.may_vanish[role])} vanished"
+                )
                 self.seen[role] = now
                 self.may_vanish[role] = set()
                 self.touched -= {(role, name) for name in gone}

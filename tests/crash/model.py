@@ -17,8 +17,13 @@ from tierstore.tiers.migrator import MigrationConfig
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 SHAPES = {"a": (40, 24), "b": (9,), "c": (3, 7)}
-FAST = MigrationConfig(concurrency=1, chunk_size=2048, poll_interval=0.01, commit_timeout=20,
-                       retry=RetryPolicy(attempts=3, initial=0.001, maximum=0.01))
+FAST = MigrationConfig(
+    concurrency=1,
+    chunk_size=2048,
+    poll_interval=0.01,
+    commit_timeout=20,
+    retry=RetryPolicy(attempts=3, initial=0.001, maximum=0.01),
+)
 # Errors that mean "damage detected": the only acceptable outcome of loading a corrupt copy.
 DETECTED = (IntegrityError, StorageError)
 
@@ -41,16 +46,17 @@ def matches(state: dict[str, Any], step: int) -> bool:
     return state["extra"] == want["extra"] and all(torch.equal(state[k], want[k]) for k in SHAPES)
 
 
-def load(hot: str | None, cold: str | None, name: str | None = None, *,
-         lease: bool = False) -> tuple[dict[str, Any], TieredReader]:
+def load(
+    hot: str | None, cold: str | None, name: str | None = None, *, lease: bool = False
+) -> tuple[dict[str, Any], TieredReader]:
     target, reader = blank(), TieredReader(hot, cold, name=name, lease=lease)
     dcp.load(target, storage_reader=reader)
     return target, reader
 
 
-
-def save_and_migrate(writer: TieredWriter, step: int, mode: str,
-                     wait: float) -> list[tuple[str, str, str | None]]:
+def save_and_migrate(
+    writer: TieredWriter, step: int, mode: str, wait: float
+) -> list[tuple[str, str, str | None]]:
     """Save ``state_for(step)`` through ``writer`` (``mode`` "sync" or async "thread"), wait up
     to ``wait`` seconds for its migration, and return what the migrator reports of each job."""
     if mode == "sync":

@@ -15,9 +15,11 @@ class Stats:
     messages: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
-        return (f"crash-suite: {self.examples} examples, {self.steps} steps, "
-                f"{len(self.crash_points)} distinct crash points hit, {self.faults} faults "
-                f"injected, {self.violations} invariant violations")
+        return (
+            f"crash-suite: {self.examples} examples, {self.steps} steps, "
+            f"{len(self.crash_points)} distinct crash points hit, {self.faults} faults "
+            f"injected, {self.violations} invariant violations"
+        )
 
 
 STATS = Stats()

@@ -29,8 +29,7 @@ def failed_save(hot: str, step: int) -> BaseException:
     return model.unwrap(info.value)
 
 
-@pytest.mark.parametrize("point, hit", [("local.write", 1), ("local.write", 2),
-                                        ("local.publish.write", 1)])
+@pytest.mark.parametrize("point, hit", [("local.write", 1), ("local.write", 2), ("local.publish.write", 1)])
 def test_enospc_mid_save(tmp_path: Path, point: str, hit: int) -> None:
     hot = str(tmp_path / "hot")
     save(hot, 1)
@@ -56,8 +55,9 @@ def tiny_disk(tmp_path: Path):
     """A real 16 MiB tmpfs, where this machine lets us mount one (root in a VM or CI)."""
     mount = tmp_path / "tiny"
     mount.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)],
-                          capture_output=True)
+    made = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)], capture_output=True
+    )
     if made.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {made.stderr.decode().strip()}")
     yield mount
@@ -100,8 +100,9 @@ def test_enospc_inside_torch_save_is_reported_as_no_space(tmp_path: Path, encodi
     hot = str(tmp_path / "hot")
     faults.arm("local.write", "enospc")
     with pytest.raises(BaseException) as info:
-        dcp.save({"big": model.torch.zeros(1 << 18)},
-                 storage_writer=TieredWriter(hot, step=1, encoding=encoding))
+        dcp.save(
+            {"big": model.torch.zeros(1 << 18)}, storage_writer=TieredWriter(hot, step=1, encoding=encoding)
+        )
     faults.disarm()
     err = model.unwrap(info.value)
     assert isinstance(err, NoSpaceLeft) and "__0_0.distcp" in str(err), repr(err)

@@ -69,9 +69,14 @@ def load_error(store: dict[str, Path]) -> BaseException:
     code = (".py", ".pyc", ".so")  # Python reading its own modules (lazy imports, tracebacks)
     # Relative names are opened relative to a directory the local backend walked from the
     # root without following links (dir_fd): inside by construction. The root is absolute.
-    outside = [p for p in opened if os.path.isabs(p)
-               and not os.path.realpath(p).startswith(os.path.realpath(store["hot"]))
-               and not p.endswith(code) and not p.startswith(("/proc/", "/dev/", sys.prefix))]
+    outside = [
+        p
+        for p in opened
+        if os.path.isabs(p)
+        and not os.path.realpath(p).startswith(os.path.realpath(store["hot"]))
+        and not p.endswith(code)
+        and not p.startswith(("/proc/", "/dev/", sys.prefix))
+    ]
     assert not any(os.path.realpath(p) == os.path.realpath(store["secret"]) for p in opened), opened
     assert outside == [], f"opened outside the store: {outside}"
     return model.unwrap(info.value)
@@ -104,15 +109,22 @@ def test_forged_manifest_for_foreign_bytes(store: dict[str, Path]) -> None:
     assert isinstance(err, ChecksumMismatch) and err.file == "__0_0.distcp"
 
 
-def test_forged_manifest_with_matching_checksums_cannot_smuggle_code(store: dict[str, Path],
-                                                                     tmp_path: Path) -> None:
+def test_forged_manifest_with_matching_checksums_cannot_smuggle_code(
+    store: dict[str, Path], tmp_path: Path
+) -> None:
     marker = tmp_path / "owned"
     evil = b"cos\nsystem\n(S'touch " + str(marker).encode() + b"'\ntR."
     manifest = json.loads(store["manifest"].read_text())
     meta = store["hot"] / layout.file_key(manifest["name"], manifest["attempt"], ".metadata")
     meta.write_bytes(evil)
-    tamper(store["manifest"], lambda b: [f.update(size=len(evil), crc32c=crc32c_update(0, evil))
-                                         for f in b["files"] if f["path"] == ".metadata"])
+    tamper(
+        store["manifest"],
+        lambda b: [
+            f.update(size=len(evil), crc32c=crc32c_update(0, evil))
+            for f in b["files"]
+            if f["path"] == ".metadata"
+        ],
+    )
     err = load_error(store)
     assert isinstance(err, IntegrityError) and "cannot be loaded safely" in str(err)
     assert not marker.exists()

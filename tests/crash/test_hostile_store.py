@@ -70,8 +70,15 @@ NAMES = (layout.default_name(1), layout.default_name(2))  # step 1 is migrated, 
 
 SPAWNED: list[str] = []
 AUDITING = [False]
-_SPAWN_EVENTS = {"os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork",
-                 "subprocess.Popen", "pty.spawn"}
+_SPAWN_EVENTS = {
+    "os.system",
+    "os.exec",
+    "os.posix_spawn",
+    "os.spawn",
+    "os.fork",
+    "subprocess.Popen",
+    "pty.spawn",
+}
 
 
 def _audit(event: str, args: tuple) -> None:  # type: ignore[type-arg]
@@ -203,10 +210,22 @@ def damage_manifest(store: Store, data: st.DataObject) -> str:
             body = body if isinstance(body, dict) else {}
         except (ValueError, RecursionError):
             body = {}
-        raw = json.dumps(data.draw(st.sampled_from([
-            [], "x", None, {"files": "x"}, {"format": 7}, {**body, "files": [1, 2]},
-            {**body, "step": "one"}, {**body, "world_size": None},
-        ]))).encode()
+        raw = json.dumps(
+            data.draw(
+                st.sampled_from(
+                    [
+                        [],
+                        "x",
+                        None,
+                        {"files": "x"},
+                        {"format": 7},
+                        {**body, "files": [1, 2]},
+                        {**body, "step": "one"},
+                        {**body, "world_size": None},
+                    ]
+                )
+            )
+        ).encode()
     elif how == "deep":
         raw = DEEP.encode()
     else:
@@ -223,8 +242,11 @@ def forge_manifest(store: Store, data: st.DataObject) -> str:
         return "nothing"
     body = json.loads(path.read_text())
     other = store.attempt("hot", NAMES[1 - NAMES.index(name)])
-    how = data.draw(st.sampled_from(["dotdot", "absolute", "other-attempt", "other-name",
-                                     "bad-attempt", "huge", "foreign-file"]))
+    how = data.draw(
+        st.sampled_from(
+            ["dotdot", "absolute", "other-attempt", "other-name", "bad-attempt", "huge", "foreign-file"]
+        )
+    )
     if how == "dotdot":
         body["files"][0]["path"] = "../" * data.draw(st.integers(1, 6)) + "canary.txt"
     elif how == "absolute":
@@ -238,8 +260,14 @@ def forge_manifest(store: Store, data: st.DataObject) -> str:
     elif how == "huge":
         body["files"][0]["size"] = data.draw(st.sampled_from([1 << 40, (1 << 50) + 1, -1]))
     else:
-        body["files"].append({"path": "victim.bin", "size": 22, "crc32c": crc32c_update(0, b"beside the store roots"),
-                              "rank": 0})
+        body["files"].append(
+            {
+                "path": "victim.bin",
+                "size": 22,
+                "crc32c": crc32c_update(0, b"beside the store roots"),
+                "rank": 0,
+            }
+        )
     reseal(path, body)
     return f"forged manifest {tier}/{name}: {how}"
 
@@ -249,17 +277,18 @@ def damage_upload_mark(store: Store, data: st.DataObject) -> str:
     rank = data.draw(st.integers(0, 1))
     path = store.cold / layout.upload_mark_key(name, store.attempt("hot", name), rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    how = data.draw(st.sampled_from(["truncated", "wrong-rank", "huge", "non-json", "wrong-types",
-                                     "deep"]))
+    how = data.draw(st.sampled_from(["truncated", "wrong-rank", "huge", "non-json", "wrong-types", "deep"]))
     if how == "huge":
         with open(path, "wb") as f:
             f.truncate(70 << 20)  # sparse: larger than any honest mark
         return f"upload mark {name} rank {rank}: huge"
-    body = {"truncated": '{"rank": 0, "files": [{"path": "__0_0.d',
-            "wrong-rank": json.dumps({"rank": rank + 5, "files": []}),
-            "non-json": "\x00\xff not json",
-            "wrong-types": json.dumps({"rank": "0", "files": [{"path": 1, "size": "x"}]}),
-            "deep": DEEP}[how]
+    body = {
+        "truncated": '{"rank": 0, "files": [{"path": "__0_0.d',
+        "wrong-rank": json.dumps({"rank": rank + 5, "files": []}),
+        "non-json": "\x00\xff not json",
+        "wrong-types": json.dumps({"rank": "0", "files": [{"path": 1, "size": "x"}]}),
+        "deep": DEEP,
+    }[how]
     path.write_text(body, errors="surrogateescape")
     return f"upload mark {name} rank {rank}: {how}"
 
@@ -268,17 +297,22 @@ def damage_lease(store: Store, data: st.DataObject) -> str:
     tier, name = data.draw(TIERS), data.draw(st.sampled_from(NAMES))
     path = store.root(tier) / layout.lease_key(name, "f" * 32)
     path.parent.mkdir(parents=True, exist_ok=True)
-    how = data.draw(st.sampled_from(["truncated", "oversize", "non-json", "future", "past",
-                                     "nan", "string", "list", "deep"]))
-    body = {"truncated": '{"expires": 17',
-            "oversize": json.dumps({"expires": 1.0, "pad": "x" * (100 << 10)}),
-            "non-json": "\x00 lease",
-            "future": json.dumps({"expires": 1e308}),
-            "past": json.dumps({"expires": -1e308}),
-            "nan": '{"expires": NaN}',
-            "string": json.dumps({"expires": "tomorrow"}),
-            "list": json.dumps([1, 2]),
-            "deep": DEEP}[how]
+    how = data.draw(
+        st.sampled_from(
+            ["truncated", "oversize", "non-json", "future", "past", "nan", "string", "list", "deep"]
+        )
+    )
+    body = {
+        "truncated": '{"expires": 17',
+        "oversize": json.dumps({"expires": 1.0, "pad": "x" * (100 << 10)}),
+        "non-json": "\x00 lease",
+        "future": json.dumps({"expires": 1e308}),
+        "past": json.dumps({"expires": -1e308}),
+        "nan": '{"expires": NaN}',
+        "string": json.dumps({"expires": "tomorrow"}),
+        "list": json.dumps([1, 2]),
+        "deep": DEEP,
+    }[how]
     path.write_text(body)
     return f"lease {tier}/{name}: {how}"
 
@@ -289,12 +323,18 @@ def hostile_metadata(store: Store, data: st.DataObject) -> str:
     if not manifest.exists():
         return "nothing"
     command = f"touch {store.sentinel}".encode()
-    evil = data.draw(st.sampled_from([
-        b"cos\nsystem\n(S'" + command + b"'\ntR.",
-        b"cposix\nsystem\n(S'" + command + b"'\ntR.",
-        b"\x80\x04\x95\x00\x00\x00\x00\x00\x00\x00\x00\x8c\x02os\x8c\x06system\x93\x8c"
-        + bytes([len(command)]) + command + b"\x85R.",
-    ]))
+    evil = data.draw(
+        st.sampled_from(
+            [
+                b"cos\nsystem\n(S'" + command + b"'\ntR.",
+                b"cposix\nsystem\n(S'" + command + b"'\ntR.",
+                b"\x80\x04\x95\x00\x00\x00\x00\x00\x00\x00\x00\x8c\x02os\x8c\x06system\x93\x8c"
+                + bytes([len(command)])
+                + command
+                + b"\x85R.",
+            ]
+        )
+    )
     meta = store.attempt_dir(tier, name) / layout.METADATA_FILE
     meta.unlink()
     meta.write_bytes(evil)
@@ -307,13 +347,15 @@ def hostile_metadata(store: Store, data: st.DataObject) -> str:
 
 
 def _files(store: Store) -> list[Path]:
-    return sorted(p for root in (store.hot, store.cold) for p in root.rglob("*")
-                  if p.is_file() and not p.is_symlink())
+    return sorted(
+        p for root in (store.hot, store.cold) for p in root.rglob("*") if p.is_file() and not p.is_symlink()
+    )
 
 
 def _dirs(store: Store) -> list[Path]:
-    return sorted(p for root in (store.hot, store.cold) for p in root.rglob("*")
-                  if p.is_dir() and not p.is_symlink())
+    return sorted(
+        p for root in (store.hot, store.cold) for p in root.rglob("*") if p.is_dir() and not p.is_symlink()
+    )
 
 
 def _mirror(store: Store, path: Path) -> Path:
@@ -335,8 +377,11 @@ def file_to_symlink(store: Store, data: st.DataObject) -> str:
 
 
 def dir_to_symlink(store: Store, data: st.DataObject) -> str:
-    tops = [store.root(t) / d for t in ("hot", "cold")
-            for d in (layout.LEASE_DIR, layout.UPLOAD_DIR, layout.MIGRATED_DIR)]
+    tops = [
+        store.root(t) / d
+        for t in ("hot", "cold")
+        for d in (layout.LEASE_DIR, layout.UPLOAD_DIR, layout.MIGRATED_DIR)
+    ]
     path = _existing(store, data, _dirs(store) + [p for p in tops if not p.exists()])
     if path is None:
         return "nothing"
@@ -417,8 +462,14 @@ def op_verify(s: Store) -> None:
 
 
 OPERATIONS: dict[str, Callable[[Store], None]] = {
-    "list": op_list, "load": op_load, "prune": op_prune, "gc": op_gc, "migrate": op_migrate,
-    "restore": op_restore, "status": op_status, "verify": op_verify,
+    "list": op_list,
+    "load": op_load,
+    "prune": op_prune,
+    "gc": op_gc,
+    "migrate": op_migrate,
+    "restore": op_restore,
+    "status": op_status,
+    "verify": op_verify,
 }
 
 
@@ -547,8 +598,9 @@ def naive_delete(self: LocalBackend, key: str) -> None:
         pass
 
 
-def test_fuzzer_catches_a_delete_that_follows_symlinks(template: Path,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fuzzer_catches_a_delete_that_follows_symlinks(
+    template: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(LocalBackend, "delete", naive_delete)
     with fresh_store(template) as store:
         attempt = store.attempt_dir("hot", NAMES[0])  # migrated, so prune may drop it
@@ -591,8 +643,9 @@ def old_live_leases(tier: Any, name: str, **_: Any) -> list[str]:
     return live
 
 
-def test_fuzzer_catches_a_damaged_mark_that_wedges_migration(template: Path,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fuzzer_catches_a_damaged_mark_that_wedges_migration(
+    template: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(marks, "publish_upload_mark", old_publish_upload_mark)
     with fresh_store(template) as store:
         pending = NAMES[1]
@@ -604,8 +657,9 @@ def test_fuzzer_catches_a_damaged_mark_that_wedges_migration(template: Path,
     STATS.faults += 1
 
 
-def test_fuzzer_catches_an_oversize_lease_that_stops_pruning(template: Path,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fuzzer_catches_an_oversize_lease_that_stops_pruning(
+    template: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # ``tierstore.lifecycle.prune`` the attribute is the function; the module is in sys.modules.
     monkeypatch.setattr(sys.modules["tierstore.lifecycle.prune"], "live_leases", old_live_leases)
     with fresh_store(template) as store:

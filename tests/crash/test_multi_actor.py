@@ -77,11 +77,21 @@ PROFILE = os.environ.get("TIERSTORE_CRASH_PROFILE", "ci")
 CONFIG = replace(model.FAST, commit_timeout=5)
 
 # Where each actor may be held: every gate between a read and the act it decides.
-MIGRATION = ("transfer.after_chunk", "migrator.after_file_upload", "migrator.before_mark_publish",
-             "migrator.before_cold_publish", "migrator.after_cold_check",
-             "migrator.after_cold_publish")
-PRUNE = ("prune.after_listing", "prune.before_unpublish", "prune.after_unpublish",
-         "prune.after_lease_check", "prune.after_file_delete")
+MIGRATION = (
+    "transfer.after_chunk",
+    "migrator.after_file_upload",
+    "migrator.before_mark_publish",
+    "migrator.before_cold_publish",
+    "migrator.after_cold_check",
+    "migrator.after_cold_publish",
+)
+PRUNE = (
+    "prune.after_listing",
+    "prune.before_unpublish",
+    "prune.after_unpublish",
+    "prune.after_lease_check",
+    "prune.after_file_delete",
+)
 POINTS: dict[str, tuple[str, ...]] = {
     "save": ("writer.after_file_write", "writer.before_manifest_publish", *MIGRATION),
     "migrate": MIGRATION,
@@ -95,8 +105,17 @@ POINTS: dict[str, tuple[str, ...]] = {
 ACTORS = ("save", "saves", "migrate", "prune", "prune-hot", "prune-cold", "load", "gc")
 # Wire faults, on the proxy between the actors and moto (S3 examples only). Writes only:
 # the invariants are about what is stored; reads fail the same way through the same code.
-WIRE = ("none", "slowdown", "slowdown-storm", "reset", "lose-answer", "delay", "stall", "refuse",
-        "deny-writes")
+WIRE = (
+    "none",
+    "slowdown",
+    "slowdown-storm",
+    "reset",
+    "lose-answer",
+    "delay",
+    "stall",
+    "refuse",
+    "deny-writes",
+)
 # What two migrators meet (B's list runs the other way: hypothesis starts from the first).
 THROTTLED = ("slowdown-storm", "slowdown", "reset", "none")
 OUTAGE = 0.3  # seconds a stall or refusal lasts
@@ -138,16 +157,22 @@ class MultiActor(RuleBasedStateMachine):
             self.proxy = self.s3["proxy"]
             retry = RetryPolicy(attempts=2, deadline=10, initial=0.001, maximum=0.01)
             base = {"key": "testing", "secret": "testing", "region": "us-west-2", "retry": retry}
-            self.store = Store(str(self.root / "hot"), f"s3://{self.s3['bucket']}/m-{uuid.uuid4().hex[:10]}",
-                               {**base, "endpoint_url": self.proxy.url},
-                               {**base, "endpoint_url": self.s3["endpoint"]})
+            self.store = Store(
+                str(self.root / "hot"),
+                f"s3://{self.s3['bucket']}/m-{uuid.uuid4().hex[:10]}",
+                {**base, "endpoint_url": self.proxy.url},
+                {**base, "endpoint_url": self.s3["endpoint"]},
+            )
         self.next_step = 1
         self.seen: dict[str, set[str]] = {"hot": set(), "cold": set()}
         self.ever_hot: set[tuple[str, str]] = set()  # (name, attempt) ever committed there
         self.ever_cold: set[tuple[str, str]] = set()
         self.may_vanish: dict[str, set[str]] = {"hot": set(), "cold": set()}
         self.loaded: set[tuple[str, str, str]] = set()
-        self.tiers = {"hot": Tier("hot", self.store.hot), "cold": Tier("cold", self.store.cold, self.store.direct)}
+        self.tiers = {
+            "hot": Tier("hot", self.store.hot),
+            "cold": Tier("cold", self.store.cold, self.store.direct),
+        }
         self.gate_n = 0
         STATS.examples += 1
 
@@ -170,10 +195,16 @@ class MultiActor(RuleBasedStateMachine):
         """What a prune that lists the store now deletes (``None``: that tier not pruned)."""
         hot, cold = self.tier("hot"), self.tier("cold")
         now = time.time()
-        doomed_hot = [] if hot_keep is None else plan_prune(
-            hot.manifests(), keep_last(hot_keep), protect=pending_in_cold(hot, cold), now=now)[0]
-        doomed_cold = [] if cold_keep is None else plan_prune(
-            cold.manifests(), keep_last(cold_keep), now=now)[0]
+        doomed_hot = (
+            []
+            if hot_keep is None
+            else plan_prune(
+                hot.manifests(), keep_last(hot_keep), protect=pending_in_cold(hot, cold), now=now
+            )[0]
+        )
+        doomed_cold = (
+            [] if cold_keep is None else plan_prune(cold.manifests(), keep_last(cold_keep), now=now)[0]
+        )
         return {m.name for m in doomed_hot}, {m.name for m in doomed_cold}
 
     def look(self) -> None:
@@ -183,8 +214,9 @@ class MultiActor(RuleBasedStateMachine):
 
     # -- actors ----------------------------------------------------------------------------
 
-    def actor(self, kind: str, data: st.DataObject, *, a_in_flight: str | None = None,
-              migrate: bool | None = None) -> Step:
+    def actor(
+        self, kind: str, data: st.DataObject, *, a_in_flight: str | None = None, migrate: bool | None = None
+    ) -> Step:
         s = self.store
         if kind in ("save", "saves"):
             # "saves": a job saving twice while another actor is held (quick saves: two
@@ -199,16 +231,24 @@ class MultiActor(RuleBasedStateMachine):
             def save(rank: int) -> list[tuple[str, str, str | None]]:
                 states = []
                 for step in range(first_step, first_step + count):
-                    writer = TieredWriter(s.hot, s.cold if migrate else None, step=step,
-                                          cold_options=s.options, migration=CONFIG)
+                    writer = TieredWriter(
+                        s.hot,
+                        s.cold if migrate else None,
+                        step=step,
+                        cold_options=s.options,
+                        migration=CONFIG,
+                    )
                     states = model.save_and_migrate(writer, step, mode, 90)
                 return states
 
             return Step("save", save, world, save_step=first_step + count - 1)
         if kind == "migrate":
+
             def migrate(rank: int) -> list[tuple[str, str, str | None]]:
-                return [(st_.name, st_.state.value, st_.error)
-                        for st_ in migrate_pending(s.hot, s.cold, cold_options=s.options, config=CONFIG)]
+                return [
+                    (st_.name, st_.state.value, st_.error)
+                    for st_ in migrate_pending(s.hot, s.cold, cold_options=s.options, config=CONFIG)
+                ]
 
             return Step("migrate", migrate)
         if kind in ("prune", "prune-hot", "prune-cold"):
@@ -227,11 +267,11 @@ class MultiActor(RuleBasedStateMachine):
                 elif kind == "prune-cold":
                     prune_tier(cold_tier, keep_last(cold_keep or 1))
                 else:
-                    prune(store, hot_policy=keep_last(hot_keep or 1),
-                          cold_policy=keep_last(cold_keep or 1))
+                    prune(store, hot_policy=keep_last(hot_keep or 1), cold_policy=keep_last(cold_keep or 1))
 
             return Step(kind, prune_, doomed=doomed)
         if kind == "load":
+
             def load(rank: int) -> tuple[str, bool] | None:
                 if not list_checkpoints(s.hot, s.cold, cold_options=s.options):
                     return None
@@ -292,24 +332,46 @@ class MultiActor(RuleBasedStateMachine):
         step = self.actor("save", data)
         self.check(step, forking.run(step.fn, world=step.world), faulted=False)
 
-    @rule(data=st.data(), a=st.sampled_from(tuple(POINTS)), pick=st.integers(0, 1 << 16),
-          b=st.sampled_from(ACTORS), wire_b=st.sampled_from(WIRE), wire_a=st.sampled_from(WIRE),
-          finish=st.sampled_from(["release", "release", "kill"]))
-    def interleave(self, data: st.DataObject, a: str, pick: int, b: str, wire_b: str, wire_a: str,
-                   finish: str) -> None:
+    @rule(
+        data=st.data(),
+        a=st.sampled_from(tuple(POINTS)),
+        pick=st.integers(0, 1 << 16),
+        b=st.sampled_from(ACTORS),
+        wire_b=st.sampled_from(WIRE),
+        wire_a=st.sampled_from(WIRE),
+        finish=st.sampled_from(["release", "release", "kill"]),
+    )
+    def interleave(
+        self, data: st.DataObject, a: str, pick: int, b: str, wire_b: str, wire_a: str, finish: str
+    ) -> None:
         """A blocks at a point; B runs to its end; A is released (or killed there)."""
         self.force(data, a, POINTS[a][pick % len(POINTS[a])], b, wire_b, wire_a, finish)
 
-    @rule(data=st.data(), point=st.sampled_from(POINTS["migrate"]),
-          wire_b=st.sampled_from(THROTTLED[::-1]), wire_a=st.sampled_from(THROTTLED))
-    def two_migrators_of_one_checkpoint(self, data: st.DataObject, point: str, wire_b: str,
-                                        wire_a: str) -> None:
+    @rule(
+        data=st.data(),
+        point=st.sampled_from(POINTS["migrate"]),
+        wire_b=st.sampled_from(THROTTLED[::-1]),
+        wire_a=st.sampled_from(THROTTLED),
+    )
+    def two_migrators_of_one_checkpoint(
+        self, data: st.DataObject, point: str, wire_b: str, wire_a: str
+    ) -> None:
         """The trainer's background migrator held mid-migration of its new checkpoint while
         `tierstore migrate` in another process migrates the same checkpoint, both throttled."""
         self.force(data, "save", point, "migrate", wire_b, wire_a, "release", migrate=True)
 
-    def force(self, data: st.DataObject, a: str, point: str, b: str, wire_b: str, wire_a: str,
-              finish: str, *, migrate: bool | None = None) -> None:
+    def force(
+        self,
+        data: st.DataObject,
+        a: str,
+        point: str,
+        b: str,
+        wire_b: str,
+        wire_a: str,
+        finish: str,
+        *,
+        migrate: bool | None = None,
+    ) -> None:
         first = self.actor(a, data, migrate=migrate)
         self.gate_n += 1
         gate = Gate(self.root / f"gate-{self.gate_n}")
@@ -362,8 +424,10 @@ class MultiActor(RuleBasedStateMachine):
             out.write(bytes(data))
         STATS.faults += 1
 
-    @rule(kind=st.sampled_from(["truncated", "wrong-rank", "garbage", "other-files"]),
-          pick=st.integers(0, 1 << 16))
+    @rule(
+        kind=st.sampled_from(["truncated", "wrong-rank", "garbage", "other-files"]),
+        pick=st.integers(0, 1 << 16),
+    )
     def damage_an_upload_mark(self, kind: str, pick: int) -> None:
         """An upload mark torn or forged (a crash on a store without atomic writes, a
         careless tool): a hint, never to be trusted, and never allowed to block migration."""
@@ -374,12 +438,17 @@ class MultiActor(RuleBasedStateMachine):
         manifest = hot.find_manifest(pending[pick % len(pending)])
         assert manifest is not None
         rank = sorted({f.rank for f in manifest.files})[0]
-        files = [{"path": f.path, "size": f.size, "crc32c": f.crc32c, "rank": f.rank}
-                 for f in manifest.files_of_rank(rank)]
+        files = [
+            {"path": f.path, "size": f.size, "crc32c": f.crc32c, "rank": f.rank}
+            for f in manifest.files_of_rank(rank)
+        ]
         good = json.dumps({"rank": rank, "files": files}, sort_keys=True).encode()
-        body = {"truncated": good[: len(good) // 2], "garbage": b"\x00\xffnot json",
-                "wrong-rank": json.dumps({"rank": rank + 1, "files": files}).encode(),
-                "other-files": json.dumps({"rank": rank, "files": files[:-1]}).encode()}[kind]
+        body = {
+            "truncated": good[: len(good) // 2],
+            "garbage": b"\x00\xffnot json",
+            "wrong-rank": json.dumps({"rank": rank + 1, "files": files}).encode(),
+            "other-files": json.dumps({"rank": rank, "files": files[:-1]}).encode(),
+        }[kind]
         key = layout.upload_mark_key(manifest.name, manifest.attempt, rank)
         cold.backend.delete(key)
         cold.backend.publish(key, body)
@@ -389,8 +458,12 @@ class MultiActor(RuleBasedStateMachine):
     def migrate_once_the_faults_stop(self) -> None:
         """`tierstore migrate` on a healthy store commits every pending checkpoint."""
         s = self.store
-        outcome = forking.run(lambda rank: [(x.name, x.state.value, x.error) for x in migrate_pending(
-            s.hot, s.cold, cold_options=s.options, config=CONFIG)])
+        outcome = forking.run(
+            lambda rank: [
+                (x.name, x.state.value, x.error)
+                for x in migrate_pending(s.hot, s.cold, cold_options=s.options, config=CONFIG)
+            ]
+        )
         STATS.steps += 1
         assert outcome.ok, outcome.errors
         stuck = [x for x in outcome.results[0] if x[1] != "committed"]
@@ -435,8 +508,11 @@ class MultiActor(RuleBasedStateMachine):
         for role in ("hot", "cold"):
             tier = self.tier(role)
             for manifest in tier.manifests():
-                bad = [f.path for f in manifest.files
-                       if not has_verified_copy(tier, manifest.name, manifest.attempt, f)]
+                bad = [
+                    f.path
+                    for f in manifest.files
+                    if not has_verified_copy(tier, manifest.name, manifest.attempt, f)
+                ]
                 assert not bad, f"{role} manifest of {manifest.name} names missing or damaged files {bad}"
 
     @invariant()
@@ -447,14 +523,20 @@ class MultiActor(RuleBasedStateMachine):
                 if (role, name, manifest.attempt) in self.loaded:
                     continue  # loaded already: its files are re-checked every step above
                 target = model.blank()
-                reader = (TieredReader(s.hot, None, name=name, lease=False) if role == "hot" else
-                          TieredReader(None, s.cold, name=name, cold_options=s.direct, lease=False))
+                reader = (
+                    TieredReader(s.hot, None, name=name, lease=False)
+                    if role == "hot"
+                    else TieredReader(None, s.cold, name=name, cold_options=s.direct, lease=False)
+                )
                 try:
                     dcp.load(target, storage_reader=reader)
                 except BaseException as err:
-                    raise AssertionError(f"{role} copy of {name} does not load: {model.unwrap(err)!r}") from err
-                assert manifest.step is not None and model.matches(target, manifest.step), \
+                    raise AssertionError(
+                        f"{role} copy of {name} does not load: {model.unwrap(err)!r}"
+                    ) from err
+                assert manifest.step is not None and model.matches(target, manifest.step), (
                     f"{role} copy of {name} loaded wrong bytes"
+                )
                 self.loaded.add((role, name, manifest.attempt))
 
     @invariant()

@@ -33,8 +33,11 @@ CONFIG = MigrationConfig(concurrency=2, poll_interval=0.01, commit_timeout=30, r
 def state_for(step: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(step)
     # 6 MiB: a multipart upload at 5 MiB parts, so resets can hit a part mid-upload
-    return {"big": torch.randn(6 * MiB // 4, generator=g), "small": torch.randn(100, generator=g),
-            "extra": {"step": step}}
+    return {
+        "big": torch.randn(6 * MiB // 4, generator=g),
+        "small": torch.randn(100, generator=g),
+        "extra": {"step": step},
+    }
 
 
 @pytest.fixture
@@ -46,23 +49,34 @@ def proxy(s3_endpoint: str) -> Iterator[FaultProxy]:
 
 @pytest.fixture
 def store(tmp_path: Path, s3_bucket: str, proxy: FaultProxy) -> dict[str, Any]:
-    cold_options = {"endpoint_url": proxy.url, "key": "testing", "secret": "testing",
-                    "region": "us-west-2", "part_size": 5 * MiB, "max_concurrency": 2,
-                    "retry": FAST_RETRY}
+    cold_options = {
+        "endpoint_url": proxy.url,
+        "key": "testing",
+        "secret": "testing",
+        "region": "us-west-2",
+        "part_size": 5 * MiB,
+        "max_concurrency": 2,
+        "retry": FAST_RETRY,
+    }
     return {"hot": str(tmp_path / "hot"), "cold": f"s3://{s3_bucket}/run", "cold_options": cold_options}
 
 
 def save(store: dict[str, Any], step: int) -> TieredWriter:
-    writer = TieredWriter(store["hot"], store["cold"], step=step, cold_options=store["cold_options"],
-                          migration=CONFIG)
+    writer = TieredWriter(
+        store["hot"], store["cold"], step=step, cold_options=store["cold_options"], migration=CONFIG
+    )
     dcp.save(state_for(step), storage_writer=writer)
     return writer
 
 
 def assert_cold_copy_is_whole(store: dict[str, Any], step: int) -> None:
     target = {"big": torch.zeros(6 * MiB // 4), "small": torch.zeros(100), "extra": {"step": -1}}
-    dcp.load(target, storage_reader=TieredReader(None, store["cold"], step=step,
-                                                  cold_options=store["cold_options"], lease=False))
+    dcp.load(
+        target,
+        storage_reader=TieredReader(
+            None, store["cold"], step=step, cold_options=store["cold_options"], lease=False
+        ),
+    )
     want = state_for(step)
     assert torch.equal(target["big"], want["big"]) and target["extra"] == {"step": step}
     checks = verify_store(None, store["cold"], cold_options=store["cold_options"])
@@ -94,8 +108,9 @@ def test_lost_answer_to_the_cold_commit_is_resolved(store: dict[str, Any], proxy
     assert rule.fired == 1
     [status] = writer.migrator.status()
     assert status.state is MigrationState.COMMITTED, status
-    assert [c.tiers for c in list_checkpoints(store["hot"], store["cold"],
-                                              cold_options=store["cold_options"])] == [("hot", "cold")]
+    assert [
+        c.tiers for c in list_checkpoints(store["hot"], store["cold"], cold_options=store["cold_options"])
+    ] == [("hot", "cold")]
     assert_cold_copy_is_whole(store, 1)
 
 
@@ -110,8 +125,9 @@ def test_saves_never_wait_for_migration(store: dict[str, Any], proxy: FaultProxy
     assert {s.state for s in writer.migrator.status()} == {MigrationState.COMMITTED}
 
 
-def test_permanent_denial_is_reported_and_the_next_save_works(store: dict[str, Any],
-                                                              proxy: FaultProxy) -> None:
+def test_permanent_denial_is_reported_and_the_next_save_works(
+    store: dict[str, Any], proxy: FaultProxy
+) -> None:
     proxy.add("deny", method="PUT", contains=("shards/",), times=100)
     STATS.faults += 1
     writer = save(store, 1)

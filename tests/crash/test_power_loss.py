@@ -96,8 +96,10 @@ class ShadowFS:
         return node
 
     def _record(self, op: str) -> None:
-        snapshot = {k: _Node(n.is_dir, bytearray(), n.durable, {}, dict(n.durable_entries))
-                    for k, n in self.nodes.items()}
+        snapshot = {
+            k: _Node(n.is_dir, bytearray(), n.durable, {}, dict(n.durable_entries))
+            for k, n in self.nodes.items()
+        }
         self.log.append((op, snapshot))
 
     def _site(self) -> str:
@@ -105,8 +107,12 @@ class ShadowFS:
         name = frame.f_code.co_name
         if name == "_fsync_dir":
             caller = frame.f_back.f_code.co_name if frame.f_back else ""
-            return {"_commit": "data-dir", "sync_dirs": "data-dir", "publish": "publish-dir",
-                    "_makedirs": "mkdir"}.get(caller, caller)
+            return {
+                "_commit": "data-dir",
+                "sync_dirs": "data-dir",
+                "publish": "publish-dir",
+                "_makedirs": "mkdir",
+            }.get(caller, caller)
         return {"_commit": "file", "publish": "publish-temp"}.get(name, name)
 
     # -- the syscalls ----------------------------------------------------------------------
@@ -150,17 +156,24 @@ class ShadowFS:
         if self._new(path, is_dir=True, dir_fd=dir_fd) is not None:
             self._record(f"mkdir {path}")
 
-    def link(self, src: str, dst: str, *, src_dir_fd: int | None = None,
-             dst_dir_fd: int | None = None, follow_symlinks: bool = True) -> None:
-        os.link(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd,
-                follow_symlinks=follow_symlinks)
+    def link(
+        self,
+        src: str,
+        dst: str,
+        *,
+        src_dir_fd: int | None = None,
+        dst_dir_fd: int | None = None,
+        follow_symlinks: bool = True,
+    ) -> None:
+        os.link(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd, follow_symlinks=follow_symlinks)
         node, where = self._node(src, src_dir_fd), self._parent(dst, dst_dir_fd)
         if node is not None and where is not None:
             self.nodes[where[0]].entries[where[1]] = node
             self._record(f"link {dst}")
 
-    def rename(self, src: str, dst: str, *, src_dir_fd: int | None = None,
-               dst_dir_fd: int | None = None) -> None:
+    def rename(
+        self, src: str, dst: str, *, src_dir_fd: int | None = None, dst_dir_fd: int | None = None
+    ) -> None:
         os.rename(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
         old, new = self._parent(src, src_dir_fd), self._parent(dst, dst_dir_fd)
         if old is not None and new is not None:

@@ -83,8 +83,11 @@ def test_prune_racing_a_migration_keeps_the_pending_checkpoint(tmp_path: Path) -
     save(hot, 1)
     save(hot, 2)
     gate = Gate(tmp_path / "gate")
-    migration = held(gate, "transfer.after_chunk",  # step 1's first file half copied
-                     lambda: migrate_pending(hot, cold, config=model.FAST))
+    migration = held(
+        gate,
+        "transfer.after_chunk",  # step 1's first file half copied
+        lambda: migrate_pending(hot, cold, config=model.FAST),
+    )
     report = prune(hot, cold, hot_policy=keep_last(1), cold_policy=keep_last(5))[0]
     STATS.faults += 1
     assert report.deleted == ()  # step 1 is still pending in cold: protected

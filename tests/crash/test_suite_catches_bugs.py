@@ -44,7 +44,8 @@ BUG_WINDOW = "bug.manifest_published_metadata_not_yet_written"
 
 
 def publishing_manifest_before_metadata(
-        publish: Callable[[Tier, Manifest], None]) -> Callable[[Tier, Manifest], None]:
+    publish: Callable[[Tier, Manifest], None],
+) -> Callable[[Tier, Manifest], None]:
     """``Tier.publish_manifest`` with the bug: the metadata file it vouches for is taken out
     of the store before the commit and written back only after it."""
 
@@ -62,7 +63,8 @@ def publishing_manifest_before_metadata(
 
 
 def deleting_before_every_write(
-        open_write: Callable[[Backend, str], ObjectWriter]) -> Callable[[Backend, str], ObjectWriter]:
+    open_write: Callable[[Backend, str], ObjectWriter],
+) -> Callable[[Backend, str], ObjectWriter]:
     """A backend's ``open_write`` that deletes the key first, as every upload try of the old
     migrator did: a second migrator's retry deletes the object the first one verified and
     committed, and a crash before its own write completes leaves the key empty."""
@@ -90,9 +92,18 @@ def expect_caught(machine: Any, match: str, config: settings) -> None:
 def test_state_machine_catches_manifest_published_before_data(monkeypatch) -> None:
     # Forked actors inherit the patched method.
     monkeypatch.setattr(Tier, "publish_manifest", publishing_manifest_before_metadata(Tier.publish_manifest))
-    expect_caught(CrashConsistency, "does not load|vanished", settings(
-        max_examples=80, stateful_step_count=8, phases=[Phase.generate],
-        derandomize=True, database=None, deadline=None))
+    expect_caught(
+        CrashConsistency,
+        "does not load|vanished",
+        settings(
+            max_examples=80,
+            stateful_step_count=8,
+            phases=[Phase.generate],
+            derandomize=True,
+            database=None,
+            deadline=None,
+        ),
+    )
 
 
 class TwoMigrators(MultiActor):
@@ -105,15 +116,26 @@ class TwoMigrators(MultiActor):
     save_alone = interleave = damage_an_upload_mark = migrate_once_the_faults_stop = None  # type: ignore[assignment]
 
 
-def test_multi_actor_machine_catches_a_retry_deleting_a_committed_object(monkeypatch, s3_endpoint: str,
-                                                                         s3_bucket: str) -> None:
+def test_multi_actor_machine_catches_a_retry_deleting_a_committed_object(
+    monkeypatch, s3_endpoint: str, s3_bucket: str
+) -> None:
     s3 = pytest.importorskip("tierstore_s3", reason="the S3 backend is installed by make test")
     # Only migrators write objects into the cold tier; forked actors inherit the patch.
     monkeypatch.setattr(s3.S3Backend, "open_write", deleting_before_every_write(s3.S3Backend.open_write))
     with s3_cold(s3_endpoint, s3_bucket):
-        expect_caught(TwoMigrators, "names missing or damaged|does not load", settings(
-            max_examples=10, stateful_step_count=5, phases=[Phase.generate], derandomize=True,
-            database=None, deadline=None, suppress_health_check=list(HealthCheck)))
+        expect_caught(
+            TwoMigrators,
+            "names missing or damaged|does not load",
+            settings(
+                max_examples=10,
+                stateful_step_count=5,
+                phases=[Phase.generate],
+                derandomize=True,
+                database=None,
+                deadline=None,
+                suppress_health_check=list(HealthCheck),
+            ),
+        )
 
 
 class PruneRacingSaves(MultiActor):
@@ -129,8 +151,9 @@ class PruneRacingSaves(MultiActor):
         self.force(data, "prune-hot", point, "saves", "none", "none", "release")
 
 
-def prune_from_a_second_listing(hot: Tier, cold: Tier | None, policy: Any, *, dry_run: bool = False,
-                                now: float | None = None) -> Any:
+def prune_from_a_second_listing(
+    hot: Tier, cold: Tier | None, policy: Any, *, dry_run: bool = False, now: float | None = None
+) -> Any:
     """``prune_hot`` with the bug: the protected set from one listing, the plan from another
     (made later), no re-check before the un-publish."""
     if cold is None:
@@ -147,9 +170,19 @@ def test_multi_actor_machine_catches_a_prune_that_plans_from_a_second_listing(mo
 
     for module in (prune_mod, test_multi_actor):  # forked actors inherit the patch
         monkeypatch.setattr(module, "prune_hot", prune_from_a_second_listing)
-    expect_caught(PruneRacingSaves, "without ever being committed in cold|vanished", settings(
-        max_examples=25, stateful_step_count=4, phases=[Phase.generate], derandomize=True,
-        database=None, deadline=None, suppress_health_check=list(HealthCheck)))
+    expect_caught(
+        PruneRacingSaves,
+        "without ever being committed in cold|vanished",
+        settings(
+            max_examples=25,
+            stateful_step_count=4,
+            phases=[Phase.generate],
+            derandomize=True,
+            database=None,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+        ),
+    )
 
 
 class HostileUploads(MultiActor):
@@ -162,8 +195,7 @@ class HostileUploads(MultiActor):
 
     @rule(data=st.data())
     def save_whose_migration_dies_before_the_commit(self, data: st.DataObject) -> None:
-        self.force(data, "save", "migrator.before_cold_publish", "load", "none", "none", "kill",
-                   migrate=True)
+        self.force(data, "save", "migrator.before_cold_publish", "load", "none", "none", "kill", migrate=True)
 
 
 def test_multi_actor_machine_catches_a_cold_commit_that_checks_sizes_only(monkeypatch) -> None:
@@ -172,16 +204,30 @@ def test_multi_actor_machine_catches_a_cold_commit_that_checks_sizes_only(monkey
 
     # The old commit (sizes from a listing) and the old resume check (a mark and sizes).
     monkeypatch.setattr(Migrator, "_proved", lambda self, *args: True)
-    monkeypatch.setattr(marks, "already_uploaded", lambda tier, name, attempt, rank, files: bool(
-        marks._rank_marks(tier, name, attempt, rank, files))
-        and all(marks.in_place(tier, name, attempt, e) for e in files))
-    expect_caught(HostileUploads, "names missing or damaged|does not load", settings(
-        max_examples=25, stateful_step_count=6, phases=[Phase.generate], derandomize=True,
-        database=None, deadline=None, suppress_health_check=list(HealthCheck)))
+    monkeypatch.setattr(
+        marks,
+        "already_uploaded",
+        lambda tier, name, attempt, rank, files: (
+            bool(marks._rank_marks(tier, name, attempt, rank, files))
+            and all(marks.in_place(tier, name, attempt, e) for e in files)
+        ),
+    )
+    expect_caught(
+        HostileUploads,
+        "names missing or damaged|does not load",
+        settings(
+            max_examples=25,
+            stateful_step_count=6,
+            phases=[Phase.generate],
+            derandomize=True,
+            database=None,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+        ),
+    )
 
 
-def test_the_lifecycle_scenario_catches_a_resume_that_does_not_quarantine(
-        monkeypatch, tmp_path) -> None:
+def test_the_lifecycle_scenario_catches_a_resume_that_does_not_quarantine(monkeypatch, tmp_path) -> None:
     import test_lifecycle_e2e
     from cold_tiers import Cold
 

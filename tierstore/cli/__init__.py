@@ -28,25 +28,41 @@ __all__ = ["main", "COMMANDS"]
 _CREATES = {"migrate": "cold", "restore": "hot"}
 
 
-COMMANDS = {"ls": cmd_ls, "show": cmd_show, "migrate": cmd_migrate, "restore": cmd_restore,
-            "status": cmd_status, "verify": cmd_verify, "gc": cmd_gc, "prune": cmd_prune,
-            "quarantine": cmd_quarantine, "verify-resume": cmd_verify_resume}
+COMMANDS = {
+    "ls": cmd_ls,
+    "show": cmd_show,
+    "migrate": cmd_migrate,
+    "restore": cmd_restore,
+    "status": cmd_status,
+    "verify": cmd_verify,
+    "gc": cmd_gc,
+    "prune": cmd_prune,
+    "quarantine": cmd_quarantine,
+    "verify-resume": cmd_verify_resume,
+}
 
 
 # What an interrupted command has done, and why running it again finishes the job: every
 # object write is atomic and every manifest is published last (docs/design.md invariants 2
 # and 12), so an interruption leaves nothing a rerun cannot complete.
 _RESUME = {
-    "migrate": ("uploaded {done} of {total}, {finished} checkpoint(s) copied in full",
-                "run the same `tierstore migrate` again to finish; verified uploads are not sent again"),
-    "restore": ("copied {done} of {total}",
-                "run the same `tierstore restore` again to finish; verified files are not copied again"),
-    "verify": ("read {done} of {total}, {finished} checkpoint copies verified in full",
-               "nothing was changed; run `tierstore verify` again to check everything"),
-    "gc": ("only garbage is deleted, in batches",
-           "run the same `tierstore gc` again to finish"),
-    "prune": ("a checkpoint is un-published before its data is deleted",
-              "run the same `tierstore prune` again to finish; `tierstore gc` removes stray data"),
+    "migrate": (
+        "uploaded {done} of {total}, {finished} checkpoint(s) copied in full",
+        "run the same `tierstore migrate` again to finish; verified uploads are not sent again",
+    ),
+    "restore": (
+        "copied {done} of {total}",
+        "run the same `tierstore restore` again to finish; verified files are not copied again",
+    ),
+    "verify": (
+        "read {done} of {total}, {finished} checkpoint copies verified in full",
+        "nothing was changed; run `tierstore verify` again to check everything",
+    ),
+    "gc": ("only garbage is deleted, in batches", "run the same `tierstore gc` again to finish"),
+    "prune": (
+        "a checkpoint is un-published before its data is deleted",
+        "run the same `tierstore prune` again to finish; `tierstore gc` removes stray data",
+    ),
 }
 
 
@@ -56,8 +72,11 @@ def _interrupted(args: argparse.Namespace) -> int:
     progress: ProgressDisplay = args.progress
     progress.close()
     done, resume = _RESUME.get(args.command, ("stopped", "nothing was changed"))
-    done = done.format(done=size_text(progress.bytes_done), total=size_text(progress.bytes_total),
-                       finished=len(progress.finished))
+    done = done.format(
+        done=size_text(progress.bytes_done),
+        total=size_text(progress.bytes_total),
+        finished=len(progress.finished),
+    )
     print(f"tierstore {args.command}: interrupted: {done}; {resume}", file=sys.stderr, flush=True)
     return EXIT_INTERRUPTED
 
@@ -86,4 +105,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_ERROR
     except KeyboardInterrupt:
         return _interrupted(args)
-

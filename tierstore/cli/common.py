@@ -18,14 +18,28 @@ from tierstore.progress import size_text
 from tierstore.tiers.catalog import resolve
 from tierstore.tiers.tier import Store, Tier
 
-__all__ = ["store_of", "options_of", "age_text", "metrics_text", "say_unreachable",
-           "require_named", "require_picked", "quarantine_rows", "print_quarantined",
-           "status_json", "size_text"]
+__all__ = [
+    "store_of",
+    "options_of",
+    "age_text",
+    "metrics_text",
+    "say_unreachable",
+    "require_named",
+    "require_picked",
+    "quarantine_rows",
+    "print_quarantined",
+    "status_json",
+    "size_text",
+]
 
 
 def store_of(args: argparse.Namespace) -> Store:
-    return Store.of(args.hot, args.cold, hot_options=options_of(args.hot_option),
-                    cold_options=options_of(args.cold_option))
+    return Store.of(
+        args.hot,
+        args.cold,
+        hot_options=options_of(args.hot_option),
+        cold_options=options_of(args.cold_option),
+    )
 
 
 def options_of(pairs: list[str] | None) -> dict[str, Any]:
@@ -41,8 +55,6 @@ def options_of(pairs: list[str] | None) -> dict[str, Any]:
     return options
 
 
-
-
 def age_text(seconds: float) -> str:
     if seconds < 120:
         return f"{seconds:.0f} s"
@@ -56,8 +68,11 @@ def metrics_text(metrics: Mapping[str, float]) -> str:
 
 
 def say_unreachable(args: argparse.Namespace, why: str) -> None:
-    print(f"tierstore {args.command}: the cold tier {redact_url(args.cold)} is unreachable "
-          f"({why}); showing the hot tier only", file=sys.stderr)
+    print(
+        f"tierstore {args.command}: the cold tier {redact_url(args.cold)} is unreachable "
+        f"({why}); showing the hot tier only",
+        file=sys.stderr,
+    )
 
 
 def require_named(store: Store, name: str | None) -> None:
@@ -72,21 +87,35 @@ def require_picked(args: argparse.Namespace, tiers: list[Tier]) -> None:
         return
     manifest, _ = resolve(tiers, name=args.name)
     if manifest.step != args.step:
-        raise UsageError(f"--step {args.step} and --name {args.name} contradict each other: "
-                         f"{args.name} is step {manifest.step}")
+        raise UsageError(
+            f"--step {args.step} and --name {args.name} contradict each other: "
+            f"{args.name} is step {manifest.step}"
+        )
 
 
 def quarantine_rows(store: Store) -> list[dict[str, Any]]:
-    return [{"name": q.name, "attempt": q.attempt, "step": q.step, "tier": q.tier,
-             "size": q.size, "reason": q.reason, "when": q.when} for q in list_quarantined(store)]
+    return [
+        {
+            "name": q.name,
+            "attempt": q.attempt,
+            "step": q.step,
+            "tier": q.tier,
+            "size": q.size,
+            "reason": q.reason,
+            "when": q.when,
+        }
+        for q in list_quarantined(store)
+    ]
 
 
 def print_quarantined(rows: list[dict[str, Any]]) -> None:
     """The quarantined checkpoints under a listing (``ls``, ``status``), if there are any."""
     if not rows:
         return
-    print(f"\nquarantined (found damaged by a resume, un-published, data kept; "
-          f"`tierstore quarantine` to remove): {len(rows)}")
+    print(
+        f"\nquarantined (found damaged by a resume, un-published, data kept; "
+        f"`tierstore quarantine` to remove): {len(rows)}"
+    )
     for row in rows:
         step = "-" if row["step"] is None else str(row["step"])
         print(f"  {row['name']:<24}{step:>10}{size_text(row['size']):>12}  {row['tier']}  {row['reason']}")

@@ -42,8 +42,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
         states = {s.name: s.state.value for s in migration_status(store)}
     now = time.time()
     unknown = "unknown" if down else "-"
-    rows = [{**asdict(i), "age_seconds": now - i.created,
-             "migration": states.get(i.name, "committed" if "cold" in i.tiers else unknown)} for i in infos]
+    rows = [
+        {
+            **asdict(i),
+            "age_seconds": now - i.created,
+            "migration": states.get(i.name, "committed" if "cold" in i.tiers else unknown),
+        }
+        for i in infos
+    ]
     aside = quarantine_rows(store)
     if args.json:
         print(json.dumps([*rows, *({**q, "quarantined": True} for q in aside)], indent=1))
@@ -51,15 +57,22 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print("no committed checkpoints")
     else:
         measured = any(i.metrics for i in infos)  # the column only when a save recorded some
-        print(f"{'name':<24}{'step':>10}{'size':>12}{'files':>7}{'age':>10}  {'tiers':<10}"
-              + (f"{'migration':<12}metrics" if measured else "migration"))
+        print(
+            f"{'name':<24}{'step':>10}{'size':>12}{'files':>7}{'age':>10}  {'tiers':<10}"
+            + (f"{'migration':<12}metrics" if measured else "migration")
+        )
         for i, row in zip(infos, rows):
             step = "-" if i.step is None else str(i.step)
             age = age_text(row["age_seconds"])
-            print(f"{i.name:<24}{step:>10}{size_text(i.size):>12}{i.num_files:>7}{age:>10}  "
-                  f"{','.join(i.tiers):<10}"
-                  + (f"{row['migration']:<12}{metrics_text(i.metrics)}".rstrip() if measured
-                     else row["migration"]))
+            print(
+                f"{i.name:<24}{step:>10}{size_text(i.size):>12}{i.num_files:>7}{age:>10}  "
+                f"{','.join(i.tiers):<10}"
+                + (
+                    f"{row['migration']:<12}{metrics_text(i.metrics)}".rstrip()
+                    if measured
+                    else row["migration"]
+                )
+            )
     if not args.json:
         print_quarantined(aside)
     if down is not None:
@@ -116,14 +129,15 @@ def cmd_show(args: argparse.Namespace) -> int:
 def _print_manifest(manifest: Manifest, holders: list[Tier]) -> None:
     print(f"checkpoint {manifest.name}  step {manifest.step}  attempt {manifest.attempt}")
     created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(manifest.created))
-    print(f"world size {manifest.world_size}  created {created}"
-          f"  size {size_text(manifest.total_size)}  in {', '.join(t.label for t in holders)}")
+    print(
+        f"world size {manifest.world_size}  created {created}"
+        f"  size {size_text(manifest.total_size)}  in {', '.join(t.label for t in holders)}"
+    )
     if manifest.metrics:
         print(f"metrics: {metrics_text(manifest.metrics)}")
     print(f"data: {layout.attempt_prefix(manifest.name, manifest.attempt)}")
     for f in manifest.files:
         print(f"  rank {f.rank:>4}  {f.path:<24}{size_text(f.size):>12}  crc32c {f.crc32c:08x}")
-
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -148,8 +162,12 @@ def _status_cold_down(args: argparse.Namespace, store: Store, why: str) -> int:
     """The hot checkpoints, each of unknown migration state."""
     infos = list_checkpoints(Store.of_tiers(store.hot, None))
     if args.json:
-        print(json.dumps([{"name": i.name, "step": i.step, "state": "unknown", "bytes_total": i.size}
-                          for i in infos], indent=1))
+        print(
+            json.dumps(
+                [{"name": i.name, "step": i.step, "state": "unknown", "bytes_total": i.size} for i in infos],
+                indent=1,
+            )
+        )
     else:
         print(f"{'name':<24}{'state':<11}{'size':>22}")
         for i in infos:
@@ -170,8 +188,10 @@ def cmd_quarantine(args: argparse.Namespace) -> int:
             print(f"{'name':<24}{'step':>10}{'size':>12}  {'attempt':<30}{'tier':<8}reason")
             for row in rows:
                 step = "-" if row["step"] is None else str(row["step"])
-                print(f"{row['name']:<24}{step:>10}{size_text(row['size']):>12}  {row['attempt']:<30}"
-                      f"{row['tier'].split()[0]:<8}{row['reason']}")
+                print(
+                    f"{row['name']:<24}{step:>10}{size_text(row['size']):>12}  {row['attempt']:<30}"
+                    f"{row['tier'].split()[0]:<8}{row['reason']}"
+                )
         return EXIT_OK
     if args.restore is not None:
         done = restore_quarantined(store, args.restore, args.attempt)

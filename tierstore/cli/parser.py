@@ -14,8 +14,15 @@ from importlib.metadata import PackageNotFoundError, version
 from tierstore.lifecycle.gc import DEFAULT_GRACE
 from tierstore.lifecycle.retention import keep_best
 
-__all__ = ["build_parser", "UsageError", "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "EXIT_INTERRUPTED",
-           "COLD_WAIT"]
+__all__ = [
+    "build_parser",
+    "UsageError",
+    "EXIT_OK",
+    "EXIT_ERROR",
+    "EXIT_USAGE",
+    "EXIT_INTERRUPTED",
+    "COLD_WAIT",
+]
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 COLD_WAIT = 5.0  # seconds `ls` and `status` wait for the cold tier before reporting it down
@@ -29,47 +36,71 @@ Command = Callable[[argparse.Namespace], int]
 
 # name: (one-line description, example, what exit code 1 means for it)
 _ABOUT = {
-    "ls": ("list committed checkpoints in every tier, with their migration state",
-           "tierstore ls --hot /nvme/run1 --cold s3://ckpt/run1",
-           "a tier path does not exist, or the cold tier is unreachable (the hot tier is still listed)"),
-    "show": ("show one checkpoint's manifest: files, sizes, CRC32Cs, tiers",
-             "tierstore show --hot /nvme/run1 --step 2000",
-             "no such checkpoint, or a tier path does not exist"),
-    "migrate": ("finish pending hot -> cold migrations now, in this process",
-                "tierstore migrate --hot /nvme/run1 --cold s3://ckpt/run1 --bandwidth 200",
-                "a checkpoint could not be migrated, or --name names no hot checkpoint"),
-    "restore": ("copy a cold checkpoint into the hot tier, repairing damaged hot files",
-                "tierstore restore --hot /nvme/run1 --cold s3://ckpt/run1 --step 2000",
-                "no such cold checkpoint, or the copy failed"),
-    "status": ("migration state of every hot checkpoint: pending, uploading, committed, failed",
-               "tierstore status --hot /nvme/run1 --cold s3://ckpt/run1",
-               "a migration has failed, or the cold tier is unreachable (the hot tier is still listed)"),
-    "verify": ("re-read every file of every tier and check its size and CRC32C",
-               "tierstore verify --hot /nvme/run1 --cold s3://ckpt/run1 --name step-0000002000",
-               "damage was found, or --name names no checkpoint"),
-    "gc": ("delete what no manifest names (a dry run unless --yes)",
-           "tierstore gc --hot /nvme/run1 --cold s3://ckpt/run1 --yes",
-           "a damaged manifest was found (its data is kept) or an object could not be deleted"),
-    "prune": ("apply retention policies to each tier (a dry run unless --yes)",
-              "tierstore prune --hot /nvme/run1 --cold s3://ckpt/run1 --hot-keep-last 2 --cold-keep-last 3",
-              "the prune failed"),
-    "quarantine": ("list checkpoints a resume found damaged and set aside; remove or restore one",
-                   "tierstore quarantine --hot /nvme/run1 --cold s3://ckpt/run1 --delete step-0000002000",
-                   "--delete or --restore names no quarantined checkpoint, or the name is committed again"),
-    "verify-resume": ("load a checkpoint in fresh processes and check it restores the run",
-                      "tierstore verify-resume --hot /nvme/run1 --probe train.py:probe --record /tmp/rec",
-                      "the resumed run differs from the record, or a fresh process failed"),
+    "ls": (
+        "list committed checkpoints in every tier, with their migration state",
+        "tierstore ls --hot /nvme/run1 --cold s3://ckpt/run1",
+        "a tier path does not exist, or the cold tier is unreachable (the hot tier is still listed)",
+    ),
+    "show": (
+        "show one checkpoint's manifest: files, sizes, CRC32Cs, tiers",
+        "tierstore show --hot /nvme/run1 --step 2000",
+        "no such checkpoint, or a tier path does not exist",
+    ),
+    "migrate": (
+        "finish pending hot -> cold migrations now, in this process",
+        "tierstore migrate --hot /nvme/run1 --cold s3://ckpt/run1 --bandwidth 200",
+        "a checkpoint could not be migrated, or --name names no hot checkpoint",
+    ),
+    "restore": (
+        "copy a cold checkpoint into the hot tier, repairing damaged hot files",
+        "tierstore restore --hot /nvme/run1 --cold s3://ckpt/run1 --step 2000",
+        "no such cold checkpoint, or the copy failed",
+    ),
+    "status": (
+        "migration state of every hot checkpoint: pending, uploading, committed, failed",
+        "tierstore status --hot /nvme/run1 --cold s3://ckpt/run1",
+        "a migration has failed, or the cold tier is unreachable (the hot tier is still listed)",
+    ),
+    "verify": (
+        "re-read every file of every tier and check its size and CRC32C",
+        "tierstore verify --hot /nvme/run1 --cold s3://ckpt/run1 --name step-0000002000",
+        "damage was found, or --name names no checkpoint",
+    ),
+    "gc": (
+        "delete what no manifest names (a dry run unless --yes)",
+        "tierstore gc --hot /nvme/run1 --cold s3://ckpt/run1 --yes",
+        "a damaged manifest was found (its data is kept) or an object could not be deleted",
+    ),
+    "prune": (
+        "apply retention policies to each tier (a dry run unless --yes)",
+        "tierstore prune --hot /nvme/run1 --cold s3://ckpt/run1 --hot-keep-last 2 --cold-keep-last 3",
+        "the prune failed",
+    ),
+    "quarantine": (
+        "list checkpoints a resume found damaged and set aside; remove or restore one",
+        "tierstore quarantine --hot /nvme/run1 --cold s3://ckpt/run1 --delete step-0000002000",
+        "--delete or --restore names no quarantined checkpoint, or the name is committed again",
+    ),
+    "verify-resume": (
+        "load a checkpoint in fresh processes and check it restores the run",
+        "tierstore verify-resume --hot /nvme/run1 --probe train.py:probe --record /tmp/rec",
+        "the resumed run differs from the record, or a fresh process failed",
+    ),
 }
-_LONG = {"verify-resume": "Load a checkpoint into fresh processes built by a probe and compare the loss "
-                          "on a fixed batch and every state key with a live record "
-                          "(see docs/training-state.md)."}
+_LONG = {
+    "verify-resume": "Load a checkpoint into fresh processes built by a probe and compare the loss "
+    "on a fixed batch and every state key with a live record "
+    "(see docs/training-state.md)."
+}
 
 
 def _epilog(name: str) -> str:
     _, example, failure = _ABOUT[name]
-    return (f"example:\n  {example}\n\n"
-            f"exit codes:\n  0    success\n  1    {failure}\n  2    usage error\n"
-            f"  130  interrupted (Ctrl-C); running the command again finishes the job")
+    return (
+        f"example:\n  {example}\n\n"
+        f"exit codes:\n  0    success\n  1    {failure}\n  2    usage error\n"
+        f"  130  interrupted (Ctrl-C); running the command again finishes the job"
+    )
 
 
 def _version() -> str:
@@ -82,10 +113,18 @@ def _version() -> str:
 def _store_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hot", metavar="PATH|URL", help="hot tier: a local path or a URL")
     p.add_argument("--cold", metavar="URL", help="cold tier: s3://, gs://, fsspec+... or a local path")
-    p.add_argument("--hot-option", action="append", metavar="KEY=VALUE",
-                   help="hot backend option, repeatable (VALUE parsed as JSON when it is)")
-    p.add_argument("--cold-option", action="append", metavar="KEY=VALUE",
-                   help="cold backend option, repeatable, e.g. endpoint_url=http://minio:9000")
+    p.add_argument(
+        "--hot-option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="hot backend option, repeatable (VALUE parsed as JSON when it is)",
+    )
+    p.add_argument(
+        "--cold-option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="cold backend option, repeatable, e.g. endpoint_url=http://minio:9000",
+    )
     p.add_argument("--json", action="store_true", help="machine-readable output on stdout, no progress")
 
 
@@ -100,9 +139,13 @@ def _transfer_args(p: argparse.ArgumentParser) -> None:
 
 
 def _cold_wait(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cold-wait", type=float, default=COLD_WAIT, metavar="SECONDS",
-                   help=f"wait this long for the cold tier before reporting it unreachable "
-                        f"(default {COLD_WAIT:g})")
+    p.add_argument(
+        "--cold-wait",
+        type=float,
+        default=COLD_WAIT,
+        metavar="SECONDS",
+        help=f"wait this long for the cold tier before reporting it unreachable (default {COLD_WAIT:g})",
+    )
 
 
 def _best(text: str) -> keep_best:
@@ -119,36 +162,68 @@ def _best(text: str) -> keep_best:
 
 def _prune_args(p: argparse.ArgumentParser) -> None:
     for tier in ("hot", "cold"):
-        p.add_argument(f"--{tier}-keep-last", type=int, metavar="N",
-                       help=f"keep the newest N checkpoints in the {tier} tier")
-        p.add_argument(f"--{tier}-keep-every", type=int, metavar="K",
-                       help=f"keep every checkpoint whose step is a multiple of K in the {tier} tier")
-        p.add_argument(f"--{tier}-keep-within", type=float, metavar="SECONDS",
-                       help=f"keep the {tier} tier's checkpoints saved in the last SECONDS")
-        p.add_argument(f"--{tier}-keep-best", type=_best, metavar="METRIC:K[:min|max]",
-                       help=f"keep the {tier} tier's K best checkpoints by a metric their saves "
-                            "recorded (lowest with min, the default; highest with max)")
+        p.add_argument(
+            f"--{tier}-keep-last",
+            type=int,
+            metavar="N",
+            help=f"keep the newest N checkpoints in the {tier} tier",
+        )
+        p.add_argument(
+            f"--{tier}-keep-every",
+            type=int,
+            metavar="K",
+            help=f"keep every checkpoint whose step is a multiple of K in the {tier} tier",
+        )
+        p.add_argument(
+            f"--{tier}-keep-within",
+            type=float,
+            metavar="SECONDS",
+            help=f"keep the {tier} tier's checkpoints saved in the last SECONDS",
+        )
+        p.add_argument(
+            f"--{tier}-keep-best",
+            type=_best,
+            metavar="METRIC:K[:min|max]",
+            help=f"keep the {tier} tier's K best checkpoints by a metric their saves "
+            "recorded (lowest with min, the default; highest with max)",
+        )
     p.add_argument("--yes", action="store_true", help="really prune (default: a dry run)")
 
 
 def _gc_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--grace", type=float, default=DEFAULT_GRACE, metavar="SECONDS",
-                   help="only collect objects older than this (default: a day)")
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=DEFAULT_GRACE,
+        metavar="SECONDS",
+        help="only collect objects older than this (default: a day)",
+    )
     p.add_argument("--yes", action="store_true", help="really delete (default: a dry run)")
 
 
 def _verify_resume_args(p: argparse.ArgumentParser) -> None:
     _pick_args(p, "")
-    p.add_argument("--probe", required=True, metavar="MODULE:FUNCTION",
-                   help="probe function, 'package.module:function' or 'path/to/file.py:function'")
-    p.add_argument("--nproc", type=int, help="fresh processes (default: the record's, "
-                                             "else the checkpoint's world size)")
-    p.add_argument("--record", metavar="DIR",
-                   help="live record written by verify_resume(..., record_dir=DIR)")
+    p.add_argument(
+        "--probe",
+        required=True,
+        metavar="MODULE:FUNCTION",
+        help="probe function, 'package.module:function' or 'path/to/file.py:function'",
+    )
+    p.add_argument(
+        "--nproc", type=int, help="fresh processes (default: the record's, else the checkpoint's world size)"
+    )
+    p.add_argument(
+        "--record", metavar="DIR", help="live record written by verify_resume(..., record_dir=DIR)"
+    )
     p.add_argument("--rtol", type=float, default=0.0, help="relative loss tolerance (default bit-exact)")
     p.add_argument("--atol", type=float, default=0.0, help="absolute loss tolerance (default bit-exact)")
-    p.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
-                   help="seconds for the fresh processes (default 600)")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="seconds for the fresh processes (default 600)",
+    )
 
 
 def _only_name(p: argparse.ArgumentParser) -> None:
@@ -167,10 +242,16 @@ def _restore_args(p: argparse.ArgumentParser) -> None:
 
 def _quarantine_args(p: argparse.ArgumentParser) -> None:
     act = p.add_mutually_exclusive_group()
-    act.add_argument("--delete", metavar="NAME",
-                     help="remove this quarantined checkpoint's data and record (a dry run unless --yes)")
-    act.add_argument("--restore", metavar="NAME",
-                     help="publish it again (the damage was not real); refused if the name is taken again")
+    act.add_argument(
+        "--delete",
+        metavar="NAME",
+        help="remove this quarantined checkpoint's data and record (a dry run unless --yes)",
+    )
+    act.add_argument(
+        "--restore",
+        metavar="NAME",
+        help="publish it again (the damage was not real); refused if the name is taken again",
+    )
     p.add_argument("--attempt", help="only this attempt of NAME (as the list shows it)")
     p.add_argument("--yes", action="store_true", help="really delete (with --delete)")
 
@@ -192,15 +273,22 @@ _EXTRA: dict[str, Callable[[argparse.ArgumentParser], None]] = {
 def build_parser(commands: Mapping[str, Command]) -> argparse.ArgumentParser:
     """The parser of ``tierstore``; ``commands`` maps each subcommand to its function."""
     parser = argparse.ArgumentParser(
-        prog="tierstore", description="Inspect and operate a tierstore store.",
+        prog="tierstore",
+        description="Inspect and operate a tierstore store.",
         epilog="exit codes: 0 success, 1 failure or damage found, 2 usage error, 130 interrupted.\n"
-               "`tierstore COMMAND --help` shows each command's options and an example.",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        "`tierstore COMMAND --help` shows each command's options and an example.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (about, _, _) in _ABOUT.items():
-        p = sub.add_parser(name, help=about, description=_LONG.get(name, about[0].upper() + about[1:] + "."),
-                           epilog=_epilog(name), formatter_class=argparse.RawDescriptionHelpFormatter)
+        p = sub.add_parser(
+            name,
+            help=about,
+            description=_LONG.get(name, about[0].upper() + about[1:] + "."),
+            epilog=_epilog(name),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         _store_args(p)
         _EXTRA[name](p)
         p.set_defaults(func=commands[name])

@@ -56,42 +56,60 @@ def hot_or_path(hot: TierURL | Store | None, path: TierURL | None, owner: str) -
     if path is None:
         return hot
     if hot is not None:
-        raise ConfigError(f"{owner} got both hot and path=: path= is DCP's name for the hot "
-                          "tier, give one of them")
+        raise ConfigError(
+            f"{owner} got both hot and path=: path= is DCP's name for the hot tier, give one of them"
+        )
     return path
 
 
-def writer_args(*, encoding: str | None, sync_files: bool, per_thread_copy_ahead: int,
-                cache_staged_state_dict: bool, overwrite: bool,
-                extensions: Sequence[StreamTransformExtension] | None,
-                serialization_format: SerializationFormat | str | None) -> WriterArgs:
+def writer_args(
+    *,
+    encoding: str | None,
+    sync_files: bool,
+    per_thread_copy_ahead: int,
+    cache_staged_state_dict: bool,
+    overwrite: bool,
+    extensions: Sequence[StreamTransformExtension] | None,
+    serialization_format: SerializationFormat | str | None,
+) -> WriterArgs:
     """Check ``FileSystemWriter``'s arguments (module docstring); what the writer keeps."""
     if not sync_files:
-        raise ConfigError("sync_files=False is not supported: tierstore makes every file durable "
-                          "before the commit (docs/design.md invariant 2); drop the argument "
-                          "(for scratch saves, put the hot tier on a memory disk such as /dev/shm)")
-    if isinstance(per_thread_copy_ahead, bool) or not isinstance(per_thread_copy_ahead, int) \
-            or per_thread_copy_ahead < 0:
+        raise ConfigError(
+            "sync_files=False is not supported: tierstore makes every file durable "
+            "before the commit (docs/design.md invariant 2); drop the argument "
+            "(for scratch saves, put the hot tier on a memory disk such as /dev/shm)"
+        )
+    if (
+        isinstance(per_thread_copy_ahead, bool)
+        or not isinstance(per_thread_copy_ahead, int)
+        or per_thread_copy_ahead < 0
+    ):
         raise ConfigError(f"per_thread_copy_ahead must be a byte count >= 0, got {per_thread_copy_ahead!r}")
     if cache_staged_state_dict:
-        raise ConfigError("cache_staged_state_dict=True is not supported: TieredWriter does not "
-                          "stage; for staging buffers kept across async saves use "
-                          "CheckpointManager(staging='reuse'), or pass "
-                          "async_stager=tierstore.staging.ReusedStaging(...) to dcp.async_save")
+        raise ConfigError(
+            "cache_staged_state_dict=True is not supported: TieredWriter does not "
+            "stage; for staging buffers kept across async saves use "
+            "CheckpointManager(staging='reuse'), or pass "
+            "async_stager=tierstore.staging.ReusedStaging(...) to dcp.async_save"
+        )
     _check_format(serialization_format)
     exts = tuple(extensions or ())
     for ext in exts:
         if not isinstance(ext, StreamTransformExtension):
-            raise ConfigError(f"_extensions takes DCP StreamTransformExtension objects (such as "
-                              f"ZStandard()), got {type(ext).__name__}")
+            raise ConfigError(
+                f"_extensions takes DCP StreamTransformExtension objects (such as "
+                f"ZStandard()), got {type(ext).__name__}"
+            )
     if encoding is None:
         encoding = "dcp" if exts else "raw"
     if encoding not in raw.ENCODINGS:
         raise ConfigError(f"encoding must be one of {raw.ENCODINGS}, got {encoding!r}")
     if exts and encoding != "dcp":
-        raise ConfigError(f"_extensions need encoding='dcp' (got {encoding!r}): the raw encoding "
-                          "reads byte ranges of items in place, which a compressed stream has not; "
-                          "pass encoding='dcp', or drop _extensions")
+        raise ConfigError(
+            f"_extensions need encoding='dcp' (got {encoding!r}): the raw encoding "
+            "reads byte ranges of items in place, which a compressed stream has not; "
+            "pass encoding='dcp', or drop _extensions"
+        )
     return WriterArgs(encoding, bool(overwrite), exts)
 
 
@@ -99,10 +117,12 @@ def _check_format(value: SerializationFormat | str | None) -> None:
     if value is None or value in (SerializationFormat.TORCH_SAVE, SerializationFormat.TORCH_SAVE.value):
         return
     if value in (SerializationFormat.SAFETENSORS, SerializationFormat.SAFETENSORS.value):
-        raise ConfigError("serialization_format=SAFETENSORS is not supported: tierstore stores "
-                          "items with encoding='raw' (tensor bytes as they are) or 'dcp' "
-                          "(torch.save, as SerializationFormat.TORCH_SAVE); drop the argument, "
-                          "or save safetensors with DCP's HuggingFaceStorageWriter")
+        raise ConfigError(
+            "serialization_format=SAFETENSORS is not supported: tierstore stores "
+            "items with encoding='raw' (tensor bytes as they are) or 'dcp' "
+            "(torch.save, as SerializationFormat.TORCH_SAVE); drop the argument, "
+            "or save safetensors with DCP's HuggingFaceStorageWriter"
+        )
     raise ConfigError(f"unknown serialization_format {value!r}: DCP knows TORCH_SAVE and SAFETENSORS")
 
 
@@ -142,4 +162,4 @@ def _under(text: str, roots: Sequence[str]) -> str | None:
 
 
 def _local(path: str) -> str:
-    return path[len("file://"):] if path.startswith("file://") else path
+    return path[len("file://") :] if path.startswith("file://") else path

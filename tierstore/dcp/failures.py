@@ -37,8 +37,9 @@ def describe(err: BaseException) -> str:
     """One line naming each rank's error (``rank 1: ChecksumMismatch: ...``)."""
     failures = getattr(err, "failures", None)
     if isinstance(failures, dict) and failures:
-        return "; ".join(f"rank {rank}: {describe(_unwrap(found))}"
-                         for rank, found in sorted(failures.items()))
+        return "; ".join(
+            f"rank {rank}: {describe(_unwrap(found))}" for rank, found in sorted(failures.items())
+        )
     if isinstance(err, SaveFailed):
         return str(err)
     return f"{type(err).__name__}: {err}"
@@ -50,9 +51,13 @@ def save_failed(step: int, err: BaseException) -> SaveFailed:
     context, so they survive pickling (DCP's PROCESS mode and worker processes)."""
     errors = rank_errors(err)
     first = next(iter(errors.values()), None)
-    named = ({"checkpoint": first.checkpoint, "tier": first.tier, "file": first.file}
-             if isinstance(first, TierstoreError) else {})
-    failure = SaveFailed(f"checkpoint of step {step} failed: {describe(err)}", step=step,
-                         errors=errors, **named)
+    named = (
+        {"checkpoint": first.checkpoint, "tier": first.tier, "file": first.file}
+        if isinstance(first, TierstoreError)
+        else {}
+    )
+    failure = SaveFailed(
+        f"checkpoint of step {step} failed: {describe(err)}", step=step, errors=errors, **named
+    )
     failure.__cause__ = err
     return failure

@@ -86,16 +86,21 @@ class Planner:
             self._planner.load_bytes(req, safe_byte_io(payload, item=req.storage_index.fqn, **where))
 
 
-def plan(files: Mapping[str, Sequence[ReadItem]], storage: Mapping[MetadataIndex, Any],
-         entry_of: Callable[[str], FileEntry], threads: int) -> list[Unit]:
+def plan(
+    files: Mapping[str, Sequence[ReadItem]],
+    storage: Mapping[MetadataIndex, Any],
+    entry_of: Callable[[str], FileEntry],
+    threads: int,
+) -> list[Unit]:
     """The units that read ``files`` (path -> DCP's reads in it), at most ``threads`` a file."""
     units: list[Unit] = []
     for path, items in files.items():
         reqs: dict[MetadataIndex, list[ReadItem]] = {}
         for item in items:
             reqs.setdefault(item.storage_index, []).append(item)
-        wants = sorted((Want(index, storage[index], tuple(r)) for index, r in reqs.items()),
-                       key=lambda w: w.item.offset)
+        wants = sorted(
+            (Want(index, storage[index], tuple(r)) for index, r in reqs.items()), key=lambda w: w.item.offset
+        )
         units += split(entry_of(path), _with_padding(wants), threads)
     return units
 
@@ -110,8 +115,7 @@ def _with_padding(ordered: Sequence[Want]) -> list[Want]:
     for i in range(len(marked) - 1):
         a, b = marked[i], marked[i + 1]
         gap = b.item.offset - (a.item.offset + a.item.length)
-        if 0 < gap < encoding.ALIGN and _needed(a) == (0, a.item.length) and _needed(b) == (
-                0, b.item.length):
+        if 0 < gap < encoding.ALIGN and _needed(a) == (0, a.item.length) and _needed(b) == (0, b.item.length):
             marked[i] = Want(a.index, a.item, a.reqs, gap)
     return marked
 
@@ -152,8 +156,7 @@ def _ranges(unit: Unit) -> list[tuple[int, int]]:
         item = want.item
         if needed is not None and needed[0] < needed[1]:
             first, end = needed[0] // item.block, -(-needed[1] // item.block)
-            spans.append((item.offset + first * item.block,
-                          item.offset + min(end * item.block, item.length)))
+            spans.append((item.offset + first * item.block, item.offset + min(end * item.block, item.length)))
         if want.pad:
             end = item.offset + item.length
             spans.append((end, end + want.pad))
@@ -169,9 +172,17 @@ def _ranges(unit: Unit) -> list[tuple[int, int]]:
 class _Reader:
     """One unit's reads of one copy of the file, in file order, one request per range."""
 
-    def __init__(self, opener: Opener, ranges: Sequence[tuple[int, int]], entry: FileEntry,
-                 stack: ExitStack, count: Callable[[int], None], *, checkpoint: str,
-                 tier: str) -> None:
+    def __init__(
+        self,
+        opener: Opener,
+        ranges: Sequence[tuple[int, int]],
+        entry: FileEntry,
+        stack: ExitStack,
+        count: Callable[[int], None],
+        *,
+        checkpoint: str,
+        tier: str,
+    ) -> None:
         self._opener, self._ranges, self._stack, self._count = opener, ranges, stack, count
         self._stream: BinaryIO | None = None
         self._pos = self._stop = 0  # where the open range stands, and where it ends
@@ -180,8 +191,7 @@ class _Reader:
         self._buffer = memoryview(bytearray(0))
 
     def corrupt(self, message: str) -> IntegrityError:
-        return IntegrityError(message, checkpoint=self.checkpoint, file=self.entry.path,
-                              tier=self.tier)
+        return IntegrityError(message, checkpoint=self.checkpoint, file=self.entry.path, tier=self.tier)
 
     def scratch(self, n: int) -> memoryview:
         if len(self._scratch) < n:
@@ -196,8 +206,10 @@ class _Reader:
     def read_at(self, offset: int, out: memoryview) -> None:
         """Fill ``out`` with the file's bytes from ``offset`` (never behind the last read)."""
         if offset < self._pos:  # reads go in file order: only forged metadata goes back
-            raise self.corrupt(f"DCP metadata has overlapping items: one starts at byte {offset}, "
-                               f"inside the previous one (which ends at byte {self._pos})")
+            raise self.corrupt(
+                f"DCP metadata has overlapping items: one starts at byte {offset}, "
+                f"inside the previous one (which ends at byte {self._pos})"
+            )
         if self._stream is None or offset + len(out) > self._stop:
             self._open(offset, offset + len(out))
         while self._pos < offset:  # a gap of a coalesced range
@@ -217,9 +229,13 @@ class _Reader:
         while done < len(out):
             n = self._stream.readinto(out[done:]) or 0  # type: ignore[attr-defined]
             if not n:
-                raise ChecksumMismatch.size(self.entry.size, self._pos + done,
-                                            checkpoint=self.checkpoint, file=self.entry.path,
-                                            tier=self.tier)
+                raise ChecksumMismatch.size(
+                    self.entry.size,
+                    self._pos + done,
+                    checkpoint=self.checkpoint,
+                    file=self.entry.path,
+                    tier=self.tier,
+                )
             done += n
             self._count(n)
         self._pos += done
@@ -238,10 +254,9 @@ class _Reader:
             self._edge(item, first, start, stop, out)
         if inner_first < inner_end:  # blocks entirely inside the read, in one read
             lo, hi = item.block_span(inner_first)[0], item.block_span(inner_end - 1)[1]
-            direct = out[lo - start:hi - start]
+            direct = out[lo - start : hi - start]
             self.read_at(item.offset + lo, direct)
-            encoding.verify_blocks(item, inner_first, direct, checkpoint=self.checkpoint,
-                                   tier=self.tier)
+            encoding.verify_blocks(item, inner_first, direct, checkpoint=self.checkpoint, tier=self.tier)
         if inner_end < end and not (head and end - 1 == first):
             self._edge(item, end - 1, start, stop, out)
 
@@ -252,31 +267,38 @@ class _Reader:
         self.read_at(item.offset + lo, whole)
         encoding.verify_blocks(item, index, whole, checkpoint=self.checkpoint, tier=self.tier)
         a, b = max(lo, start), min(hi, stop)
-        out[a - start:b - start] = whole[a - lo:b - lo]
+        out[a - start : b - start] = whole[a - lo : b - lo]
 
     def check_padding(self, offset: int, length: int) -> None:
         """Read the padding at ``offset``; the encoding fills it with zeros."""
         data = self.scratch(length)
         self.read_at(offset, data)
         if any(data):
-            raise ChecksumMismatch.crc32c(crc32c_update(0, bytes(length)), crc32c_update(0, data),
-                                          checkpoint=self.checkpoint, file=self.entry.path,
-                                          tier=self.tier)
+            raise ChecksumMismatch.crc32c(
+                crc32c_update(0, bytes(length)),
+                crc32c_update(0, data),
+                checkpoint=self.checkpoint,
+                file=self.entry.path,
+                tier=self.tier,
+            )
 
 
-def read_unit(opener: Opener, unit: Unit, planner: Planner, *, checkpoint: str, tier: str,
-              count: Callable[[int], None]) -> None:
+def read_unit(
+    opener: Opener, unit: Unit, planner: Planner, *, checkpoint: str, tier: str, count: Callable[[int], None]
+) -> None:
     """Read and deliver every item of ``unit`` through ``opener``; ``count`` is told each
     number of bytes read."""
     for want in unit.wants:
         problem = encoding.check_item(want.item, unit.entry.size)
         if problem is not None:
-            raise IntegrityError(f"DCP metadata of item {want.index.fqn!r} is inconsistent: "
-                                 f"{problem}", checkpoint=checkpoint, file=unit.entry.path,
-                                 tier=tier)
+            raise IntegrityError(
+                f"DCP metadata of item {want.index.fqn!r} is inconsistent: {problem}",
+                checkpoint=checkpoint,
+                file=unit.entry.path,
+                tier=tier,
+            )
     with ExitStack() as stack:
-        reader = _Reader(opener, _ranges(unit), unit.entry, stack, count, checkpoint=checkpoint,
-                         tier=tier)
+        reader = _Reader(opener, _ranges(unit), unit.entry, stack, count, checkpoint=checkpoint, tier=tier)
         for want in unit.wants:
             _deliver(reader, want, planner)
             if want.pad:
@@ -294,13 +316,15 @@ def _deliver(reader: _Reader, want: Want, planner: Planner) -> None:
             if req.type != LoadItemType.BYTE_IO:
                 raise reader.corrupt(f"item {want.index.fqn!r} is stored as bytes, read as a tensor")
             try:
-                planner.load_bytes(req, bytes(data), checkpoint=reader.checkpoint,
-                                   file=reader.entry.path, tier=reader.tier)
+                planner.load_bytes(
+                    req, bytes(data), checkpoint=reader.checkpoint, file=reader.entry.path, tier=reader.tier
+                )
             except UnsafeType:
                 raise  # a refusal by policy of verified bytes, not damage (safe_pickle)
             except Exception as err:
-                raise reader.corrupt(f"item {want.index.fqn!r} cannot be loaded safely: "
-                                     f"{type(err).__name__}: {err}") from err
+                raise reader.corrupt(
+                    f"item {want.index.fqn!r} cannot be loaded safely: {type(err).__name__}: {err}"
+                ) from err
         return
     row = _row_bytes(dtype, item.shape)
     rows = [_rows(reader, want, req) for req in want.reqs]
@@ -322,8 +346,10 @@ def _deliver(reader: _Reader, want: Want, planner: Planner) -> None:
         for dim, (offset, length) in enumerate(zip(req.storage_offsets, req.lengths)):
             chunk = chunk.narrow(dim, offset - first_row if dim == 0 else offset, length)
         if target.size() != chunk.size():
-            raise reader.corrupt(f"stored chunk of {req.storage_index.fqn!r} has shape "
-                                 f"{tuple(chunk.size())}, expected {tuple(target.size())}")
+            raise reader.corrupt(
+                f"stored chunk of {req.storage_index.fqn!r} has shape "
+                f"{tuple(chunk.size())}, expected {tuple(target.size())}"
+            )
         target.copy_(chunk)
         planner.commit_tensor(req, target)
 
@@ -333,9 +359,11 @@ def _rows(reader: _Reader, want: Want, req: ReadItem) -> tuple[int, int]:
     its region lies inside the stored tensor."""
     shape = want.item.shape
     if not _fits(req, shape):
-        raise reader.corrupt(f"read of item {want.index.fqn!r} at {tuple(req.storage_offsets)} "
-                             f"size {tuple(req.lengths)} is outside the stored tensor "
-                             f"{want.item.dtype}{list(shape)}")
+        raise reader.corrupt(
+            f"read of item {want.index.fqn!r} at {tuple(req.storage_offsets)} "
+            f"size {tuple(req.lengths)} is outside the stored tensor "
+            f"{want.item.dtype}{list(shape)}"
+        )
     if not shape:
         return 0, 1
     return req.storage_offsets[0], req.storage_offsets[0] + req.lengths[0]
@@ -343,20 +371,29 @@ def _rows(reader: _Reader, want: Want, req: ReadItem) -> tuple[int, int]:
 
 def _fits(req: ReadItem, shape: tuple[int, ...]) -> bool:
     """Whether ``req`` reads a region inside a stored tensor of ``shape``."""
-    return (req.type != LoadItemType.BYTE_IO and len(req.storage_offsets) == len(shape)
-            and len(req.lengths) == len(shape)
-            and all(o >= 0 and n >= 0 and o + n <= d
-                    for o, n, d in zip(req.storage_offsets, req.lengths, shape)))
+    return (
+        req.type != LoadItemType.BYTE_IO
+        and len(req.storage_offsets) == len(shape)
+        and len(req.lengths) == len(shape)
+        and all(o >= 0 and n >= 0 and o + n <= d for o, n, d in zip(req.storage_offsets, req.lengths, shape))
+    )
 
 
 def _direct(target: torch.Tensor, dtype: torch.dtype, req: ReadItem, item: RawItem) -> bool:
     """Whether the read can land in ``target``'s own memory: same dtype, CPU, contiguous,
     and a dim-0 slice of the stored tensor (every other dimension whole)."""
-    whole_rows = all(o == 0 and n == d for o, n, d in
-                     zip(req.storage_offsets[1:], req.lengths[1:], item.shape[1:]))
-    return (target.dtype == dtype and target.device.type == "cpu" and target.is_contiguous()
-            and not target.is_conj() and not target.is_neg() and whole_rows
-            and tuple(target.shape) == tuple(req.lengths))
+    whole_rows = all(
+        o == 0 and n == d for o, n, d in zip(req.storage_offsets[1:], req.lengths[1:], item.shape[1:])
+    )
+    return (
+        target.dtype == dtype
+        and target.device.type == "cpu"
+        and target.is_contiguous()
+        and not target.is_conj()
+        and not target.is_neg()
+        and whole_rows
+        and tuple(target.shape) == tuple(req.lengths)
+    )
 
 
 def _view(data: memoryview, dtype: torch.dtype, shape: tuple[int, ...], rows: int) -> torch.Tensor:

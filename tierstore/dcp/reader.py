@@ -155,8 +155,12 @@ class TieredReader(StorageReader):
         if thread_count < 1:
             raise ConfigError(f"thread_count must be >= 1, got {thread_count!r}")
         self.thread_count = thread_count
-        self.store = Store.of(dcp_args.hot_or_path(hot, path, "TieredReader"), cold,
-                              hot_options=hot_options, cold_options=cold_options)
+        self.store = Store.of(
+            dcp_args.hot_or_path(hot, path, "TieredReader"),
+            cold,
+            hot_options=hot_options,
+            cold_options=cold_options,
+        )
         self.tiers = self.store.tiers
         self._transforms = _StorageReaderTransforms(_extension_registry)
         self._bad_id: ConfigError | None = None
@@ -180,7 +184,6 @@ class TieredReader(StorageReader):
 
     # -- DCP protocol --------------------------------------------------------------------
 
-
     def __getstate__(self) -> dict[str, Any]:
         # A lock does not pickle, nor does a process group.
         return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_group")}
@@ -188,6 +191,7 @@ class TieredReader(StorageReader):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock, self._group = threading.Lock(), None
+
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         # DCP calls reset() outside the collectives that wrap errors in CheckpointException:
         # a bad checkpoint_id is raised from set_up_storage_reader, inside them.
@@ -221,20 +225,24 @@ class TieredReader(StorageReader):
         """Pick the checkpoint and lease it; re-pick if a prune removed it meanwhile."""
         committed_tiers = self.tiers[1:] if self.node_local else self.tiers
         for _ in range(5):
-            manifest, holders = resolve(committed_tiers, step=self.step, name=self.name,
-                                        exclude=exclude)
+            manifest, holders = resolve(committed_tiers, step=self.step, name=self.name, exclude=exclude)
             self._release()
             if self.lease:
-                self._leases = [held for t in holders
-                                if (held := leases.take(t, manifest.name)) is not None]
+                self._leases = [held for t in holders if (held := leases.take(t, manifest.name)) is not None]
             faults.point("reader.after_lease")
             # Leased first, checked second: a prune either sees our lease or we see it gone.
-            alive = [t for t in holders if (m := t.find_manifest(manifest.name)) is not None
-                     and m.attempt == manifest.attempt]
+            alive = [
+                t
+                for t in holders
+                if (m := t.find_manifest(manifest.name)) is not None and m.attempt == manifest.attempt
+            ]
             if alive:
                 return manifest, alive
-        raise CheckpointNotFound("checkpoints kept disappearing while being picked (pruned?)",
-                                 checkpoint=self.name, tier=", ".join(t.label for t in committed_tiers))
+        raise CheckpointNotFound(
+            "checkpoints kept disappearing while being picked (pruned?)",
+            checkpoint=self.name,
+            tier=", ".join(t.label for t in committed_tiers),
+        )
 
     def release(self) -> None:
         """Release the leases this reader holds. A load releases them when its reads end;
@@ -289,17 +297,22 @@ class TieredReader(StorageReader):
                 invalid.append(err)  # the coordinator read a valid one somewhere
                 continue
             except ObjectTooLarge as err:
-                invalid.append(InvalidManifest(f"invalid manifest: {err.message}", key=err.key,
-                                               tier=tier.label, checkpoint=name))
+                invalid.append(
+                    InvalidManifest(
+                        f"invalid manifest: {err.message}", key=err.key, tier=tier.label, checkpoint=name
+                    )
+                )
                 continue
             if manifest is not None and manifest.attempt == attempt:
                 found.append((manifest, tier))
         if not found:
             if invalid:
                 raise invalid[0]
-            raise CheckpointNotFound("the checkpoint the coordinator picked is no longer "
-                                     "committed (pruned meanwhile?)", checkpoint=name,
-                                     tier=", ".join(t.label for t in committed))
+            raise CheckpointNotFound(
+                "the checkpoint the coordinator picked is no longer committed (pruned meanwhile?)",
+                checkpoint=name,
+                tier=", ".join(t.label for t in committed),
+            )
         return found[0][0], [tier for _, tier in found]
 
     def _finish_reads(self) -> None:
@@ -334,8 +347,11 @@ class TieredReader(StorageReader):
             try:
                 metadata = self._open(manifest, holders)
                 if metadata.storage_data is None:
-                    raise IntegrityError("DCP metadata has no storage data", checkpoint=manifest.name,
-                                         file=manifest.metadata_file)
+                    raise IntegrityError(
+                        "DCP metadata has no storage data",
+                        checkpoint=manifest.name,
+                        file=manifest.metadata_file,
+                    )
                 if self.name is None:
                     self._check_data_files(manifest, holders, metadata.storage_data)
                 return metadata
@@ -344,13 +360,18 @@ class TieredReader(StorageReader):
                     raise
                 self._release()
                 skipped[(manifest.name, manifest.attempt)] = err
-                log.warning("skipping damaged checkpoint %s (it has no good copy in %s), trying "
-                            "the next older one: %s", manifest.name,
-                            ", ".join(t.label for t in holders), err)
+                log.warning(
+                    "skipping damaged checkpoint %s (it has no good copy in %s), trying "
+                    "the next older one: %s",
+                    manifest.name,
+                    ", ".join(t.label for t in holders),
+                    err,
+                )
         raise next(iter(skipped.values()))
 
-    def _check_data_files(self, manifest: Manifest, holders: Sequence[Tier],
-                          storage: Mapping[MetadataIndex, Any]) -> None:
+    def _check_data_files(
+        self, manifest: Manifest, holders: Sequence[Tier], storage: Mapping[MetadataIndex, Any]
+    ) -> None:
         """Raise if some data file is missing or of the wrong size in every tier in ``holders``
         (the error of the farthest tier, as a read would), or a manifest part is missing or
         unreadable.
@@ -382,30 +403,32 @@ class TieredReader(StorageReader):
                 context = {**err.context, "checkpoint": manifest.name, "file": entry.path}
                 raise type(err)(err.message, **context) from err
             if size != entry.size:
-                raise ChecksumMismatch.size(entry.size, size, checkpoint=manifest.name,
-                                            file=entry.path, tier=tier.label)
-            raise ChecksumMismatch("stored with another CRC32C than the manifest's",
-                                   checkpoint=manifest.name, file=entry.path, tier=tier.label)
+                raise ChecksumMismatch.size(
+                    entry.size, size, checkpoint=manifest.name, file=entry.path, tier=tier.label
+                )
+            raise ChecksumMismatch(
+                "stored with another CRC32C than the manifest's",
+                checkpoint=manifest.name,
+                file=entry.path,
+                tier=tier.label,
+            )
 
     @staticmethod
-    def _complete_by_listing(manifest: Manifest, tier: Tier,
-                             storage: Mapping[MetadataIndex, Any]) -> bool:
+    def _complete_by_listing(manifest: Manifest, tier: Tier, storage: Mapping[MetadataIndex, Any]) -> bool:
         """Whether one listing of the attempt shows it whole without reading a part: every
         part at its recorded size, every file DCP's metadata names at least as long as its
         last item, and totals that add up. Totals alone are not enough: a deleted shard and a
         stray file of its size would add up the same."""
-        prefixes = layout.attempt_prefixes(manifest.name, manifest.attempt, manifest.world_size,
-                                           spread=tier.backend.spread_keys)
+        prefixes = layout.attempt_prefixes(
+            manifest.name, manifest.attempt, manifest.world_size, spread=tier.backend.spread_keys
+        )
         if prefixes is None:
             return False  # spread over any of 256 hashed prefixes: only the parts say where
-        parts = {tier.file_key(manifest.name, manifest.attempt, ref.path): ref.size
-                 for ref in manifest.parts}
+        parts = {tier.file_key(manifest.name, manifest.attempt, ref.path): ref.size for ref in manifest.parts}
         by_path = {manifest.metadata_file: 0}
         for item in storage.values():  # O(items), from .metadata: no part needed
-            by_path[item.relative_path] = max(by_path.get(item.relative_path, 0),
-                                              item.offset + item.length)
-        ends = {tier.file_key(manifest.name, manifest.attempt, path): end
-                for path, end in by_path.items()}
+            by_path[item.relative_path] = max(by_path.get(item.relative_path, 0), item.offset + item.length)
+        ends = {tier.file_key(manifest.name, manifest.attempt, path): end for path, end in by_path.items()}
         count = size = 0
         for info in (i for prefix in prefixes for i in tier.backend.list(prefix)):
             if layout.is_temporary(info.key):
@@ -418,8 +441,7 @@ class TieredReader(StorageReader):
             if end is not None and info.size < end:
                 return False
             count, size = count + 1, size + info.size
-        return (not parts and not ends and count == manifest.num_files
-                and size == manifest.total_size)
+        return not parts and not ends and count == manifest.num_files and size == manifest.total_size
 
     def _open(self, manifest: Manifest, holders: list[Tier]) -> Metadata:
         if self.node_local:
@@ -432,16 +454,20 @@ class TieredReader(StorageReader):
             metadata = load_metadata(data)
         except pickle.UnpicklingError as err:
             served = self.sources.get(entry.path)
-            raise IntegrityError(f"DCP metadata cannot be loaded safely: {err}",
-                                 checkpoint=manifest.name, file=entry.path,
-                                 tier=", ".join(t.label for t in holders if t.role == served)) from err
+            raise IntegrityError(
+                f"DCP metadata cannot be loaded safely: {err}",
+                checkpoint=manifest.name,
+                file=entry.path,
+                tier=", ".join(t.label for t in holders if t.role == served),
+            ) from err
         meta = getattr(metadata, "storage_meta", None) or StorageMeta()
         meta.load_id = str(uuid.uuid4())
         metadata.storage_meta = meta
         return metadata
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
-                              **kwargs: Any) -> None:
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
         if self._deferred is not None:
             raise self._deferred
         if metadata.storage_data is None:
@@ -474,8 +500,9 @@ class TieredReader(StorageReader):
             for path, items in per_file.items():
                 if path in raw:
                     if len(raw[path]) != len(items):
-                        raise IntegrityError("DCP metadata mixes encodings in one file",
-                                             checkpoint=self._name(), file=path)
+                        raise IntegrityError(
+                            "DCP metadata mixes encodings in one file", checkpoint=self._name(), file=path
+                        )
                     continue
                 faults.point("reader.before_file")
                 self._read_file(path, items, planner)
@@ -507,23 +534,32 @@ class TieredReader(StorageReader):
         descriptors = getattr(info, "transform_descriptors", None)
         if descriptors:
             if not isinstance(info, _StorageInfo):  # raw items are read in place, never transformed
-                raise IntegrityError("a raw-encoded item claims DCP stream transforms",
-                                     checkpoint=self._name(), file=info.relative_path)
+                raise IntegrityError(
+                    "a raw-encoded item claims DCP stream transforms",
+                    checkpoint=self._name(),
+                    file=info.relative_path,
+                )
             try:
                 self._transforms.extension_registry.from_descriptor_list(descriptors)
             except ValueError as err:
-                raise ConfigError(f"file was saved with DCP stream transforms {list(descriptors)} "
-                                  f"this reader cannot undo ({err}); pass _extension_registry= "
-                                  "with them registered (and their module installed)",
-                                  checkpoint=self._name(), file=info.relative_path) from err
+                raise ConfigError(
+                    f"file was saved with DCP stream transforms {list(descriptors)} "
+                    f"this reader cannot undo ({err}); pass _extension_registry= "
+                    "with them registered (and their module installed)",
+                    checkpoint=self._name(),
+                    file=info.relative_path,
+                ) from err
         return info
 
     def _entry(self, path: str) -> FileEntry:
         assert self.manifest is not None
         entry = self.manifest.file(path)
         if entry is None:
-            raise InvalidManifest("DCP metadata references a file the manifest does not list",
-                                  checkpoint=self.manifest.name, file=path)
+            raise InvalidManifest(
+                "DCP metadata references a file the manifest does not list",
+                checkpoint=self.manifest.name,
+                file=path,
+            )
         return entry
 
     def _read_small(self, entry: FileEntry) -> bytes:
@@ -554,8 +590,9 @@ class TieredReader(StorageReader):
                 if failure is None:
                     try:
                         for req in reqs:
-                            _deliver(req, payload, planner, stream, self._transforms,
-                                     info.transform_descriptors)
+                            _deliver(
+                                req, payload, planner, stream, self._transforms, info.transform_descriptors
+                            )
                     except Exception as err:  # corrupt bytes may break torch.load first
                         failure = err
             stream.finish()  # raises ChecksumMismatch before any deserialization error
@@ -607,13 +644,11 @@ class TieredReader(StorageReader):
                 self._count(tier, n)
 
             try:
-                raw_read.read_unit(opener, unit, planner, checkpoint=name, tier=tier.label,
-                                   count=count)
+                raw_read.read_unit(opener, unit, planner, checkpoint=name, tier=tier.label, count=count)
             except ChecksumMismatch:
                 # Damage only: report it as the file's mismatch, the message scrub and
                 # transfer give; a file that verifies whole has metadata that does not match it.
-                verify_file(tier.backend, key, unit.entry, checkpoint=name, tier=tier.label,
-                            progress=count)
+                verify_file(tier.backend, key, unit.entry, checkpoint=name, tier=tier.label, progress=count)
                 raise
 
         self._from_nearest(unit.entry, consume)
@@ -636,40 +671,55 @@ class TieredReader(StorageReader):
                     context = {**err.context, "checkpoint": self.manifest.name, "file": entry.path}
                     raise ObjectNotFound(err.message, **context) from err
                 if stored != entry.size:
-                    raise ChecksumMismatch.size(entry.size, stored, checkpoint=self.manifest.name,
-                                                file=entry.path, tier=tier.label)
+                    raise ChecksumMismatch.size(
+                        entry.size, stored, checkpoint=self.manifest.name, file=entry.path, tier=tier.label
+                    )
                 consume(tier, key)
                 with self._lock:
                     if self._served.get(entry.path, -1) < i:
                         self._served[entry.path], self.sources[entry.path] = i, tier.role
                 if errors:
-                    log.info("read %s of checkpoint %s from %s", entry.path,
-                             self.manifest.name, tier.label)
+                    log.info("read %s of checkpoint %s from %s", entry.path, self.manifest.name, tier.label)
                 return
             except (IntegrityError, StorageError) as err:
                 if i + 1 == len(self._holders):
                     raise
                 errors.append(str(err))
                 expected = not (self.node_local and i == 0 and isinstance(err, ObjectNotFound))
-                log.log(logging.WARNING if expected else logging.DEBUG,
-                        "falling back to the next tier for file %s of checkpoint %s: %s",
-                        entry.path, self.manifest.name, err)
+                log.log(
+                    logging.WARNING if expected else logging.DEBUG,
+                    "falling back to the next tier for file %s of checkpoint %s: %s",
+                    entry.path,
+                    self.manifest.name,
+                    err,
+                )
 
 
-def _deliver(req: ReadItem, payload: bytes, planner: LoadPlanner, stream: _ItemStream,
-             transforms: _StorageReaderTransforms | None = None,
-             descriptors: Sequence[str] | None = None) -> None:
+def _deliver(
+    req: ReadItem,
+    payload: bytes,
+    planner: LoadPlanner,
+    stream: _ItemStream,
+    transforms: _StorageReaderTransforms | None = None,
+    descriptors: Sequence[str] | None = None,
+) -> None:
     # Nothing stored reaches a code-running unpickler: tensors load weights_only, and a
     # BYTE_IO item reaches the planner (whose torch.load has weights_only=False) re-encoded.
     try:
         if descriptors and transforms is not None:  # undone as DCP's reader does
-            payload = transforms.transform_load_stream(req, descriptors,
-                                                       io.BytesIO(payload)).read(-1)
+            payload = transforms.transform_load_stream(req, descriptors, io.BytesIO(payload)).read(-1)
         if req.type == LoadItemType.BYTE_IO:
             f = stream.verified
-            planner.load_bytes(req, safe_byte_io(payload, item=req.storage_index.fqn,
-                                                 checkpoint=f.checkpoint, file=f.entry.path,
-                                                 tier=f.tier))
+            planner.load_bytes(
+                req,
+                safe_byte_io(
+                    payload,
+                    item=req.storage_index.fqn,
+                    checkpoint=f.checkpoint,
+                    file=f.entry.path,
+                    tier=f.tier,
+                ),
+            )
             return
         tensor = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
         if not isinstance(tensor, torch.Tensor):
@@ -678,12 +728,15 @@ def _deliver(req: ReadItem, payload: bytes, planner: LoadPlanner, stream: _ItemS
     except UnsafeType:
         raise  # a refusal by policy, not damage: raised after the file verified (deliver_all)
     except Exception as err:
-        raise stream.corrupt(f"item {req.storage_index.fqn!r} cannot be loaded safely: "
-                             f"{type(err).__name__}: {err}") from err
+        raise stream.corrupt(
+            f"item {req.storage_index.fqn!r} cannot be loaded safely: {type(err).__name__}: {err}"
+        ) from err
     target = planner.resolve_tensor(req).detach()
     if target.size() != tensor.size():
-        raise stream.corrupt(f"stored chunk of {req.storage_index.fqn!r} has shape "
-                             f"{tuple(tensor.size())}, expected {tuple(target.size())}")
+        raise stream.corrupt(
+            f"stored chunk of {req.storage_index.fqn!r} has shape "
+            f"{tuple(tensor.size())}, expected {tuple(target.size())}"
+        )
     target.copy_(tensor)
     planner.commit_tensor(req, target)
 
@@ -709,8 +762,10 @@ class _ItemStream:
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise self.corrupt(f"DCP metadata gives item {what} {value!r}: not a byte count")
         if end > self._file.entry.size:
-            raise self.corrupt(f"DCP metadata points past the end of the file: item {what} "
-                               f"{value} ends at byte {end}, the file has {self._file.entry.size}")
+            raise self.corrupt(
+                f"DCP metadata points past the end of the file: item {what} "
+                f"{value} ends at byte {end}, the file has {self._file.entry.size}"
+            )
 
     def read_exactly(self, n: int) -> bytes:
         self._check_span("length", n, self._file.pos + n if isinstance(n, int) else 0)
@@ -719,8 +774,10 @@ class _ItemStream:
     def skip_to(self, offset: int) -> None:
         self._check_span("offset", offset, offset if isinstance(offset, int) else 0)
         if offset < self._file.pos:
-            raise self.corrupt(f"DCP metadata has overlapping items: one starts at byte {offset}, "
-                               f"inside the previous one (which ends at byte {self._file.pos})")
+            raise self.corrupt(
+                f"DCP metadata has overlapping items: one starts at byte {offset}, "
+                f"inside the previous one (which ends at byte {self._file.pos})"
+            )
         self._file.skip_to(offset)
 
     def finish(self) -> None:

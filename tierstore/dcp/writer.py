@@ -87,9 +87,14 @@ def _setting(value: int | None, env: str, default: int, what: str) -> int:
     return value
 
 
-def store_to_save(hot: TierURL | Store | None, cold: TierURL | None = None, *,
-                  hot_options: Mapping[str, Any] | None, cold_options: Mapping[str, Any] | None,
-                  owner: str) -> Store:
+def store_to_save(
+    hot: TierURL | Store | None,
+    cold: TierURL | None = None,
+    *,
+    hot_options: Mapping[str, Any] | None,
+    cold_options: Mapping[str, Any] | None,
+    owner: str,
+) -> Store:
     """The store ``owner`` saves to: it needs a hot tier (saves are written there first), and
     every tier's scheme is looked up now, so a typo or missing plugin fails here, once, not at
     each save."""
@@ -182,21 +187,29 @@ class TieredWriter(StorageWriter):
     ) -> None:
         super().__init__()
         dcp = dcp_args.writer_args(
-            encoding=encoding, sync_files=sync_files, per_thread_copy_ahead=per_thread_copy_ahead,
-            cache_staged_state_dict=cache_staged_state_dict, overwrite=overwrite,
-            extensions=_extensions, serialization_format=serialization_format)
+            encoding=encoding,
+            sync_files=sync_files,
+            per_thread_copy_ahead=per_thread_copy_ahead,
+            cache_staged_state_dict=cache_staged_state_dict,
+            overwrite=overwrite,
+            extensions=_extensions,
+            serialization_format=serialization_format,
+        )
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
             raise ConfigError(f"step must be a non-negative int, got {step!r}")
         if step is not None and step > fmt.MAX_STEP:  # else refused at the commit, all data written
-            raise ConfigError(f"step {step} is above the largest a manifest records, "
-                              f"{fmt.MAX_STEP} (2**62)")
+            raise ConfigError(f"step {step} is above the largest a manifest records, {fmt.MAX_STEP} (2**62)")
         if thread_count < 1:
             raise ConfigError(f"thread_count must be >= 1, got {thread_count!r}")
         self.step = step
         self.name = layout.check_name(name) if name is not None else None
-        self.store = store_to_save(dcp_args.hot_or_path(hot, path, "TieredWriter"), cold,
-                                   hot_options=hot_options, cold_options=cold_options,
-                                   owner="TieredWriter")
+        self.store = store_to_save(
+            dcp_args.hot_or_path(hot, path, "TieredWriter"),
+            cold,
+            hot_options=hot_options,
+            cold_options=cold_options,
+            owner="TieredWriter",
+        )
         self.tiers = self.store.tiers
         self.thread_count = thread_count
         self.single_file_per_rank = single_file_per_rank
@@ -206,10 +219,12 @@ class TieredWriter(StorageWriter):
         self.overwrite = dcp.overwrite
         self.extensions = dcp.extensions
         self.metrics = fmt.check_metrics(metrics, source="metrics", error=ConfigError) if metrics else {}
-        self.manifest_part_ranks = _setting(manifest_part_ranks, "TIERSTORE_MANIFEST_PART_RANKS",
-                                            fmt.PART_RANKS, "manifest_part_ranks")
-        self.max_files_per_dir = _setting(max_files_per_dir, "TIERSTORE_MAX_FILES_PER_DIR",
-                                          MAX_FILES_PER_DIR, "max_files_per_dir")
+        self.manifest_part_ranks = _setting(
+            manifest_part_ranks, "TIERSTORE_MANIFEST_PART_RANKS", fmt.PART_RANKS, "manifest_part_ranks"
+        )
+        self.max_files_per_dir = _setting(
+            max_files_per_dir, "TIERSTORE_MAX_FILES_PER_DIR", MAX_FILES_PER_DIR, "max_files_per_dir"
+        )
         self.manifest: Manifest | None = None  # set on the coordinator once committed
         self._rank = 0
         self._is_coordinator = False
@@ -267,7 +282,8 @@ class TieredWriter(StorageWriter):
             raise NoSpaceLeft(
                 f"not enough free space for {what}: about {needed + margin} bytes needed, "
                 f"{free} free; prune old checkpoints or free space first (nothing was written)",
-                checkpoint=self.checkpoint_name, tier=self.hot.label,
+                checkpoint=self.checkpoint_name,
+                tier=self.hot.label,
             )
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -282,7 +298,8 @@ class TieredWriter(StorageWriter):
                 f"Checkpoint already exists and overwrite={self.overwrite}: the checkpoint is "
                 "already committed, and committed checkpoints are never overwritten "
                 "(docs/design.md invariant 3); choose another step or name",
-                checkpoint=name, tier=self.hot.label,
+                checkpoint=name,
+                tier=self.hot.label,
             )
         # Grouped key prefixes on object stores (layout.file_key) for the raw encoding, which
         # needs this tierstore to read anyway; dcp-encoded attempts keep the layout 0.2 reads.
@@ -299,8 +316,12 @@ class TieredWriter(StorageWriter):
         widest = max(counts, default=0)
         per_dir = layout.ranks_per_dir(widest, len(plans), self.max_files_per_dir)
         longest = len(layout.data_file_name(max(len(plans) - 1, 0), max(widest - 1, 0), per_dir))
-        fmt.check_plan(name, counts, part_ranks=self.manifest_part_ranks,
-                       path_len=max(longest, len(layout.METADATA_FILE)))
+        fmt.check_plan(
+            name,
+            counts,
+            part_ranks=self.manifest_part_ranks,
+            path_len=max(longest, len(layout.METADATA_FILE)),
+        )
         return per_dir
 
     def _files_of(self, plan: SavePlan) -> int:
@@ -320,9 +341,11 @@ class TieredWriter(StorageWriter):
             (layout.data_file_name(attempt.rank, index, attempt.ranks_per_dir), items)
             for index, items in enumerate(b for b in buckets if b)
         ]
+
         def write(job: tuple[str, list[WriteItem]]) -> list[WriteResult]:
-            return _write_file(self.hot, attempt, job[0], job[1], planner.resolve_data,
-                               self.encoding, self.extensions)
+            return _write_file(
+                self.hot, attempt, job[0], job[1], planner.resolve_data, self.encoding, self.extensions
+            )
 
         with _without_zip_crc32():
             if self.thread_count > 1 and len(jobs) > 1:
@@ -332,16 +355,14 @@ class TieredWriter(StorageWriter):
                 per_file = [write(job) for job in jobs]
         # Each file was written with its directory entry's fsync deferred: one for them all,
         # before anyone can learn of the files (the migrator below, the manifest in finish).
-        self.hot.backend.sync_dirs(self.hot.file_key(attempt.name, attempt.attempt, path)
-                                   for path, _ in jobs)
+        self.hot.backend.sync_dirs(self.hot.file_key(attempt.name, attempt.attempt, path) for path, _ in jobs)
         results = [result for results in per_file for result in results]
         migrator = self.migrator
         if migrator is not None and not self._is_coordinator:
             # Upload now: the files are durable, and in node-local mode no one else can.
             # The coordinator's files go with the commit, in finish().
             mine = [r.storage_data.file for r in results if r.storage_data.file is not None]
-            migrator.submit_rank(attempt.name, attempt.attempt, attempt.step, attempt.rank, mine,
-                                 fresh=True)
+            migrator.submit_rank(attempt.name, attempt.attempt, attempt.step, attempt.rank, mine, fresh=True)
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
@@ -427,24 +448,31 @@ def _write_file(
     placed: list[tuple[WriteItem, _StorageInfo | raw.RawItem]]
     with tier.backend.open_write(key, defer_dir_sync=True) as out:
         if encoding == "raw":
-            infos = raw.write_items(out, ordered, resolve, relpath,
-                                    names=[item.index.fqn for item in ordered])
+            infos = raw.write_items(
+                out, ordered, resolve, relpath, names=[item.index.fqn for item in ordered]
+            )
             placed = list(zip(ordered, infos))
         else:
             placed = _write_dcp_items(out, ordered, resolve, relpath, extensions)
     entry = FileEntry(relpath, out.size, out.crc32c, attempt.rank)
     faults.point("writer.after_file_write")
     return [
-        WriteResult(index=item.index, size_in_bytes=info.length,
-                    storage_data=_ItemResult(info, entry if i == 0 else None))
+        WriteResult(
+            index=item.index,
+            size_in_bytes=info.length,
+            storage_data=_ItemResult(info, entry if i == 0 else None),
+        )
         for i, (item, info) in enumerate(placed)
     ]
 
 
-def _write_dcp_items(out: ObjectWriter, items: Sequence[WriteItem],
-                     resolve: Callable[[WriteItem], Any], relpath: str,
-                     extensions: Sequence[StreamTransformExtension] = (),
-                     ) -> list[tuple[WriteItem, _StorageInfo | raw.RawItem]]:
+def _write_dcp_items(
+    out: ObjectWriter,
+    items: Sequence[WriteItem],
+    resolve: Callable[[WriteItem], Any],
+    relpath: str,
+    extensions: Sequence[StreamTransformExtension] = (),
+) -> list[tuple[WriteItem, _StorageInfo | raw.RawItem]]:
     """Lay items out as ``FileSystemWriter`` does: one ``torch.save`` per tensor, through
     DCP's stream transforms (``_extensions``) when there are any. ``out`` checksums what
     reaches it, so the file's CRC32C is of the transformed bytes."""
@@ -453,8 +481,11 @@ def _write_dcp_items(out: ObjectWriter, items: Sequence[WriteItem],
     for item in items:
         offset = out.size
         data = resolve(item)
-        sink, descriptors = (cast(IO[bytes], out), []) if transforms is None else \
-            transforms.transform_save_stream(item, cast(io.IOBase, out))
+        sink, descriptors = (
+            (cast(IO[bytes], out), [])
+            if transforms is None
+            else transforms.transform_save_stream(item, cast(io.IOBase, out))
+        )
         try:
             if item.type == WriteItemType.BYTE_IO:
                 sink.write(data.getbuffer() if isinstance(data, io.BytesIO) else data)
@@ -464,10 +495,14 @@ def _write_dcp_items(out: ObjectWriter, items: Sequence[WriteItem],
                 sink.close()  # flushes the transform's tail; DCP's wrapper leaves ``out`` open
         except Exception as err:
             if out.failure is not None and out.failure is not err:  # a full disk, not torch's
-                raise out.failure from err                          # "unexpected pos"
+                raise out.failure from err  # "unexpected pos"
             raise
-        placed.append((item, _StorageInfo(relpath, offset, out.size - offset,
-                                          transform_descriptors=descriptors or None)))
+        placed.append(
+            (
+                item,
+                _StorageInfo(relpath, offset, out.size - offset, transform_descriptors=descriptors or None),
+            )
+        )
     return placed
 
 
@@ -527,8 +562,7 @@ def _item_size(item: WriteItem) -> int:
 
 def _plan_bytes(plan: SavePlan) -> int:
     # Up to ALIGN bytes of padding before each item of a raw file.
-    return sum((0 if i.type == WriteItemType.BYTE_IO else _item_size(i)) + raw.ALIGN
-               for i in plan.items)
+    return sum((0 if i.type == WriteItemType.BYTE_IO else _item_size(i)) + raw.ALIGN for i in plan.items)
 
 
 def _split_by_size(bins: int, items: Sequence[WriteItem]) -> list[list[WriteItem]]:

@@ -29,9 +29,23 @@ from tierstore.errors import ChecksumMismatch, ConfigError
 from tierstore.storage.backend import ObjectWriter
 from tierstore.storage.checksum import COMBINE_MIN, crc32c_update
 
-__all__ = ["ALIGN", "BLOCK", "BYTES", "ENCODINGS", "RawItem", "block_crcs", "check_fields",
-           "check_item", "dtype_name", "dtype_of", "item_view", "tensor_bytes", "verify_blocks",
-           "write_item", "write_items"]
+__all__ = [
+    "ALIGN",
+    "BLOCK",
+    "BYTES",
+    "ENCODINGS",
+    "RawItem",
+    "block_crcs",
+    "check_fields",
+    "check_item",
+    "dtype_name",
+    "dtype_of",
+    "item_view",
+    "tensor_bytes",
+    "verify_blocks",
+    "write_item",
+    "write_items",
+]
 
 #: ``TieredWriter(encoding=...)`` values; a manifest without the field is "dcp".
 ENCODINGS = ("raw", "dcp")
@@ -102,8 +116,11 @@ def item_view(data: Any, relpath: str, name: str = "") -> tuple[memoryview, str,
     if isinstance(data, torch.Tensor):
         if data.is_quantized or data.layout != torch.strided:
             kind = "quantized" if data.is_quantized else str(data.layout)
-            raise ConfigError(f"{name!r} is a {kind} tensor, which has no raw encoding; save it "
-                              "with TieredWriter(encoding='dcp')", file=relpath)
+            raise ConfigError(
+                f"{name!r} is a {kind} tensor, which has no raw encoding; save it "
+                "with TieredWriter(encoding='dcp')",
+                file=relpath,
+            )
         tensor = _plain(data)
         return tensor_bytes(tensor), dtype_name(tensor.dtype), tuple(tensor.shape)
     view = memoryview(data.getbuffer() if isinstance(data, io.BytesIO) else data).cast("B")
@@ -112,11 +129,18 @@ def item_view(data: Any, relpath: str, name: str = "") -> tuple[memoryview, str,
 
 def block_crcs(view: memoryview, block: int) -> tuple[int, ...]:
     """The CRC32C of each ``block`` bytes of ``view`` (the last block may be shorter)."""
-    return tuple(crc32c_update(0, view[start:start + block]) for start in range(0, len(view), block))
+    return tuple(crc32c_update(0, view[start : start + block]) for start in range(0, len(view), block))
 
 
-def write_item(out: ObjectWriter, data: Any, relpath: str, block: int | None = None, *,
-               name: str = "", crcs: tuple[int, ...] | None = None) -> RawItem:
+def write_item(
+    out: ObjectWriter,
+    data: Any,
+    relpath: str,
+    block: int | None = None,
+    *,
+    name: str = "",
+    crcs: tuple[int, ...] | None = None,
+) -> RawItem:
     """Append one item (a tensor, a ``BytesIO`` or a buffer) at the next aligned offset.
 
     The bytes go to ``out`` straight from the item's own memory, a block at a time: each
@@ -131,14 +155,20 @@ def write_item(out: ObjectWriter, data: Any, relpath: str, block: int | None = N
     offset = out.size
     crcs = block_crcs(view, block) if crcs is None else crcs
     for index, start in enumerate(range(0, len(view), block)):
-        chunk = view[start:start + block]
+        chunk = view[start : start + block]
         # A small block is cheaper to scan again than to combine (see checksum.COMBINE_MIN).
         out.write(chunk, crc32c=crcs[index] if len(chunk) >= COMBINE_MIN else None)
     return RawItem(relpath, offset, len(view), dtype, shape, block, crcs)
 
 
-def write_items(out: ObjectWriter, items: Sequence[Any], resolve: Callable[[Any], Any],
-                relpath: str, *, names: Sequence[str] = ()) -> list[RawItem]:
+def write_items(
+    out: ObjectWriter,
+    items: Sequence[Any],
+    resolve: Callable[[Any], Any],
+    relpath: str,
+    *,
+    names: Sequence[str] = (),
+) -> list[RawItem]:
     """:func:`write_item` for each of ``items`` in order, with the block checksums of the next
     item computed on a helper thread while this one is written (``crc32c`` releases the GIL):
     the same CPU, and the checksum off the write's critical path where a core is free. At most
@@ -169,11 +199,20 @@ def _is_count(value: Any, limit: int = 1 << 62) -> bool:
 def check_fields(item: Any) -> bool:
     """Whether an unpickled :class:`RawItem` has fields of the right types and ranges."""
     shape, crcs = getattr(item, "shape", None), getattr(item, "crc32c", None)
-    return (isinstance(item, RawItem) and isinstance(item.relative_path, str)
-            and _is_count(item.offset) and _is_count(item.length) and isinstance(item.dtype, str)
-            and isinstance(shape, tuple) and len(shape) <= 64 and all(_is_count(n) for n in shape)
-            and _is_count(item.block, _MAX_BLOCK + 1) and item.block > 0
-            and isinstance(crcs, tuple) and all(_is_count(c, 1 << 32) for c in crcs))
+    return (
+        isinstance(item, RawItem)
+        and isinstance(item.relative_path, str)
+        and _is_count(item.offset)
+        and _is_count(item.length)
+        and isinstance(item.dtype, str)
+        and isinstance(shape, tuple)
+        and len(shape) <= 64
+        and all(_is_count(n) for n in shape)
+        and _is_count(item.block, _MAX_BLOCK + 1)
+        and item.block > 0
+        and isinstance(crcs, tuple)
+        and all(_is_count(c, 1 << 32) for c in crcs)
+    )
 
 
 def check_item(item: RawItem, file_size: int | None = None) -> str | None:
@@ -195,18 +234,18 @@ def check_item(item: RawItem, file_size: int | None = None) -> str | None:
         for n in item.shape:
             numel *= n
         if item.length != numel * dtype.itemsize:
-            return (f"length {item.length} is not {numel} elements of {item.dtype} "
-                    f"({numel * dtype.itemsize} bytes)")
+            return (
+                f"length {item.length} is not {numel} elements of {item.dtype} "
+                f"({numel * dtype.itemsize} bytes)"
+            )
     if len(item.crc32c) != item.blocks:
         return f"{len(item.crc32c)} block checksums for {item.blocks} blocks of {item.block} bytes"
     if file_size is not None and item.offset + item.length > file_size:
-        return (f"item ends at byte {item.offset + item.length}, past the end of the file "
-                f"({file_size} bytes)")
+        return f"item ends at byte {item.offset + item.length}, past the end of the file ({file_size} bytes)"
     return None
 
 
-def verify_blocks(item: RawItem, first: int, data: Any, *, checkpoint: str | None,
-                  tier: str | None) -> None:
+def verify_blocks(item: RawItem, first: int, data: Any, *, checkpoint: str | None, tier: str | None) -> None:
     """Check ``data``, the item's bytes from the start of block ``first`` on (whole blocks,
     the last one possibly ending with the item), against the item's block checksums.
 
@@ -217,8 +256,9 @@ def verify_blocks(item: RawItem, first: int, data: Any, *, checkpoint: str | Non
     index, pos = first, 0
     while pos < len(view):
         start, stop = item.block_span(index)
-        actual = crc32c_update(0, view[pos:pos + stop - start])
+        actual = crc32c_update(0, view[pos : pos + stop - start])
         if actual != item.crc32c[index]:
-            raise ChecksumMismatch.crc32c(item.crc32c[index], actual, checkpoint=checkpoint,
-                                          file=item.relative_path, tier=tier)
+            raise ChecksumMismatch.crc32c(
+                item.crc32c[index], actual, checkpoint=checkpoint, file=item.relative_path, tier=tier
+            )
         index, pos = index + 1, pos + stop - start

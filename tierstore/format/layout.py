@@ -269,8 +269,9 @@ def upload_prefix(name: str, attempt: str) -> str:
     return f"{UPLOAD_DIR}/{check_name(name)}/{check_attempt(attempt)}/"
 
 
-def upload_mark_key(name: str, attempt: str, rank: int, digest: str | None = None,
-                    versions: str | None = None) -> str:
+def upload_mark_key(
+    name: str, attempt: str, rank: int, digest: str | None = None, versions: str | None = None
+) -> str:
     """Rank ``rank``'s upload mark named by ``digest`` (16 hex digits naming the files it
     vouches for) and ``versions`` (16 hex digits naming the stored objects' versions it
     verified, where the backend has versions); without a digest, the key earlier versions

@@ -37,8 +37,20 @@ from tierstore.format.manifest_format import (
 )
 from tierstore.format.manifest_format import checksum as _checksum
 
-__all__ = ["FORMAT", "VERSION", "PART_RANKS", "MAX_MANIFEST_BYTES", "Checkpoint", "FileEntry",
-           "Manifest", "PartRef", "PartLoader", "check_relpath", "checkpoint_order", "_checksum"]
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "PART_RANKS",
+    "MAX_MANIFEST_BYTES",
+    "Checkpoint",
+    "FileEntry",
+    "Manifest",
+    "PartRef",
+    "PartLoader",
+    "check_relpath",
+    "checkpoint_order",
+    "_checksum",
+]
 
 PartLoader = Callable[[str, str, PartRef], tuple[str, bytes]]
 """Reads part ``ref`` of checkpoint ``name`` attempt ``attempt`` for a manifest: ``(key it was
@@ -97,21 +109,47 @@ class Manifest:
     _source: tuple[str | None, str | None] = field(repr=False)  # root key and tier, for errors
     _index: dict[str, FileEntry] | None = field(repr=False)  # by path, once every entry is known
 
-    def __init__(self, name: str, step: int | None, attempt: str, world_size: int, created: float,
-                 files: Sequence[FileEntry], metadata_file: str = layout.METADATA_FILE,
-                 producer: str = "", encoding: str = "dcp", *, part_ranks: int = PART_RANKS,
-                 metrics: Mapping[str, float] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        step: int | None,
+        attempt: str,
+        world_size: int,
+        created: float,
+        files: Sequence[FileEntry],
+        metadata_file: str = layout.METADATA_FILE,
+        producer: str = "",
+        encoding: str = "dcp",
+        *,
+        part_ranks: int = PART_RANKS,
+        metrics: Mapping[str, float] | None = None,
+    ) -> None:
         if not (isinstance(part_ranks, int) and part_ranks >= 1):
             raise ConfigError(f"part_ranks must be a positive int, got {part_ranks!r}")
         checked = fmt.check_metrics(metrics, source="new manifest", error=ConfigError) if metrics else {}
         files = tuple(files)
         two_level = len({f.rank for f in files}) > part_ranks
-        self._set(name=name, step=step, attempt=attempt, world_size=world_size, created=created,
-                  metadata_file=metadata_file, producer=producer, encoding=encoding,
-                  version=fmt.VERSION if two_level else fmt.FLAT_VERSION, _all=files,
-                  _metrics=tuple(sorted(checked.items())),
-                  _totals=(sum(f.size for f in files), len(files)), _loaded={}, _part_bytes={},
-                  _loader=None, _source=(None, None), _metadata=None, _parts=(), _index=None)
+        self._set(
+            name=name,
+            step=step,
+            attempt=attempt,
+            world_size=world_size,
+            created=created,
+            metadata_file=metadata_file,
+            producer=producer,
+            encoding=encoding,
+            version=fmt.VERSION if two_level else fmt.FLAT_VERSION,
+            _all=files,
+            _metrics=tuple(sorted(checked.items())),
+            _totals=(sum(f.size for f in files), len(files)),
+            _loaded={},
+            _part_bytes={},
+            _loader=None,
+            _source=(None, None),
+            _metadata=None,
+            _parts=(),
+            _index=None,
+        )
         if two_level:
             self._split(part_ranks)
 
@@ -123,14 +161,24 @@ class Manifest:
         assert self._all is not None
         meta = [f for f in self._all if f.path == self.metadata_file]
         if len(meta) != 1:
-            raise ConfigError(f"new manifest: metadata file {self.metadata_file!r} is not listed once",
-                              checkpoint=self.name)
+            raise ConfigError(
+                f"new manifest: metadata file {self.metadata_file!r} is not listed once", checkpoint=self.name
+            )
         refs, loaded, encoded = [], {}, {}
         rest = [f for f in self._all if f.path != self.metadata_file]
         for index, (first, last, entries) in enumerate(fmt.split_parts(rest, part_ranks, self.world_size)):
             data = fmt.encode_part(fmt.part_body(self.name, self.attempt, index, first, last, entries))
-            refs.append(PartRef(index, layout.manifest_part_path(index), first, last, len(entries),
-                                len(data), fmt.digest(data)))
+            refs.append(
+                PartRef(
+                    index,
+                    layout.manifest_part_path(index),
+                    first,
+                    last,
+                    len(entries),
+                    len(data),
+                    fmt.digest(data),
+                )
+            )
             loaded[index], encoded[index] = entries, data
         self._set(_metadata=meta[0], _parts=tuple(refs), _loaded=loaded, _part_bytes=encoded)
 
@@ -155,15 +203,29 @@ class Manifest:
         return self._parts
 
     def _header(self) -> dict[str, Any]:
-        return {"name": self.name, "step": self.step, "attempt": self.attempt,
-                "world_size": self.world_size, "created": self.created, "producer": self.producer,
-                **({"metrics": self.metrics} if self._metrics else {})}
+        return {
+            "name": self.name,
+            "step": self.step,
+            "attempt": self.attempt,
+            "world_size": self.world_size,
+            "created": self.created,
+            "producer": self.producer,
+            **({"metrics": self.metrics} if self._metrics else {}),
+        }
 
     def _identity(self) -> tuple[Any, ...]:
         header = {key: value for key, value in self._header().items() if key != "metrics"}
-        return (tuple(sorted(header.items())), self._metrics, self.metadata_file, self.encoding,
-                self.version, self._metadata, self._parts, self._totals,
-                self._all if self.version == fmt.FLAT_VERSION else None)
+        return (
+            tuple(sorted(header.items())),
+            self._metrics,
+            self.metadata_file,
+            self.encoding,
+            self.version,
+            self._metadata,
+            self._parts,
+            self._totals,
+            self._all if self.version == fmt.FLAT_VERSION else None,
+        )
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Manifest):
@@ -227,15 +289,25 @@ class Manifest:
         if entries is not None:
             return entries
         if self._loader is None:
-            raise ConfigError("this two-level manifest was read without a tier to read its parts "
-                              "from (Manifest.from_json(..., loader=))", checkpoint=self.name)
+            raise ConfigError(
+                "this two-level manifest was read without a tier to read its parts "
+                "from (Manifest.from_json(..., loader=))",
+                checkpoint=self.name,
+            )
         key, data = self._loader(self.name, self.attempt, ref)
         try:
-            entries = fmt.validate_part(data, ref, name=self.name, attempt=self.attempt,
-                                        metadata_file=self.metadata_file, error=ValueError)
+            entries = fmt.validate_part(
+                data,
+                ref,
+                name=self.name,
+                attempt=self.attempt,
+                metadata_file=self.metadata_file,
+                error=ValueError,
+            )
         except ValueError as err:
-            raise InvalidManifest(f"invalid manifest: {err}", key=key, tier=self._source[1],
-                                  checkpoint=self.name) from err
+            raise InvalidManifest(
+                f"invalid manifest: {err}", key=key, tier=self._source[1], checkpoint=self.name
+            ) from err
         # Dict stores are atomic: threads racing on a part both verify it, one copy stays.
         self._part_bytes[ref.index] = data
         self._loaded[ref.index] = entries
@@ -249,8 +321,12 @@ class Manifest:
         elif sum(e.size for e in entries) != self.total_size:
             problem = f"the parts' sizes do not add up to the root's total_size {self.total_size}"
         if problem is not None:
-            raise InvalidManifest(f"invalid manifest: {problem}", key=self._source[0],
-                                  tier=self._source[1], checkpoint=self.name)
+            raise InvalidManifest(
+                f"invalid manifest: {problem}",
+                key=self._source[0],
+                tier=self._source[1],
+                checkpoint=self.name,
+            )
 
     # -- JSON --------------------------------------------------------------------------
 
@@ -262,8 +338,9 @@ class Manifest:
             fmt.validate_flat(body, source="new manifest", error=ConfigError)
             return fmt.encode_root(body)
         assert self._metadata is not None
-        body = fmt.root_body(self._header(), self._metadata, self.total_size, self.num_files,
-                             self._parts, self.encoding)
+        body = fmt.root_body(
+            self._header(), self._metadata, self.total_size, self.num_files, self._parts, self.encoding
+        )
         fmt.validate_root(body, source="new manifest", error=ConfigError)
         return fmt.encode_root(body)
 
@@ -273,14 +350,20 @@ class Manifest:
         return self._part_bytes[ref.index]
 
     @classmethod
-    def from_json(cls, data: bytes, *, key: str | None = None, tier: str | None = None,
-                  expect_name: str | None = None, loader: PartLoader | None = None) -> Manifest:
+    def from_json(
+        cls,
+        data: bytes,
+        *,
+        key: str | None = None,
+        tier: str | None = None,
+        expect_name: str | None = None,
+        loader: PartLoader | None = None,
+    ) -> Manifest:
         """Parse and strictly validate a flat manifest or a root; :class:`InvalidManifest`
         names key and tier. A root's parts are read through ``loader`` when first needed."""
 
         def bad(reason: str) -> InvalidManifest:
-            return InvalidManifest(f"invalid manifest: {reason}", key=key, tier=tier,
-                                   checkpoint=expect_name)
+            return InvalidManifest(f"invalid manifest: {reason}", key=key, tier=tier, checkpoint=expect_name)
 
         if len(data) > MAX_MANIFEST_BYTES:
             raise bad(f"{len(data)} bytes is larger than the {MAX_MANIFEST_BYTES} byte limit")
@@ -304,16 +387,36 @@ class Manifest:
         if expect_name is not None and body["name"] != expect_name:
             raise bad(f"names checkpoint {body['name']!r}, stored as {expect_name!r}")
         manifest = cls.__new__(cls)
-        manifest._set(name=body["name"], step=body["step"], attempt=body["attempt"],
-                      world_size=body["world_size"], created=body["created"],
-                      producer=body["producer"], encoding=body.get("encoding", "dcp"),
-                      _metrics=tuple(sorted((k, float(v)) for k, v in body.get("metrics", {}).items())),
-                      version=body["version"], _loaded={}, _part_bytes={}, _loader=loader,
-                      _source=(key, tier), _index=None)
+        manifest._set(
+            name=body["name"],
+            step=body["step"],
+            attempt=body["attempt"],
+            world_size=body["world_size"],
+            created=body["created"],
+            producer=body["producer"],
+            encoding=body.get("encoding", "dcp"),
+            _metrics=tuple(sorted((k, float(v)) for k, v in body.get("metrics", {}).items())),
+            version=body["version"],
+            _loaded={},
+            _part_bytes={},
+            _loader=loader,
+            _source=(key, tier),
+            _index=None,
+        )
         if body["version"] == fmt.VERSION:
-            manifest._set(metadata_file=metadata.path, _all=None, _metadata=metadata, _parts=parts,
-                          _totals=(body["total_size"], body["file_count"]))
+            manifest._set(
+                metadata_file=metadata.path,
+                _all=None,
+                _metadata=metadata,
+                _parts=parts,
+                _totals=(body["total_size"], body["file_count"]),
+            )
         else:
-            manifest._set(metadata_file=body["metadata_file"], _all=files, _metadata=None, _parts=(),
-                          _totals=(sum(f.size for f in files), len(files)))
+            manifest._set(
+                metadata_file=body["metadata_file"],
+                _all=files,
+                _metadata=None,
+                _parts=(),
+                _totals=(sum(f.size for f in files), len(files)),
+            )
         return manifest

@@ -29,10 +29,29 @@ from typing import Any
 from tierstore.errors import ConfigError
 from tierstore.format import layout
 
-__all__ = ["FORMAT", "PART_FORMAT", "VERSION", "PART_RANKS", "MAX_METRICS", "MAX_STEP", "FileEntry",
-           "PartRef", "check_relpath", "check_metrics", "flat_body", "root_body", "part_body", "split_parts",
-           "validate_flat", "validate_root", "validate_part", "encode_root", "encode_part", "digest",
-           "check_plan"]
+__all__ = [
+    "FORMAT",
+    "PART_FORMAT",
+    "VERSION",
+    "PART_RANKS",
+    "MAX_METRICS",
+    "MAX_STEP",
+    "FileEntry",
+    "PartRef",
+    "check_relpath",
+    "check_metrics",
+    "flat_body",
+    "root_body",
+    "part_body",
+    "split_parts",
+    "validate_flat",
+    "validate_root",
+    "validate_part",
+    "encode_root",
+    "encode_part",
+    "digest",
+    "check_plan",
+]
 
 FORMAT = "tierstore.manifest"
 PART_FORMAT = "tierstore.manifest-part"
@@ -78,12 +97,16 @@ def check_metrics(metrics: object, *, source: str, error: type[Exception]) -> di
     ``[A-Za-z0-9_./-]{1,64}``, each a finite number (stored as a float); raises
     ``error(f"{source}: ...")`` otherwise. An empty mapping is "no metrics", never written."""
     need = _needer(source, error)
-    need(isinstance(metrics, Mapping) and 0 < len(metrics) <= MAX_METRICS,
-         f"metrics must be a mapping of 1 to {MAX_METRICS} names to numbers, got {_short(metrics)}")
+    need(
+        isinstance(metrics, Mapping) and 0 < len(metrics) <= MAX_METRICS,
+        f"metrics must be a mapping of 1 to {MAX_METRICS} names to numbers, got {_short(metrics)}",
+    )
     assert isinstance(metrics, Mapping)
     for name, value in metrics.items():
-        need(isinstance(name, str) and bool(_METRIC.fullmatch(name)),
-             f"metric name {_short(name)} is not 1-64 characters of [A-Za-z0-9_./-]")
+        need(
+            isinstance(name, str) and bool(_METRIC.fullmatch(name)),
+            f"metric name {_short(name)} is not 1-64 characters of [A-Za-z0-9_./-]",
+        )
         need(_finite(value), f"metric {name!r} is {_short(value)}, not a finite number")
     return {name: float(value) for name, value in metrics.items()}
 
@@ -132,36 +155,62 @@ class PartRef:
         return self.first_rank <= rank <= self.last_rank
 
     def to_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "first_rank": self.first_rank, "last_rank": self.last_rank,
-                "files": self.files, "size": self.size, "sha256": self.sha256}
+        return {
+            "path": self.path,
+            "first_rank": self.first_rank,
+            "last_rank": self.last_rank,
+            "files": self.files,
+            "size": self.size,
+            "sha256": self.sha256,
+        }
 
 
 # -- building ---------------------------------------------------------------------------
 
 
-def flat_body(header: Mapping[str, Any], metadata_file: str, files: Iterable[FileEntry],
-              encoding: str) -> dict[str, Any]:
-    return {**header, "format": FORMAT, "version": FLAT_VERSION, "metadata_file": metadata_file,
-            "files": [f.to_dict() for f in files],
-            **({} if encoding == "dcp" else {"encoding": encoding})}
+def flat_body(
+    header: Mapping[str, Any], metadata_file: str, files: Iterable[FileEntry], encoding: str
+) -> dict[str, Any]:
+    return {
+        **header,
+        "format": FORMAT,
+        "version": FLAT_VERSION,
+        "metadata_file": metadata_file,
+        "files": [f.to_dict() for f in files],
+        **({} if encoding == "dcp" else {"encoding": encoding}),
+    }
 
 
-def split_parts(files: Iterable[FileEntry], part_ranks: int,
-                world_size: int) -> list[tuple[int, int, tuple[FileEntry, ...]]]:
+def split_parts(
+    files: Iterable[FileEntry], part_ranks: int, world_size: int
+) -> list[tuple[int, int, tuple[FileEntry, ...]]]:
     """``(first_rank, last_rank, entries)`` per non-empty window of ``part_ranks`` ranks."""
     windows: dict[int, list[FileEntry]] = {}
     for entry in files:
         windows.setdefault(entry.rank // part_ranks, []).append(entry)
-    return [(w * part_ranks, min((w + 1) * part_ranks, world_size) - 1,
-             tuple(sorted(windows[w], key=lambda f: (f.rank, f.path))))
-            for w in sorted(windows)]
+    return [
+        (
+            w * part_ranks,
+            min((w + 1) * part_ranks, world_size) - 1,
+            tuple(sorted(windows[w], key=lambda f: (f.rank, f.path))),
+        )
+        for w in sorted(windows)
+    ]
 
 
-def part_body(name: str, attempt: str, index: int, first: int, last: int,
-              files: Iterable[FileEntry]) -> dict[str, Any]:
-    return {"format": PART_FORMAT, "version": VERSION, "name": name, "attempt": attempt,
-            "index": index, "first_rank": first, "last_rank": last,
-            "files": [f.to_dict() for f in files]}
+def part_body(
+    name: str, attempt: str, index: int, first: int, last: int, files: Iterable[FileEntry]
+) -> dict[str, Any]:
+    return {
+        "format": PART_FORMAT,
+        "version": VERSION,
+        "name": name,
+        "attempt": attempt,
+        "index": index,
+        "first_rank": first,
+        "last_rank": last,
+        "files": [f.to_dict() for f in files],
+    }
 
 
 def encode_part(body: Mapping[str, Any]) -> bytes:
@@ -173,11 +222,24 @@ def digest(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
-def root_body(header: Mapping[str, Any], metadata: FileEntry, total_size: int, file_count: int,
-              parts: Sequence[PartRef], encoding: str) -> dict[str, Any]:
-    return {**header, "format": FORMAT, "version": VERSION, "encoding": encoding,
-            "metadata": metadata.to_dict(), "total_size": total_size, "file_count": file_count,
-            "parts": [p.to_dict() for p in parts]}
+def root_body(
+    header: Mapping[str, Any],
+    metadata: FileEntry,
+    total_size: int,
+    file_count: int,
+    parts: Sequence[PartRef],
+    encoding: str,
+) -> dict[str, Any]:
+    return {
+        **header,
+        "format": FORMAT,
+        "version": VERSION,
+        "encoding": encoding,
+        "metadata": metadata.to_dict(),
+        "total_size": total_size,
+        "file_count": file_count,
+        "parts": [p.to_dict() for p in parts],
+    }
 
 
 def encode_root(body: dict[str, Any]) -> bytes:
@@ -199,6 +261,7 @@ def _needer(source: str, error: type[Exception]) -> Need:
     def need(ok: bool, what: str) -> None:
         if not ok:
             raise error(f"{source}: {what}")
+
     return need
 
 
@@ -209,9 +272,11 @@ def _is_int(value: object, lo: int, hi: int) -> bool:
 def _check_version(body: Mapping[str, Any], fmt: str, need: Need) -> None:
     need(body.get("format") == fmt, f"format is {body.get('format')!r}, not {fmt!r}")
     version = body.get("version")
-    need(_is_int(version, 1, VERSION),
-         f"version {version!r} is not supported (this tierstore reads up to {VERSION}); "
-         "written by a newer tierstore?")
+    need(
+        _is_int(version, 1, VERSION),
+        f"version {version!r} is not supported (this tierstore reads up to {VERSION}); "
+        "written by a newer tierstore?",
+    )
 
 
 def _check_keys(body: Mapping[str, Any], expected: set[str], optional: set[str], need: Need) -> None:
@@ -228,12 +293,18 @@ def _check_header(body: Mapping[str, Any], need: Need) -> None:
     need(body["step"] is None or _is_int(body["step"], 0, MAX_STEP), "step is not a non-negative int")
     need(_is_int(body["world_size"], 1, MAX_WORLD_SIZE), "world_size is not a positive int")
     created = body["created"]
-    need(isinstance(created, (int, float)) and not isinstance(created, bool)
-         and math.isfinite(created) and created >= 0, "created is not a timestamp")
+    need(
+        isinstance(created, (int, float))
+        and not isinstance(created, bool)
+        and math.isfinite(created)
+        and created >= 0,
+        "created is not a timestamp",
+    )
     need(isinstance(body["producer"], str) and len(body["producer"]) < 1024, "producer is not a short string")
-    need(body.get("encoding", "dcp") in _ENCODINGS,
-         f"encoding {body.get('encoding')!r} is not one of {list(_ENCODINGS)}; written by a "
-         "newer tierstore?")
+    need(
+        body.get("encoding", "dcp") in _ENCODINGS,
+        f"encoding {body.get('encoding')!r} is not one of {list(_ENCODINGS)}; written by a newer tierstore?",
+    )
     if "metrics" in body:
         try:
             check_metrics(body["metrics"], source="metrics", error=ValueError)
@@ -242,8 +313,10 @@ def _check_header(body: Mapping[str, Any], need: Need) -> None:
 
 
 def _check_entry(entry: object, lo: int, hi: int, seen: set[str], need: Need) -> FileEntry:
-    need(isinstance(entry, dict) and set(entry) == _FILE_KEYS,
-         f"file entry {entry!r} must have exactly {sorted(_FILE_KEYS)}")
+    need(
+        isinstance(entry, dict) and set(entry) == _FILE_KEYS,
+        f"file entry {entry!r} must have exactly {sorted(_FILE_KEYS)}",
+    )
     assert isinstance(entry, dict)
     try:
         check_relpath(entry["path"])
@@ -253,22 +326,24 @@ def _check_entry(entry: object, lo: int, hi: int, seen: set[str], need: Need) ->
     seen.add(entry["path"])
     need(_is_int(entry["size"], 0, MAX_FILE_SIZE), f"file {entry['path']!r}: absurd size {entry['size']!r}")
     need(_is_int(entry["crc32c"], 0, _CRC_MAX), f"file {entry['path']!r}: bad crc32c {entry['crc32c']!r}")
-    need(_is_int(entry["rank"], lo, hi),
-         f"file {entry['path']!r}: rank {entry['rank']!r} outside "
-         + (f"world size {hi + 1}" if lo == 0 else f"the part's ranks {lo}-{hi}"))
+    need(
+        _is_int(entry["rank"], lo, hi),
+        f"file {entry['path']!r}: rank {entry['rank']!r} outside "
+        + (f"world size {hi + 1}" if lo == 0 else f"the part's ranks {lo}-{hi}"),
+    )
     return FileEntry(**entry)
 
 
-def _check_files(files: object, lo: int, hi: int, limit: int, need: Need,
-                 seen: set[str] | None = None) -> tuple[FileEntry, ...]:
+def _check_files(
+    files: object, lo: int, hi: int, limit: int, need: Need, seen: set[str] | None = None
+) -> tuple[FileEntry, ...]:
     need(isinstance(files, list) and 0 < len(files) <= limit, "files is not a non-empty list")
     assert isinstance(files, list)
     seen = set() if seen is None else seen
     return tuple(_check_entry(entry, lo, hi, seen, need) for entry in files)
 
 
-def validate_flat(body: Mapping[str, Any], *, source: str,
-                  error: type[Exception]) -> tuple[FileEntry, ...]:
+def validate_flat(body: Mapping[str, Any], *, source: str, error: type[Exception]) -> tuple[FileEntry, ...]:
     """A version 1 body (without its checksum); its entries."""
     need = _needer(source, error)
     _check_version(body, FORMAT, need)
@@ -280,8 +355,9 @@ def validate_flat(body: Mapping[str, Any], *, source: str,
     return files
 
 
-def validate_root(body: Mapping[str, Any], *, source: str,
-                  error: type[Exception]) -> tuple[FileEntry, tuple[PartRef, ...]]:
+def validate_root(
+    body: Mapping[str, Any], *, source: str, error: type[Exception]
+) -> tuple[FileEntry, tuple[PartRef, ...]]:
     """A version 2 root (without its checksum); its ``.metadata`` entry and part references."""
     need = _needer(source, error)
     _check_version(body, FORMAT, need)
@@ -290,37 +366,54 @@ def validate_root(body: Mapping[str, Any], *, source: str,
     world = body["world_size"]
     metadata = _check_entry(body["metadata"], 0, world - 1, set(), need)
     refs = body["parts"]
-    need(isinstance(refs, list) and 0 < len(refs) <= MAX_PARTS,
-         f"parts is not a list of 1 to {MAX_PARTS} parts")
+    need(
+        isinstance(refs, list) and 0 < len(refs) <= MAX_PARTS,
+        f"parts is not a list of 1 to {MAX_PARTS} parts",
+    )
     parts = tuple(_check_ref(i, ref, world, need) for i, ref in enumerate(refs))
     for before, after in itertools.pairwise(parts):
-        need(before.last_rank < after.first_rank,
-             f"part {after.index}: rank ranges overlap or are not ascending")
+        need(
+            before.last_rank < after.first_rank,
+            f"part {after.index}: rank ranges overlap or are not ascending",
+        )
     count = sum(p.files for p in parts) + 1
-    need(body["file_count"] == count and _is_int(count, 2, MAX_FILES * MAX_PARTS),
-         f"file_count {body['file_count']!r} is not the parts' {count - 1} files plus the metadata")
-    need(_is_int(body["total_size"], metadata.size, MAX_FILE_SIZE * count),
-         f"total_size {body['total_size']!r} is absurd")
+    need(
+        body["file_count"] == count and _is_int(count, 2, MAX_FILES * MAX_PARTS),
+        f"file_count {body['file_count']!r} is not the parts' {count - 1} files plus the metadata",
+    )
+    need(
+        _is_int(body["total_size"], metadata.size, MAX_FILE_SIZE * count),
+        f"total_size {body['total_size']!r} is absurd",
+    )
     return metadata, parts
 
 
 def _check_ref(index: int, ref: object, world: int, need: Need) -> PartRef:
-    need(isinstance(ref, dict) and set(ref) == _REF_KEYS,
-         f"part {index} {ref!r} must have exactly {sorted(_REF_KEYS)}")
+    need(
+        isinstance(ref, dict) and set(ref) == _REF_KEYS,
+        f"part {index} {ref!r} must have exactly {sorted(_REF_KEYS)}",
+    )
     assert isinstance(ref, dict)
-    need(ref["path"] == layout.manifest_part_path(index),
-         f"part {index}: path {ref['path']!r} is not {layout.manifest_part_path(index)!r}")
-    need(_is_int(ref["first_rank"], 0, world - 1) and _is_int(ref["last_rank"], ref["first_rank"], world - 1),
-         f"part {index}: ranks {ref['first_rank']!r}-{ref['last_rank']!r} outside world size {world}")
+    need(
+        ref["path"] == layout.manifest_part_path(index),
+        f"part {index}: path {ref['path']!r} is not {layout.manifest_part_path(index)!r}",
+    )
+    need(
+        _is_int(ref["first_rank"], 0, world - 1) and _is_int(ref["last_rank"], ref["first_rank"], world - 1),
+        f"part {index}: ranks {ref['first_rank']!r}-{ref['last_rank']!r} outside world size {world}",
+    )
     need(_is_int(ref["files"], 1, MAX_FILES), f"part {index}: bad file count {ref['files']!r}")
     need(_is_int(ref["size"], 2, MAX_PART_BYTES), f"part {index}: bad size {ref['size']!r}")
-    need(isinstance(ref["sha256"], str) and bool(_SHA256.fullmatch(ref["sha256"])),
-         f"part {index}: bad sha256 {ref['sha256']!r}")
+    need(
+        isinstance(ref["sha256"], str) and bool(_SHA256.fullmatch(ref["sha256"])),
+        f"part {index}: bad sha256 {ref['sha256']!r}",
+    )
     return PartRef(index=index, **ref)
 
 
-def validate_part(data: bytes, ref: PartRef, *, name: str, attempt: str, metadata_file: str,
-                  error: type[Exception]) -> tuple[FileEntry, ...]:
+def validate_part(
+    data: bytes, ref: PartRef, *, name: str, attempt: str, metadata_file: str, error: type[Exception]
+) -> tuple[FileEntry, ...]:
     """Part ``ref`` of ``name``/``attempt``, read as ``data``; its entries.
 
     The root vouches for the bytes (sha256); the part's own name, attempt, index and rank
@@ -328,8 +421,10 @@ def validate_part(data: bytes, ref: PartRef, *, name: str, attempt: str, metadat
     """
     need = _needer(f"manifest part {ref.index}", error)
     need(len(data) == ref.size, f"{len(data)} bytes, the root says {ref.size}")
-    need(digest(data) == ref.sha256, f"sha256 differs from the root's {ref.sha256}; modified, "
-                                     "corrupt or from another checkpoint")
+    need(
+        digest(data) == ref.sha256,
+        f"sha256 differs from the root's {ref.sha256}; modified, corrupt or from another checkpoint",
+    )
     try:
         body = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
@@ -337,11 +432,15 @@ def validate_part(data: bytes, ref: PartRef, *, name: str, attempt: str, metadat
     need(isinstance(body, dict), "top level is not an object")
     _check_version(body, PART_FORMAT, need)
     _check_keys(body, _PART_KEYS, set(), need)
-    need(body["name"] == name and body["attempt"] == attempt and body["index"] == ref.index,
-         f"names checkpoint {body['name']!r} attempt {body['attempt']!r} part {body['index']!r}, "
-         f"not {name!r} attempt {attempt!r} part {ref.index}")
-    need(body["first_rank"] == ref.first_rank and body["last_rank"] == ref.last_rank,
-         "rank range differs from the root's")
+    need(
+        body["name"] == name and body["attempt"] == attempt and body["index"] == ref.index,
+        f"names checkpoint {body['name']!r} attempt {body['attempt']!r} part {body['index']!r}, "
+        f"not {name!r} attempt {attempt!r} part {ref.index}",
+    )
+    need(
+        body["first_rank"] == ref.first_rank and body["last_rank"] == ref.last_rank,
+        "rank range differs from the root's",
+    )
     files = _check_files(body["files"], ref.first_rank, ref.last_rank, MAX_FILES, need)
     need(len(files) == ref.files, f"{len(files)} files, the root says {ref.files}")
     need(all(f.path != metadata_file for f in files), f"lists the metadata file {metadata_file!r}")
@@ -370,10 +469,14 @@ def check_plan(name: str, files_per_rank: Sequence[int], *, part_ranks: int, pat
     path. Bounds are for the worst entries, so a save that passes here never commits a
     manifest a reader refuses.
     """
+
     def fail(what: str) -> ConfigError:
-        return ConfigError(f"the manifest of this save would exceed {what}; write fewer files per "
-                           "rank (single_file_per_rank=True) or use smaller manifest parts "
-                           "(manifest_part_ranks)", checkpoint=name)
+        return ConfigError(
+            f"the manifest of this save would exceed {what}; write fewer files per "
+            "rank (single_file_per_rank=True) or use smaller manifest parts "
+            "(manifest_part_ranks)",
+            checkpoint=name,
+        )
 
     ranks = sum(1 for n in files_per_rank if n)
     total = sum(files_per_rank) + 1  # + .metadata
@@ -384,7 +487,7 @@ def check_plan(name: str, files_per_rank: Sequence[int], *, part_ranks: int, pat
         if size > MAX_MANIFEST_BYTES:
             raise fail(f"MAX_MANIFEST_BYTES ({MAX_MANIFEST_BYTES} bytes) with about {size} bytes")
         return 0
-    windows = [sum(files_per_rank[lo:lo + part_ranks]) for lo in range(0, len(files_per_rank), part_ranks)]
+    windows = [sum(files_per_rank[lo : lo + part_ranks]) for lo in range(0, len(files_per_rank), part_ranks)]
     parts = sum(1 for n in windows if n)
     if parts > MAX_PARTS:
         raise fail(f"MAX_PARTS ({MAX_PARTS} parts) with {parts} parts")
@@ -394,10 +497,18 @@ def check_plan(name: str, files_per_rank: Sequence[int], *, part_ranks: int, pat
     part_size = 1024 + biggest * _entry_bytes(path_len, indent=False)
     if part_size > MAX_PART_BYTES:
         raise fail(f"MAX_PART_BYTES ({MAX_PART_BYTES} bytes in one part) with about {part_size} bytes")
-    ref = PartRef(MAX_PARTS, layout.manifest_part_path(MAX_PARTS), MAX_WORLD_SIZE, MAX_WORLD_SIZE,
-                  MAX_FILES, MAX_PART_BYTES, "sha256:" + "f" * 64)
+    ref = PartRef(
+        MAX_PARTS,
+        layout.manifest_part_path(MAX_PARTS),
+        MAX_WORLD_SIZE,
+        MAX_WORLD_SIZE,
+        MAX_FILES,
+        MAX_PART_BYTES,
+        "sha256:" + "f" * 64,
+    )
     root_size = _HEADER_BYTES + parts * len(json.dumps([ref.to_dict()], indent=2))
     if root_size > MAX_MANIFEST_BYTES:
-        raise fail(f"MAX_MANIFEST_BYTES ({MAX_MANIFEST_BYTES} bytes in the root) with about "
-                   f"{root_size} bytes")
+        raise fail(
+            f"MAX_MANIFEST_BYTES ({MAX_MANIFEST_BYTES} bytes in the root) with about {root_size} bytes"
+        )
     return parts

@@ -47,25 +47,27 @@ _DCP = "torch.distributed.checkpoint.metadata"
 #: (``RawItem``, or ``_StorageInfo`` in the dcp encoding) and FileSystemWriter record, and
 #: plain constructors. Checked on real saves of every dtype,
 #: FSDP2/DTensor state with optimizer, and BYTE_IO items (tests/test_safe_pickle.py).
-ALLOWED: frozenset[tuple[str, str]] = frozenset({
-    (_DCP, "Metadata"),
-    (_DCP, "MetadataIndex"),
-    (_DCP, "StorageMeta"),
-    (_DCP, "TensorStorageMetadata"),
-    (_DCP, "BytesStorageMetadata"),
-    (_DCP, "ChunkStorageMetadata"),
-    (_DCP, "TensorProperties"),
-    (_DCP, "_MEM_FORMAT_ENCODING"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("tierstore.format.encoding", "RawItem"),
-    ("torch.serialization", "_get_layout"),  # name -> torch.layout, a dict lookup
-    ("torch", "Size"),
-    ("collections", "OrderedDict"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "PosixPath"),
-})
+ALLOWED: frozenset[tuple[str, str]] = frozenset(
+    {
+        (_DCP, "Metadata"),
+        (_DCP, "MetadataIndex"),
+        (_DCP, "StorageMeta"),
+        (_DCP, "TensorStorageMetadata"),
+        (_DCP, "BytesStorageMetadata"),
+        (_DCP, "ChunkStorageMetadata"),
+        (_DCP, "TensorProperties"),
+        (_DCP, "_MEM_FORMAT_ENCODING"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("tierstore.format.encoding", "RawItem"),
+        ("torch.serialization", "_get_layout"),  # name -> torch.layout, a dict lookup
+        ("torch", "Size"),
+        ("collections", "OrderedDict"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "PosixPath"),
+    }
+)
 
 # torch.float32 and friends: constants, never called.
 _TORCH_CONSTANTS = (torch.dtype, torch.memory_format, torch.layout)
@@ -103,7 +105,8 @@ def _load(data: bytes) -> Metadata:
     value = _MetadataUnpickler(stream).load()
     if stream.tell() != len(data):
         raise pickle.UnpicklingError(
-            f"{len(data) - stream.tell()} bytes follow the pickle's STOP (smuggled or appended)")
+            f"{len(data) - stream.tell()} bytes follow the pickle's STOP (smuggled or appended)"
+        )
     if not isinstance(value, Metadata):
         raise pickle.UnpicklingError(f"DCP metadata is a {type(value).__name__}, not a Metadata object")
     _check_shape(value)
@@ -126,8 +129,12 @@ def _check_shape(metadata: Metadata) -> None:
     if not isinstance(storage, dict) or not isinstance(metadata.state_dict_metadata, dict):
         raise pickle.UnpicklingError("DCP metadata has no storage data or state dict metadata")
     for index, info in storage.items():
-        dcp_info = (isinstance(info, _StorageInfo) and isinstance(info.relative_path, str)
-                    and _is_count(info.offset) and _is_count(info.length))
+        dcp_info = (
+            isinstance(info, _StorageInfo)
+            and isinstance(info.relative_path, str)
+            and _is_count(info.offset)
+            and _is_count(info.length)
+        )
         if not (isinstance(index, MetadataIndex) and (dcp_info or encoding.check_fields(info))):
             raise pickle.UnpicklingError(f"DCP metadata has a malformed storage entry {info!r}")
         problem = encoding.check_item(info) if isinstance(info, RawItem) else None
@@ -164,7 +171,8 @@ def _check_raw(info: Any, dtype: Any, sizes: torch.Size | None, fqn: str) -> Non
         what = "bytes" if sizes is None else "tensor"
         raise pickle.UnpicklingError(
             f"DCP metadata of item {fqn!r} is inconsistent: stored as {info.dtype}{list(info.shape)}, "
-            f"its {what} metadata says {want}{list(shape)}")
+            f"its {what} metadata says {want}{list(shape)}"
+        )
 
 
 def _check_tiling(chunks: Any, size: torch.Size, fqn: str) -> None:
@@ -175,7 +183,8 @@ def _check_tiling(chunks: Any, size: torch.Size, fqn: str) -> None:
     if volume != math.prod(size):
         raise pickle.UnpicklingError(
             f"DCP metadata's chunks of {fqn!r} cover {volume} of its {math.prod(size)} elements: "
-            f"they do not cover the tensor of size {tuple(size)} exactly")
+            f"they do not cover the tensor of size {tuple(size)} exactly"
+        )
     if len(boxes) < 2:
         return
     # Sweep the dimension with the most distinct offsets: shards along it meet few others.
@@ -183,12 +192,13 @@ def _check_tiling(chunks: Any, size: torch.Size, fqn: str) -> None:
     active: list[tuple[int, int]] = []  # (end along dim, box), by end
     for i in sorted(range(len(boxes)), key=lambda i: boxes[i].offsets[dim]):
         box = boxes[i]
-        del active[:bisect.bisect_right(active, (box.offsets[dim], len(boxes)))]
+        del active[: bisect.bisect_right(active, (box.offsets[dim], len(boxes)))]
         for _, j in active:
             if _overlap(box, boxes[j]):
                 raise pickle.UnpicklingError(
                     f"DCP metadata's chunks of {fqn!r} overlap: at {tuple(box.offsets)} and "
-                    f"{tuple(boxes[j].offsets)}, so they do not cover the tensor exactly")
+                    f"{tuple(boxes[j].offsets)}, so they do not cover the tensor exactly"
+                )
         bisect.insort(active, (box.offsets[dim] + box.sizes[dim], i))
 
 
@@ -208,16 +218,22 @@ def _check_disjoint(storage: dict[Any, Any]) -> None:
             if next_offset < offset + length:
                 raise pickle.UnpicklingError(
                     f"DCP metadata has overlapping items in {path!r}: {next_fqn!r} starts at byte "
-                    f"{next_offset}, inside {fqn!r} (bytes {offset} to {offset + length})")
+                    f"{next_offset}, inside {fqn!r} (bytes {offset} to {offset + length})"
+                )
 
 
 def _check_chunk(chunk: Any, size: torch.Size, fqn: str) -> None:
     offsets, sizes = getattr(chunk, "offsets", None), getattr(chunk, "sizes", None)
-    if not (isinstance(chunk, ChunkStorageMetadata) and isinstance(offsets, torch.Size)
-            and isinstance(sizes, torch.Size) and len(offsets) == len(sizes) == len(size)
-            and all(o >= 0 and n >= 0 and o + n <= d for o, n, d in zip(offsets, sizes, size))):
-        raise pickle.UnpicklingError(f"DCP metadata has a chunk of {fqn!r} outside its tensor "
-                                     f"of size {tuple(size)}: {chunk!r}")
+    if not (
+        isinstance(chunk, ChunkStorageMetadata)
+        and isinstance(offsets, torch.Size)
+        and isinstance(sizes, torch.Size)
+        and len(offsets) == len(sizes) == len(size)
+        and all(o >= 0 and n >= 0 and o + n <= d for o, n, d in zip(offsets, sizes, size))
+    ):
+        raise pickle.UnpicklingError(
+            f"DCP metadata has a chunk of {fqn!r} outside its tensor of size {tuple(size)}: {chunk!r}"
+        )
 
 
 def _need(storage: dict[Any, Any], index: MetadataIndex, fqn: str) -> None:
@@ -251,7 +267,10 @@ def safe_byte_io(payload: bytes, *, item: str | None = None, **where: Any) -> io
             "because unpickling it could run code from the store (the checkpoint is not "
             f"damaged). If you trust {them}, allow {them} before loading: "
             f"torch.serialization.add_safe_globals([{names}])",
-            types=refused, item=item, **where) from err
+            types=refused,
+            item=item,
+            **where,
+        ) from err
     out = io.BytesIO()
     torch.save(value, out)
     out.seek(0)
@@ -261,13 +280,53 @@ def safe_byte_io(payload: bytes, *, item: str | None = None, **where: Any) -> io
 # Names no state dict's torch.save writes, only a forged payload meant to run code, read
 # files or start processes: naming one is damage, not a type to offer for allow-listing.
 # This only picks the error; what is refused is torch's allow-list either way.
-_CODE_MODULES = frozenset({"os", "posix", "nt", "subprocess", "_posixsubprocess", "sys", "importlib",
-                           "runpy", "shutil", "socket", "ctypes", "code", "codeop", "pty", "marshal",
-                           "pickle", "_pickle", "multiprocessing", "signal", "webbrowser", "pdb"})
-_CODE_NAMES = frozenset({f"builtins.{n}" for n in (
-    "eval", "exec", "compile", "getattr", "setattr", "delattr", "__import__", "open", "input",
-    "breakpoint", "globals", "locals", "vars", "__build_class__")}
-    | {f"{m}.{n}" for m in ("io", "_io") for n in ("open", "open_code", "FileIO")})
+_CODE_MODULES = frozenset(
+    {
+        "os",
+        "posix",
+        "nt",
+        "subprocess",
+        "_posixsubprocess",
+        "sys",
+        "importlib",
+        "runpy",
+        "shutil",
+        "socket",
+        "ctypes",
+        "code",
+        "codeop",
+        "pty",
+        "marshal",
+        "pickle",
+        "_pickle",
+        "multiprocessing",
+        "signal",
+        "webbrowser",
+        "pdb",
+    }
+)
+_CODE_NAMES = frozenset(
+    {
+        f"builtins.{n}"
+        for n in (
+            "eval",
+            "exec",
+            "compile",
+            "getattr",
+            "setattr",
+            "delattr",
+            "__import__",
+            "open",
+            "input",
+            "breakpoint",
+            "globals",
+            "locals",
+            "vars",
+            "__build_class__",
+        )
+    }
+    | {f"{m}.{n}" for m in ("io", "_io") for n in ("open", "open_code", "FileIO")}
+)
 
 
 def _refused_globals(payload: bytes) -> tuple[str, ...]:

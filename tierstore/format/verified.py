@@ -30,8 +30,7 @@ CHUNK = 8 << 20
 class VerifiedStream:
     """Reads one file sequentially, counting and checksumming every byte that passes."""
 
-    def __init__(self, raw: BinaryIO, entry: FileEntry, *, checkpoint: str | None,
-                 tier: str | None) -> None:
+    def __init__(self, raw: BinaryIO, entry: FileEntry, *, checkpoint: str | None, tier: str | None) -> None:
         self._raw = raw
         self.entry = entry
         self.checkpoint = checkpoint
@@ -79,12 +78,14 @@ class VerifiedStream:
         if self.pos != self.entry.size:
             raise self.size_mismatch()
         if self.crc != self.entry.crc32c:
-            raise ChecksumMismatch.crc32c(self.entry.crc32c, self.crc, checkpoint=self.checkpoint,
-                                          file=self.entry.path, tier=self.tier)
+            raise ChecksumMismatch.crc32c(
+                self.entry.crc32c, self.crc, checkpoint=self.checkpoint, file=self.entry.path, tier=self.tier
+            )
 
     def size_mismatch(self) -> ChecksumMismatch:
-        return ChecksumMismatch.size(self.entry.size, self.pos, checkpoint=self.checkpoint,
-                                     file=self.entry.path, tier=self.tier)
+        return ChecksumMismatch.size(
+            self.entry.size, self.pos, checkpoint=self.checkpoint, file=self.entry.path, tier=self.tier
+        )
 
     def _drain(self) -> None:
         while self.read(CHUNK):
@@ -92,17 +93,25 @@ class VerifiedStream:
 
 
 @contextmanager
-def open_verified(backend: Backend, key: str, entry: FileEntry, *, checkpoint: str | None,
-                  tier: str | None) -> Iterator[VerifiedStream]:
+def open_verified(
+    backend: Backend, key: str, entry: FileEntry, *, checkpoint: str | None, tier: str | None
+) -> Iterator[VerifiedStream]:
     """Open ``key`` in ``backend`` as the stored copy of ``entry``; call ``finish()`` at the end."""
     with backend.open_read(key) as raw:
         yield VerifiedStream(raw, entry, checkpoint=checkpoint, tier=tier)
 
 
-def verify_file(backend: Backend, key: str, entry: FileEntry, *, checkpoint: str | None,
-                tier: str | None, chunk_size: int = CHUNK,
-                progress: Callable[[int], None] | None = None,
-                inspect: Callable[[int, memoryview], None] | None = None) -> None:
+def verify_file(
+    backend: Backend,
+    key: str,
+    entry: FileEntry,
+    *,
+    checkpoint: str | None,
+    tier: str | None,
+    chunk_size: int = CHUNK,
+    progress: Callable[[int], None] | None = None,
+    inspect: Callable[[int, memoryview], None] | None = None,
+) -> None:
     """Read ``key`` through and discard it; raise :class:`ChecksumMismatch` unless intact.
 
     ``inspect(offset, data)`` sees every chunk read, in order, before the file is known to

@@ -96,15 +96,25 @@ class TierstoreCheckpoint(ModelCheckpoint):
             ``save_top_k``, ``save_last``, ``every_n_train_steps``, ``every_n_epochs``, ...).
     """
 
-    def __init__(self, hot: TierURL | Store, cold: TierURL | None = None, *,
-                 hot_policy: Policy | None = None, cold_policy: Policy | None = None,
-                 manager_options: Mapping[str, Any] | None = None,
-                 **checkpoint_options: Any) -> None:
+    def __init__(
+        self,
+        hot: TierURL | Store,
+        cold: TierURL | None = None,
+        *,
+        hot_policy: Policy | None = None,
+        cold_policy: Policy | None = None,
+        manager_options: Mapping[str, Any] | None = None,
+        **checkpoint_options: Any,
+    ) -> None:
         super().__init__(**checkpoint_options)
         options = dict(manager_options or {})
-        self.store = store_to_save(hot, cold, hot_options=options.pop("hot_options", None),
-                                   cold_options=options.pop("cold_options", None),
-                                   owner="TierstoreCheckpoint")
+        self.store = store_to_save(
+            hot,
+            cold,
+            hot_options=options.pop("hot_options", None),
+            cold_options=options.pop("cold_options", None),
+            owner="TierstoreCheckpoint",
+        )
         policy = policy_for(self.monitor, self.save_top_k, self.mode, self.save_last)
         self.hot_policy, self.cold_policy = hot_policy or policy, cold_policy or policy
         self.manager_options = options
@@ -135,12 +145,15 @@ class TierstoreCheckpoint(ModelCheckpoint):
         if text is None:
             return False, None
         if text.startswith(_STEP_PREFIX):
-            return True, int(text[len(_STEP_PREFIX):])
+            return True, int(text[len(_STEP_PREFIX) :])
         if os.path.normpath(text) == os.path.normpath(self.last_path):
             return True, None
         found = _STEP_IN_NAME.search(os.path.basename(text))
-        if self.dirpath is not None and found is not None and (
-                os.path.normpath(os.path.dirname(text)) == os.path.normpath(self.dirpath)):
+        if (
+            self.dirpath is not None
+            and found is not None
+            and (os.path.normpath(os.path.dirname(text)) == os.path.normpath(self.dirpath))
+        ):
             return True, int(found.group(1))
         return False, None
 
@@ -158,12 +171,14 @@ class TierstoreCheckpoint(ModelCheckpoint):
         super().setup(trainer, pl_module, stage)
         _check_strategy(trainer.strategy)
         if self.manager is None:
-            self.manager = CheckpointManager(self.store, hot_policy=self.hot_policy,
-                                             cold_policy=self.cold_policy,
-                                             **self.manager_options)
+            self.manager = CheckpointManager(
+                self.store, hot_policy=self.hot_policy, cold_policy=self.cold_policy, **self.manager_options
+            )
         strategy = trainer.strategy
-        for name, replacement in (("load_checkpoint", self._load_checkpoint),
-                                  ("load_optimizer_state_dict", self._load_optimizers)):
+        for name, replacement in (
+            ("load_checkpoint", self._load_checkpoint),
+            ("load_optimizer_state_dict", self._load_optimizers),
+        ):
             if name not in self._restore_originals:
                 self._restore_originals[name] = getattr(strategy, name)
                 setattr(strategy, name, replacement)  # on this instance only: see docstring
@@ -183,8 +198,7 @@ class TierstoreCheckpoint(ModelCheckpoint):
                 pass  # close() said at ERROR which stay pending; the next run resumes them
         super().teardown(trainer, pl_module, stage)
 
-    def on_exception(self, trainer: Trainer, pl_module: LightningModule,
-                     exception: BaseException) -> None:
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         """After ``save_on_exception``'s save: wait for the save in flight to commit, not for
         migrations (``tierstore migrate`` or the next run's migrator finishes those)."""
         super().on_exception(trainer, pl_module, exception)
@@ -200,8 +214,7 @@ class TierstoreCheckpoint(ModelCheckpoint):
     def _save_checkpoint(self, trainer: Trainer, filepath: str) -> None:
         step = trainer.global_step
         if step in self._committed:
-            log.warning("step %d is already committed in %s: not saved again", step,
-                        self.store.label)
+            log.warning("step %d is already committed in %s: not saved again", step, self.store.label)
         elif self._saved_step != step:  # top-k and last at one step: one checkpoint
             self._save_step(trainer, step)
             self._saved_step = step
@@ -258,11 +271,12 @@ class TierstoreCheckpoint(ModelCheckpoint):
         module = strategy.lightning_module
         assert module is not None
         state: dict[str, Any] = {"state_dict": strategy.lightning_module_state_dict(), _REST: b""}
-        found = (self.manager.load_latest(state) if step is None
-                 else self.manager.load(state, step=step))
+        found = self.manager.load_latest(state) if step is None else self.manager.load(state, step=step)
         if found is None:
-            raise CheckpointNotFound("no checkpoint to resume from" + (
-                "" if step is None else f" at step {step}"), tier=self.store.label)
+            raise CheckpointNotFound(
+                "no checkpoint to resume from" + ("" if step is None else f" at step {step}"),
+                tier=self.store.label,
+            )
         module.load_state_dict(state["state_dict"], strict=module.strict_loading)
         checkpoint: dict[str, Any] = torch.load(io.BytesIO(state[_REST]), weights_only=weights_only)
         checkpoint["state_dict"] = state["state_dict"]
@@ -284,10 +298,14 @@ class TierstoreCheckpoint(ModelCheckpoint):
         later = [s for s in self.manager.steps() if s > resumed] if coordinator else []
         self._committed = set(_dist.broadcast(later, self.manager.group))  # all ranks skip alike
         if self._committed:
-            log.warning("resumed from step %d, but %s holds later steps %s: this run will not "
-                        "save at those steps (committed checkpoints are never overwritten); "
-                        "delete them first to save there", resumed, self.store.label,
-                        sorted(self._committed))
+            log.warning(
+                "resumed from step %d, but %s holds later steps %s: this run will not "
+                "save at those steps (committed checkpoints are never overwritten); "
+                "delete them first to save there",
+                resumed,
+                self.store.label,
+                sorted(self._committed),
+            )
 
     def _load_optimizers(self, checkpoint: Mapping[str, Any]) -> None:
         count = checkpoint.get(_OPTIMIZERS)
@@ -298,12 +316,13 @@ class TierstoreCheckpoint(ModelCheckpoint):
         assert self.manager is not None and strategy is not None
         optimizers = strategy.optimizers
         if len(optimizers) != count:
-            raise ConfigError(f"the checkpoint of step {self._restored_step} holds {count} "
-                              f"optimizer states, the model has {len(optimizers)} optimizers")
+            raise ConfigError(
+                f"the checkpoint of step {self._restored_step} holds {count} "
+                f"optimizer states, the model has {len(optimizers)} optimizers"
+            )
         model = strategy.model
         assert model is not None
-        state = {f"optimizer_{i}": get_optimizer_state_dict(model, opt)
-                 for i, opt in enumerate(optimizers)}
+        state = {f"optimizer_{i}": get_optimizer_state_dict(model, opt) for i, opt in enumerate(optimizers)}
         self.manager.load(state, step=self._restored_step)
         for i, optimizer in enumerate(optimizers):
             set_optimizer_state_dict(model, optimizer, optim_state_dict=state[f"optimizer_{i}"])
@@ -313,10 +332,15 @@ def _check_strategy(strategy: Strategy) -> None:
     """Refuse strategies whose checkpoint dict is not one shard per rank."""
     name = type(strategy).__name__
     if name == "DeepSpeedStrategy":
-        raise ConfigError("TierstoreCheckpoint does not support DeepSpeedStrategy (it writes "
-                          "its own checkpoint format); use ModelParallelStrategy or DDP")
+        raise ConfigError(
+            "TierstoreCheckpoint does not support DeepSpeedStrategy (it writes "
+            "its own checkpoint format); use ModelParallelStrategy or DDP"
+        )
     if getattr(strategy, "_state_dict_type", "sharded") != "sharded" or not getattr(
-            strategy, "_save_distributed_checkpoint", True):
-        raise ConfigError(f"TierstoreCheckpoint needs {name} to save sharded state from every "
-                          "rank: pass state_dict_type='sharded' (FSDPStrategy) or "
-                          "save_distributed_checkpoint=True (ModelParallelStrategy)")
+        strategy, "_save_distributed_checkpoint", True
+    ):
+        raise ConfigError(
+            f"TierstoreCheckpoint needs {name} to save sharded state from every "
+            "rank: pass state_dict_type='sharded' (FSDPStrategy) or "
+            "save_distributed_checkpoint=True (ModelParallelStrategy)"
+        )

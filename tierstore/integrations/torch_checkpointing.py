@@ -98,14 +98,18 @@ def _rank_world() -> tuple[int, int]:
 def _run_id(configured: str | None, world: int) -> str:
     if configured:
         return configured
-    for run, restarts in (("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"),
-                          ("SLURM_JOB_ID", "SLURM_RESTART_COUNT")):
+    for run, restarts in (
+        ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT"),
+        ("SLURM_JOB_ID", "SLURM_RESTART_COUNT"),
+    ):
         if os.environ.get(run):
             return f"{os.environ[run]}:{os.environ.get(restarts, '0')}"
     if world == 1:
         return uuid.uuid4().hex
-    raise ConfigError("TieredStorageConfig needs run_id (the same on every rank, new for every job) "
-                      "outside torchrun and Slurm")
+    raise ConfigError(
+        "TieredStorageConfig needs run_id (the same on every rank, new for every job) "
+        "outside torchrun and Slurm"
+    )
 
 
 class _Writing(io.RawIOBase):
@@ -130,8 +134,9 @@ class _Writing(io.RawIOBase):
             self._done(self._out)
         super().close()
 
-    def __exit__(self, kind: type[BaseException] | None, err: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if kind is not None:
             self._failed = True
             self._out.abort()  # an aborted file is never recorded, so never committed
@@ -168,8 +173,10 @@ class TieredStorage(Storage):
     def __init__(self, config: TieredStorageConfig) -> None:
         # Checked before abspath, which would turn any URL into a path under the cwd.
         if split_scheme(config.hot)[0] != "file" or "://" in config.hot:
-            raise ConfigError(f"TieredStorageConfig.hot must be a local directory path, not a URL "
-                              f"(torch_checkpointing's paths are under it): {redact_url(config.hot)!r}")
+            raise ConfigError(
+                f"TieredStorageConfig.hot must be a local directory path, not a URL "
+                f"(torch_checkpointing's paths are under it): {redact_url(config.hot)!r}"
+            )
         self._config = config
         self._root = os.path.abspath(config.hot)
         self._store = Store.of(self._root, config.cold)
@@ -198,8 +205,8 @@ class TieredStorage(Storage):
             raise ConfigError(f"{path} is outside the tiered store's hot directory {self._root}")
         top, _, rest = rel.replace(os.sep, "/").partition("/")
         prefix = self._config.temp_dir_prefix
-        if top.startswith(prefix) and layout.is_name(top[len(prefix):]):
-            return "staging", top[len(prefix):], rest
+        if top.startswith(prefix) and layout.is_name(top[len(prefix) :]):
+            return "staging", top[len(prefix) :], rest
         return "committed", layout.check_name(top), rest
 
     def _attempt(self, name: str) -> str:
@@ -216,7 +223,7 @@ class TieredStorage(Storage):
             if manifest is not None:
                 # A farther tier is asked only if a read fails: keys name the attempt, so a
                 # tier without this attempt answers "not found" and the next one is tried.
-                return manifest, [tier, *tiers[:index], *tiers[index + 1:]]
+                return manifest, [tier, *tiers[:index], *tiers[index + 1 :]]
         return None
 
     # -- writing ----------------------------------------------------------------------
@@ -224,14 +231,19 @@ class TieredStorage(Storage):
     def stream_write(self, path: Path) -> io.IOBase:
         kind, name, rel = self._parse(path)
         if kind != "staging":
-            raise PermissionError(f"{path}: only a checkpoint being written (under "
-                                  f"{self._config.temp_dir_prefix}<name>) takes writes; keep "
-                                  "CheckpointWriterConfig.write_to_temp_dir=True")
+            raise PermissionError(
+                f"{path}: only a checkpoint being written (under "
+                f"{self._config.temp_dir_prefix}<name>) takes writes; keep "
+                "CheckpointWriterConfig.write_to_temp_dir=True"
+            )
         if name not in self._checked:
             if self._hot.backend.exists(layout.manifest_key(name)):
-                raise CheckpointExists(f"Checkpoint already exists: {name} is committed; "
-                                       "committed checkpoints are never overwritten",
-                                       checkpoint=name, tier=self._hot.label)
+                raise CheckpointExists(
+                    f"Checkpoint already exists: {name} is committed; "
+                    "committed checkpoints are never overwritten",
+                    checkpoint=name,
+                    tier=self._hot.label,
+                )
             self._checked.add(name)
         attempt = self._attempt(name)
         out = self._hot.backend.open_write(self._hot.file_key(name, attempt, rel))
@@ -253,21 +265,26 @@ class TieredStorage(Storage):
 
     # -- the commit -------------------------------------------------------------------
 
-    def rename(self, src_path: Path, dst_path: Path, is_directory: bool = False,
-               background_cleanup: bool = False) -> None:
+    def rename(
+        self, src_path: Path, dst_path: Path, is_directory: bool = False, background_cleanup: bool = False
+    ) -> None:
         kind, name, rel = self._parse(src_path)
         dst = self._parse(dst_path)
         if not (is_directory and kind == "staging" and not rel and dst == ("committed", name, "")):
-            raise OSError(f"cannot rename {src_path} to {dst_path}: the tiered store commits a "
-                          "whole checkpoint and renames nothing else")
+            raise OSError(
+                f"cannot rename {src_path} to {dst_path}: the tiered store commits a "
+                "whole checkpoint and renames nothing else"
+            )
         if name in self._committed or self._hot.backend.exists(layout.manifest_key(name)):
-            raise CheckpointExists(f"Checkpoint already exists: {name} was committed",
-                                   checkpoint=name, tier=self._hot.label)
+            raise CheckpointExists(
+                f"Checkpoint already exists: {name} was committed", checkpoint=name, tier=self._hot.label
+            )
         manifest = self._manifest_of(name, self._attempt(name))
         self._hot.publish_manifest(manifest)  # the commit: invariants 1 and 2
         self._committed.add(name)
-        records = [self._hot.file_key(name, manifest.attempt, f"{_RECORDS}/{f.path}.json")
-                   for f in manifest.files]
+        records = [
+            self._hot.file_key(name, manifest.attempt, f"{_RECORDS}/{f.path}.json") for f in manifest.files
+        ]
         self._hot.backend.delete_many(records)
         if self._store.cold is not None:
             self._migrate(manifest)
@@ -283,15 +300,26 @@ class TieredStorage(Storage):
         stored = {i.key: i.size for i in self._hot.backend.list(self._hot.file_key(name, attempt, ""))}
         for entry in entries:
             if stored.get(self._hot.file_key(name, attempt, entry.path)) != entry.size:
-                raise IntegrityError(f"{entry.path} is not in place at {entry.size} bytes; not "
-                                     "committing", checkpoint=name, file=entry.path, tier=self._hot.label)
+                raise IntegrityError(
+                    f"{entry.path} is not in place at {entry.size} bytes; not committing",
+                    checkpoint=name,
+                    file=entry.path,
+                    tier=self._hot.label,
+                )
         if not entries:
             raise StorageError(f"nothing was written for {name}", checkpoint=name, tier=self._hot.label)
         paths = sorted(e.path for e in entries)
         step = _TRAILING_STEP.search(name)
-        return Manifest(name=name, step=int(step[1]) if step else None, attempt=attempt,
-                        world_size=world, created=time.time(), files=sorted(entries, key=lambda e: e.path),
-                        metadata_file=_METADATA if _METADATA in paths else paths[0], producer=producer())
+        return Manifest(
+            name=name,
+            step=int(step[1]) if step else None,
+            attempt=attempt,
+            world_size=world,
+            created=time.time(),
+            files=sorted(entries, key=lambda e: e.path),
+            metadata_file=_METADATA if _METADATA in paths else paths[0],
+            producer=producer(),
+        )
 
     def _migrate(self, manifest: Manifest) -> None:
         hot, cold = self._store.migration_pair()
@@ -300,8 +328,9 @@ class TieredStorage(Storage):
         # mark is published before the committing job waits for it.
         for rank in manifest.ranks():
             if rank != 0:
-                migrator.submit_rank(manifest.name, manifest.attempt, manifest.step, rank,
-                                     manifest.files_of_rank(rank))
+                migrator.submit_rank(
+                    manifest.name, manifest.attempt, manifest.step, rank, manifest.files_of_rank(rank)
+                )
         migrator.submit_commit(manifest, 0)
 
     # -- reading ----------------------------------------------------------------------
@@ -324,8 +353,9 @@ class TieredStorage(Storage):
                 verify_file(tier.backend, key, entry, checkpoint=manifest.name, tier=tier.label)
             stack = contextlib.ExitStack()
             try:
-                opened = stack.enter_context(open_verified(
-                    tier.backend, key, entry, checkpoint=manifest.name, tier=tier.label))
+                opened = stack.enter_context(
+                    open_verified(tier.backend, key, entry, checkpoint=manifest.name, tier=tier.label)
+                )
             except BaseException:
                 stack.close()
                 raise
@@ -335,16 +365,20 @@ class TieredStorage(Storage):
 
     def _read_whole(self, entry: FileEntry, manifest: Manifest, tiers: list[Tier]) -> bytes:
         def whole(tier: Tier, key: str, last: bool) -> bytes:
-            with open_verified(tier.backend, key, entry, checkpoint=manifest.name,
-                               tier=tier.label) as stream:
+            with open_verified(tier.backend, key, entry, checkpoint=manifest.name, tier=tier.label) as stream:
                 data = stream.read_exactly(entry.size)
                 stream.finish()
             return data
 
         return self._from_nearest(entry, manifest, tiers, whole)
 
-    def _from_nearest(self, entry: FileEntry, manifest: Manifest, tiers: list[Tier],
-                      consume: Callable[[Tier, str, bool], _T]) -> _T:
+    def _from_nearest(
+        self,
+        entry: FileEntry,
+        manifest: Manifest,
+        tiers: list[Tier],
+        consume: Callable[[Tier, str, bool], _T],
+    ) -> _T:
         """``consume(tier, key, last)`` of the nearest good copy: a damaged or missing one
         falls back to the next tier; with none left, the last tier's error, naming
         checkpoint, file and tier (invariant 5; as ``TieredReader._from_nearest``)."""
@@ -355,14 +389,19 @@ class TieredStorage(Storage):
                 # The stored size first: a truncated or missing copy fails before any read.
                 stored = tier.backend.stat(key).size
                 if stored != entry.size:
-                    raise ChecksumMismatch.size(entry.size, stored, checkpoint=manifest.name,
-                                                file=entry.path, tier=tier.label)
+                    raise ChecksumMismatch.size(
+                        entry.size, stored, checkpoint=manifest.name, file=entry.path, tier=tier.label
+                    )
                 return consume(tier, key, last)
             except (IntegrityError, StorageError) as err:
                 if last:
                     raise
-                log.warning("falling back to the next tier for file %s of checkpoint %s: %s",
-                            entry.path, manifest.name, err)
+                log.warning(
+                    "falling back to the next tier for file %s of checkpoint %s: %s",
+                    entry.path,
+                    manifest.name,
+                    err,
+                )
         raise AssertionError("a committed checkpoint is held by some tier")  # _manifest found one
 
     def read(self, path: Path, read_args: ReadArgs | None = None) -> bytes:
@@ -397,8 +436,9 @@ class TieredStorage(Storage):
         if found is None:
             raise FileNotFoundError(f"{path}: no committed checkpoint")
         prefix = rel + "/" if rel else ""
-        return sorted({f.path[len(prefix):].split("/")[0] for f in found[0].files
-                       if f.path.startswith(prefix)})
+        return sorted(
+            {f.path[len(prefix) :].split("/")[0] for f in found[0].files if f.path.startswith(prefix)}
+        )
 
     def getsize(self, path: Path) -> int:
         return self._entry(path)[0].size
@@ -408,16 +448,23 @@ class TieredStorage(Storage):
     def delete(self, path: Path) -> None:
         kind, name, rel = self._parse(path)
         if kind != "staging":
-            raise PermissionError(f"{path}: committed checkpoints are immutable; prune them "
-                                  "with a retention policy (tierstore prune)")
+            raise PermissionError(
+                f"{path}: committed checkpoints are immutable; prune them "
+                "with a retention policy (tierstore prune)"
+            )
         attempt = self._attempt(name)
-        self._hot.backend.delete_many([self._hot.file_key(name, attempt, rel),
-                                       self._hot.file_key(name, attempt, f"{_RECORDS}/{rel}.json")])
+        self._hot.backend.delete_many(
+            [
+                self._hot.file_key(name, attempt, rel),
+                self._hot.file_key(name, attempt, f"{_RECORDS}/{rel}.json"),
+            ]
+        )
 
     def rmdir(self, path: Path) -> None:
         if self._parse(path)[0] != "staging":
-            raise PermissionError(f"{path}: committed checkpoints are deleted by prune "
-                                  "(tierstore prune), never by path")
+            raise PermissionError(
+                f"{path}: committed checkpoints are deleted by prune (tierstore prune), never by path"
+            )
 
     def remap_path(self, path: Path) -> str:
         kind, name, rel = self._parse(path)

@@ -101,8 +101,10 @@ class TieredCheckpointManager(CheckpointManager):  # type: ignore[misc]
 
     def __init__(self, config: TieredCheckpointManager.Config, **kwargs: Any) -> None:
         if config.enable and config.last_save_in_hf:
-            raise ConfigError("last_save_in_hf writes a plain Hugging Face folder, not a checkpoint "
-                              "of the tiered store: set it to False and export after training")
+            raise ConfigError(
+                "last_save_in_hf writes a plain Hugging Face folder, not a checkpoint "
+                "of the tiered store: set it to False and export after training"
+            )
         self._cold = config.cold
         self._close_timeout = float(config.close_timeout)
         self._pruning = BackgroundRounds(lambda _: self._prune_hot(), name="tierstore-titan-prune")
@@ -112,8 +114,9 @@ class TieredCheckpointManager(CheckpointManager):  # type: ignore[misc]
         if self.enable:
             self._store().check_schemes()  # a missing backend plugin fails here, not at step N
             if self._cold is not None and _dist.rank_world()[0] == 0:
-                threading.Thread(target=self._resume_pending, daemon=True,
-                                 name="tierstore-titan-resume").start()
+                threading.Thread(
+                    target=self._resume_pending, daemon=True, name="tierstore-titan-resume"
+                ).start()
 
     def _store(self) -> Store:
         if self._built is None:  # one store: its tiers share their clients and caches
@@ -137,9 +140,14 @@ class TieredCheckpointManager(CheckpointManager):  # type: ignore[misc]
             log.error("could not resume pending migrations: %s", err)
 
     @torch.no_grad()
-    def dcp_save(self, state_dict: dict[str, Any], checkpoint_id: str, async_mode: AsyncMode,
-                 enable_garbage_collection: bool = False,
-                 to_hf: bool = False) -> Future[Any] | AsyncSaveResponse | None:
+    def dcp_save(
+        self,
+        state_dict: dict[str, Any],
+        checkpoint_id: str,
+        async_mode: AsyncMode,
+        enable_garbage_collection: bool = False,
+        to_hf: bool = False,
+    ) -> Future[Any] | AsyncSaveResponse | None:
         if to_hf:
             raise ConfigError("Hugging Face exports are not saved to the tiered store")
         name, step = _name_and_step(checkpoint_id)
@@ -151,9 +159,13 @@ class TieredCheckpointManager(CheckpointManager):  # type: ignore[misc]
         elif async_mode == AsyncMode.ASYNC:
             result = async_save(state_dict, storage_writer=writer, process_group=self.pg)
         else:
-            result = async_save(state_dict, storage_writer=writer, process_group=self.pg,
-                                    async_checkpointer_type=AsyncCheckpointerType.PROCESS,
-                                    async_stager=self.stager)
+            result = async_save(
+                state_dict,
+                storage_writer=writer,
+                process_group=self.pg,
+                async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                async_stager=self.stager,
+            )
         if enable_garbage_collection:
             GarbageCollection.collect("GC collection invoked by checkpointer.")
         return result
@@ -162,8 +174,7 @@ class TieredCheckpointManager(CheckpointManager):  # type: ignore[misc]
         info = self._committed(step)
         if info is None:
             if step != -1:
-                raise CheckpointNotFound(f"no committed checkpoint of step {step}",
-                                         tier=self._store().label)
+                raise CheckpointNotFound(f"no committed checkpoint of step {step}", tier=self._store().label)
             return bool(super()._load(step))
         assert info.step is not None
         log.info("loading checkpoint %s (step %d) from %s", info.name, info.step, ", ".join(info.tiers))
@@ -176,8 +187,11 @@ class TieredCheckpointManager(CheckpointManager):  # type: ignore[misc]
         return True
 
     def _committed(self, step: int) -> CheckpointInfo | None:
-        found = [c for c in list_checkpoints(self._store())
-                 if c.step is not None and _STEP_DIR.fullmatch(c.name) and step in (-1, c.step)]
+        found = [
+            c
+            for c in list_checkpoints(self._store())
+            if c.step is not None and _STEP_DIR.fullmatch(c.name) and step in (-1, c.step)
+        ]
         return found[-1] if found else None
 
     def _purge_stale_checkpoints(self) -> None:
@@ -185,8 +199,7 @@ class TieredCheckpointManager(CheckpointManager):  # type: ignore[misc]
             self._pruning.request()  # one round at a time, as the manager prunes
 
     def _prune_hot(self) -> None:
-        for report in prune(self._store(), hot_policy=keep_last(self.keep_latest_k),
-                            prune_cold=False):
+        for report in prune(self._store(), hot_policy=keep_last(self.keep_latest_k), prune_cold=False):
             for error in report.errors:
                 log.warning("pruning the hot tier: %s", error)
             if report.pending:

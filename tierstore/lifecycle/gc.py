@@ -121,12 +121,20 @@ def _scan(tiers: Sequence[Tier], now: float, grace: float) -> tuple[_Scan, list[
     damaged = [Problem(t.label, err.key or "", str(err)) for t, _, invalid in scans for err in invalid]
     for problem in damaged:
         log.warning("gc: keeping the data of a checkpoint with a damaged manifest: %s", problem.error)
-    scan = _Scan(now, grace, referenced={(m.name, m.attempt): m for _, ms, _ in scans for m in ms},
-                 damaged_names={err.checkpoint for _, _, invalid in scans for err in invalid
-                                if err.checkpoint is not None})
-    scan.quarantined = {parsed for tier in tiers
-                        for info in tier.backend.list(layout.quarantine_prefix())
-                        if (parsed := layout.parse_quarantine_key(info.key)) is not None}
+    scan = _Scan(
+        now,
+        grace,
+        referenced={(m.name, m.attempt): m for _, ms, _ in scans for m in ms},
+        damaged_names={
+            err.checkpoint for _, _, invalid in scans for err in invalid if err.checkpoint is not None
+        },
+    )
+    scan.quarantined = {
+        parsed
+        for tier in tiers
+        for info in tier.backend.list(layout.quarantine_prefix())
+        if (parsed := layout.parse_quarantine_key(info.key)) is not None
+    }
     for tier, manifests, _ in scans:
         try:
             _tier_garbage(tier, scan, {(m.name, m.attempt) for m in manifests})
@@ -163,8 +171,7 @@ def _tier_garbage(tier: Tier, scan: _Scan, committed_here: set[tuple[str, str]])
             _attempt_garbage(tier, scan, name, attempt, infos)
 
 
-def _attempt_garbage(tier: Tier, scan: _Scan, name: str, attempt: str,
-                     infos: list[ObjectInfo]) -> None:
+def _attempt_garbage(tier: Tier, scan: _Scan, name: str, attempt: str, infos: list[ObjectInfo]) -> None:
     manifest = scan.referenced.get((name, attempt))
     if manifest is None:
         if not all(scan.old(i) for i in infos):
@@ -214,8 +221,9 @@ def _mark_garbage(tier: Tier, info: ObjectInfo, scan: _Scan, committed_here: set
             scan.add(tier, info, "damaged upload mark")
 
 
-def _migrated_garbage(tier: Tier, info: ObjectInfo, scan: _Scan,
-                      committed_here: set[tuple[str, str]]) -> None:
+def _migrated_garbage(
+    tier: Tier, info: ObjectInfo, scan: _Scan, committed_here: set[tuple[str, str]]
+) -> None:
     parsed = layout.parse_migrated_key(info.key)
     if parsed is None:
         return  # not a mark tierstore writes: not ours to judge
@@ -228,7 +236,7 @@ def _delete(tier: Tier, keys: list[str], scan: _Scan) -> None:
     """Delete ``keys`` in batches; a batch that fails is retried key by key, so each failure
     names its key (a batch delete is idempotent, so a retry is always safe)."""
     for start in range(0, len(keys), _BATCH):
-        batch = keys[start:start + _BATCH]
+        batch = keys[start : start + _BATCH]
         try:
             tier.backend.delete_many(batch)
         except TierstoreError:
@@ -239,21 +247,31 @@ def _delete(tier: Tier, keys: list[str], scan: _Scan) -> None:
                     scan.fail(tier, key, err)
 
 
-def find_garbage(hot: TierURL | Store | None, cold: TierURL | None = None, *, grace: float = DEFAULT_GRACE,
-                 hot_options: dict[str, Any] | None = None,
-                 cold_options: dict[str, Any] | None = None,
-                 now: float | None = None) -> list[Garbage]:
+def find_garbage(
+    hot: TierURL | Store | None,
+    cold: TierURL | None = None,
+    *,
+    grace: float = DEFAULT_GRACE,
+    hot_options: dict[str, Any] | None = None,
+    cold_options: dict[str, Any] | None = None,
+    now: float | None = None,
+) -> list[Garbage]:
     """Everything :func:`collect_garbage` would delete (nothing is touched)."""
     now = time.time() if now is None else now
     tiers = Store.of(hot, cold, hot_options=hot_options, cold_options=cold_options).tiers
     return _scan(tiers, now, grace)[0].garbage
 
 
-def collect_garbage(hot: TierURL | Store | None, cold: TierURL | None = None, *,
-                    grace: float = DEFAULT_GRACE, dry_run: bool = True,
-                    hot_options: dict[str, Any] | None = None,
-                    cold_options: dict[str, Any] | None = None,
-                    now: float | None = None) -> GCReport:
+def collect_garbage(
+    hot: TierURL | Store | None,
+    cold: TierURL | None = None,
+    *,
+    grace: float = DEFAULT_GRACE,
+    dry_run: bool = True,
+    hot_options: dict[str, Any] | None = None,
+    cold_options: dict[str, Any] | None = None,
+    now: float | None = None,
+) -> GCReport:
     """Find garbage in every tier and, unless ``dry_run``, delete it (see the module docstring
     for what is kept and what the report lists)."""
     now = time.time() if now is None else now
@@ -274,7 +292,15 @@ def collect_garbage(hot: TierURL | Store | None, cold: TierURL | None = None, *,
         with ThreadPoolExecutor(max(1, len(doomed)), thread_name_prefix="tierstore-gc") as pool:
             list(pool.map(lambda label: _delete(by_label[label], doomed[label], scan), doomed))
         if scan.garbage:
-            log.info("garbage collected %d objects (%d bytes)", len(scan.garbage),
-                     sum(g.size for g in scan.garbage))
-    return GCReport(garbage=tuple(scan.garbage), deleted=not dry_run, aborted_uploads=tuple(aborted),
-                    damaged=tuple(damaged), failures=tuple(scan.failures))
+            log.info(
+                "garbage collected %d objects (%d bytes)",
+                len(scan.garbage),
+                sum(g.size for g in scan.garbage),
+            )
+    return GCReport(
+        garbage=tuple(scan.garbage),
+        deleted=not dry_run,
+        aborted_uploads=tuple(aborted),
+        damaged=tuple(damaged),
+        failures=tuple(scan.failures),
+    )

@@ -57,8 +57,18 @@ from tierstore.tiers import marks
 from tierstore.tiers.leases import live_leases
 from tierstore.tiers.tier import Store, Tier, TierURL
 
-__all__ = ["PruneReport", "ColdCheck", "ColdGuard", "prune", "prune_tier", "prune_hot",
-           "prune_node_local", "plan_prune", "pending_in_cold", "check_cold_copies"]
+__all__ = [
+    "PruneReport",
+    "ColdCheck",
+    "ColdGuard",
+    "prune",
+    "prune_tier",
+    "prune_hot",
+    "prune_node_local",
+    "plan_prune",
+    "pending_in_cold",
+    "check_cold_copies",
+]
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +89,9 @@ class PruneReport:
     pending: tuple[str, ...] = ()  # hot checkpoints never committed in the cold tier
 
 
-def plan_prune(manifests: Iterable[Manifest], policy: Policy, *, protect: Iterable[str] = (),
-               now: float) -> tuple[list[Manifest], set[str], set[str]]:
+def plan_prune(
+    manifests: Iterable[Manifest], policy: Policy, *, protect: Iterable[str] = (), now: float
+) -> tuple[list[Manifest], set[str], set[str]]:
     """``(to_delete oldest first, kept, protected)``: pure, no storage touched."""
     manifests = sorted(manifests, key=checkpoint_order)
     if not manifests:
@@ -96,10 +107,17 @@ def plan_prune(manifests: Iterable[Manifest], policy: Policy, *, protect: Iterab
 StillSafe = Callable[[Manifest], "str | None"]
 
 
-def prune_tier(tier: Tier, policy: Policy, *, protect: Iterable[str] = (), dry_run: bool = False,
-               now: float | None = None, warnings: Iterable[str] = (),
-               manifests: Sequence[Manifest] | None = None,
-               still_safe: StillSafe | None = None) -> PruneReport:
+def prune_tier(
+    tier: Tier,
+    policy: Policy,
+    *,
+    protect: Iterable[str] = (),
+    dry_run: bool = False,
+    now: float | None = None,
+    warnings: Iterable[str] = (),
+    manifests: Sequence[Manifest] | None = None,
+    still_safe: StillSafe | None = None,
+) -> PruneReport:
     """Apply ``policy`` to one tier (see the module docstring for the order).
 
     ``manifests``: the listing to decide from (default: the tier listed once, now); only
@@ -128,33 +146,48 @@ def prune_tier(tier: Tier, policy: Policy, *, protect: Iterable[str] = (), dry_r
                 continue
             faults.point("prune.before_unpublish")
             if not tier.unpublish(manifest):  # un-publish first, and only what was listed
-                log.info("left %s in %s alone: committed again since this prune listed it",
-                         manifest.name, tier.label)
+                log.info(
+                    "left %s in %s alone: committed again since this prune listed it",
+                    manifest.name,
+                    tier.label,
+                )
                 continue
             faults.point("prune.after_unpublish")
             if live_leases(tier, manifest.name):
-                log.info("pruned %s from %s; its data stays until the load using it ends (GC)",
-                         manifest.name, tier.label)
+                log.info(
+                    "pruned %s from %s; its data stays until the load using it ends (GC)",
+                    manifest.name,
+                    tier.label,
+                )
                 deferred.append(manifest.name)
                 continue
             faults.point("prune.after_lease_check")
             freed += delete_data(tier, manifest)
         except TierstoreError as err:
-            log.error("could not prune %s from %s (going on with the others): %s",
-                      manifest.name, tier.label, err)
+            log.error(
+                "could not prune %s from %s (going on with the others): %s", manifest.name, tier.label, err
+            )
             errors.append(f"{manifest.name}: {err}")
             continue
         deleted.append(manifest.name)
     if (deleted or deferred) and not dry_run:
         log.info("pruned %s from %s (kept %s)", deleted + deferred, tier.label, sorted(kept))
-    return PruneReport(tier=tier.label, kept=tuple(sorted(kept)), deleted=tuple(deleted),
-                       deferred=tuple(deferred), protected=tuple(sorted(protected)),
-                       bytes_freed=freed, dry_run=dry_run, warnings=tuple(notes),
-                       errors=tuple(errors))
+    return PruneReport(
+        tier=tier.label,
+        kept=tuple(sorted(kept)),
+        deleted=tuple(deleted),
+        deferred=tuple(deferred),
+        protected=tuple(sorted(protected)),
+        bytes_freed=freed,
+        dry_run=dry_run,
+        warnings=tuple(notes),
+        errors=tuple(errors),
+    )
 
 
-def prune_hot(hot: Tier, cold: Tier | None, policy: Policy, *, dry_run: bool = False,
-              now: float | None = None) -> PruneReport:
+def prune_hot(
+    hot: Tier, cold: Tier | None, policy: Policy, *, dry_run: bool = False, now: float | None = None
+) -> PruneReport:
     """Prune a (shared) hot tier: one listing, held against the cold tier, then the plan;
     every doomed checkpoint is held against the cold tier again right before it goes."""
     listing = hot.manifests()
@@ -162,16 +195,23 @@ def prune_hot(hot: Tier, cold: Tier | None, policy: Policy, *, dry_run: bool = F
         return prune_tier(hot, policy, dry_run=dry_run, now=now, manifests=listing)
     check = check_cold_copies(hot, cold, listing)
     faults.point("prune.after_cold_check")
-    report = prune_tier(hot, policy, protect=check.protect, dry_run=dry_run, now=now,
-                        warnings=check.warnings, manifests=listing, still_safe=ColdGuard(hot, cold))
+    report = prune_tier(
+        hot,
+        policy,
+        protect=check.protect,
+        dry_run=dry_run,
+        now=now,
+        warnings=check.warnings,
+        manifests=listing,
+        still_safe=ColdGuard(hot, cold),
+    )
     return replace(report, pending=tuple(sorted(check.pending)))
 
 
 def delete_data(tier: Tier, manifest: Manifest) -> int:
     """Delete an un-published attempt's files, manifest parts and marks; return bytes freed."""
     name, attempt = manifest.name, manifest.attempt
-    prefixes = layout.attempt_prefixes(name, attempt, manifest.world_size,
-                                       spread=tier.backend.spread_keys)
+    prefixes = layout.attempt_prefixes(name, attempt, manifest.world_size, spread=tier.backend.spread_keys)
     if manifest.parts and prefixes is not None:
         # A two-level manifest: the attempt's keys from listings of its prefixes (one
         # request per 1,000 keys), never by reading every part (bytes that grow with W).
@@ -184,11 +224,10 @@ def delete_data(tier: Tier, manifest: Manifest) -> int:
     return manifest.total_size
 
 
-def delete_batched(tier: Tier, keys: Sequence[str], *,
-                   fault: str | None = "prune.after_file_delete") -> None:
+def delete_batched(tier: Tier, keys: Sequence[str], *, fault: str | None = "prune.after_file_delete") -> None:
     """Delete ``keys`` from ``tier``, :data:`BATCH` keys per request where the backend batches."""
     for start in range(0, len(keys), BATCH):
-        tier.backend.delete_many(keys[start:start + BATCH])
+        tier.backend.delete_many(keys[start : start + BATCH])
         if fault is not None:
             faults.point(fault)
 
@@ -199,8 +238,9 @@ def _mark_keys(tier: Tier, name: str, attempt: str) -> list[str]:
     return [info.key for prefix in prefixes for info in tier.backend.list(prefix)]
 
 
-def prune_node_local(hot: Tier, cold: Tier, policy: Policy, *, dry_run: bool = False,
-                     now: float | None = None) -> PruneReport:
+def prune_node_local(
+    hot: Tier, cold: Tier, policy: Policy, *, dry_run: bool = False, now: float | None = None
+) -> PruneReport:
     """Prune one node's own hot root in node-local mode.
 
     The node sees only its ranks' files (and, on the coordinator's node, hot manifests); the
@@ -241,15 +281,26 @@ def prune_node_local(hot: Tier, cold: Tier, policy: Policy, *, dry_run: bool = F
             delete_batched(hot, [info.key for info in local])
             delete_batched(hot, _mark_keys(hot, manifest.name, manifest.attempt), fault=None)
         except TierstoreError as err:
-            log.error("could not prune the local copy of %s from %s (going on with the "
-                      "others): %s", manifest.name, hot.label, err)
+            log.error(
+                "could not prune the local copy of %s from %s (going on with the others): %s",
+                manifest.name,
+                hot.label,
+                err,
+            )
             errors.append(f"{manifest.name}: {err}")
             continue
         deleted.append(manifest.name)
         freed += sum(info.size for info in local)
-    return PruneReport(tier=hot.label, kept=tuple(sorted(kept)), deleted=tuple(deleted),
-                       deferred=tuple(deferred), protected=tuple(sorted(protected)),
-                       bytes_freed=freed, dry_run=dry_run, errors=tuple(errors))
+    return PruneReport(
+        tier=hot.label,
+        kept=tuple(sorted(kept)),
+        deleted=tuple(deleted),
+        deferred=tuple(deferred),
+        protected=tuple(sorted(protected)),
+        bytes_freed=freed,
+        dry_run=dry_run,
+        errors=tuple(errors),
+    )
 
 
 def _held_here(hot: Tier, manifest: Manifest) -> list[ObjectInfo]:
@@ -275,8 +326,7 @@ class ColdCheck:
     pending: frozenset[str] = frozenset()  # of those, never committed in this cold tier
 
 
-def check_cold_copies(hot: Tier, cold: Tier,
-                      manifests: Sequence[Manifest] | None = None) -> ColdCheck:
+def check_cold_copies(hot: Tier, cold: Tier, manifests: Sequence[Manifest] | None = None) -> ColdCheck:
     """Hold each hot checkpoint against the *current* cold tier (docs/design.md invariant 15).
 
     A hot copy may go only if the cold tier holds a valid manifest of the same attempt, or
@@ -300,14 +350,17 @@ def check_cold_copies(hot: Tier, cold: Tier,
     for manifest in hot_manifests:
         there = in_cold.get(manifest.name)
         if there is None and manifest.name in damaged:
-            warnings.append(f"{manifest.name}: the cold manifest is invalid "
-                            f"({damaged[manifest.name]}); hot copy kept")
+            warnings.append(
+                f"{manifest.name}: the cold manifest is invalid ({damaged[manifest.name]}); hot copy kept"
+            )
             protect.add(manifest.name)
             continue
         if there is not None:
             if there != manifest:
-                warnings.append(f"{manifest.name}: cold tier holds another attempt "
-                                f"({there.attempt}); hot attempt {manifest.attempt} kept")
+                warnings.append(
+                    f"{manifest.name}: cold tier holds another attempt "
+                    f"({there.attempt}); hot attempt {manifest.attempt} kept"
+                )
                 protect.add(manifest.name)
             elif cold_id is not None and not marks.was_migrated(hot, manifest, cold_id):
                 marks.mark_migrated(hot, manifest, cold_id)  # lost to a crash after the commit
@@ -351,11 +404,19 @@ def pending_in_cold(hot: Tier, cold: Tier) -> set[str]:
     return set(check_cold_copies(hot, cold).protect)
 
 
-def prune(hot: TierURL | Store | None, cold: TierURL | None = None, *, hot_policy: Policy = DEFAULT_HOT,
-          cold_policy: Policy = DEFAULT_COLD, hot_options: dict[str, Any] | None = None,
-          cold_options: dict[str, Any] | None = None, dry_run: bool = False,
-          now: float | None = None, node_local: bool = False,
-          prune_cold: bool = True) -> list[PruneReport]:
+def prune(
+    hot: TierURL | Store | None,
+    cold: TierURL | None = None,
+    *,
+    hot_policy: Policy = DEFAULT_HOT,
+    cold_policy: Policy = DEFAULT_COLD,
+    hot_options: dict[str, Any] | None = None,
+    cold_options: dict[str, Any] | None = None,
+    dry_run: bool = False,
+    now: float | None = None,
+    node_local: bool = False,
+    prune_cold: bool = True,
+) -> list[PruneReport]:
     """Prune every tier of a store by its policy; hot checkpoints not provably in cold are
     kept. A tier that cannot be pruned at all is reported in its report's ``errors``.
 
@@ -366,11 +427,11 @@ def prune(hot: TierURL | Store | None, cold: TierURL | None = None, *, hot_polic
     hot_tier, cold_tier = store.hot, store.cold
     jobs: list[tuple[Tier, Callable[[], PruneReport]]] = []
     if hot_tier is not None and node_local and cold_tier is not None:
-        jobs.append((hot_tier, lambda: prune_node_local(
-            hot_tier, cold_tier, hot_policy, dry_run=dry_run, now=now)))
+        jobs.append(
+            (hot_tier, lambda: prune_node_local(hot_tier, cold_tier, hot_policy, dry_run=dry_run, now=now))
+        )
     elif hot_tier is not None:
-        jobs.append((hot_tier, lambda: prune_hot(hot_tier, cold_tier, hot_policy,
-                                                 dry_run=dry_run, now=now)))
+        jobs.append((hot_tier, lambda: prune_hot(hot_tier, cold_tier, hot_policy, dry_run=dry_run, now=now)))
     if cold_tier is not None and prune_cold:
         jobs.append((cold_tier, lambda: prune_tier(cold_tier, cold_policy, dry_run=dry_run, now=now)))
     if len(jobs) == 1:
@@ -386,8 +447,10 @@ def prune(hot: TierURL | Store | None, cold: TierURL | None = None, *, hot_polic
         except BaseException as err:  # raised below, on the caller's thread
             raised.append(err)
 
-    threads = [threading.Thread(target=run, args=(i,), name="tierstore-prune", daemon=True)
-               for i in range(1, len(jobs))]
+    threads = [
+        threading.Thread(target=run, args=(i,), name="tierstore-prune", daemon=True)
+        for i in range(1, len(jobs))
+    ]
     for thread in threads:
         thread.start()
     run(0)

@@ -41,8 +41,7 @@ from tierstore.format.manifest import MAX_MANIFEST_BYTES, Manifest
 from tierstore.lifecycle.prune import delete_data
 from tierstore.tiers.tier import Store, Tier
 
-__all__ = ["Quarantined", "quarantine", "list_quarantined", "delete_quarantined",
-           "restore_quarantined"]
+__all__ = ["Quarantined", "quarantine", "list_quarantined", "delete_quarantined", "restore_quarantined"]
 
 log = logging.getLogger(__name__)
 
@@ -68,18 +67,30 @@ def quarantine(tier: Tier, manifest: Manifest, reason: str) -> bool:
     """Set ``manifest``'s checkpoint aside in ``tier`` (module docstring); ``True`` if it is
     un-published now, ``False`` if the name holds another commit (left alone)."""
     key = layout.quarantine_key(manifest.name, manifest.attempt)
-    body = {"name": manifest.name, "attempt": manifest.attempt, "step": manifest.step,
-            "reason": reason, "when": time.time(), "manifest": manifest.to_json().decode()}
+    body = {
+        "name": manifest.name,
+        "attempt": manifest.attempt,
+        "step": manifest.step,
+        "reason": reason,
+        "when": time.time(),
+        "manifest": manifest.to_json().decode(),
+    }
     try:
         tier.backend.publish(key, json.dumps(body).encode())
     except PublishConflict:
         pass  # quarantined before (a crash after the record, or another rank's job)
     done = tier.unpublish(manifest)
     if done:
-        log.error("quarantined checkpoint %s (attempt %s) in %s: %s; its data is kept "
-                  "(`tierstore quarantine` lists it, `tierstore quarantine --delete %s` "
-                  "removes it)", manifest.name, manifest.attempt, tier.label, reason,
-                  manifest.name)
+        log.error(
+            "quarantined checkpoint %s (attempt %s) in %s: %s; its data is kept "
+            "(`tierstore quarantine` lists it, `tierstore quarantine --delete %s` "
+            "removes it)",
+            manifest.name,
+            manifest.attempt,
+            tier.label,
+            reason,
+            manifest.name,
+        )
     return done
 
 
@@ -90,18 +101,19 @@ def _read(tier: Tier, key: str) -> Quarantined | None:
     name, attempt = parsed
     try:
         body = json.loads(tier.backend.read_bytes(key, limit=_RECORD_LIMIT))
-        manifest = Manifest.from_json(str(body["manifest"]).encode(), key=key, tier=tier.label,
-                                      expect_name=name, loader=tier._read_part)
+        manifest = Manifest.from_json(
+            str(body["manifest"]).encode(), key=key, tier=tier.label, expect_name=name, loader=tier._read_part
+        )
         if manifest.attempt != attempt:
             raise ValueError(f"it records attempt {manifest.attempt}")
         reason, when = str(body.get("reason", "")), float(body.get("when", 0.0))
     except ObjectNotFound:
         return None  # removed meanwhile
     except (TierstoreError, ValueError, KeyError, TypeError, RecursionError) as err:
-        return Quarantined(name, attempt, None, tier.label, f"the record is unreadable ({err})",
-                           0.0, 0, key)
-    return Quarantined(name, attempt, manifest.step, tier.label, reason, when,
-                       manifest.total_size, key, manifest)
+        return Quarantined(name, attempt, None, tier.label, f"the record is unreadable ({err})", 0.0, 0, key)
+    return Quarantined(
+        name, attempt, manifest.step, tier.label, reason, when, manifest.total_size, key, manifest
+    )
 
 
 def list_quarantined(store: Store) -> list[Quarantined]:
@@ -118,17 +130,23 @@ def list_quarantined(store: Store) -> list[Quarantined]:
 
 def _matching(store: Store, name: str, attempt: str | None) -> list[tuple[Tier, Quarantined]]:
     by_label = {tier.label: tier for tier in store.tiers}
-    chosen = [(by_label[q.tier], q) for q in list_quarantined(store)
-              if q.name == name and attempt in (None, q.attempt)]
+    chosen = [
+        (by_label[q.tier], q)
+        for q in list_quarantined(store)
+        if q.name == name and attempt in (None, q.attempt)
+    ]
     if not chosen:
-        raise CheckpointNotFound("no quarantined checkpoint of that name" +
-                                 (f" and attempt {attempt}" if attempt else ""),
-                                 checkpoint=name, tier=store.label)
+        raise CheckpointNotFound(
+            "no quarantined checkpoint of that name" + (f" and attempt {attempt}" if attempt else ""),
+            checkpoint=name,
+            tier=store.label,
+        )
     return chosen
 
 
-def delete_quarantined(store: Store, name: str, attempt: str | None = None, *,
-                       dry_run: bool = False) -> list[Quarantined]:
+def delete_quarantined(
+    store: Store, name: str, attempt: str | None = None, *, dry_run: bool = False
+) -> list[Quarantined]:
     """Remove the quarantined checkpoint ``name`` (one ``attempt``, or all of that name):
     its data, then its record. What an unreadable record names is left to ``gc`` (nothing
     else names it once the record is gone). Returns what was (or would be) removed."""
@@ -139,8 +157,9 @@ def delete_quarantined(store: Store, name: str, attempt: str | None = None, *,
         if record.manifest is not None:
             delete_data(tier, record.manifest)
         tier.backend.delete(record.key)
-        log.info("removed quarantined checkpoint %s (attempt %s) from %s", record.name,
-                 record.attempt, tier.label)
+        log.info(
+            "removed quarantined checkpoint %s (attempt %s) from %s", record.name, record.attempt, tier.label
+        )
     return [q for _, q in chosen]
 
 
@@ -151,15 +170,18 @@ def restore_quarantined(store: Store, name: str, attempt: str | None = None) -> 
     chosen = _matching(store, name, attempt)
     for tier, record in chosen:
         if record.manifest is None:
-            raise IntegrityError(f"cannot restore: {record.reason}", key=record.key,
-                                 tier=tier.label, checkpoint=name)
+            raise IntegrityError(
+                f"cannot restore: {record.reason}", key=record.key, tier=tier.label, checkpoint=name
+            )
         try:
             tier.publish_manifest(record.manifest)
         except CheckpointExists:
-            raise CheckpointExists("cannot restore the quarantined attempt: the name is "
-                                   "committed again (another attempt); delete it instead",
-                                   checkpoint=name, tier=tier.label) from None
+            raise CheckpointExists(
+                "cannot restore the quarantined attempt: the name is "
+                "committed again (another attempt); delete it instead",
+                checkpoint=name,
+                tier=tier.label,
+            ) from None
         tier.backend.delete(record.key)
-        log.warning("restored quarantined checkpoint %s (attempt %s) in %s", name,
-                    record.attempt, tier.label)
+        log.warning("restored quarantined checkpoint %s (attempt %s) in %s", name, record.attempt, tier.label)
     return [q for _, q in chosen]

@@ -146,8 +146,11 @@ class keep_best(Policy):
     def keep(self, checkpoints: Sequence[Checkpoint], *, now: float) -> frozenset[str]:
         sign = 1.0 if self.mode == "min" else -1.0
         # Checkpoint does not promise metrics: a checkpoint type without them has none.
-        scored = [(sign * found[self.metric], c) for c in _newest_first(checkpoints)
-                  if self.metric in (found := getattr(c, "metrics", None) or {})]
+        scored = [
+            (sign * found[self.metric], c)
+            for c in _newest_first(checkpoints)
+            if self.metric in (found := getattr(c, "metrics", None) or {})
+        ]
         scored.sort(key=lambda pair: pair[0])  # stable: equal values stay newest first
         return frozenset(c.name for _, c in scored[: self.k])
 

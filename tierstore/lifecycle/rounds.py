@@ -28,8 +28,9 @@ class BackgroundRounds:
     by default), and the rounds go on.
     """
 
-    def __init__(self, work: Callable[[bool], None], *, name: str,
-                 on_error: Callable[[Exception], None] | None = None) -> None:
+    def __init__(
+        self, work: Callable[[bool], None], *, name: str, on_error: Callable[[Exception], None] | None = None
+    ) -> None:
         self._work, self._name = work, name
         self._on_error = on_error or (lambda err: log.error("%s failed: %s", name, err))
         self._lock = threading.Lock()

@@ -40,10 +40,15 @@ class FileCheck:
     size: int = 0
 
 
-def verify_store(hot: TierURL | Store | None, cold: TierURL | None = None, *,
-                 names: Iterable[str] | None = None, hot_options: dict[str, Any] | None = None,
-                 cold_options: dict[str, Any] | None = None,
-                 progress: Callable[[str, int, int], None] | None = None) -> list[FileCheck]:
+def verify_store(
+    hot: TierURL | Store | None,
+    cold: TierURL | None = None,
+    *,
+    names: Iterable[str] | None = None,
+    hot_options: dict[str, Any] | None = None,
+    cold_options: dict[str, Any] | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> list[FileCheck]:
     """Read back every file of every (or the named) committed checkpoint in every tier.
 
     An invalid manifest (a two-level one's part missing or altered included) is reported as
@@ -62,8 +67,9 @@ def verify_store(hot: TierURL | Store | None, cold: TierURL | None = None, *,
     return results
 
 
-def _verify_checkpoint(tier: Tier, manifest: Manifest,
-                       progress: Callable[[str, int, int], None] | None) -> list[FileCheck]:
+def _verify_checkpoint(
+    tier: Tier, manifest: Manifest, progress: Callable[[str, int, int], None] | None
+) -> list[FileCheck]:
     try:
         files = manifest.files  # a two-level manifest reads its parts here
     except TierstoreError as err:  # this checkpoint's, reported; the next is checked
@@ -71,12 +77,15 @@ def _verify_checkpoint(tier: Tier, manifest: Manifest,
     tick = counting(f"{tier.role} {manifest.name}", manifest.total_size, progress)
     meta = next(f for f in files if f.path == manifest.metadata_file)  # validated: listed once
     meta_check, items = _check_metadata(tier, manifest, meta, {f.path for f in files}, tick)
-    return [meta_check if entry is meta
-            else _check_file(tier, manifest, entry, items.get(entry.path, ()), tick) for entry in files]
+    return [
+        meta_check if entry is meta else _check_file(tier, manifest, entry, items.get(entry.path, ()), tick)
+        for entry in files
+    ]
 
 
-def _check_metadata(tier: Tier, manifest: Manifest, entry: FileEntry, listed: set[str],
-                    progress: _Progress) -> tuple[FileCheck, _Items]:
+def _check_metadata(
+    tier: Tier, manifest: Manifest, entry: FileEntry, listed: set[str], progress: _Progress
+) -> tuple[FileCheck, _Items]:
     """``.metadata`` verified and loaded as a reader loads it; its items by file."""
     from tierstore.format.safe_pickle import load_metadata  # torch: `tierstore` starts without it
 
@@ -94,9 +103,19 @@ def _check_metadata(tier: Tier, manifest: Manifest, entry: FileEntry, listed: se
     except TierstoreError as err:
         return _failed(tier, manifest, entry, str(err)), {}
     except pickle.UnpicklingError as err:
-        return _failed(tier, manifest, entry, str(IntegrityError(
-            f"DCP metadata cannot be loaded safely: {err}", checkpoint=manifest.name,
-            file=entry.path, tier=tier.label))), {}
+        return _failed(
+            tier,
+            manifest,
+            entry,
+            str(
+                IntegrityError(
+                    f"DCP metadata cannot be loaded safely: {err}",
+                    checkpoint=manifest.name,
+                    file=entry.path,
+                    tier=tier.label,
+                )
+            ),
+        ), {}
     items: _Items = {}
     for index, info in metadata.storage_data.items():
         items.setdefault(info.relative_path, []).append((index.fqn, info))
@@ -104,26 +123,48 @@ def _check_metadata(tier: Tier, manifest: Manifest, entry: FileEntry, listed: se
         found.sort(key=lambda item: (item[1].offset, item[1].length))
     unlisted = sorted(set(items) - listed)
     if unlisted:
-        return _failed(tier, manifest, entry, str(InvalidManifest(
-            f"DCP metadata stores items in files the manifest does not list: {unlisted}",
-            checkpoint=manifest.name, file=entry.path, tier=tier.label))), items
+        return _failed(
+            tier,
+            manifest,
+            entry,
+            str(
+                InvalidManifest(
+                    f"DCP metadata stores items in files the manifest does not list: {unlisted}",
+                    checkpoint=manifest.name,
+                    file=entry.path,
+                    tier=tier.label,
+                )
+            ),
+        ), items
     return FileCheck(tier.label, manifest.name, entry.path, True, None, entry.size), items
 
 
-def _check_file(tier: Tier, manifest: Manifest, entry: FileEntry, items: Sequence[tuple[str, Any]],
-                progress: _Progress) -> FileCheck:
+def _check_file(
+    tier: Tier, manifest: Manifest, entry: FileEntry, items: Sequence[tuple[str, Any]], progress: _Progress
+) -> FileCheck:
     key = tier.file_key(manifest.name, manifest.attempt, entry.path)
     problem = _item_problem(items, entry.size)
     blocks = _Blocks(items) if problem is None else None
     try:
-        verify_file(tier.backend, key, entry, checkpoint=manifest.name, tier=tier.label,
-                    progress=progress, inspect=None if blocks is None else blocks.feed)
+        verify_file(
+            tier.backend,
+            key,
+            entry,
+            checkpoint=manifest.name,
+            tier=tier.label,
+            progress=progress,
+            inspect=None if blocks is None else blocks.feed,
+        )
     except TierstoreError as err:  # damaged, missing or unreadable: all reported, none fatal
         return _failed(tier, manifest, entry, str(err))
     problem = problem or (blocks.problem if blocks is not None else None)
     if problem is not None:  # the bytes are the manifest's: the metadata does not match them
-        return _failed(tier, manifest, entry, str(IntegrityError(
-            problem, checkpoint=manifest.name, file=entry.path, tier=tier.label)))
+        return _failed(
+            tier,
+            manifest,
+            entry,
+            str(IntegrityError(problem, checkpoint=manifest.name, file=entry.path, tier=tier.label)),
+        )
     return FileCheck(tier.label, manifest.name, entry.path, True, None, entry.size)
 
 
@@ -168,13 +209,15 @@ class _Blocks:
             if start >= end:
                 return
             a, b = max(start, offset), min(stop, end)
-            self._crc = crc32c_update(self._crc, data[a - offset:b - offset])
+            self._crc = crc32c_update(self._crc, data[a - offset : b - offset])
             if b < stop:
                 return  # the block goes on in the next chunk
             if self._crc != item.crc32c[self._block]:
-                self.problem = (f"block {self._block} of item {fqn!r} (bytes {start} to {stop}) "
-                                f"has CRC32C {self._crc:08x}, its RawItem records "
-                                f"{item.crc32c[self._block]:08x}: DCP metadata does not match the data")
+                self.problem = (
+                    f"block {self._block} of item {fqn!r} (bytes {start} to {stop}) "
+                    f"has CRC32C {self._crc:08x}, its RawItem records "
+                    f"{item.crc32c[self._block]:08x}: DCP metadata does not match the data"
+                )
             self._crc, self._block = 0, self._block + 1
             if self._block == item.blocks:
                 self._next, self._block = self._next + 1, 0

@@ -74,28 +74,43 @@ class CheckpointManager(Saving, Maintenance, Loading, Ending):
     whole state on the first save and after the state's structure changed, else 0.
     """
 
-    def __init__(self, hot: TierURL | Store, cold: TierURL | None = None, *,
-                 hot_policy: Policy | None = None, cold_policy: Policy | None = None,
-                 save_every: int | Cadence | None = None, async_save: bool = True,
-                 async_mode: str = "thread", hot_options: Mapping[str, Any] | None = None,
-                 cold_options: Mapping[str, Any] | None = None, node_local: bool = False,
-                 migration: MigrationConfig | None = None, hot_min_free: int | str | None = "auto",
-                 process_group: Any = None, writer_options: Mapping[str, Any] | None = None,
-                 staging: str = "reuse", overlap_staging: bool = False,
-                 close_timeout: float = DEFAULT_CLOSE_TIMEOUT) -> None:
+    def __init__(
+        self,
+        hot: TierURL | Store,
+        cold: TierURL | None = None,
+        *,
+        hot_policy: Policy | None = None,
+        cold_policy: Policy | None = None,
+        save_every: int | Cadence | None = None,
+        async_save: bool = True,
+        async_mode: str = "thread",
+        hot_options: Mapping[str, Any] | None = None,
+        cold_options: Mapping[str, Any] | None = None,
+        node_local: bool = False,
+        migration: MigrationConfig | None = None,
+        hot_min_free: int | str | None = "auto",
+        process_group: Any = None,
+        writer_options: Mapping[str, Any] | None = None,
+        staging: str = "reuse",
+        overlap_staging: bool = False,
+        close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
+    ) -> None:
         if async_mode not in ("thread", "process"):
             raise ConfigError(f"async_mode must be 'thread' or 'process', got {async_mode!r}")
         if staging not in ("reuse", "fresh"):
             raise ConfigError(f"staging must be 'reuse' or 'fresh', got {staging!r}")
         if overlap_staging and not (async_save and staging == "reuse"):
-            raise ConfigError("overlap_staging needs async_save=True and staging='reuse' "
-                              "(other saves copy the state before save() returns)")
+            raise ConfigError(
+                "overlap_staging needs async_save=True and staging='reuse' "
+                "(other saves copy the state before save() returns)"
+            )
         if isinstance(save_every, int) and save_every <= 0:
             raise ConfigError(f"save_every must be positive, got {save_every}")
         if not (isinstance(close_timeout, (int, float)) and 0 <= close_timeout < float("inf")):
             raise ConfigError(f"close_timeout must be a number of seconds >= 0, got {close_timeout!r}")
-        self.store = store_to_save(hot, cold, hot_options=hot_options, cold_options=cold_options,
-                                   owner="CheckpointManager")
+        self.store = store_to_save(
+            hot, cold, hot_options=hot_options, cold_options=cold_options, owner="CheckpointManager"
+        )
         if node_local and self.store.cold is None:
             raise ConfigError("node_local=True needs both a hot and a cold tier")
         # Node-local hot tiers each hold some ranks' files: the cold tier is the shared catalog.
@@ -117,8 +132,9 @@ class CheckpointManager(Saving, Maintenance, Loading, Ending):
         self._owns_group = process_group is None and self.distributed
         self.group = dist.new_group(backend="gloo") if self._owns_group else process_group
         self._pending: Future[None] | None = None  # settles once the save is recorded
-        self._rounds = BackgroundRounds(lambda full: self._maintain(prune=full),
-                                        name="tierstore-prune", on_error=self._round_failed)
+        self._rounds = BackgroundRounds(
+            lambda full: self._maintain(prune=full), name="tierstore-prune", on_error=self._round_failed
+        )
         self._quarantined: list[str] = []
         self._closing = False  # close() began: rounds prune, but queue no more migrations
         self._cold_down = False  # close() found the cold tier unreachable: nothing to look up
@@ -133,8 +149,9 @@ class CheckpointManager(Saving, Maintenance, Loading, Ending):
         self.stalls: dict[int, float] = {}  # step -> seconds the caller was blocked by save()
         self.staging_allocated: dict[int, int] = {}  # step -> bytes its staging allocated
         # Another live job saving into this hot directory is warned about now, once.
-        self._run_lock = (runlock.acquire(self.store.hot)
-                          if self.rank == 0 and self.store.hot is not None else None)
+        self._run_lock = (
+            runlock.acquire(self.store.hot) if self.rank == 0 and self.store.hot is not None else None
+        )
         if self._resumes_pending:  # a killed run's pending migrations: finished in the background
             self._prune_in_background(prune=False)
         elif self.node_local and self.store.cold is not None:
@@ -156,10 +173,12 @@ class CheckpointManager(Saving, Maintenance, Loading, Ending):
         busy = [s for s in statuses if s.state in (MigrationState.PENDING, MigrationState.UPLOADING)]
         with self._lock:
             return Health(
-                saves_ok=self._saves_ok, saves_failed=self._saves_failed,
+                saves_ok=self._saves_ok,
+                saves_failed=self._saves_failed,
                 last_saved_step=self._last_saved_step,
                 last_error=self._last_failure,
-                migrations_pending=len(busy), migrations_failed=failed,
+                migrations_pending=len(busy),
+                migrations_failed=failed,
                 migration_lag_seconds=max((now - s.created for s in busy), default=0.0),
                 migration_lag_bytes=sum(s.lag_bytes for s in busy),
                 prune_errors=tuple(self._prune_errors),

@@ -54,8 +54,11 @@ class Ending(Base):
             await_delivery(self._migrators(), deadline)
         self._raise_failure()
         if migrations:
-            failed = {name: why for name, why in self._undelivered(deadline).items()
-                      if name not in self._reported and not why.startswith("still ")}
+            failed = {
+                name: why
+                for name, why in self._undelivered(deadline).items()
+                if name not in self._reported and not why.startswith("still ")
+            }
             self._reported.update(failed)
             if failed:
                 raise self._migration_failed(failed)
@@ -83,8 +86,11 @@ class Ending(Base):
             # would only find out after minutes of retries).
             why = unreachable(cold, min(PROBE_WAIT, _left(deadline) or 0.0))
             if why is not None:
-                log.error("the cold tier %s is unreachable (%s): close() does not wait for its "
-                          "migrations", cold.label, why)
+                log.error(
+                    "the cold tier %s is unreachable (%s): close() does not wait for its migrations",
+                    cold.label,
+                    why,
+                )
                 deadline, self._cold_down = time.monotonic(), True
         try:
             self.wait(timeout=_left(deadline))
@@ -134,8 +140,9 @@ class Ending(Base):
 
     def _migration_failed(self, failures: dict[str, str]) -> MigrationFailed:
         assert self.store.cold is not None
-        return MigrationFailed(describe(failures, self._hot, self.store.cold),
-                               checkpoints=tuple(failures), errors=failures)
+        return MigrationFailed(
+            describe(failures, self._hot, self.store.cold), checkpoints=tuple(failures), errors=failures
+        )
 
     def __enter__(self: _M) -> _M:
         return self

@@ -57,8 +57,9 @@ class Loading(Base):
         """
         return self.load(state, planner=planner)
 
-    def load(self, state: dict[str, Any], *, name: str | None = None, step: int | None = None,
-             planner: Any = None) -> int | None:
+    def load(
+        self, state: dict[str, Any], *, name: str | None = None, step: int | None = None, planner: Any = None
+    ) -> int | None:
         """Like :meth:`load_latest`, for a chosen checkpoint (``name``/``step``) or DCP planner.
 
         With ``name``, exactly that checkpoint: if it is damaged the error raises. Without,
@@ -86,12 +87,21 @@ class Loading(Base):
                 chosen = _dist.broadcast(chosen, self.group)
             if chosen is None:
                 break
-            reader = TieredReader(self.store, name=chosen, node_local=self.node_local,
-                                  resolve_once=True, process_group=self.group)
+            reader = TieredReader(
+                self.store,
+                name=chosen,
+                node_local=self.node_local,
+                resolve_once=True,
+                process_group=self.group,
+            )
             world = dist.get_world_size(self.group) if self.distributed else 1
             try:
-                dcp_load(state, storage_reader=reader, process_group=self.group,
-                         planner=planner if planner is not None else _default_planner(reader, world))
+                dcp_load(
+                    state,
+                    storage_reader=reader,
+                    process_group=self.group,
+                    planner=planner if planner is not None else _default_planner(reader, world),
+                )
             except CheckpointException as err:  # the same on every rank: DCP gathers failures
                 _raise_if_resized(err, reader, world, chosen)
                 if name is not None or not is_damage(err):
@@ -99,8 +109,12 @@ class Loading(Base):
                 damaged.append(err)
                 if reader.manifest is not None:
                     set_aside.append((reader.manifest, err))
-                log.warning("checkpoint %s is damaged in every tier holding it, loading the next "
-                            "older one instead: %s", chosen, describe_failure(err))
+                log.warning(
+                    "checkpoint %s is damaged in every tier holding it, loading the next "
+                    "older one instead: %s",
+                    chosen,
+                    describe_failure(err),
+                )
                 continue
             finally:
                 # dcp.load returned or raised on this rank only once no rank reads (its last
@@ -122,8 +136,9 @@ class Loading(Base):
         found: Any = None
         if coordinator:
             try:
-                found = [c.name for c in reversed(list_checkpoints(self.catalog))
-                         if step is None or c.step == step]
+                found = [
+                    c.name for c in reversed(list_checkpoints(self.catalog)) if step is None or c.step == step
+                ]
             except Exception as err:  # raised below on every rank alike
                 found = err
         if self.distributed:
@@ -132,13 +147,14 @@ class Loading(Base):
             raise found
         return list(found) if coordinator else []
 
-    def _quarantine(self, damaged: list[tuple[Manifest, CheckpointException]], *,
-                    loaded: str) -> None:
+    def _quarantine(self, damaged: list[tuple[Manifest, CheckpointException]], *, loaded: str) -> None:
         """Set aside each checkpoint a resume fell back past (invariant 21): its step is
         trained again and saved as a new attempt, and retention never counts it again."""
         for manifest, err in damaged:
-            reason = f"a resume found it damaged in every tier holding it and loaded {loaded} " \
-                     f"instead: {describe_failure(err)}"
+            reason = (
+                f"a resume found it damaged in every tier holding it and loaded {loaded} "
+                f"instead: {describe_failure(err)}"
+            )
             for tier in self.store.tiers:
                 try:
                     here = tier.find_manifest(manifest.name)
@@ -149,9 +165,18 @@ class Loading(Base):
             with self._lock:
                 self._quarantined.append(manifest.name)
 
-    def verify_resume(self, probe: Any, state: dict[str, Any], *, name: str | None = None,
-                      step: int | None = None, rtol: float = 0.0, atol: float = 0.0,
-                      timeout: float = 600.0, record_dir: str | None = None) -> ResumeReport:
+    def verify_resume(
+        self,
+        probe: Any,
+        state: dict[str, Any],
+        *,
+        name: str | None = None,
+        step: int | None = None,
+        rtol: float = 0.0,
+        atol: float = 0.0,
+        timeout: float = 600.0,
+        record_dir: str | None = None,
+    ) -> ResumeReport:
         """Prove the newest (or a chosen) checkpoint restores ``state``: see :mod:`tierstore.resume.check`.
 
         Call on every rank right after :meth:`save`, before the next training step. Waits for
@@ -162,9 +187,19 @@ class Loading(Base):
         from tierstore.resume.check import verify_resume
 
         self.wait(migrations=False)
-        return verify_resume(probe, state, hot=self.store, name=name, step=step,
-                             node_local=self.node_local, group=self.group, rtol=rtol, atol=atol,
-                             timeout=timeout, record_dir=record_dir)
+        return verify_resume(
+            probe,
+            state,
+            hot=self.store,
+            name=name,
+            step=step,
+            node_local=self.node_local,
+            group=self.group,
+            rtol=rtol,
+            atol=atol,
+            timeout=timeout,
+            record_dir=record_dir,
+        )
 
 
 def _saved_world(reader: TieredReader, world: int) -> int | None:
@@ -200,4 +235,6 @@ def _raise_if_resized(err: CheckpointException, reader: TieredReader, world: int
         f"checkpoint saved by {saved} ranks cannot be loaded as it is by {world} ranks: {missing} "
         "Per-rank state must be optional under a new world size: load with planner="
         "tierstore.ResumePlanner(optional=lambda key: ...) accepting that key, or save such "
-        "state under keys every world size has", checkpoint=name) from err
+        "state under keys every world size has",
+        checkpoint=name,
+    ) from err

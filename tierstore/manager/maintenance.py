@@ -58,8 +58,7 @@ class Maintenance(Base):
             pending = []
         if pending and self._resumes_pending and not (self._closing or _interpreter_exiting()):
             assert self.store.cold is not None
-            resume_pending(migrator_for(self._hot, self.store.cold, self.migration),
-                           self._hot, pending)
+            resume_pending(migrator_for(self._hot, self.store.cold, self.migration), self._hot, pending)
 
     def _resume_node_local(self) -> None:
         """Node-local tiers: every rank queues its own files of the checkpoints its job left
@@ -71,13 +70,20 @@ class Maintenance(Base):
         assert cold is not None
         found: list[Manifest] = []
         if rank == 0:
-            looker = threading.Thread(target=lambda: found.extend(self._pending_manifests()),
-                                      name="tierstore-resume-look", daemon=True)
+            looker = threading.Thread(
+                target=lambda: found.extend(self._pending_manifests()),
+                name="tierstore-resume-look",
+                daemon=True,
+            )
             looker.start()
             looker.join(RESUME_LOOK)
             if looker.is_alive():
-                log.warning("the cold tier %s did not answer within %.0fs: pending migrations "
-                            "are not resumed at this start", cold.label, RESUME_LOOK)
+                log.warning(
+                    "the cold tier %s did not answer within %.0fs: pending migrations "
+                    "are not resumed at this start",
+                    cold.label,
+                    RESUME_LOOK,
+                )
                 found = []
         jobs = [(m.name, m.attempt, m.step, files_by_rank(m)) for m in found]
         if self.distributed:
@@ -104,8 +110,13 @@ class Maintenance(Base):
 
     def prune(self) -> list[PruneReport]:
         """Apply the retention policies now (the coordinator does this after each commit)."""
-        reports = prune(self.store, hot_policy=self.hot_policy, cold_policy=self.cold_policy,
-                        node_local=self.node_local, prune_cold=not self.node_local or self.rank == 0)
+        reports = prune(
+            self.store,
+            hot_policy=self.hot_policy,
+            cold_policy=self.cold_policy,
+            node_local=self.node_local,
+            prune_cold=not self.node_local or self.rank == 0,
+        )
         errors = [e for r in reports for e in r.errors]
         if errors:
             with self._lock:
@@ -144,11 +155,17 @@ class Maintenance(Base):
                     return None
                 return "no migrated mark names the cold tier"
 
-        report = prune_tier(hot, keep_none(), protect=protect, manifests=manifests,
-                            still_safe=still_safe)
-        log.warning("hot tier %s below its free-space watermark (%d bytes free, want %d): "
-                    "pruned %s beyond policy; kept the newest and those not known to be in "
-                    "cold (%s)", hot.label, free, threshold, list(report.deleted), sorted(protect))
+        report = prune_tier(hot, keep_none(), protect=protect, manifests=manifests, still_safe=still_safe)
+        log.warning(
+            "hot tier %s below its free-space watermark (%d bytes free, want %d): "
+            "pruned %s beyond policy; kept the newest and those not known to be in "
+            "cold (%s)",
+            hot.label,
+            free,
+            threshold,
+            list(report.deleted),
+            sorted(protect),
+        )
 
 
 def _interpreter_exiting() -> bool:

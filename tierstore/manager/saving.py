@@ -35,8 +35,14 @@ log = logging.getLogger(__name__)
 class Saving(Base):
     """Saving of :class:`~tierstore.manager.CheckpointManager` (module docstring)."""
 
-    def save(self, step: int, state: dict[str, Any], *, force: bool = False,
-             metrics: Mapping[str, float] | None = None) -> bool:
+    def save(
+        self,
+        step: int,
+        state: dict[str, Any],
+        *,
+        force: bool = False,
+        metrics: Mapping[str, float] | None = None,
+    ) -> bool:
         """Checkpoint ``state`` as ``step`` if the cadence wants it (or ``force``); ``True`` if saved.
 
         Returns once the state is copied (unless ``overlap_staging``): training may change
@@ -81,19 +87,32 @@ class Saving(Base):
 
     def _writer(self, step: int, metrics: Mapping[str, float]) -> TieredWriter:
         try:
-            return TieredWriter(self.store, step=step, migration=self.migration,
-                                node_local=self.node_local, metrics=metrics, **self.writer_options)
+            return TieredWriter(
+                self.store,
+                step=step,
+                migration=self.migration,
+                node_local=self.node_local,
+                metrics=metrics,
+                **self.writer_options,
+            )
         except TypeError as err:  # an unknown keyword: say which options TieredWriter takes
-            raise ConfigError(f"writer_options {sorted(self.writer_options)} are not all "
-                              f"TieredWriter arguments: {err}") from err
+            raise ConfigError(
+                f"writer_options {sorted(self.writer_options)} are not all TieredWriter arguments: {err}"
+            ) from err
 
     def _submitter(self) -> ThreadPoolExecutor:
         if self._thread is None:  # one thread: saves start in the order they were asked for
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="tierstore-save")
         return self._thread
 
-    def _start_guarded(self, step: int, state: dict[str, Any], writer: TieredWriter,
-                       staged: Future[None], settled: Future[None]) -> None:
+    def _start_guarded(
+        self,
+        step: int,
+        state: dict[str, Any],
+        writer: TieredWriter,
+        staged: Future[None],
+        settled: Future[None],
+    ) -> None:
         """:meth:`_start_async` on the manager's thread, where nothing would see an error it
         raised: whatever it raises fails the save, so no waiter on ``staged`` or ``settled``
         waits for ever."""
@@ -106,18 +125,26 @@ class Saving(Base):
             if not staged.done():
                 staged.set_exception(err)
 
-    def _start_async(self, step: int, state: dict[str, Any], writer: TieredWriter,
-                     staged: Future[None], settled: Future[None]) -> None:
+    def _start_async(
+        self,
+        step: int,
+        state: dict[str, Any],
+        writer: TieredWriter,
+        staged: Future[None],
+        settled: Future[None],
+    ) -> None:
         """Start DCP's async save; ``staged`` completes when the copy is taken (or failed),
         ``settled`` once the save is recorded as committed or failed."""
-        kind = (AsyncCheckpointerType.PROCESS if self.async_mode == "process"
-                else AsyncCheckpointerType.THREAD)
+        kind = AsyncCheckpointerType.PROCESS if self.async_mode == "process" else AsyncCheckpointerType.THREAD
         try:
             self._relieve_disk_pressure()
-            response = dcp_async_save(state, storage_writer=writer,
-                                      process_group=self.group,
-                                      async_checkpointer_type=kind,
-                                      async_stager=self._stager_for_save())
+            response = dcp_async_save(
+                state,
+                storage_writer=writer,
+                process_group=self.group,
+                async_checkpointer_type=kind,
+                async_stager=self._stager_for_save(),
+            )
         except (Exception, CheckpointException) as err:  # staging or planning failed
             self._failed(step, err)
             staged.set_exception(err)

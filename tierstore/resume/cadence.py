@@ -68,10 +68,12 @@ class CadencePlan:
     method: str
 
     def describe(self) -> str:
-        return (f"save every {_duration(self.interval)} (job MTBF {_duration(self.mtbf_job)}, "
-                f"stall {self.stall:.3g} s, {self.method}): expect {_duration(self.lost_per_failure)} "
-                f"lost per failure, {self.stall_overhead:.2%} of time in save stalls, "
-                f"{self.failure_overhead:.2%} lost to failures")
+        return (
+            f"save every {_duration(self.interval)} (job MTBF {_duration(self.mtbf_job)}, "
+            f"stall {self.stall:.3g} s, {self.method}): expect {_duration(self.lost_per_failure)} "
+            f"lost per failure, {self.stall_overhead:.2%} of time in save stalls, "
+            f"{self.failure_overhead:.2%} lost to failures"
+        )
 
 
 def _duration(seconds: float) -> str:
@@ -99,19 +101,30 @@ def daly_interval(stall: float, mtbf_job: float) -> float:
     return math.sqrt(2.0 * stall * mtbf_job) * (1 + math.sqrt(ratio) / 3 + ratio / 9) - stall
 
 
-def expected_waste(interval: float, *, mtbf_job: float, stall: float, restart: float = 0.0,
-                   method: str = "given") -> CadencePlan:
+def expected_waste(
+    interval: float, *, mtbf_job: float, stall: float, restart: float = 0.0, method: str = "given"
+) -> CadencePlan:
     """What saving every ``interval`` seconds costs, for comparing any interval to the optimum."""
     _check_positive(interval=interval, mtbf_job=mtbf_job, stall=stall)
     lost = (interval + stall) / 2.0 + restart
     stall_overhead = stall / interval
     failure_overhead = lost / mtbf_job
-    return CadencePlan(interval, mtbf_job, stall, restart, lost, stall_overhead, failure_overhead,
-                       stall_overhead + failure_overhead, method)
+    return CadencePlan(
+        interval,
+        mtbf_job,
+        stall,
+        restart,
+        lost,
+        stall_overhead,
+        failure_overhead,
+        stall_overhead + failure_overhead,
+        method,
+    )
 
 
-def optimal_interval(*, nodes: int, mtbf_node: float, stall: float, restart: float = 0.0,
-                     method: str = "daly") -> CadencePlan:
+def optimal_interval(
+    *, nodes: int, mtbf_node: float, stall: float, restart: float = 0.0, method: str = "daly"
+) -> CadencePlan:
     """The interval that minimises expected lost work for ``nodes`` nodes of ``mtbf_node`` MTBF.
 
     ``stall`` is the measured blocking time of one save (``max(manager.stalls.values())``);
@@ -145,9 +158,16 @@ class TimeCadence:
         cadence.update(stall=max(manager.stalls.values()))
     """
 
-    def __init__(self, interval: float, *, clock: Callable[[], float] = time.monotonic,
-                 check_every: int = 1, group: Any = None, distributed: bool | None = None,
-                 plan: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        interval: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        check_every: int = 1,
+        group: Any = None,
+        distributed: bool | None = None,
+        plan: Mapping[str, Any] | None = None,
+    ) -> None:
         _check_positive(interval=interval)
         if check_every < 1:
             raise ConfigError(f"check_every must be at least 1, got {check_every}")
@@ -161,14 +181,24 @@ class TimeCadence:
         self.saves = 0
 
     @classmethod
-    def from_failure_rate(cls, *, nodes: int, mtbf_node: float, stall: float, restart: float = 0.0,
-                          method: str = "daly", **options: Any) -> TimeCadence:
+    def from_failure_rate(
+        cls,
+        *,
+        nodes: int,
+        mtbf_node: float,
+        stall: float,
+        restart: float = 0.0,
+        method: str = "daly",
+        **options: Any,
+    ) -> TimeCadence:
         """A cadence at the optimal interval for this job's failure rate and save stall."""
-        plan = optimal_interval(nodes=nodes, mtbf_node=mtbf_node, stall=stall, restart=restart,
-                                method=method)
+        plan = optimal_interval(nodes=nodes, mtbf_node=mtbf_node, stall=stall, restart=restart, method=method)
         log.info("checkpoint cadence: %s", plan.describe())
-        return cls(plan.interval, plan={"nodes": nodes, "mtbf_node": mtbf_node, "restart": restart,
-                                        "method": method}, **options)
+        return cls(
+            plan.interval,
+            plan={"nodes": nodes, "mtbf_node": mtbf_node, "restart": restart, "method": method},
+            **options,
+        )
 
     def update(self, *, stall: float | Iterable[float]) -> float:
         """Re-plan from a measured stall (a number, or several: their maximum); the new interval."""
@@ -183,8 +213,10 @@ class TimeCadence:
 
     def __repr__(self) -> str:
         planned = "".join(f", {key}={value!r}" for key, value in self._plan.items())
-        return (f"TimeCadence(interval={self.interval:.1f}, check_every={self.check_every}, "
-                f"saves={self.saves}{planned})")
+        return (
+            f"TimeCadence(interval={self.interval:.1f}, check_every={self.check_every}, "
+            f"saves={self.saves}{planned})"
+        )
 
     def __call__(self, step: int) -> bool:
         if step % self.check_every:
@@ -209,4 +241,3 @@ class TimeCadence:
         flag = torch.tensor([1 if due else 0], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         return bool(flag.item())
-

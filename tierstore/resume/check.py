@@ -53,8 +53,16 @@ from tierstore.resume.report import Mismatch, ResumeReport, assemble, compare, r
 from tierstore.tiers.catalog import resolve
 from tierstore.tiers.tier import Store, TierURL
 
-__all__ = ["Probe", "ResumeReport", "Mismatch", "verify_resume", "verify_checkpoint", "load_probe",
-           "probe_spec", "compare"]
+__all__ = [
+    "Probe",
+    "ResumeReport",
+    "Mismatch",
+    "verify_resume",
+    "verify_checkpoint",
+    "load_probe",
+    "probe_spec",
+    "compare",
+]
 
 log = logging.getLogger(__name__)
 
@@ -72,21 +80,39 @@ def _child_env(rank: int, world: int, addr: str, port: int, local_rank: int) -> 
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
     # The probe must import in the fresh process as it does here.
     paths = [*(p for p in sys.path if p), os.getcwd(), env.get("PYTHONPATH", "")]
-    env.update(RANK=str(rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world), MASTER_ADDR=addr,
-               MASTER_PORT=str(port), PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join(paths).rstrip(os.pathsep))
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR=addr,
+        MASTER_PORT=str(port),
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join(paths).rstrip(os.pathsep),
+    )
     return env
 
 
-def spawn_fresh(spec: Mapping[str, Any], workdir: Path, rank: int, world: int, addr: str,
-                port: int, local_rank: int | None = None) -> subprocess.Popen[bytes]:
+def spawn_fresh(
+    spec: Mapping[str, Any],
+    workdir: Path,
+    rank: int,
+    world: int,
+    addr: str,
+    port: int,
+    local_rank: int | None = None,
+) -> subprocess.Popen[bytes]:
     """Start the fresh process of ``rank``; it writes ``workdir/result-<rank>.json``."""
     spec_path = workdir / f"spec-{rank}.json"
     spec_path.write_text(json.dumps({**spec, "out": str(workdir / f"result-{rank}.json")}))
     env = _child_env(rank, world, addr, port, rank if local_rank is None else local_rank)
     with open(workdir / f"log-{rank}.txt", "wb") as log_file:  # the child keeps its own handle
-        return subprocess.Popen([sys.executable, "-m", "tierstore.resume.probe", str(spec_path)], env=env,
-                                stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            [sys.executable, "-m", "tierstore.resume.probe", str(spec_path)],
+            env=env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 def collect_fresh(proc: subprocess.Popen[bytes], workdir: Path, rank: int, timeout: float) -> dict[str, Any]:
@@ -113,21 +139,36 @@ def _log_tail(workdir: Path, rank: int, lines: int = 6) -> str:
 
 def _fresh_spec(probe: str, name: str, store: Store, node_local: bool, timeout: float) -> dict[str, Any]:
     hot, cold = store.hot, store.cold
-    return {"probe": probe, "name": name, "hot": None if hot is None else hot.url,
-            "cold": None if cold is None else cold.url,
-            "hot_options": {} if hot is None else hot.options,
-            "cold_options": {} if cold is None else cold.options,
-            "node_local": node_local, "timeout": timeout}
+    return {
+        "probe": probe,
+        "name": name,
+        "hot": None if hot is None else hot.url,
+        "cold": None if cold is None else cold.url,
+        "hot_options": {} if hot is None else hot.options,
+        "cold_options": {} if cold is None else cold.options,
+        "node_local": node_local,
+        "timeout": timeout,
+    }
 
 
 # -- from the command line: a checkpoint, no live process ------------------------------------
 
 
-def verify_checkpoint(probe: str, hot: TierURL | Store | None, cold: TierURL | None = None, *,
-                      name: str | None = None, step: int | None = None, nproc: int | None = None,
-                      record: str | os.PathLike[str] | None = None, rtol: float = 0.0, atol: float = 0.0,
-                      hot_options: Mapping[str, Any] | None = None,
-                      cold_options: Mapping[str, Any] | None = None, timeout: float = 600.0) -> ResumeReport:
+def verify_checkpoint(
+    probe: str,
+    hot: TierURL | Store | None,
+    cold: TierURL | None = None,
+    *,
+    name: str | None = None,
+    step: int | None = None,
+    nproc: int | None = None,
+    record: str | os.PathLike[str] | None = None,
+    rtol: float = 0.0,
+    atol: float = 0.0,
+    hot_options: Mapping[str, Any] | None = None,
+    cold_options: Mapping[str, Any] | None = None,
+    timeout: float = 600.0,
+) -> ResumeReport:
     """Load a checkpoint into ``nproc`` fresh local processes and check it against ``record``.
 
     ``record`` is a directory a live run wrote with ``verify_resume(..., record_dir=...)``;
@@ -166,12 +207,23 @@ def _read_record(directory: Path) -> list[dict[str, Any] | None]:
 # -- from the training run: every rank, right after a save -----------------------------------
 
 
-def verify_resume(probe: str | ProbeFactory, state: dict[str, Any], *, hot: TierURL | Store | None,
-                  cold: TierURL | None = None, name: str | None = None, step: int | None = None,
-                  hot_options: Mapping[str, Any] | None = None,
-                  cold_options: Mapping[str, Any] | None = None, node_local: bool = False,
-                  group: Any = None, rtol: float = 0.0, atol: float = 0.0, timeout: float = 600.0,
-                  record_dir: str | os.PathLike[str] | None = None) -> ResumeReport:
+def verify_resume(
+    probe: str | ProbeFactory,
+    state: dict[str, Any],
+    *,
+    hot: TierURL | Store | None,
+    cold: TierURL | None = None,
+    name: str | None = None,
+    step: int | None = None,
+    hot_options: Mapping[str, Any] | None = None,
+    cold_options: Mapping[str, Any] | None = None,
+    node_local: bool = False,
+    group: Any = None,
+    rtol: float = 0.0,
+    atol: float = 0.0,
+    timeout: float = 600.0,
+    record_dir: str | os.PathLike[str] | None = None,
+) -> ResumeReport:
     """Check that a committed checkpoint restores ``state``: call on every rank, right after the save.
 
     ``name``/``step`` pick the checkpoint (default the newest). Every rank starts one fresh

@@ -81,8 +81,15 @@ class ResumableSampler:
     mid-epoch.
     """
 
-    def __init__(self, size: int, *, rank: int | None = None, world_size: int | None = None,
-                 seed: int = 0, shuffle: bool = True) -> None:
+    def __init__(
+        self,
+        size: int,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        seed: int = 0,
+        shuffle: bool = True,
+    ) -> None:
         if size < 0:
             raise ConfigError(f"size must not be negative, got {size}")
         dist_rank, dist_world = rank_world()
@@ -130,23 +137,41 @@ class ResumableSampler:
 
     def state_dict(self) -> dict[str, Any]:
         # Plain ints, the same on every rank: DCP keeps one copy (see the module docstring).
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "size": self.size,
-                "shuffle": int(self.shuffle), "world_size": self.world_size}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "size": self.size,
+            "shuffle": int(self.shuffle),
+            "world_size": self.world_size,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if int(state["size"]) != self.size:
-            raise ConfigError(f"the checkpoint's data position is for a dataset of {state['size']} "
-                              f"samples, this one has {self.size}: the epoch order would differ")
+            raise ConfigError(
+                f"the checkpoint's data position is for a dataset of {state['size']} "
+                f"samples, this one has {self.size}: the epoch order would differ"
+            )
         if int(state["seed"]) != self.seed or bool(state["shuffle"]) != self.shuffle:
-            log.warning("sampler seed/shuffle %s/%s from the checkpoint replace %s/%s",
-                        state["seed"], bool(state["shuffle"]), self.seed, self.shuffle)
+            log.warning(
+                "sampler seed/shuffle %s/%s from the checkpoint replace %s/%s",
+                state["seed"],
+                bool(state["shuffle"]),
+                self.seed,
+                self.shuffle,
+            )
         self.seed, self.shuffle = int(state["seed"]), bool(state["shuffle"])
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         saved_world = int(state["world_size"])
         if saved_world != self.world_size:
-            log.warning("data position: saved by %d ranks, resuming on %d at global sample %d of "
-                        "epoch %d (no sample replayed or skipped)", saved_world, self.world_size,
-                        self.position, self.epoch)
+            log.warning(
+                "data position: saved by %d ranks, resuming on %d at global sample %d of "
+                "epoch %d (no sample replayed or skipped)",
+                saved_world,
+                self.world_size,
+                self.position,
+                self.epoch,
+            )
 
 
 class ResumableLoader:
@@ -164,8 +189,15 @@ class ResumableLoader:
     must be exact across a resume.
     """
 
-    def __init__(self, dataset: Any, batch_size: int, sampler: ResumableSampler, *,
-                 collate_fn: Callable[[list[Any]], Any] | None = None, **loader_options: Any) -> None:
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int,
+        sampler: ResumableSampler,
+        *,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        **loader_options: Any,
+    ) -> None:
         if batch_size < 1:
             raise ConfigError(f"batch_size must be at least 1, got {batch_size}")
         self.dataset = dataset
@@ -179,13 +211,17 @@ class ResumableLoader:
         from torch.utils.data import DataLoader
 
         pending = self.sampler.pending()
-        batches = [pending[i:i + self.batch_size] for i in range(0, len(pending), self.batch_size)]
+        batches = [pending[i : i + self.batch_size] for i in range(0, len(pending), self.batch_size)]
         options = dict(self.loader_options)
         # A DataLoader iterator draws its workers' base seed from the global torch RNG unless
         # given a generator: a resumed run, which builds its iterator at another moment than
         # the uninterrupted one, would then see different dropout masks from then on.
-        options.setdefault("generator", torch.Generator().manual_seed(
-            _mix(self.sampler.seed, self.sampler.epoch) ^ self.sampler.position))
+        options.setdefault(
+            "generator",
+            torch.Generator().manual_seed(
+                _mix(self.sampler.seed, self.sampler.epoch) ^ self.sampler.position
+            ),
+        )
         loader = DataLoader(self.dataset, batch_sampler=batches, collate_fn=self.collate_fn, **options)
         for indices, batch in zip(batches, loader):
             self.sampler.advance(len(indices))

@@ -85,12 +85,22 @@ def _fresh(spec: dict[str, Any]) -> dict[str, Any]:
     probe = load_probe(spec["probe"])()
     state = probe.build()
     planner = ResumePlanner(optional=lambda key: True)  # report what is missing, load the rest
-    reader = TieredReader(spec["hot"], spec["cold"], name=spec["name"], hot_options=spec["hot_options"],
-                          cold_options=spec["cold_options"], node_local=spec["node_local"])
+    reader = TieredReader(
+        spec["hot"],
+        spec["cold"],
+        name=spec["name"],
+        hot_options=spec["hot_options"],
+        cold_options=spec["cold_options"],
+        node_local=spec["node_local"],
+    )
     dcp_load(state, storage_reader=reader, planner=planner)
     digests = digest_state(state)
-    return {"missing": planner.missing, "digests": digests, "loss": probe_loss(probe, state),
-            "step": reader.manifest.step if reader.manifest else None}
+    return {
+        "missing": planner.missing,
+        "digests": digests,
+        "loss": probe_loss(probe, state),
+        "step": reader.manifest.step if reader.manifest else None,
+    }
 
 
 def _leave_together(ok: bool) -> None:

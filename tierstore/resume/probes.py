@@ -50,8 +50,9 @@ def probe_spec(probe: str | ProbeFactory) -> str:
     if module == "__main__":
         main_file = getattr(sys.modules["__main__"], "__file__", None)
         if main_file is None:
-            raise ConfigError("a probe defined in an interactive __main__ cannot be imported; "
-                              "put it in a module")
+            raise ConfigError(
+                "a probe defined in an interactive __main__ cannot be imported; put it in a module"
+            )
         return f"{os.path.abspath(main_file)}:{name}"
     return f"{module}:{name}"
 

@@ -15,9 +15,19 @@ from typing import Any
 __all__ = ["ResumeReport", "Mismatch", "part_of", "compare", "rank_outcome", "assemble"]
 
 
-_PARTS = {"model": "model", "optim": "optimizer", "optimizer": "optimizer", "scheduler": "scheduler",
-          "lr_scheduler": "scheduler", "rng": "rng", "step": "step", "data": "data",
-          "sampler": "data", "dataloader": "data", "extra": "extra"}
+_PARTS = {
+    "model": "model",
+    "optim": "optimizer",
+    "optimizer": "optimizer",
+    "scheduler": "scheduler",
+    "lr_scheduler": "scheduler",
+    "rng": "rng",
+    "step": "step",
+    "data": "data",
+    "sampler": "data",
+    "dataloader": "data",
+    "extra": "extra",
+}
 
 
 def part_of(key: str) -> str:
@@ -71,10 +81,12 @@ class ResumeReport:
     def __repr__(self) -> str:
         # Counts, not the mismatches themselves: a report can name thousands of keys.
         parts = f" ({', '.join(self.parts_failed())})" if self.mismatches else ""
-        return (f"ResumeReport(checkpoint={self.checkpoint!r}, ok={self.ok}, "
-                f"world_size={self.world_size}, keys_checked={self.keys_checked}, "
-                f"mismatches={len(self.mismatches)}{parts}, errors={len(self.errors)}, "
-                f"loss_before={self.loss_before!r}, loss_after={self.loss_after!r})")
+        return (
+            f"ResumeReport(checkpoint={self.checkpoint!r}, ok={self.ok}, "
+            f"world_size={self.world_size}, keys_checked={self.keys_checked}, "
+            f"mismatches={len(self.mismatches)}{parts}, errors={len(self.errors)}, "
+            f"loss_before={self.loss_before!r}, loss_after={self.loss_after!r})"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         body = asdict(self)
@@ -94,8 +106,10 @@ class ResumeReport:
             ranks = sorted({r for m in found for r in m.ranks})
             lines.append(f"  {part}: {len(found)} key(s) {problem} (rank {_ranks(ranks)}): {keys}{more}")
         if not self.mismatches and not self.errors:
-            lines.append(f"  state: all {self.keys_checked} keys identical (model, optimizer, "
-                         "scheduler, step, RNG, data position as saved)")
+            lines.append(
+                f"  state: all {self.keys_checked} keys identical (model, optimizer, "
+                "scheduler, step, RNG, data position as saved)"
+            )
         lines.extend(f"  error: {e}" for e in self.errors)
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
@@ -107,8 +121,10 @@ class ResumeReport:
         exact = self.rtol == 0 and self.atol == 0
         same = "identical" if exact else f"within rtol {self.rtol} atol {self.atol}"
         verdict = same if self.loss_ok else "DIFFERENT"
-        return (f"loss on the fixed batch: before save {_fmt_losses(self.loss_before)}, "
-                f"fresh process {after}: {verdict}")
+        return (
+            f"loss on the fixed batch: before save {_fmt_losses(self.loss_before)}, "
+            f"fresh process {after}: {verdict}"
+        )
 
 
 def _fmt_losses(losses: Sequence[float | None]) -> str:
@@ -151,13 +167,24 @@ def compare_rank(live: Mapping[str, Any] | None, fresh: Mapping[str, Any]) -> li
 
 def rank_outcome(live: Mapping[str, Any] | None, fresh: Mapping[str, Any]) -> dict[str, Any]:
     """One rank's part of the report: small, so gathering it from every rank stays cheap."""
-    return {"loss_before": None if live is None else live.get("loss"), "loss_after": fresh.get("loss"),
-            "error": fresh.get("error"), "problems": compare_rank(live, fresh),
-            "keys": len(fresh.get("digests", {})), "live": live is not None}
+    return {
+        "loss_before": None if live is None else live.get("loss"),
+        "loss_after": fresh.get("loss"),
+        "error": fresh.get("error"),
+        "problems": compare_rank(live, fresh),
+        "keys": len(fresh.get("digests", {})),
+        "live": live is not None,
+    }
 
 
-def assemble(checkpoint: str, outcomes: Sequence[Mapping[str, Any]], *, rtol: float = 0.0,
-             atol: float = 0.0, seconds: float = 0.0) -> ResumeReport:
+def assemble(
+    checkpoint: str,
+    outcomes: Sequence[Mapping[str, Any]],
+    *,
+    rtol: float = 0.0,
+    atol: float = 0.0,
+    seconds: float = 0.0,
+) -> ResumeReport:
     """The report from every rank's :func:`rank_outcome`, in rank order."""
     merged: dict[tuple[str, str], list[int]] = {}
     errors = []
@@ -166,21 +193,35 @@ def assemble(checkpoint: str, outcomes: Sequence[Mapping[str, Any]], *, rtol: fl
             errors.append(f"rank {rank} fresh process: {outcome['error']}")
         for key, problem in outcome["problems"]:
             merged.setdefault((key, problem), []).append(rank)
-    mismatches = tuple(Mismatch(key, part_of(key), problem, tuple(ranks))
-                       for (key, problem), ranks in sorted(merged.items()))
+    mismatches = tuple(
+        Mismatch(key, part_of(key), problem, tuple(ranks)) for (key, problem), ranks in sorted(merged.items())
+    )
     compared_live = all(o["live"] for o in outcomes)
     return ResumeReport(
-        checkpoint=checkpoint, world_size=len(outcomes),
+        checkpoint=checkpoint,
+        world_size=len(outcomes),
         loss_before=tuple(o["loss_before"] for o in outcomes),
-        loss_after=tuple(o["loss_after"] for o in outcomes), mismatches=mismatches,
-        errors=tuple(errors), rtol=rtol, atol=atol, compared_live=compared_live,
-        keys_checked=max((o["keys"] for o in outcomes), default=0), seconds=seconds,
+        loss_after=tuple(o["loss_after"] for o in outcomes),
+        mismatches=mismatches,
+        errors=tuple(errors),
+        rtol=rtol,
+        atol=atol,
+        compared_live=compared_live,
+        keys_checked=max((o["keys"] for o in outcomes), default=0),
+        seconds=seconds,
         notes=() if compared_live else ("without a live record only completeness and the load were checked",),
     )
 
 
-def compare(checkpoint: str, live: Sequence[Mapping[str, Any] | None], fresh: Sequence[Mapping[str, Any]],
-            *, rtol: float = 0.0, atol: float = 0.0, seconds: float = 0.0) -> ResumeReport:
+def compare(
+    checkpoint: str,
+    live: Sequence[Mapping[str, Any] | None],
+    fresh: Sequence[Mapping[str, Any]],
+    *,
+    rtol: float = 0.0,
+    atol: float = 0.0,
+    seconds: float = 0.0,
+) -> ResumeReport:
     """The report from every rank's live record (or ``None``) and fresh-process result."""
     outcomes = [rank_outcome(mine, theirs) for mine, theirs in zip(live, fresh)]
     return assemble(checkpoint, outcomes, rtol=rtol, atol=atol, seconds=seconds)

@@ -56,8 +56,15 @@ from torch.distributed.checkpoint.state_dict import (
 from tierstore._dist import rank_world
 from tierstore.errors import ConfigError
 
-__all__ = ["TrainingState", "ResumePlanner", "PARTS", "capture_rng", "restore_rng", "reseed",
-           "is_per_rank_key"]
+__all__ = [
+    "TrainingState",
+    "ResumePlanner",
+    "PARTS",
+    "capture_rng",
+    "restore_rng",
+    "reseed",
+    "is_per_rank_key",
+]
 
 log = logging.getLogger(__name__)
 
@@ -88,10 +95,19 @@ class TrainingState:
         options: ``StateDictOptions`` for the model and optimizer state dicts.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 scheduler: StatefulLike | None = None, sampler: StatefulLike | None = None, *,
-                 step: int = 0, seed: int = 0, extra: Mapping[str, StatefulLike] | None = None,
-                 exclude: Iterable[str] = (), options: StateDictOptions | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: StatefulLike | None = None,
+        sampler: StatefulLike | None = None,
+        *,
+        step: int = 0,
+        seed: int = 0,
+        extra: Mapping[str, StatefulLike] | None = None,
+        exclude: Iterable[str] = (),
+        options: StateDictOptions | None = None,
+    ) -> None:
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -106,9 +122,13 @@ class TrainingState:
         self.options = options
 
     def _has(self, part: str) -> bool:
-        present = {"model": True, "optim": self.optimizer is not None,
-                   "scheduler": self.scheduler is not None, "data": self.sampler is not None,
-                   "extra": bool(self.extra)}
+        present = {
+            "model": True,
+            "optim": self.optimizer is not None,
+            "scheduler": self.scheduler is not None,
+            "data": self.sampler is not None,
+            "extra": bool(self.extra),
+        }
         return part not in self.exclude and present.get(part, True)
 
     # -- Stateful ---------------------------------------------------------------------------
@@ -163,8 +183,13 @@ class TrainingState:
         model, optim = self._has("model"), self._has("optim")
         if model and optim:
             assert self.optimizer is not None
-            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optim"], options=self.options)
+            set_state_dict(
+                self.model,
+                self.optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optim"],
+                options=self.options,
+            )
         elif model:
             set_model_state_dict(self.model, state["model"], options=self.options)
         elif optim:
@@ -177,9 +202,15 @@ class TrainingState:
         if saved_world == world:
             restore_rng(rng[f"rank{rank}"])
             return
-        log.warning("RNG state was saved by %d ranks, resuming on %d: per-rank streams cannot "
-                    "continue, reseeding rank %d from (seed %d, step %d, rank)",
-                    saved_world, world, rank, self.seed, self.step)
+        log.warning(
+            "RNG state was saved by %d ranks, resuming on %d: per-rank streams cannot "
+            "continue, reseeding rank %d from (seed %d, step %d, rank)",
+            saved_world,
+            world,
+            rank,
+            self.seed,
+            self.step,
+        )
         reseed(self.seed, self.step, rank)
 
 

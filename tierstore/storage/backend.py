@@ -92,12 +92,7 @@ def check_key(key: str, *, tier: str | None = None) -> list[str]:
     if not isinstance(key, str) or not key:
         raise UnsafePath("empty or non-string key", key=key, tier=tier)
     parts = key.split("/")
-    bad = (
-        key.startswith("/")
-        or "\\" in key
-        or "\x00" in key
-        or any(p in ("", ".", "..") for p in parts)
-    )
+    bad = key.startswith("/") or "\\" in key or "\x00" in key or any(p in ("", ".", "..") for p in parts)
     if bad:
         raise UnsafePath("key must be relative and stay inside its root", key=key, tier=tier)
     return parts
@@ -128,8 +123,11 @@ class ObjectWriter(abc.ABC):
         view = memoryview(data)
         if view.ndim != 1 or view.itemsize != 1:
             view = view.cast("B")
-        self.crc32c = (crc32c_update(self.crc32c, view) if crc32c is None
-                       else crc32c_combine(self.crc32c, crc32c, len(view)))
+        self.crc32c = (
+            crc32c_update(self.crc32c, view)
+            if crc32c is None
+            else crc32c_combine(self.crc32c, crc32c, len(view))
+        )
         try:
             self._write(view)
         except TierstoreError as err:
@@ -288,8 +286,9 @@ class Backend(abc.ABC):
         """Free space where the backend can tell (local disks), else ``None``."""
         return None
 
-    def abort_stale_uploads(self, *, older_than: float, dry_run: bool = True,
-                            now: float | None = None) -> builtins.list[str]:
+    def abort_stale_uploads(
+        self, *, older_than: float, dry_run: bool = True, now: float | None = None
+    ) -> builtins.list[str]:
         """Abort the backend's own debris (S3: incomplete multipart uploads) older than
         ``older_than`` seconds; return what was (or, dry run, would be) aborted."""
         return []
@@ -387,4 +386,3 @@ def translate_os_errors(key: str, tier: str, *, reading: bool = False) -> Iterat
         if err.errno == errno.ELOOP:
             raise UnsafePath("symbolic link in key path", key=key, tier=tier) from err
         raise StorageError(f"{type(err).__name__}: {err}", key=key, tier=tier) from err
-

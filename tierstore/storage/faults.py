@@ -36,8 +36,19 @@ from dataclasses import dataclass
 
 from tierstore.errors import ConfigError, FaultInjected
 
-__all__ = ["point", "arm", "disarm", "armed", "parse_spec", "ENV", "TRACE_ENV", "ACTIONS",
-           "BLOCK_DIR_ENV", "BLOCK_TIMEOUT_ENV", "RELEASE_ALL"]
+__all__ = [
+    "point",
+    "arm",
+    "disarm",
+    "armed",
+    "parse_spec",
+    "ENV",
+    "TRACE_ENV",
+    "ACTIONS",
+    "BLOCK_DIR_ENV",
+    "BLOCK_TIMEOUT_ENV",
+    "RELEASE_ALL",
+]
 
 ENV = "TIERSTORE_FAULTS"
 TRACE_ENV = "TIERSTORE_FAULT_TRACE"

@@ -114,8 +114,9 @@ class FsspecBackend(Backend):
         except TierstoreError as err:
             if not any(s in str(err) for s in self._secrets):
                 raise
-            context = {k: scrub(v, self._secrets) if isinstance(v, str) else v
-                       for k, v in err.context.items()}
+            context = {
+                k: scrub(v, self._secrets) if isinstance(v, str) else v for k, v in err.context.items()
+            }
             # from None: the original exception's text holds the secret too.
             raise type(err)(scrub(err.message, self._secrets), **context) from None
 
@@ -155,7 +156,9 @@ class FsspecBackend(Backend):
             except (ValueError, NotImplementedError) as err:
                 raise StorageError(
                     f"{type(self.fs).__name__} has no exclusive create ('xb'): tierstore "
-                    "cannot commit checkpoints on it safely", key=key, tier=self.label,
+                    "cannot commit checkpoints on it safely",
+                    key=key,
+                    tier=self.label,
                 ) from err
 
     def stat(self, key: str) -> ObjectInfo:
@@ -174,8 +177,9 @@ class FsspecBackend(Backend):
             return
         for path, info in sorted(self.fs.find(top, detail=True).items()):
             if info.get("type") == "file":
-                yield ObjectInfo(key=self._rel(path), size=int(info["size"]), mtime=_mtime(info),
-                                 version=_version(info))
+                yield ObjectInfo(
+                    key=self._rel(path), size=int(info["size"]), mtime=_mtime(info), version=_version(info)
+                )
 
     def delete(self, key: str) -> None:
         path = self._path(key)

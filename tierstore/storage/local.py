@@ -125,8 +125,18 @@ class _Dirs:
 class _LocalWriter(ObjectWriter):
     """Writes a unique temporary beside the key; ``close()`` fsyncs and renames it into place."""
 
-    def __init__(self, key: str, dirs: _Dirs, fd: int, tmp: str, base: str,
-                 backend: LocalBackend, *, direct: bool, defer_dir_sync: bool) -> None:
+    def __init__(
+        self,
+        key: str,
+        dirs: _Dirs,
+        fd: int,
+        tmp: str,
+        base: str,
+        backend: LocalBackend,
+        *,
+        direct: bool,
+        defer_dir_sync: bool,
+    ) -> None:
         super().__init__(key)
         self._dirs = dirs
         self._fd = fd
@@ -231,8 +241,7 @@ class _LocalWriter(ObjectWriter):
                 self.version = _version(os.fstat(self._fd))  # a rename keeps inode and mtime
                 fd, self._fd = self._fd, -1
                 os.close(fd)
-                os.replace(self._tmp, self._base, src_dir_fd=self._dirs.fd,
-                           dst_dir_fd=self._dirs.fd)
+                os.replace(self._tmp, self._base, src_dir_fd=self._dirs.fd, dst_dir_fd=self._dirs.fd)
             except BaseException:
                 self._abort()
                 raise
@@ -269,8 +278,7 @@ class LocalBackend(Backend):
 
     scheme = "file"
 
-    def __init__(self, url: str, *, fsync: bool = True, direct_io: bool = False,
-                 **options: Any) -> None:
+    def __init__(self, url: str, *, fsync: bool = True, direct_io: bool = False, **options: Any) -> None:
         super().__init__(url, **options)
         if options:
             raise ConfigError(f"unknown options for a local tier: {sorted(options)}")
@@ -284,8 +292,9 @@ class LocalBackend(Backend):
         with self._direct_lock:
             first, self.direct_io = self.direct_io, False
         if first:
-            log.warning("%s refuses O_DIRECT (%s); writing through the page cache instead",
-                        self.label, err.strerror)
+            log.warning(
+                "%s refuses O_DIRECT (%s); writing through the page cache instead", self.label, err.strerror
+            )
 
     # -- walking below the root ------------------------------------------------------------
 
@@ -354,7 +363,8 @@ class LocalBackend(Backend):
         except NotADirectoryError:
             self._refuse_link(key, parent, name)
             raise NotADirectoryError(
-                errno.ENOTDIR, "not a directory, but a key needs it as one", name) from None
+                errno.ENOTDIR, "not a directory, but a key needs it as one", name
+            ) from None
         self._makedirs(parent, name)
         # ENOENT here: made by another writer and already pruned by a concurrent delete.
         return self._open_dir(key, parent, name, create=False)
@@ -384,8 +394,7 @@ class LocalBackend(Backend):
                 self._refused_direct_io(err)
         return os.open(name, _CREATE_FLAGS, 0o644, dir_fd=directory), False
 
-    def _create(self, key: str, parts: list[str], name: str,
-                direct: bool = False) -> tuple[_Dirs, int, bool]:
+    def _create(self, key: str, parts: list[str], name: str, direct: bool = False) -> tuple[_Dirs, int, bool]:
         """Exclusively create file ``name`` in ``key``'s directory, making it first; say
         whether it is open for O_DIRECT.
 
@@ -417,8 +426,7 @@ class LocalBackend(Backend):
         tmp = _temp_name(parts[-1])
         with translate_os_errors(key, self.label):
             dirs, fd, direct = self._create(key, parts, tmp, direct=True)
-        return _LocalWriter(key, dirs, fd, tmp, parts[-1], self, direct=direct,
-                            defer_dir_sync=defer_dir_sync)
+        return _LocalWriter(key, dirs, fd, tmp, parts[-1], self, direct=direct, defer_dir_sync=defer_dir_sync)
 
     def sync_dirs(self, keys: Iterable[str]) -> None:
         """fsync each distinct directory holding one of ``keys``, once.
@@ -447,8 +455,9 @@ class LocalBackend(Backend):
             try:
                 # O_NONBLOCK: opening a FIFO planted in place of a file must not hang; it
                 # has no effect on regular files. O_NOFOLLOW: a link fails with ELOOP.
-                fd = os.open(parts[-1], os.O_RDONLY | os.O_NONBLOCK | _O_NOFOLLOW | _O_CLOEXEC,
-                             dir_fd=dirs.fd)
+                fd = os.open(
+                    parts[-1], os.O_RDONLY | os.O_NONBLOCK | _O_NOFOLLOW | _O_CLOEXEC, dir_fd=dirs.fd
+                )
             finally:
                 dirs.close()
             if not stat_mod.S_ISREG(os.fstat(fd).st_mode):
@@ -495,8 +504,7 @@ class LocalBackend(Backend):
                 raise
             # No hard links here: fall back to rename, exclusive only against
             # non-concurrent writers. Logged so operators know.
-            log.warning("%s has no hard links; publish of %s is not race-exclusive",
-                        self.label, key)
+            log.warning("%s has no hard links; publish of %s is not race-exclusive", self.label, key)
             try:
                 os.stat(base, dir_fd=directory, follow_symlinks=False)
             except FileNotFoundError:
@@ -544,8 +552,7 @@ class LocalBackend(Backend):
                 elif entry.is_file(follow_symlinks=False):
                     st = entry.stat(follow_symlinks=False)
                     if stat_mod.S_ISREG(st.st_mode):
-                        yield ObjectInfo(key=key, size=st.st_size, mtime=st.st_mtime,
-                                         version=_version(st))
+                        yield ObjectInfo(key=key, size=st.st_size, mtime=st.st_mtime, version=_version(st))
                     continue
                 else:
                     continue

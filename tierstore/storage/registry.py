@@ -41,8 +41,26 @@ _KNOWN_PLUGINS: dict[str, str] = {
 
 # Schemes a tier URL is likely meant to have although no backend serves them here: a path
 # starting with one of them and a colon but no "//" is a mistyped URL (split_scheme).
-_WELL_KNOWN = frozenset({"file", "memory", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl",
-                         "hdfs", "webhdfs", "http", "https", "ftp", "sftp"})
+_WELL_KNOWN = frozenset(
+    {
+        "file",
+        "memory",
+        "s3",
+        "s3a",
+        "gs",
+        "gcs",
+        "az",
+        "abfs",
+        "abfss",
+        "adl",
+        "hdfs",
+        "webhdfs",
+        "http",
+        "https",
+        "ftp",
+        "sftp",
+    }
+)
 
 _SCHEME = re.compile(r"[a-z][a-z0-9+.-]*")  # RFC 3986
 _MISTYPED = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*):(?P<rest>.*)", re.S)
@@ -95,8 +113,9 @@ def _load_entry_points() -> None:
             return
         for ep in entry_points(group=ENTRY_POINT_GROUP):
             # Importing nothing here: the value stays a lazy "module:Class" string.
-            _register(ep.name.lower(), ep.value, replace=False,
-                      source=f"entry point {ep.name} of {_dist_name(ep)}")
+            _register(
+                ep.name.lower(), ep.value, replace=False, source=f"entry point {ep.name} of {_dist_name(ep)}"
+            )
         _entry_points_loaded = True
 
 
@@ -116,8 +135,10 @@ def backend_class(scheme: str) -> type[Backend]:
     target = _registry.get(scheme)
     if target is None:
         hint = _KNOWN_PLUGINS.get(scheme)
-        install = f"; install it with `pip install {hint}`" if hint else (
-            f"; install a plugin that registers it in the {ENTRY_POINT_GROUP!r} entry-point group"
+        install = (
+            f"; install it with `pip install {hint}`"
+            if hint
+            else (f"; install a plugin that registers it in the {ENTRY_POINT_GROUP!r} entry-point group")
         )
         raise BackendNotFound(f"no tierstore backend for scheme {scheme!r}{install}")
     if isinstance(target, str):
@@ -163,17 +184,24 @@ def _refuse_mistyped(path: str) -> None:
         return
     scheme, rest = match["scheme"], match["rest"].lstrip("/")
     lowered = scheme.lower()
-    if not (lowered in _WELL_KNOWN or lowered in _KNOWN_PLUGINS or lowered.startswith("fsspec+")
-            or lowered in registered_backends()):
+    if not (
+        lowered in _WELL_KNOWN
+        or lowered in _KNOWN_PLUGINS
+        or lowered.startswith("fsspec+")
+        or lowered in registered_backends()
+    ):
         return
     meant = f"{scheme}://{'/' if lowered == 'file' else ''}{rest}"
     shown = scrub(path, url_secrets(meant))  # design.md invariant 18
-    raise ConfigError(f"tier path {shown!r} looks like a mistyped {lowered}:// URL: did you mean "
-                      f"{redact_url(meant)!r}? (a local directory of that name is './{shown}')")
+    raise ConfigError(
+        f"tier path {shown!r} looks like a mistyped {lowered}:// URL: did you mean "
+        f"{redact_url(meant)!r}? (a local directory of that name is './{shown}')"
+    )
 
 
-def open_backend(url: str | os.PathLike[str], options: Mapping[str, Any] | None = None,
-                 *, label: str | None = None) -> Backend:
+def open_backend(
+    url: str | os.PathLike[str], options: Mapping[str, Any] | None = None, *, label: str | None = None
+) -> Backend:
     """Build the backend for ``url`` with its ``options``; ``label`` names it in errors."""
     scheme, text = split_scheme(url)
     backend = backend_class(scheme)(text, **dict(options or {}))

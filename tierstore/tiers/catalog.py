@@ -20,6 +20,7 @@ __all__ = ["CheckpointInfo", "list_checkpoints", "latest_checkpoint", "resolve"]
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class CheckpointInfo:
     """A committed checkpoint and the tiers that hold it (nearest first)."""
@@ -67,17 +68,31 @@ def _collect(tiers: Sequence[Tier]) -> list[tuple[Manifest, list[Tier]]]:
     for err, tier in invalid:
         elsewhere = valid.get(err.checkpoint or "")
         if elsewhere:
-            log.warning("ignoring the invalid manifest of checkpoint %s in %s, %s holds a valid "
-                        "one: %s", err.checkpoint, tier.label, elsewhere[0].label, err)
+            log.warning(
+                "ignoring the invalid manifest of checkpoint %s in %s, %s holds a valid one: %s",
+                err.checkpoint,
+                tier.label,
+                elsewhere[0].label,
+                err,
+            )
         else:
-            log.warning("skipping checkpoint %s: its manifest is invalid in %s and no other tier "
-                        "holds a valid one: %s", err.checkpoint, tier.label, err)
+            log.warning(
+                "skipping checkpoint %s: its manifest is invalid in %s and no other tier "
+                "holds a valid one: %s",
+                err.checkpoint,
+                tier.label,
+                err,
+            )
     return sorted(merged.values(), key=lambda item: checkpoint_order(item[0]))
 
 
-def list_checkpoints(hot: TierURL | Store | None, cold: TierURL | None = None, *,
-                     hot_options: Mapping[str, Any] | None = None,
-                     cold_options: Mapping[str, Any] | None = None) -> list[CheckpointInfo]:
+def list_checkpoints(
+    hot: TierURL | Store | None,
+    cold: TierURL | None = None,
+    *,
+    hot_options: Mapping[str, Any] | None = None,
+    cold_options: Mapping[str, Any] | None = None,
+) -> list[CheckpointInfo]:
     """Committed checkpoints in any tier, sorted by step (then creation time).
 
     ``hot`` is the hot tier's URL or a :class:`~tierstore.Store` (see :meth:`Store.of`).
@@ -86,16 +101,25 @@ def list_checkpoints(hot: TierURL | Store | None, cold: TierURL | None = None, *
     return [CheckpointInfo.of(m, (t.role for t in holders)) for m, holders in _collect(store.tiers)]
 
 
-def latest_checkpoint(hot: TierURL | Store | None, cold: TierURL | None = None, *,
-                      hot_options: Mapping[str, Any] | None = None,
-                      cold_options: Mapping[str, Any] | None = None) -> CheckpointInfo | None:
+def latest_checkpoint(
+    hot: TierURL | Store | None,
+    cold: TierURL | None = None,
+    *,
+    hot_options: Mapping[str, Any] | None = None,
+    cold_options: Mapping[str, Any] | None = None,
+) -> CheckpointInfo | None:
     """The newest committed checkpoint in any tier, or ``None`` for an empty store."""
     found = list_checkpoints(hot, cold, hot_options=hot_options, cold_options=cold_options)
     return found[-1] if found else None
 
 
-def resolve(tiers: Sequence[Tier], *, step: int | None = None, name: str | None = None,
-            exclude: Collection[tuple[str, str]] = ()) -> tuple[Manifest, list[Tier]]:
+def resolve(
+    tiers: Sequence[Tier],
+    *,
+    step: int | None = None,
+    name: str | None = None,
+    exclude: Collection[tuple[str, str]] = (),
+) -> tuple[Manifest, list[Tier]]:
     """The checkpoint to read and the tiers holding it, nearest first.
 
     ``name`` picks that checkpoint; ``step`` the newest one of that step; neither, the
@@ -108,8 +132,11 @@ def resolve(tiers: Sequence[Tier], *, step: int | None = None, name: str | None 
     where = ", ".join(t.label for t in tiers)
     if name is not None:
         return _resolve_name(tiers, name, where)
-    candidates = [(m, ts) for m, ts in _collect(tiers)
-                  if (step is None or m.step == step) and (m.name, m.attempt) not in exclude]
+    candidates = [
+        (m, ts)
+        for m, ts in _collect(tiers)
+        if (step is None or m.step == step) and (m.name, m.attempt) not in exclude
+    ]
     if not candidates:
         what = "no committed checkpoint" if step is None else f"no committed checkpoint of step {step}"
         if exclude:
@@ -137,8 +164,10 @@ def _quarantined(tiers: Sequence[Tier], name: str) -> str:
             continue  # only a hint for the message
     if not held:
         return ""
-    return (f": it is quarantined (found damaged by a resume) in {', '.join(held)}; "
-            "`tierstore quarantine` shows why")
+    return (
+        f": it is quarantined (found damaged by a resume) in {', '.join(held)}; "
+        "`tierstore quarantine` shows why"
+    )
 
 
 def _resolve_name(tiers: Sequence[Tier], name: str, where: str) -> tuple[Manifest, list[Tier]]:
@@ -148,10 +177,15 @@ def _resolve_name(tiers: Sequence[Tier], name: str, where: str) -> tuple[Manifes
     if not holders:
         if invalid:
             raise invalid[0]
-        raise CheckpointNotFound("no committed checkpoint of that name" + _quarantined(tiers, name),
-                                 checkpoint=name, tier=where)
+        raise CheckpointNotFound(
+            "no committed checkpoint of that name" + _quarantined(tiers, name), checkpoint=name, tier=where
+        )
     for bad in invalid:
-        log.warning("ignoring an invalid manifest of checkpoint %s, reading the valid one in %s: %s",
-                    name, holders[0][1].label, bad)
+        log.warning(
+            "ignoring an invalid manifest of checkpoint %s, reading the valid one in %s: %s",
+            name,
+            holders[0][1].label,
+            bad,
+        )
     first = holders[0][0]
     return first, [t for m, t in holders if m.attempt == first.attempt]

@@ -30,8 +30,15 @@ from tierstore.format import layout
 from tierstore.tiers.migrator import MigrationState, MigrationStatus, Migrator
 from tierstore.tiers.tier import Tier
 
-__all__ = ["resume_pending", "await_delivery", "undelivered", "describe", "unreachable",
-           "PROGRESS_EVERY", "PROBE_WAIT"]
+__all__ = [
+    "resume_pending",
+    "await_delivery",
+    "undelivered",
+    "describe",
+    "unreachable",
+    "PROGRESS_EVERY",
+    "PROBE_WAIT",
+]
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +61,12 @@ def resume_pending(migrator: Migrator, hot: Tier, pending: Iterable[str]) -> lis
             migrator.submit_checkpoint(manifest)
             queued.append(manifest.name)
     if queued:
-        log.info("resuming the migration of %s to %s (pending in %s)", ", ".join(sorted(queued)),
-                 migrator.cold.label, hot.label)
+        log.info(
+            "resuming the migration of %s to %s (pending in %s)",
+            ", ".join(sorted(queued)),
+            migrator.cold.label,
+            hot.label,
+        )
     return queued
 
 
@@ -79,17 +90,20 @@ def await_delivery(migrators: Sequence[Migrator], deadline: float | None) -> boo
         if left:
             lag = sum(s.lag_bytes for s in left)
             more = "" if deadline is None else f", up to {max(0.0, deadline - time.monotonic()):.0f}s more"
-            log.warning("waiting for the migration of %s to %s (%.1f MiB left%s)",
-                        ", ".join(sorted({s.name for s in left})), migrators[0].cold.label,
-                        lag / 2**20, more)
+            log.warning(
+                "waiting for the migration of %s to %s (%.1f MiB left%s)",
+                ", ".join(sorted({s.name for s in left})),
+                migrators[0].cold.label,
+                lag / 2**20,
+                more,
+            )
 
 
 def _unfinished(migrators: Sequence[Migrator]) -> list[MigrationStatus]:
     return [s for m in migrators for s in m.pending()]
 
 
-def undelivered(migrators: Sequence[Migrator], cold: Tier, *,
-                timeout: float | None) -> dict[str, str]:
+def undelivered(migrators: Sequence[Migrator], cold: Tier, *, timeout: float | None) -> dict[str, str]:
     """The checkpoints ``migrators`` were given that are not (known to be) in the cold tier
     now, each with why: a job that failed, or one not finished. One that the cold tier
     holds now (another migrator, or a later job, committed it) is not accused: each is
@@ -114,25 +128,28 @@ def undelivered(migrators: Sequence[Migrator], cold: Tier, *,
     looker = threading.Thread(target=look, name="tierstore-delivery-check", daemon=True)
     looker.start()
     looker.join(timeout)
-    return {name: _why(status) for name, status in sorted(latest.items())
-            if not found.get(name, False)}
+    return {name: _why(status) for name, status in sorted(latest.items()) if not found.get(name, False)}
 
 
 def _why(status: MigrationStatus) -> str:
     if status.state is MigrationState.FAILED:
         return status.error or "failed"
-    return (f"still {status.state.value} ({status.bytes_done} of {status.bytes_total} bytes) "
-            "when the wait ran out")
+    return (
+        f"still {status.state.value} ({status.bytes_done} of {status.bytes_total} bytes) "
+        "when the wait ran out"
+    )
 
 
 def describe(failures: dict[str, str], hot: Tier, cold: Tier) -> str:
     """One message naming what stays undelivered, where it is, and what finishes it."""
     names = ", ".join(failures)
     reasons = "; ".join(f"{name}: {why}" for name, why in failures.items())
-    return (f"checkpoint(s) {names} did not reach the cold tier {cold.label} ({reasons}). "
-            f"Nothing is lost: they stay committed and pending in the hot tier {hot.label}; "
-            f"the next job's CheckpointManager with these tiers resumes their migration, or run "
-            f"`tierstore migrate --hot {redact_url(hot.url)} --cold {redact_url(cold.url)}`")
+    return (
+        f"checkpoint(s) {names} did not reach the cold tier {cold.label} ({reasons}). "
+        f"Nothing is lost: they stay committed and pending in the hot tier {hot.label}; "
+        f"the next job's CheckpointManager with these tiers resumes their migration, or run "
+        f"`tierstore migrate --hot {redact_url(hot.url)} --cold {redact_url(cold.url)}`"
+    )
 
 
 class _ProbeRetries(logging.Filter):

@@ -73,32 +73,44 @@ class Lease:
         try:
             self.tier.backend.delete(self.key)
         except TierstoreError as err:
-            log.warning("could not release lease %s in %s (it will expire): %s", self.key,
-                        self.tier.label, err)
+            log.warning(
+                "could not release lease %s in %s (it will expire): %s", self.key, self.tier.label, err
+            )
 
 
-def take(tier: Tier, name: str, *, purpose: str = "load", ttl: float = DEFAULT_TTL,
-         now: float | None = None) -> Lease | None:
+def take(
+    tier: Tier, name: str, *, purpose: str = "load", ttl: float = DEFAULT_TTL, now: float | None = None
+) -> Lease | None:
     """Lease ``name`` in ``tier`` for ``ttl`` seconds of the store's time; ``None`` (logged)
     if the tier refuses, e.g. read-only. ``now`` (this machine's clock) is only recorded."""
     now = time.time() if now is None else now
     key = layout.lease_key(name, uuid.uuid4().hex)
-    body = {"purpose": purpose, "host": socket.gethostname(), "pid": os.getpid(),
-            "created": now, "expires": now + ttl, "ttl": ttl}
+    body = {
+        "purpose": purpose,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "created": now,
+        "expires": now + ttl,
+        "ttl": ttl,
+    }
     try:
         tier.backend.publish(key, json.dumps(body).encode())
     except TransientStorageError as err:
-        log.warning("could not lease %s in %s; a concurrent prune could delete it: %s",
-                    name, tier.label, err)
+        log.warning("could not lease %s in %s; a concurrent prune could delete it: %s", name, tier.label, err)
         return None
     except TierstoreError as err:
         with _refused_lock:
             first = tier.label not in _refused
             _refused.add(tier.label)
-        log.log(logging.WARNING if first else logging.DEBUG,
-                "cannot write leases in %s (read-only credentials?): loading %s without a "
-                "lease, so a concurrent prune could delete it; later loads from this tier "
-                "are not warned about again: %s", tier.label, name, err)
+        log.log(
+            logging.WARNING if first else logging.DEBUG,
+            "cannot write leases in %s (read-only credentials?): loading %s without a "
+            "lease, so a concurrent prune could delete it; later loads from this tier "
+            "are not warned about again: %s",
+            tier.label,
+            name,
+            err,
+        )
         return None
     return Lease(tier, name, key)
 
@@ -116,29 +128,33 @@ def store_time(tier: Tier) -> float | None:
         finally:
             tier.backend.delete(key)
     except TierstoreError as err:
-        log.warning("cannot read the clock of %s (%s); judging leases by this machine's clock",
-                    tier.label, err)
+        log.warning(
+            "cannot read the clock of %s (%s); judging leases by this machine's clock", tier.label, err
+        )
         return None
 
 
-def live_leases(tier: Tier, name: str, *, now: float | None = None,
-                store_now: float | None = None) -> list[str]:
+def live_leases(
+    tier: Tier, name: str, *, now: float | None = None, store_now: float | None = None
+) -> list[str]:
     """Keys of the live leases on ``name`` in ``tier``; a damaged lease never raises.
 
     ``now`` is ignored: liveness is judged by the store's clock (module docstring), read with
     :func:`store_time` unless ``store_now`` gives it. Listing errors propagate: without the
     list, nothing can be known to be unleased.
     """
-    infos = [info for info in tier.backend.list(layout.lease_prefix(name))
-             if not layout.is_temporary(info.key)]  # a publish that never completed leased nothing
+    infos = [
+        info for info in tier.backend.list(layout.lease_prefix(name)) if not layout.is_temporary(info.key)
+    ]  # a publish that never completed leased nothing
     if not infos:
         return []
     clock = _Clock(tier, store_now)
     return [info.key for info in infos if _remaining(tier, info, clock, 0.0) is not None]
 
 
-def expired_leases(tier: Tier, infos: Iterable[ObjectInfo], *, grace: float = 0.0,
-                   store_now: float | None = None) -> list[ObjectInfo]:
+def expired_leases(
+    tier: Tier, infos: Iterable[ObjectInfo], *, grace: float = 0.0, store_now: float | None = None
+) -> list[ObjectInfo]:
     """Those of ``infos`` (lease objects of ``tier``) expired for at least ``grace`` seconds."""
     clock = _Clock(tier, store_now)
     return [info for info in infos if _remaining(tier, info, clock, grace) is None]
@@ -165,8 +181,13 @@ def _remaining(tier: Tier, info: ObjectInfo, clock: _Clock, grace: float) -> flo
     except ObjectNotFound:
         return None  # released meanwhile
     except (TierstoreError, ValueError, KeyError, TypeError, RecursionError) as err:
-        log.warning("lease %s in %s is unreadable (%s); honouring it for %.0f s from its mtime",
-                    info.key, tier.label, err, DEFAULT_TTL)
+        log.warning(
+            "lease %s in %s is unreadable (%s); honouring it for %.0f s from its mtime",
+            info.key,
+            tier.label,
+            err,
+            DEFAULT_TTL,
+        )
         ttl, expires = DEFAULT_TTL, None
     # No lease holds more than its ttl (+ grace) from now, whatever its stamps say.
     most = ttl + grace
@@ -178,9 +199,14 @@ def _remaining(tier: Tier, info: ObjectInfo, clock: _Clock, grace: float) -> flo
         # The store cannot have stamped a time this far in its own future: the file was
         # touched, restored with its times or the clock set back. Judged from that stamp it
         # would block prune and GC until then (design.md invariants 16, 17), so it is over.
-        log.warning("lease %s in %s is stamped %.0f s ahead of the store's clock, more than its "
-                    "ttl of %.0f s; treating it as expired", info.key, tier.label,
-                    info.mtime - now, ttl)
+        log.warning(
+            "lease %s in %s is stamped %.0f s ahead of the store's clock, more than its "
+            "ttl of %.0f s; treating it as expired",
+            info.key,
+            tier.label,
+            info.mtime - now,
+            ttl,
+        )
         return None
     left = min(info.mtime + ttl + grace - now, most)
     return left if left > 0 else None

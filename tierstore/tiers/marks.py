@@ -111,8 +111,9 @@ def _read_store_id(tier: Tier) -> str | None:
     try:
         return layout.check_store_id(json.loads(data)["store_id"])
     except (ValueError, KeyError, TypeError, RecursionError) as err:
-        raise IntegrityError(f"the tier's identity object is damaged: {err}",
-                             key=layout.STORE_ID_KEY, tier=tier.label) from err
+        raise IntegrityError(
+            f"the tier's identity object is damaged: {err}", key=layout.STORE_ID_KEY, tier=tier.label
+        ) from err
 
 
 # -- upload marks (cold tier) ----------------------------------------------------------------
@@ -137,14 +138,20 @@ def versions_digest(files: Iterable[FileEntry], versions: Mapping[str, str | Non
     return hashlib.sha256(json.dumps(sorted(pairs)).encode()).hexdigest()[:16]
 
 
-def upload_mark_key(name: str, attempt: str, rank: int, files: Iterable[FileEntry],
-                    versions: Mapping[str, str | None] | None = None) -> str:
+def upload_mark_key(
+    name: str,
+    attempt: str,
+    rank: int,
+    files: Iterable[FileEntry],
+    versions: Mapping[str, str | None] | None = None,
+) -> str:
     """Where rank ``rank``'s mark for exactly ``files`` (stored as ``versions``) lives: its
     key names its content, so a listing alone says which ranks are done (a mark for other
     files has another key) and which stored objects they verified."""
     files = tuple(files)
-    return layout.upload_mark_key(name, attempt, rank, files_digest(files),
-                                  versions_digest(files, versions) if versions else None)
+    return layout.upload_mark_key(
+        name, attempt, rank, files_digest(files), versions_digest(files, versions) if versions else None
+    )
 
 
 @dataclass(frozen=True)
@@ -185,8 +192,12 @@ def list_marks(tier: Tier, name: str, attempt: str) -> MarkListing:
             verified = layout.upload_mark_versions(info.key)
             if verified is not None:
                 versions.setdefault((parsed[2], digest), set()).add(verified)
-    return MarkListing({rank: frozenset(d) for rank, d in digests.items()}, frozenset(failed),
-                       tuple(keys), {k: frozenset(v) for k, v in versions.items()})
+    return MarkListing(
+        {rank: frozenset(d) for rank, d in digests.items()},
+        frozenset(failed),
+        tuple(keys),
+        {k: frozenset(v) for k, v in versions.items()},
+    )
 
 
 def in_place(tier: Tier, name: str, attempt: str, entry: FileEntry) -> bool:
@@ -198,15 +209,15 @@ def in_place(tier: Tier, name: str, attempt: str, entry: FileEntry) -> bool:
     return info.size == entry.size and info.crc32c in (None, entry.crc32c)
 
 
-def not_in_place(tier: Tier, name: str, attempt: str,
-                 files: Iterable[FileEntry]) -> list[FileEntry]:
+def not_in_place(tier: Tier, name: str, attempt: str, files: Iterable[FileEntry]) -> list[FileEntry]:
     """The ``files`` that ``tier`` lacks, or holds with another size (or CRC32C, where a
     listing shows one): :func:`check_in_place` without the listing."""
     return check_in_place(tier, name, attempt, files)[0]
 
 
-def check_in_place(tier: Tier, name: str, attempt: str, files: Iterable[FileEntry]
-                   ) -> tuple[list[FileEntry], dict[str, ObjectInfo]]:
+def check_in_place(
+    tier: Tier, name: str, attempt: str, files: Iterable[FileEntry]
+) -> tuple[list[FileEntry], dict[str, ObjectInfo]]:
     """The ``files`` that ``tier`` lacks or holds with another size (or CRC32C, where a
     listing shows one), and what the listing showed of each file present (by its path),
     from one listing per data prefix of the attempt (one prefix, or the attempt's hashed
@@ -237,8 +248,9 @@ def _data_prefix(key: str, path: str) -> str:
     return key.rsplit("/", 1)[0] + "/"
 
 
-def _mark_body(rank: int, files: tuple[FileEntry, ...],
-               versions: Mapping[str, str | None] | None = None) -> bytes:
+def _mark_body(
+    rank: int, files: tuple[FileEntry, ...], versions: Mapping[str, str | None] | None = None
+) -> bytes:
     entries = [{"path": f.path, "size": f.size, "crc32c": f.crc32c, "rank": f.rank} for f in files]
     body: dict[str, Any] = {"rank": rank, "files": entries}
     if versions:  # for people reading the store: the key is what counts
@@ -250,8 +262,9 @@ def _sorted(files: Any) -> tuple[FileEntry, ...]:
     return tuple(sorted(files, key=lambda f: (f.rank, f.path)))
 
 
-def read_upload_mark(tier: Tier, name: str, attempt: str, rank: int,
-                     files: Iterable[FileEntry] | None = None) -> tuple[FileEntry, ...] | None:
+def read_upload_mark(
+    tier: Tier, name: str, attempt: str, rank: int, files: Iterable[FileEntry] | None = None
+) -> tuple[FileEntry, ...] | None:
     """The files rank ``rank``'s mark for ``files`` lists, ``None`` if there is no such mark.
     Without ``files``: whichever mark of the rank one listing of its marks finds first.
 
@@ -264,13 +277,16 @@ def read_upload_mark(tier: Tier, name: str, attempt: str, rank: int,
     return None
 
 
-def _rank_marks(tier: Tier, name: str, attempt: str, rank: int,
-                files: Iterable[FileEntry] | None = None) -> list[str]:
+def _rank_marks(
+    tier: Tier, name: str, attempt: str, rank: int, files: Iterable[FileEntry] | None = None
+) -> list[str]:
     """Keys of rank ``rank``'s marks (for exactly ``files``, if given): one listing."""
     digest = files_digest(files) if files is not None else None
-    return [info.key for info in tier.backend.list(layout.rank_marks_prefix(name, attempt, rank))
-            if (found := layout.upload_mark_digest(info.key)) is not None
-            and digest in (None, found)]
+    return [
+        info.key
+        for info in tier.backend.list(layout.rank_marks_prefix(name, attempt, rank))
+        if (found := layout.upload_mark_digest(info.key)) is not None and digest in (None, found)
+    ]
 
 
 def _read_mark(tier: Tier, key: str, name: str, rank: int) -> tuple[FileEntry, ...] | None:
@@ -279,8 +295,9 @@ def _read_mark(tier: Tier, key: str, name: str, rank: int) -> tuple[FileEntry, .
     except ObjectNotFound:
         return None
     except ObjectTooLarge as err:
-        raise IntegrityError(f"upload mark is damaged: {err}", key=key, tier=tier.label,
-                             checkpoint=name, rank=rank) from err
+        raise IntegrityError(
+            f"upload mark is damaged: {err}", key=key, tier=tier.label, checkpoint=name, rank=rank
+        ) from err
     try:
         body = json.loads(data)
         files = _sorted(FileEntry(**f) for f in body["files"])
@@ -290,14 +307,20 @@ def _read_mark(tier: Tier, key: str, name: str, rank: int) -> tuple[FileEntry, .
         if digest is not None and digest != files_digest(files):
             raise ValueError("it lists other files than its key names")
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
-        raise IntegrityError(f"upload mark is damaged: {err}", key=key, tier=tier.label,
-                             checkpoint=name, rank=rank) from err
+        raise IntegrityError(
+            f"upload mark is damaged: {err}", key=key, tier=tier.label, checkpoint=name, rank=rank
+        ) from err
     return files
 
 
-def publish_upload_mark(tier: Tier, name: str, attempt: str, rank: int,
-                        files: tuple[FileEntry, ...],
-                        versions: Mapping[str, str | None] | None = None) -> None:
+def publish_upload_mark(
+    tier: Tier,
+    name: str,
+    attempt: str,
+    rank: int,
+    files: tuple[FileEntry, ...],
+    versions: Mapping[str, str | None] | None = None,
+) -> None:
     """Publish rank ``rank``'s mark for ``files``, which it verified stored as ``versions``
     (path -> :attr:`ObjectInfo.version`); an equal one already there is success, a damaged
     one (its key names these very files) is replaced, with a warning."""
@@ -347,8 +370,7 @@ def already_uploaded(tier: Tier, name: str, attempt: str, rank: int, files: tupl
     return versions_digest(files, now) in verified
 
 
-def clear_upload_marks(tier: Tier, name: str, attempt: str,
-                       keys: Iterable[str] | None = None) -> None:
+def clear_upload_marks(tier: Tier, name: str, attempt: str, keys: Iterable[str] | None = None) -> None:
     """Delete every upload and failure mark of an attempt (they did their job: the cold
     manifest commits it now, or the attempt is gone), in batches; ``keys``: the ones a
     listing just showed, so as not to list again."""
@@ -383,8 +405,7 @@ def read_failure(tier: Tier, name: str, attempt: str, rank: int) -> dict[str, An
         return {"error": f"unreadable failure mark {key}"}
 
 
-def publish_failure(tier: Tier, name: str, attempt: str, rank: int, file: str | None,
-                    error: str) -> None:
+def publish_failure(tier: Tier, name: str, attempt: str, rank: int, file: str | None, error: str) -> None:
     """Best effort: the cold tier may be what is failing (the coordinator then times out)."""
     body = json.dumps({"rank": rank, "file": file, "error": error}).encode()
     key = layout.failed_mark_key(name, attempt, rank)
@@ -399,8 +420,9 @@ def clear_failure(tier: Tier, name: str, attempt: str, rank: int) -> None:
     tier.backend.delete(layout.failed_mark_key(name, attempt, rank))
 
 
-def is_damaged(tier: Tier, name: str, attempt: str, rank: int, *, failed: bool,
-               key: str | None = None) -> bool:
+def is_damaged(
+    tier: Tier, name: str, attempt: str, rank: int, *, failed: bool, key: str | None = None
+) -> bool:
     """Whether rank ``rank``'s upload mark at ``key`` (default: the key earlier versions
     used; ``failed``: its failure mark) is there and damaged: unreadable, oversized, not what
     a mark holds, naming another rank, or other files than its key names. Storage errors

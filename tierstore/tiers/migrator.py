@@ -162,16 +162,24 @@ class Job:
 
     @property
     def done(self) -> bool:
-        return self.state in (MigrationState.UPLOADED, MigrationState.COMMITTED,
-                              MigrationState.FAILED)
+        return self.state in (MigrationState.UPLOADED, MigrationState.COMMITTED, MigrationState.FAILED)
 
     def status(self, now: float) -> MigrationStatus:
         total = sum(f.size for f in self.files)
         done = total if self.state in (MigrationState.UPLOADED, MigrationState.COMMITTED) else self.bytes_done
         return MigrationStatus(
-            name=self.name, attempt=self.attempt, step=self.step, state=self.state, rank=self.rank,
-            bytes_total=total, bytes_done=done, created=self.created, finished=self.finished,
-            error=self.error, failed_rank=self.failed_rank, failed_file=self.failed_file,
+            name=self.name,
+            attempt=self.attempt,
+            step=self.step,
+            state=self.state,
+            rank=self.rank,
+            bytes_total=total,
+            bytes_done=done,
+            created=self.created,
+            finished=self.finished,
+            error=self.error,
+            failed_rank=self.failed_rank,
+            failed_file=self.failed_file,
             lag_seconds=(self.finished or now) - self.created,
         )
 
@@ -208,9 +216,15 @@ class Migrator:
 
     BREAKER_SECONDS = 30.0
 
-    def __init__(self, hot: Tier, cold: Tier, config: MigrationConfig | None = None, *,
-                 clock: Callable[[], float] = time.time,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(
+        self,
+        hot: Tier,
+        cold: Tier,
+        config: MigrationConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         self.hot, self.cold = hot, cold
         self.config = config or MigrationConfig()
         self._clock, self._sleep = clock, sleep
@@ -224,8 +238,16 @@ class Migrator:
 
     # -- control ------------------------------------------------------------------------
 
-    def submit_rank(self, name: str, attempt: str, step: int | None, rank: int,
-                    files: Sequence[FileEntry], *, fresh: bool = False) -> None:
+    def submit_rank(
+        self,
+        name: str,
+        attempt: str,
+        step: int | None,
+        rank: int,
+        files: Sequence[FileEntry],
+        *,
+        fresh: bool = False,
+    ) -> None:
         """Upload ``rank``'s ``files`` of an attempt and publish its upload mark.
 
         ``fresh``: the caller wrote this attempt in this run (a new attempt id, so no earlier
@@ -236,9 +258,18 @@ class Migrator:
     def submit_commit(self, manifest: Manifest, rank: int, *, fresh: bool = False) -> None:
         """Coordinator: upload own files, wait for every rank's mark, publish cold manifest
         (``fresh``: as for :meth:`submit_rank`; the commit's own checks stay whole)."""
-        self._enqueue(Job(manifest.name, manifest.attempt, manifest.step, rank,
-                          manifest.files_of_rank(rank), manifest.created, manifest=manifest,
-                          fresh=fresh))
+        self._enqueue(
+            Job(
+                manifest.name,
+                manifest.attempt,
+                manifest.step,
+                rank,
+                manifest.files_of_rank(rank),
+                manifest.created,
+                manifest=manifest,
+                fresh=fresh,
+            )
+        )
 
     def submit_checkpoint(self, manifest: Manifest) -> None:
         """Migrate every rank's files of ``manifest`` from this hot tier and commit it, in the
@@ -248,14 +279,22 @@ class Migrator:
         by_rank = sorted(files_by_rank(manifest).items())
         for index, (rank, files) in enumerate(by_rank):
             last = index == len(by_rank) - 1
-            self._enqueue(Job(manifest.name, manifest.attempt, manifest.step, rank, files,
-                              manifest.created, manifest=manifest if last else None))
+            self._enqueue(
+                Job(
+                    manifest.name,
+                    manifest.attempt,
+                    manifest.step,
+                    rank,
+                    files,
+                    manifest.created,
+                    manifest=manifest if last else None,
+                )
+            )
 
     def busy(self, name: str, attempt: str) -> bool:
         """Whether a job of this attempt is queued or running here."""
         with self._cond:
-            return any(not job.done for (n, a, _), job in self._jobs.items()
-                       if (n, a) == (name, attempt))
+            return any(not job.done for (n, a, _), job in self._jobs.items() if (n, a) == (name, attempt))
 
     def stop(self, names: set[str] | None = None) -> None:
         """End the jobs of ``names`` (default: all) that have not finished: queued ones never
@@ -271,8 +310,7 @@ class Migrator:
             self._jobs[(job.name, job.attempt, job.rank)] = job
             self._unfinished += 1
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._loop, name="tierstore-migrator",
-                                                 daemon=True)
+                self._thread = threading.Thread(target=self._loop, name="tierstore-migrator", daemon=True)
                 self._thread.start()
         self._queue.put(job)
 
@@ -320,22 +358,26 @@ class Migrator:
                     self._unfinished -= 1
                     self._cond.notify_all()
 
-    def migrate_checkpoint(self, manifest: Manifest,
-                           progress: Callable[[str, int, int], None] | None = None) -> MigrationStatus:
+    def migrate_checkpoint(
+        self, manifest: Manifest, progress: Callable[[str, int, int], None] | None = None
+    ) -> MigrationStatus:
         """Migrate every rank's files of ``manifest`` and commit it, here and now (this
         thread): how ``tierstore migrate`` finishes a checkpoint a crash left pending.
         ``progress(name, bytes_done, bytes_total)``; failure is in the status, not raised."""
         total = manifest.total_size
-        jobs = [Job(manifest.name, manifest.attempt, manifest.step, rank, files, manifest.created)
-                for rank, files in sorted(files_by_rank(manifest).items())]
+        jobs = [
+            Job(manifest.name, manifest.attempt, manifest.step, rank, files, manifest.created)
+            for rank, files in sorted(files_by_rank(manifest).items())
+        ]
         jobs[-1].manifest = manifest  # the last rank's job also commits
         advance = counting(manifest.name, total, progress)
         for job in jobs:
             job.listener = advance
             self.run(job)
             if job.state is MigrationState.FAILED:
-                return replace(job.status(self._clock()), rank=None, bytes_total=total,
-                               bytes_done=advance.done)
+                return replace(
+                    job.status(self._clock()), rank=None, bytes_total=total, bytes_done=advance.done
+                )
         return replace(jobs[-1].status(self._clock()), rank=None, bytes_total=total, bytes_done=total)
 
     def run(self, job: Job) -> None:
@@ -366,56 +408,74 @@ class Migrator:
             return
         since, why = unreachable
         if self._clock() - since < self.BREAKER_SECONDS:
-            raise _Failed(None, None, TransientStorageError(
-                f"not attempted: the cold tier was unreachable {self._clock() - since:.0f}s ago "
-                f"({why}); the next commit (or `tierstore migrate`) tries again",
-                tier=self.cold.label))
+            raise _Failed(
+                None,
+                None,
+                TransientStorageError(
+                    f"not attempted: the cold tier was unreachable {self._clock() - since:.0f}s ago "
+                    f"({why}); the next commit (or `tierstore migrate`) tries again",
+                    tier=self.cold.label,
+                ),
+            )
         self._unreachable = None  # long enough: this job tries again
 
     def _record_failure(self, job: Job, failure: _Failed) -> None:
         job.state = MigrationState.FAILED
         if isinstance(failure.error, _Stopped) or (job.stopped and failure.rank is not None):
-            failure = _Failed(None, None, "stopped: the process gave up on it (close() ran out "
-                                          "of time, or it is exiting)")
-        job.error = f"{type(failure.error).__name__}: {failure.error}" \
-            if isinstance(failure.error, BaseException) else str(failure.error)
+            failure = _Failed(
+                None, None, "stopped: the process gave up on it (close() ran out of time, or it is exiting)"
+            )
+        job.error = (
+            f"{type(failure.error).__name__}: {failure.error}"
+            if isinstance(failure.error, BaseException)
+            else str(failure.error)
+        )
         job.failed_rank, job.failed_file = failure.rank, failure.file
         if job.stopped:
             log.info("migration of %s to %s stopped; it stays pending", job.name, self.cold.label)
             return
-        log.error("migration of checkpoint %s to %s failed: rank %s, file %s: %s",
-                  job.name, self.cold.label, failure.rank, failure.file, job.error)
+        log.error(
+            "migration of checkpoint %s to %s failed: rank %s, file %s: %s",
+            job.name,
+            self.cold.label,
+            failure.rank,
+            failure.file,
+            job.error,
+        )
         transient = isinstance(failure.error, TransientStorageError)
         if transient and self._unreachable is None:
             self._unreachable = (self._clock(), job.error)
         if failure.rank == job.rank:
             # Tell the coordinator not to wait for us; on a thread of its own, so a cold tier
             # out of reach spends the mark's retries there, not the queue's time.
-            threading.Thread(target=marks.publish_failure, daemon=True,
-                             name="tierstore-failure-mark",
-                             args=(self.cold, job.name, job.attempt, job.rank, failure.file,
-                                   job.error)).start()
+            threading.Thread(
+                target=marks.publish_failure,
+                daemon=True,
+                name="tierstore-failure-mark",
+                args=(self.cold, job.name, job.attempt, job.rank, failure.file, job.error),
+            ).start()
 
     def _upload_rank(self, job: Job) -> None:
-        if not job.fresh and marks.already_uploaded(self.cold, job.name, job.attempt, job.rank,
-                                                    job.files):
+        if not job.fresh and marks.already_uploaded(self.cold, job.name, job.attempt, job.rank, job.files):
             job.add_bytes(sum(f.size for f in job.files))
             return  # already done by an earlier migrator, and the very objects still there
         versions: dict[str, str | None] = {}  # what each verified upload (or copy) stored
-        errors = _in_parallel([functools.partial(self._upload_file, job, entry, versions)
-                               for entry in job.files], self.config.concurrency)
+        errors = _in_parallel(
+            [functools.partial(self._upload_file, job, entry, versions) for entry in job.files],
+            self.config.concurrency,
+        )
         for error in errors:
             if error is not None:
                 raise error if isinstance(error, _Failed) else _Failed(job.rank, None, error)
         faults.point("migrator.before_mark_publish")
 
         def publish() -> None:
-            marks.publish_upload_mark(self.cold, job.name, job.attempt, job.rank, job.files,
-                                      versions)
+            marks.publish_upload_mark(self.cold, job.name, job.attempt, job.rank, job.files, versions)
 
         try:
-            self.config.retry.call(publish, what=f"upload mark of rank {job.rank} ({job.name})",
-                                   sleep=self._sleep)
+            self.config.retry.call(
+                publish, what=f"upload mark of rank {job.rank} ({job.name})", sleep=self._sleep
+            )
         except Exception as err:
             raise _Failed(job.rank, None, err) from err
         if not job.fresh:  # a fresh attempt has no failure mark to resolve
@@ -424,8 +484,9 @@ class Migrator:
     def _upload_file(self, job: Job, entry: FileEntry, versions: dict[str, str | None]) -> None:
         try:
             if not job.fresh:
-                there = verified_copy(self.cold, job.name, job.attempt, entry,
-                                      chunk_size=self.config.chunk_size)
+                there = verified_copy(
+                    self.cold, job.name, job.attempt, entry, chunk_size=self.config.chunk_size
+                )
                 if there is not None:
                     versions[entry.path] = there.version
                     job.add_bytes(entry.size)
@@ -444,12 +505,17 @@ class Migrator:
                 # The write replaces the key atomically with the same verified bytes, and
                 # an aborted write leaves whatever was there (the backend contract).
                 versions[entry.path] = copy_file(
-                    self.hot, self.cold, job.name, job.attempt, entry,
-                    chunk_size=self.config.chunk_size, throttle=self._throttle,
-                    progress=progress)
+                    self.hot,
+                    self.cold,
+                    job.name,
+                    job.attempt,
+                    entry,
+                    chunk_size=self.config.chunk_size,
+                    throttle=self._throttle,
+                    progress=progress,
+                )
 
-            self.config.retry.call(attempt, what=f"upload of {entry.path} ({job.name})",
-                                   sleep=self._sleep)
+            self.config.retry.call(attempt, what=f"upload of {entry.path} ({job.name})", sleep=self._sleep)
             faults.point("migrator.after_file_upload")
         except Exception as err:
             raise _Failed(job.rank, entry.path, err) from err
@@ -479,8 +545,9 @@ class Migrator:
         except TierstoreError as err:
             log.info("left upload marks of %s for GC: %s", manifest.name, err)
 
-    def _check_in_place(self, manifest: Manifest, by_rank: dict[int, tuple[FileEntry, ...]],
-                        listing: marks.MarkListing) -> None:
+    def _check_in_place(
+        self, manifest: Manifest, by_rank: dict[int, tuple[FileEntry, ...]], listing: marks.MarkListing
+    ) -> None:
         """Raise unless every file of ``manifest`` is in the cold tier with its verified bytes.
 
         One listing per data prefix shows presence and size, and CRC32C where the store
@@ -490,43 +557,71 @@ class Migrator:
         again here, by the store's CRC32C or by reading it back.
         """
         name, attempt = manifest.name, manifest.attempt
-        absent, listed = marks.check_in_place(self.cold, name, attempt,
-                                              (f for files in by_rank.values() for f in files))
+        absent, listed = marks.check_in_place(
+            self.cold, name, attempt, (f for files in by_rank.values() for f in files)
+        )
         if absent:
             raise self._not_as_uploaded(manifest, absent, "missing, or its size differs")
-        unproved = [f for rank, files in by_rank.items()
-                    if not self._proved(listing, rank, files, listed) for f in files]
+        unproved = [
+            f
+            for rank, files in by_rank.items()
+            if not self._proved(listing, rank, files, listed)
+            for f in files
+        ]
         if not unproved:
             return
-        log.info("verifying %d file(s) of %s again before the cold commit: not listed as the "
-                 "objects their ranks verified", len(unproved), name)
+        log.info(
+            "verifying %d file(s) of %s again before the cold commit: not listed as the "
+            "objects their ranks verified",
+            len(unproved),
+            name,
+        )
         bad: list[FileEntry] = []
         checks = [functools.partial(self._recheck, manifest, entry, bad) for entry in unproved]
         for error in _in_parallel(checks, self.config.concurrency):
             if error is not None:
                 raise _Failed(None, None, error)
         if bad:
-            raise self._not_as_uploaded(manifest, sorted(bad, key=lambda f: (f.rank, f.path)),
-                                        "its bytes differ from the ones uploaded")
+            raise self._not_as_uploaded(
+                manifest,
+                sorted(bad, key=lambda f: (f.rank, f.path)),
+                "its bytes differ from the ones uploaded",
+            )
 
-    def _proved(self, listing: marks.MarkListing, rank: int, files: tuple[FileEntry, ...],
-                listed: dict[str, ObjectInfo]) -> bool:
+    def _proved(
+        self,
+        listing: marks.MarkListing,
+        rank: int,
+        files: tuple[FileEntry, ...],
+        listed: dict[str, ObjectInfo],
+    ) -> bool:
         if all(listed[f.path].crc32c is not None for f in files):
             return True  # the store's own CRC32C, compared by check_in_place
         now = {f.path: listed[f.path].version for f in files}
         return listing.vouches(rank, marks.files_digest(files), marks.versions_digest(files, now))
 
     def _recheck(self, manifest: Manifest, entry: FileEntry, bad: list[FileEntry]) -> None:
-        if verified_copy(self.cold, manifest.name, manifest.attempt, entry,
-                         chunk_size=self.config.chunk_size) is None:
+        if (
+            verified_copy(
+                self.cold, manifest.name, manifest.attempt, entry, chunk_size=self.config.chunk_size
+            )
+            is None
+        ):
             bad.append(entry)
 
     def _not_as_uploaded(self, manifest: Manifest, files: Sequence[FileEntry], why: str) -> _Failed:
         entry = files[0]
-        return _Failed(entry.rank, entry.path, ChecksumMismatch(
-            f"not in the cold tier as uploaded ({why}; {len(files)} file(s) in all) at the "
-            "cold commit; `tierstore migrate` uploads it again",
-            checkpoint=manifest.name, file=entry.path, tier=self.cold.label))
+        return _Failed(
+            entry.rank,
+            entry.path,
+            ChecksumMismatch(
+                f"not in the cold tier as uploaded ({why}; {len(files)} file(s) in all) at the "
+                "cold commit; `tierstore migrate` uploads it again",
+                checkpoint=manifest.name,
+                file=entry.path,
+                tier=self.cold.label,
+            ),
+        )
 
     def _publish(self, manifest: Manifest) -> None:
         def publish() -> None:
@@ -539,7 +634,9 @@ class Migrator:
                     raise CheckpointExists(
                         f"the cold tier holds another committed attempt ({other}) of this "
                         "checkpoint; it is never overwritten, so this attempt stays hot only",
-                        checkpoint=manifest.name, tier=self.cold.label) from None
+                        checkpoint=manifest.name,
+                        tier=self.cold.label,
+                    ) from None
                 # ours already: an earlier run (or an ambiguous publish) committed it
 
         try:
@@ -547,8 +644,9 @@ class Migrator:
         except Exception as err:
             raise _Failed(None, None, err) from err
 
-    def _await_marks(self, manifest: Manifest, by_rank: dict[int, tuple[FileEntry, ...]],
-                     job: Job | None = None) -> marks.MarkListing | None:
+    def _await_marks(
+        self, manifest: Manifest, by_rank: dict[int, tuple[FileEntry, ...]], job: Job | None = None
+    ) -> marks.MarkListing | None:
         """Wait until one listing shows every rank marked for its files of ``manifest`` (that
         listing), or until another migrator has committed this very attempt (``None``: it also
         removed the marks, so waiting on would only run into the timeout)."""
@@ -562,8 +660,9 @@ class Migrator:
                 raise _Failed(None, None, _Stopped(f"migration of {manifest.name} stopped"))
             listing = marks.list_marks(self.cold, manifest.name, manifest.attempt)
             last[:] = [listing]
-            seen.update(rank for rank, digest in expected.items()
-                        if rank not in seen and listing.marked(rank, digest))
+            seen.update(
+                rank for rank, digest in expected.items() if rank not in seen and listing.marked(rank, digest)
+            )
             left = [rank for rank in expected if rank not in seen]
             if not left:
                 return left
@@ -579,8 +678,9 @@ class Migrator:
 
         left = self.config.mark_polling.poll(missing, until=lambda left: not left, sleep=self._sleep)
         if left:
-            raise _Failed(left[0], None, f"no upload mark from ranks {left} after "
-                                         f"{self.config.commit_timeout:.0f}s")
+            raise _Failed(
+                left[0], None, f"no upload mark from ranks {left} after {self.config.commit_timeout:.0f}s"
+            )
         return None if left is None else last[0]
 
     def _committed_by_another(self, manifest: Manifest) -> bool:
@@ -620,8 +720,10 @@ def _in_parallel(calls: Sequence[Callable[[], None]], width: int) -> list[BaseEx
             except BaseException as err:  # reported to the job, never lost
                 errors[index] = err
 
-    threads = [threading.Thread(target=work, name="tierstore-upload", daemon=True)
-               for _ in range(min(width, len(calls)))]
+    threads = [
+        threading.Thread(target=work, name="tierstore-upload", daemon=True)
+        for _ in range(min(width, len(calls)))
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:

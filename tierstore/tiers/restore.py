@@ -55,22 +55,42 @@ class RestoreReport:
     manifest_repaired: bool = False  # the hot manifest was damaged and has been replaced
 
 
-def restore(hot: TierURL | Store, cold: TierURL | None = None, *, step: int | None = None,
-            name: str | None = None,
-            hot_options: dict[str, Any] | None = None, cold_options: dict[str, Any] | None = None,
-            config: MigrationConfig | None = None,
-            progress: Callable[[str, int, int], None] | None = None) -> Manifest:
+def restore(
+    hot: TierURL | Store,
+    cold: TierURL | None = None,
+    *,
+    step: int | None = None,
+    name: str | None = None,
+    hot_options: dict[str, Any] | None = None,
+    cold_options: dict[str, Any] | None = None,
+    config: MigrationConfig | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> Manifest:
     """Restore (or repair) the newest (or the given) cold checkpoint in the hot tier; return
     its manifest. :func:`restore_checkpoint` also says what was copied and repaired."""
-    return restore_checkpoint(hot, cold, step=step, name=name, hot_options=hot_options,
-                              cold_options=cold_options, config=config, progress=progress).manifest
+    return restore_checkpoint(
+        hot,
+        cold,
+        step=step,
+        name=name,
+        hot_options=hot_options,
+        cold_options=cold_options,
+        config=config,
+        progress=progress,
+    ).manifest
 
 
-def restore_checkpoint(hot: TierURL | Store, cold: TierURL | None = None, *, step: int | None = None,
-                       name: str | None = None, hot_options: dict[str, Any] | None = None,
-                       cold_options: dict[str, Any] | None = None,
-                       config: MigrationConfig | None = None,
-                       progress: Callable[[str, int, int], None] | None = None) -> RestoreReport:
+def restore_checkpoint(
+    hot: TierURL | Store,
+    cold: TierURL | None = None,
+    *,
+    step: int | None = None,
+    name: str | None = None,
+    hot_options: dict[str, Any] | None = None,
+    cold_options: dict[str, Any] | None = None,
+    config: MigrationConfig | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> RestoreReport:
     """Restore the newest (or the given) cold checkpoint into the hot tier, repairing what the
     hot tier holds of it (module docstring); raise :class:`CheckpointExists` if the hot tier
     commits another attempt under that name."""
@@ -80,8 +100,11 @@ def restore_checkpoint(hot: TierURL | Store, cold: TierURL | None = None, *, ste
     manifest, _ = resolve([cold_tier], step=step, name=name)
     present, torn = _hot_manifest(hot_tier, manifest.name)
     if present is not None and present.attempt != manifest.attempt:
-        raise CheckpointExists("the hot tier holds another attempt of this checkpoint",
-                               checkpoint=manifest.name, tier=hot_tier.label)
+        raise CheckpointExists(
+            "the hot tier holds another attempt of this checkpoint",
+            checkpoint=manifest.name,
+            tier=hot_tier.label,
+        )
     advance = counting(manifest.name, manifest.total_size, progress)
     copied: list[str] = []
     repaired: list[Repair] = []
@@ -91,21 +114,40 @@ def restore_checkpoint(hot: TierURL | Store, cold: TierURL | None = None, *, ste
             advance(entry.size)
             continue
         if present is not None or torn is not None or problem != "missing":
-            log.warning("repairing %s of checkpoint %s in %s from %s: %s", entry.path,
-                        manifest.name, hot_tier.label, cold_tier.label, problem)
+            log.warning(
+                "repairing %s of checkpoint %s in %s from %s: %s",
+                entry.path,
+                manifest.name,
+                hot_tier.label,
+                cold_tier.label,
+                problem,
+            )
             repaired.append(Repair(entry.path, problem))
 
         def attempt(entry: FileEntry = entry) -> None:
             # No delete first: the copy replaces a damaged file whole when it commits.
-            copy_file(cold_tier, hot_tier, manifest.name, manifest.attempt, entry,
-                      chunk_size=config.chunk_size, progress=advance)
+            copy_file(
+                cold_tier,
+                hot_tier,
+                manifest.name,
+                manifest.attempt,
+                entry,
+                chunk_size=config.chunk_size,
+                progress=advance,
+            )
 
         config.retry.call(attempt, what=f"restore of {entry.path} ({manifest.name})")
         copied.append(entry.path)
     if present is None:
         _publish(hot_tier, manifest, torn)
-    log.info("restored %s from %s to %s (%d files copied, %d repaired)", manifest.name,
-             cold_tier.label, hot_tier.label, len(copied), len(repaired))
+    log.info(
+        "restored %s from %s to %s (%d files copied, %d repaired)",
+        manifest.name,
+        cold_tier.label,
+        hot_tier.label,
+        len(copied),
+        len(repaired),
+    )
     return RestoreReport(manifest, tuple(copied), tuple(repaired), manifest_repaired=torn is not None)
 
 

@@ -124,8 +124,7 @@ class RunLock:
     def start(self) -> None:
         """Check for other live jobs (warning about them) and start the heartbeat."""
         self._scan(starting=True)
-        self._thread = threading.Thread(target=self._beat, name="tierstore-run-lock",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._beat, name="tierstore-run-lock", daemon=True)
         self._thread.start()
 
     def release(self) -> None:
@@ -148,8 +147,7 @@ class RunLock:
             except TierstoreError as err:
                 log.debug("run lock heartbeat in %s failed: %s", self.tier.label, err)
             except Exception:  # a bug or a backend's stray error must not end the heartbeat
-                log.warning("run lock heartbeat in %s failed; it goes on", self.tier.label,
-                            exc_info=True)
+                log.warning("run lock heartbeat in %s failed; it goes on", self.tier.label, exc_info=True)
 
     def _scan(self, *, starting: bool) -> None:
         try:
@@ -171,21 +169,34 @@ class RunLock:
                     "checkpoints, collide on step names and resume from each other's saves: "
                     "give each job its own directory (a job that was killed stops counting "
                     "%.0f s after its last heartbeat)",
-                    self.tier.label, other.describe(), self.info.describe(), other.ttl)
+                    self.tier.label,
+                    other.describe(),
+                    self.info.describe(),
+                    other.ttl,
+                )
             else:
                 log.warning(
                     "job %s started saving into the hot directory %s, which this job %s is "
                     "saving into: they will prune each other's checkpoints and collide on "
                     "step names; give each job its own directory",
-                    other.describe(), self.tier.label, self.info.describe())
+                    other.describe(),
+                    self.tier.label,
+                    self.info.describe(),
+                )
 
 
 def acquire(tier: Tier, *, ttl: float | None = None, job: str | None = None) -> RunLock | None:
     """Take this job's run lock on ``tier`` and warn about other live jobs there (module
     docstring). ``None`` when the tier refuses it (logged at debug level). ``ttl`` defaults
     to ``TIERSTORE_RUN_LOCK_TTL`` or :data:`DEFAULT_TTL`."""
-    info = RunInfo(run=uuid.uuid4().hex, job=job or _job_label(), host=socket.gethostname(),
-                   pid=os.getpid(), pid_space=_pid_space(), ttl=_ttl(ttl))
+    info = RunInfo(
+        run=uuid.uuid4().hex,
+        job=job or _job_label(),
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        pid_space=_pid_space(),
+        ttl=_ttl(ttl),
+    )
     lock = RunLock(tier, info)
     try:
         _publish(tier, lock.key, info)  # before listing: of two jobs starting at once, one sees the other
@@ -263,8 +274,10 @@ def _ttl(value: float | None) -> float:
     except ValueError:
         seconds = float("nan")
     if not 0 < seconds <= MAX_TTL:  # nan fails too
-        raise ConfigError(f"run lock ttl ({_TTL_ENV} or ttl=) must be a number of seconds in "
-                          f"(0, {MAX_TTL:.0f}], got {given!r}")
+        raise ConfigError(
+            f"run lock ttl ({_TTL_ENV} or ttl=) must be a number of seconds in "
+            f"(0, {MAX_TTL:.0f}], got {given!r}"
+        )
     return seconds
 
 

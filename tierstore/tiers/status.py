@@ -29,19 +29,26 @@ from tierstore.tiers.workers import drain
 
 __all__ = ["migration_status", "migrate_pending", "wait_for_migrations"]
 
-def migration_status(hot: TierURL | Store, cold: TierURL | None = None, *,
-                     hot_options: dict[str, Any] | None = None,
-                     cold_options: dict[str, Any] | None = None) -> list[MigrationStatus]:
+
+def migration_status(
+    hot: TierURL | Store,
+    cold: TierURL | None = None,
+    *,
+    hot_options: dict[str, Any] | None = None,
+    cold_options: dict[str, Any] | None = None,
+) -> list[MigrationStatus]:
     """Every hot-committed checkpoint's migration state as the tiers record it (any process).
 
     Raises the storage error if the cold tier cannot be read at all.
     """
-    hot_tier, cold_tier = Store.of(hot, cold, hot_options=hot_options,
-                                   cold_options=cold_options).migration_pair()
+    hot_tier, cold_tier = Store.of(
+        hot, cold, hot_options=hot_options, cold_options=cold_options
+    ).migration_pair()
     cold_id = marks.store_id(cold_tier)
     in_cold = _cold_manifests(cold_tier)
-    return [_tier_status(hot_tier, cold_tier, m, time.time(), cold_id, in_cold)
-            for m in _hot_manifests(hot_tier)]
+    return [
+        _tier_status(hot_tier, cold_tier, m, time.time(), cold_id, in_cold) for m in _hot_manifests(hot_tier)
+    ]
 
 
 def _hot_manifests(hot: Tier) -> list[Manifest]:
@@ -60,15 +67,28 @@ def _cold_manifests(cold: Tier) -> _ColdView:
     return view
 
 
-def _tier_status(hot: Tier, cold: Tier, manifest: Manifest, now: float,
-                 cold_id: str | None, in_cold: _ColdView) -> MigrationStatus:
+def _tier_status(
+    hot: Tier, cold: Tier, manifest: Manifest, now: float, cold_id: str | None, in_cold: _ColdView
+) -> MigrationStatus:
     total = manifest.total_size
-    base = MigrationStatus(manifest.name, manifest.attempt, manifest.step, MigrationState.PENDING,
-                           None, total, 0, manifest.created, lag_seconds=now - manifest.created)
+    base = MigrationStatus(
+        manifest.name,
+        manifest.attempt,
+        manifest.step,
+        MigrationState.PENDING,
+        None,
+        total,
+        0,
+        manifest.created,
+        lag_seconds=now - manifest.created,
+    )
     committed = in_cold.get(manifest.name)
     if isinstance(committed, InvalidManifest):
-        return replace(base, state=MigrationState.FAILED, error=(
-            f"the cold manifest is invalid ({committed}); the hot copy is kept"))
+        return replace(
+            base,
+            state=MigrationState.FAILED,
+            error=(f"the cold manifest is invalid ({committed}); the hot copy is kept"),
+        )
     if committed is not None and committed == manifest:
         if cold_id is not None and not marks.was_migrated(hot, manifest, cold_id):
             marks.mark_migrated(hot, manifest, cold_id)  # repair a mark lost after the commit
@@ -77,37 +97,57 @@ def _tier_status(hot: Tier, cold: Tier, manifest: Manifest, now: float,
         # committed in this cold tier once, pruned there since by its policy
         return replace(base, state=MigrationState.COMMITTED, bytes_done=total, lag_seconds=0.0)
     if committed is not None:
-        return replace(base, state=MigrationState.FAILED, error=(
-            f"the cold tier holds another attempt ({committed.attempt}) of this checkpoint; "
-            "it is never overwritten, so this attempt stays in the hot tier only"))
+        return replace(
+            base,
+            state=MigrationState.FAILED,
+            error=(
+                f"the cold tier holds another attempt ({committed.attempt}) of this checkpoint; "
+                "it is never overwritten, so this attempt stays in the hot tier only"
+            ),
+        )
     listing = marks.list_marks(cold, manifest.name, manifest.attempt)
     # A mark's key names the files it vouches for; one naming other files (a forged or stale
     # mark) does not count: the next migration repairs it.
-    done_ranks = [rank for rank in sorted(listing.digests) if listing.marked(
-        rank, marks.files_digest(manifest.files_of_rank(rank)))]
+    done_ranks = [
+        rank
+        for rank in sorted(listing.digests)
+        if listing.marked(rank, marks.files_digest(manifest.files_of_rank(rank)))
+    ]
     done = sum(f.size for rank in done_ranks for f in manifest.files_of_rank(rank))
     for rank in sorted(listing.failed - set(done_ranks)):
         failure = marks.read_failure(cold, manifest.name, manifest.attempt, rank)
         if failure is not None:
-            return replace(base, state=MigrationState.FAILED, bytes_done=done,
-                           error=failure.get("error"), failed_rank=rank, failed_file=failure.get("file"))
+            return replace(
+                base,
+                state=MigrationState.FAILED,
+                bytes_done=done,
+                error=failure.get("error"),
+                failed_rank=rank,
+                failed_file=failure.get("file"),
+            )
     state = MigrationState.UPLOADING if done_ranks else MigrationState.PENDING
     return replace(base, state=state, bytes_done=done)
 
 
-def migrate_pending(hot: TierURL | Store, cold: TierURL | None = None, *,
-                    hot_options: dict[str, Any] | None = None,
-                    cold_options: dict[str, Any] | None = None, names: Iterable[str] | None = None,
-                    config: MigrationConfig | None = None,
-                    progress: Callable[[str, int, int], None] | None = None) -> list[MigrationStatus]:
+def migrate_pending(
+    hot: TierURL | Store,
+    cold: TierURL | None = None,
+    *,
+    hot_options: dict[str, Any] | None = None,
+    cold_options: dict[str, Any] | None = None,
+    names: Iterable[str] | None = None,
+    config: MigrationConfig | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> list[MigrationStatus]:
     """Finish every pending migration now, in this process, from a hot tier holding all files.
 
     Ranks whose upload mark exists and files already stored intact are skipped. Returns
     each checkpoint's final status; a checkpoint's failure is reported there, not raised.
     A tier that cannot be read at all (the cold tier down) raises its storage error.
     """
-    hot_tier, cold_tier = Store.of(hot, cold, hot_options=hot_options,
-                                   cold_options=cold_options).migration_pair()
+    hot_tier, cold_tier = Store.of(
+        hot, cold, hot_options=hot_options, cold_options=cold_options
+    ).migration_pair()
     migrator = Migrator(hot_tier, cold_tier, config)
     wanted = set(names) if names is not None else None
     results = []
@@ -126,10 +166,15 @@ def migrate_pending(hot: TierURL | Store, cold: TierURL | None = None, *,
     return results
 
 
-def wait_for_migrations(hot: TierURL | Store, cold: TierURL | None = None, *,
-                        timeout: float | None = None, poll: float = 1.0,
-                        hot_options: dict[str, Any] | None = None,
-                        cold_options: dict[str, Any] | None = None) -> list[MigrationStatus]:
+def wait_for_migrations(
+    hot: TierURL | Store,
+    cold: TierURL | None = None,
+    *,
+    timeout: float | None = None,
+    poll: float = 1.0,
+    hot_options: dict[str, Any] | None = None,
+    cold_options: dict[str, Any] | None = None,
+) -> list[MigrationStatus]:
     """Wait until no hot-committed checkpoint is still pending or uploading (any process).
 
     Returns the final statuses (``committed`` or ``failed``); on ``timeout`` the ones still

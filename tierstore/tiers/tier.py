@@ -100,8 +100,9 @@ class Tier:
         if cached is not None and cached[0] == digest:
             manifest = cached[2]
         else:
-            manifest = Manifest.from_json(data, key=key, tier=self.label, expect_name=name,
-                                          loader=self._read_part)
+            manifest = Manifest.from_json(
+                data, key=key, tier=self.label, expect_name=name, loader=self._read_part
+            )
         self._manifests[key] = (digest, listed, manifest)
         return manifest
 
@@ -110,9 +111,13 @@ class Tier:
         try:
             return key, self.backend.read_bytes(key, limit=ref.size)
         except (errors.ObjectNotFound, errors.ObjectTooLarge) as err:
-            raise errors.InvalidManifest(f"invalid manifest: part {ref.index} is missing or larger "
-                                         f"than the root's {ref.size} bytes ({err.message})",
-                                         key=key, tier=self.label, checkpoint=name) from err
+            raise errors.InvalidManifest(
+                f"invalid manifest: part {ref.index} is missing or larger "
+                f"than the root's {ref.size} bytes ({err.message})",
+                key=key,
+                tier=self.label,
+                checkpoint=name,
+            ) from err
 
     def manifests(self) -> list[Manifest]:
         """Every valid manifest; invalid ones do not count as checkpoints and are logged."""
@@ -156,8 +161,9 @@ class Tier:
         except errors.ObjectNotFound:
             return None  # deleted since the listing
         except errors.ObjectTooLarge as err:
-            raise errors.InvalidManifest(f"invalid manifest: {err.message}", key=err.key,
-                                         tier=self.label, checkpoint=name) from err
+            raise errors.InvalidManifest(
+                f"invalid manifest: {err.message}", key=err.key, tier=self.label, checkpoint=name
+            ) from err
         return self._parse(info.key, name, data, ident)
 
     def unpublish(self, manifest: Manifest) -> bool:
@@ -196,8 +202,9 @@ class Tier:
         try:
             return self.find_manifest(name)
         except errors.ObjectTooLarge as err:
-            raise errors.InvalidManifest(f"invalid manifest: {err.message}", key=err.key,
-                                  tier=self.label, checkpoint=name) from err
+            raise errors.InvalidManifest(
+                f"invalid manifest: {err.message}", key=err.key, tier=self.label, checkpoint=name
+            ) from err
 
     def publish_manifest(self, manifest: Manifest) -> None:
         """The commit point of ``manifest`` in this tier; never overwrites.
@@ -222,7 +229,8 @@ class Tier:
             raise errors.CheckpointExists(
                 "checkpoint is already committed (by another attempt); committed "
                 "checkpoints are never overwritten",
-                checkpoint=manifest.name, tier=self.label,
+                checkpoint=manifest.name,
+                tier=self.label,
             ) from err
         self._manifests[key] = (hashlib.sha256(data).digest(), None, manifest)
 
@@ -235,18 +243,28 @@ class Store:
     backends, so it can travel to DCP's background saver and to worker processes.
     """
 
-    def __init__(self, hot: TierURL | None = None, cold: TierURL | None = None, *,
-                 hot_options: Mapping[str, Any] | None = None,
-                 cold_options: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        hot: TierURL | None = None,
+        cold: TierURL | None = None,
+        *,
+        hot_options: Mapping[str, Any] | None = None,
+        cold_options: Mapping[str, Any] | None = None,
+    ) -> None:
         if hot is None and cold is None:
             raise ConfigError("a store needs at least one tier: pass hot= (and optionally cold=)")
         self.hot = Tier("hot", hot, hot_options) if hot is not None else None
         self.cold = Tier("cold", cold, cold_options) if cold is not None else None
 
     @classmethod
-    def of(cls, hot: TierURL | Store | None, cold: TierURL | None = None, *,
-           hot_options: Mapping[str, Any] | None = None,
-           cold_options: Mapping[str, Any] | None = None) -> Store:
+    def of(
+        cls,
+        hot: TierURL | Store | None,
+        cold: TierURL | None = None,
+        *,
+        hot_options: Mapping[str, Any] | None = None,
+        cold_options: Mapping[str, Any] | None = None,
+    ) -> Store:
         """``hot`` itself if it is a :class:`Store`, else a store built from the URLs.
 
         A store given with ``cold`` or options as well is a :class:`~tierstore.errors.ConfigError`:
@@ -280,8 +298,9 @@ class Store:
     def migration_pair(self) -> tuple[Tier, Tier]:
         """The hot and the cold tier; a :class:`~tierstore.errors.ConfigError` if one is missing."""
         if self.hot is None or self.cold is None:
-            raise ConfigError(f"migration needs both a hot and a cold tier; {self!r} has "
-                              f"only the {self.tiers[0].role} tier")
+            raise ConfigError(
+                f"migration needs both a hot and a cold tier; {self!r} has only the {self.tiers[0].role} tier"
+            )
         return self.hot, self.cold
 
     def check_schemes(self) -> None:

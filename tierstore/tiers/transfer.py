@@ -21,8 +21,13 @@ Progress = Callable[[int], None]
 class Throttle:
     """A token bucket capping bytes per second across every thread that shares it."""
 
-    def __init__(self, rate: float | None, *, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(
+        self,
+        rate: float | None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
         self.rate = rate
         self._clock, self._sleep = clock, sleep
         self._lock = threading.Lock()
@@ -40,9 +45,17 @@ class Throttle:
             self._sleep(delay)
 
 
-def copy_file(src: Tier, dst: Tier, name: str, attempt: str, entry: FileEntry, *,
-              chunk_size: int = 8 << 20, throttle: Throttle | None = None,
-              progress: Progress | None = None) -> str | None:
+def copy_file(
+    src: Tier,
+    dst: Tier,
+    name: str,
+    attempt: str,
+    entry: FileEntry,
+    *,
+    chunk_size: int = 8 << 20,
+    throttle: Throttle | None = None,
+    progress: Progress | None = None,
+) -> str | None:
     """Stream ``entry`` from ``src`` to ``dst``; durable and verified when it returns, with
     the version of the object stored (``None`` where the backend reports none).
 
@@ -72,14 +85,16 @@ def copy_file(src: Tier, dst: Tier, name: str, attempt: str, entry: FileEntry, *
     return writer.version
 
 
-def has_verified_copy(tier: Tier, name: str, attempt: str, entry: FileEntry, *,
-                      chunk_size: int = 8 << 20) -> bool:
+def has_verified_copy(
+    tier: Tier, name: str, attempt: str, entry: FileEntry, *, chunk_size: int = 8 << 20
+) -> bool:
     """Does ``tier`` already hold ``entry`` intact? Trusts a server CRC32C, else reads back."""
     return verified_copy(tier, name, attempt, entry, chunk_size=chunk_size) is not None
 
 
-def verified_copy(tier: Tier, name: str, attempt: str, entry: FileEntry, *,
-                  chunk_size: int = 8 << 20) -> ObjectInfo | None:
+def verified_copy(
+    tier: Tier, name: str, attempt: str, entry: FileEntry, *, chunk_size: int = 8 << 20
+) -> ObjectInfo | None:
     """What :func:`check_copy` verified (its version too), ``None`` if no intact copy."""
     try:
         return check_copy(tier, name, attempt, entry, chunk_size=chunk_size)
@@ -87,8 +102,9 @@ def verified_copy(tier: Tier, name: str, attempt: str, entry: FileEntry, *,
         return None
 
 
-def check_copy(tier: Tier, name: str, attempt: str, entry: FileEntry, *,
-               chunk_size: int = 8 << 20) -> ObjectInfo:
+def check_copy(
+    tier: Tier, name: str, attempt: str, entry: FileEntry, *, chunk_size: int = 8 << 20
+) -> ObjectInfo:
     """Raise unless ``tier`` holds ``entry`` intact: :class:`ObjectNotFound`, or the
     :class:`ChecksumMismatch` of the one verified read; else return what was verified.
     Trusts a server CRC32C (the stat that reports it names the version too), else reads
@@ -97,17 +113,20 @@ def check_copy(tier: Tier, name: str, attempt: str, entry: FileEntry, *,
     key = tier.file_key(name, attempt, entry.path)
     info = tier.backend.stat(key)
     if info.size != entry.size:
-        raise ChecksumMismatch.size(entry.size, info.size, checkpoint=name, file=entry.path,
-                                    tier=tier.label)
+        raise ChecksumMismatch.size(entry.size, info.size, checkpoint=name, file=entry.path, tier=tier.label)
     if info.crc32c is not None:
         if info.crc32c != entry.crc32c:
-            raise ChecksumMismatch.crc32c(entry.crc32c, info.crc32c, checkpoint=name,
-                                          file=entry.path, tier=tier.label)
+            raise ChecksumMismatch.crc32c(
+                entry.crc32c, info.crc32c, checkpoint=name, file=entry.path, tier=tier.label
+            )
         return info
     verify_file(tier.backend, key, entry, checkpoint=name, tier=tier.label, chunk_size=chunk_size)
     after = tier.backend.stat(key)
     if after.version != info.version:
-        raise ChecksumMismatch(f"replaced while it was verified (version {info.version} became "
-                               f"{after.version})", checkpoint=name, file=entry.path,
-                               tier=tier.label)
+        raise ChecksumMismatch(
+            f"replaced while it was verified (version {info.version} became {after.version})",
+            checkpoint=name,
+            file=entry.path,
+            tier=tier.label,
+        )
     return info

@@ -84,9 +84,11 @@ def _drain_at_exit() -> None:
         left = sorted({s.name for m in active_migrators() for s in m.pending()})
         for migrator in active_migrators():
             migrator.stop()  # nothing more is attempted once the interpreter shuts down
-        log.error("exiting with the migrations of %s unfinished: they stay pending in the hot "
-                  "tier; the next job's CheckpointManager or `tierstore migrate` finishes them",
-                  ", ".join(left))
+        log.error(
+            "exiting with the migrations of %s unfinished: they stay pending in the hot "
+            "tier; the next job's CheckpointManager or `tierstore migrate` finishes them",
+            ", ".join(left),
+        )
 
 
 def _register_exit_hook() -> None:

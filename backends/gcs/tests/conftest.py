@@ -40,5 +40,6 @@ def direct(gcs_bucket: str) -> GCSBackend:
 @pytest.fixture
 def proxied(gcs_bucket: str, fault_proxy: FaultProxy, fast_retry: RetryPolicy) -> GCSBackend:
     """The same tier and bucket, through the fault proxy."""
-    return GCSBackend(f"gs://{gcs_bucket}/faults", endpoint_url=fault_proxy.url,
-                      part_size=SMALL_PART, retry=fast_retry)
+    return GCSBackend(
+        f"gs://{gcs_bucket}/faults", endpoint_url=fault_proxy.url, part_size=SMALL_PART, retry=fast_retry
+    )

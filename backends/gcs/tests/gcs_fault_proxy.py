@@ -41,11 +41,22 @@ _WRONG_CRC = "AAAAAA=="  # CRC32C 0, which no non-empty test payload has
 MODES = ("healthy", "refuse", "stall", "deny_writes")
 _WRITES = ("POST", "PUT", "PATCH", "DELETE")
 # What GCS answers a caller without storage.objects.create (or .delete) permission.
-_DENIED = {"error": {"code": 403, "message": "anonymous caller does not have "
-                     "storage.objects.create access to the Google Cloud Storage object.",
-                     "errors": [{"message": "anonymous caller does not have "
-                                 "storage.objects.create access to the Google Cloud Storage "
-                                 "object.", "domain": "global", "reason": "forbidden"}]}}
+_DENIED = {
+    "error": {
+        "code": 403,
+        "message": "anonymous caller does not have "
+        "storage.objects.create access to the Google Cloud Storage object.",
+        "errors": [
+            {
+                "message": "anonymous caller does not have "
+                "storage.objects.create access to the Google Cloud Storage "
+                "object.",
+                "domain": "global",
+                "reason": "forbidden",
+            }
+        ],
+    }
+}
 
 
 @dataclass
@@ -74,8 +85,7 @@ class FaultProxy:
         self._released = threading.Event()  # set: stalled requests let go
         self._connections: set[socket.socket] = set()
         self._hold: socket.socket | None = None  # keeps the port while refusing
-        self._server: ThreadingHTTPServer | None = ThreadingHTTPServer(
-            ("127.0.0.1", 0), _handler_for(self))
+        self._server: ThreadingHTTPServer | None = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
         self._server.daemon_threads = True
         self._port = int(self._server.server_address[1])
         self.url = f"http://127.0.0.1:{self._port}"
@@ -155,8 +165,9 @@ class FaultProxy:
                 self.log.append((method, path, fault))
         return fault
 
-    def inject(self, action: int | str, *, method: str | None = None, match: str = "",
-               skip: int = 0, times: int = 1) -> None:
+    def inject(
+        self, action: int | str, *, method: str | None = None, match: str = "", skip: int = 0, times: int = 1
+    ) -> None:
         with self._lock:
             self._rules.append(Rule(action, method, match, skip, times))
 
@@ -184,15 +195,19 @@ class FaultProxy:
             self.log.append((method, path, action or "forward"))
             return action or "forward"
 
-    def forward(self, method: str, path: str, headers: dict[str, str],
-                body: bytes) -> tuple[int, list[tuple[str, str]], bytes]:
+    def forward(
+        self, method: str, path: str, headers: dict[str, str], body: bytes
+    ) -> tuple[int, list[tuple[str, str]], bytes]:
         conn = http.client.HTTPConnection(*self._target_host, timeout=60)
         try:
             conn.request(method, path, body=body or None, headers=headers)
             response = conn.getresponse()
             data = response.read()
-            out = [(k, v.replace(self.target, self.url)) for k, v in response.getheaders()
-                   if k.lower() not in _HOP_BY_HOP]
+            out = [
+                (k, v.replace(self.target, self.url))
+                for k, v in response.getheaders()
+                if k.lower() not in _HOP_BY_HOP
+            ]
             return response.status, out, data
         finally:
             conn.close()
@@ -251,16 +266,21 @@ def _handler_for(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
                     pass
                 return
             if fault == "deny_writes":
-                self._answer(403, [("Content-Type", "application/json; charset=UTF-8")],
-                             json.dumps(_DENIED).encode())
+                self._answer(
+                    403, [("Content-Type", "application/json; charset=UTF-8")], json.dumps(_DENIED).encode()
+                )
                 return
             action = proxy.decide(self.command, self.path)
             if "Authorization" in self.headers:
                 proxy.authorizations.add(self.headers["Authorization"])
             if action.isdigit():
-                self._answer(int(action), [("Content-Type", "application/json")],
-                             json.dumps({"error": {"code": int(action),
-                                                   "message": "injected by FaultProxy"}}).encode())
+                self._answer(
+                    int(action),
+                    [("Content-Type", "application/json")],
+                    json.dumps(
+                        {"error": {"code": int(action), "message": "injected by FaultProxy"}}
+                    ).encode(),
+                )
                 return
             if action == "drop":
                 self.close_connection = True

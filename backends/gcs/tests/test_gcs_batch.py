@@ -35,8 +35,7 @@ def test_a_throttled_ranged_get_is_retried_whole(proxied: GCSBackend, fault_prox
     assert [a for _, _, a in fault_proxy.log] == ["503", "forward"]
 
 
-def test_delete_many_deletes_every_key_and_retries_each(proxied: GCSBackend,
-                                                        fault_proxy: FaultProxy) -> None:
+def test_delete_many_deletes_every_key_and_retries_each(proxied: GCSBackend, fault_proxy: FaultProxy) -> None:
     keys = [f"d/{i}" for i in range(20)]
     for key in keys:
         proxied.publish(key, b"x")

@@ -66,8 +66,12 @@ class ColdTier:
         self._endpoint = endpoint
 
     def options(self, *, through_proxy: bool = True) -> dict[str, Any]:
-        return {"endpoint_url": self.proxy.url if through_proxy else self._endpoint,
-                "token": "anon", "project": "test", "retry": ONE_TRY}
+        return {
+            "endpoint_url": self.proxy.url if through_proxy else self._endpoint,
+            "token": "anon",
+            "project": "test",
+            "retry": ONE_TRY,
+        }
 
     def direct(self) -> Tier:
         return Tier("cold", self.url, self.options(through_proxy=False))
@@ -81,8 +85,9 @@ class ColdTier:
 
 
 @pytest.fixture
-def cold(tmp_path: Path, gcs_endpoint: str, gcs_bucket: str,
-         monkeypatch: pytest.MonkeyPatch) -> Iterator[ColdTier]:
+def cold(
+    tmp_path: Path, gcs_endpoint: str, gcs_bucket: str, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[ColdTier]:
     # A failing migration must not hold the test process at exit (atexit drain).
     monkeypatch.setenv("TIERSTORE_EXIT_WAIT", "0")
     proxy = FaultProxy(gcs_endpoint).start()
@@ -103,8 +108,12 @@ def load_hot(hot: str, step: int) -> dict[str, torch.Tensor]:
 
 def load_cold_alone(cold: ColdTier, step: int) -> dict[str, torch.Tensor]:
     target = blank()
-    dcp.load(target, storage_reader=TieredReader(None, cold.url, step=step,
-                                                 cold_options=cold.options(through_proxy=False)))
+    dcp.load(
+        target,
+        storage_reader=TieredReader(
+            None, cold.url, step=step, cold_options=cold.options(through_proxy=False)
+        ),
+    )
     return target
 
 
@@ -114,8 +123,7 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> 
         assert torch.equal(got[key], want[key]), key
 
 
-def assert_committed_hot(cold: ColdTier, steps: list[int], *, kept: list[int] | None = None
-                         ) -> None:
+def assert_committed_hot(cold: ColdTier, steps: list[int], *, kept: list[int] | None = None) -> None:
     """``steps`` are committed on hot and load bit-exact from it; ``kept``: those that must
     still be there (hot pruning may already have removed the others, once migrated)."""
     on_hot = [c.step for c in list_checkpoints(cold.hot)]
@@ -149,12 +157,13 @@ def assert_migration(cold: ColdTier, mode: str, steps: list[int]) -> None:
             assert len(failed) == len(statuses), statuses
             assert all(direct.find_manifest(name) is None for name in names)
         else:
-            assert all(s.state in (MigrationState.FAILED, MigrationState.COMMITTED)
-                       for s in statuses), statuses
+            assert all(s.state in (MigrationState.FAILED, MigrationState.COMMITTED) for s in statuses), (
+                statuses
+            )
         cold.proxy.mode = "healthy"
-        finished = returns(lambda: migrate_pending(cold.hot, cold.url,
-                                                   cold_options=cold.options()),
-                           "migrate_pending")
+        finished = returns(
+            lambda: migrate_pending(cold.hot, cold.url, cold_options=cold.options()), "migrate_pending"
+        )
         assert {s.name for s in finished} == {s.name for s in failed}
         assert all(s.state is MigrationState.COMMITTED for s in finished), finished
     for step in steps:
@@ -163,8 +172,7 @@ def assert_migration(cold: ColdTier, mode: str, steps: list[int]) -> None:
 
 
 def writer(cold: ColdTier, step: int) -> TieredWriter:
-    return TieredWriter(cold.hot, cold.url, step=step, cold_options=cold.options(),
-                        migration=FAST_MIGRATION)
+    return TieredWriter(cold.hot, cold.url, step=step, cold_options=cold.options(), migration=FAST_MIGRATION)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -179,8 +187,10 @@ def test_save_commits_on_hot_whatever_the_cold_tier_does(cold: ColdTier, mode: s
 @pytest.mark.parametrize("mode", MODES)
 def test_async_save_commits_on_hot_whatever_the_cold_tier_does(cold: ColdTier, mode: str) -> None:
     cold.proxy.mode = mode
-    returns(lambda: dcp.async_save(state_for(2), storage_writer=writer(cold, 2)).result(),
-            "dcp.async_save(...).result()")
+    returns(
+        lambda: dcp.async_save(state_for(2), storage_writer=writer(cold, 2)).result(),
+        "dcp.async_save(...).result()",
+    )
     assert_committed_hot(cold, [2])
     assert_migration(cold, mode, [2])
 
@@ -188,10 +198,12 @@ def test_async_save_commits_on_hot_whatever_the_cold_tier_does(cold: ColdTier, m
 @pytest.mark.parametrize("mode", MODES)
 def test_manager_saves_every_step_and_reports_the_cold_tier(cold: ColdTier, mode: str) -> None:
     cold.proxy.mode = mode
-    manager = returns(lambda: CheckpointManager(cold.hot, cold.url, save_every=1,
-                                                cold_options=cold.options(),
-                                                migration=FAST_MIGRATION),
-                      "CheckpointManager()")
+    manager = returns(
+        lambda: CheckpointManager(
+            cold.hot, cold.url, save_every=1, cold_options=cold.options(), migration=FAST_MIGRATION
+        ),
+        "CheckpointManager()",
+    )
 
     def train() -> None:
         for step in (1, 2, 3):
@@ -215,13 +227,14 @@ def test_manager_saves_every_step_and_reports_the_cold_tier(cold: ColdTier, mode
 
 
 @pytest.mark.parametrize("mode", ("stall", "refuse"))
-def test_building_writer_and_manager_never_touches_the_cold_tier(cold: ColdTier, mode: str
-                                                                 ) -> None:
+def test_building_writer_and_manager_never_touches_the_cold_tier(cold: ColdTier, mode: str) -> None:
     cold.proxy.mode = mode
     built = returns(lambda: writer(cold, 1), "TieredWriter()")
     assert built.cold is not None
-    returns(lambda: CheckpointManager(cold.hot, cold.url, cold_options=cold.options(),
-                                      migration=FAST_MIGRATION), "CheckpointManager()")
+    returns(
+        lambda: CheckpointManager(cold.hot, cold.url, cold_options=cold.options(), migration=FAST_MIGRATION),
+        "CheckpointManager()",
+    )
     assert cold.proxy.log == []  # not a single request reached the cold tier
 
 
@@ -275,8 +288,9 @@ def test_fault_proxy_modes_do_what_they_say(gcs_endpoint: str, gcs_bucket: str) 
 # -- issue 12: a second migrator never undoes the first ---------------------------------------
 
 
-def _upload_as_a_racing_migrator(migrator: Migrator, job: Any, entry: Any,
-                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def _upload_as_a_racing_migrator(
+    migrator: Migrator, job: Any, entry: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Upload ``entry`` as a second migrator that looked before the first one wrote (so it
     found no verified copy) would."""
     import tierstore.tiers.migrator as migrator_mod
@@ -287,12 +301,14 @@ def _upload_as_a_racing_migrator(migrator: Migrator, job: Any, entry: Any,
 
 
 def test_a_throttled_second_migrator_never_deletes_a_committed_object(
-        cold: ColdTier, monkeypatch: pytest.MonkeyPatch) -> None:
+    cold: ColdTier, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import tierstore.tiers.migrator as migrator_mod
 
     dcp.save(state_for(1), storage_writer=TieredWriter(cold.hot, step=1))
-    done = migrate_pending(cold.hot, cold.url, cold_options=cold.options(through_proxy=False),
-                           config=FAST_MIGRATION)
+    done = migrate_pending(
+        cold.hot, cold.url, cold_options=cold.options(through_proxy=False), config=FAST_MIGRATION
+    )
     assert done[0].state is MigrationState.COMMITTED
     manifest = Tier("hot", cold.hot).find_manifest("step-0000000001")
     assert manifest is not None

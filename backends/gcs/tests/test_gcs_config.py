@@ -40,8 +40,13 @@ def test_environment_alone_in_a_fresh_process(gcs_bucket: str, gcs_endpoint: str
     # One variable, nothing else: no options, no credentials, and no
     # GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false (the tier never takes gcsfs's probing path).
     env = {"PATH": "/usr/bin:/bin", "STORAGE_EMULATOR_HOST": gcs_endpoint}
-    done = subprocess.run([sys.executable, "-c", code, f"gs://{gcs_bucket}/p"], env=env,
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", code, f"gs://{gcs_bucket}/p"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "v"
 
@@ -58,8 +63,18 @@ def test_prefixes_keep_tiers_apart(gcs_bucket: str) -> None:
     assert sorted(i.key for i in root.list()) == ["a/b/x", "a/y", "ab/z"]
 
 
-@pytest.mark.parametrize("url", ["gs://", "gs:///p", "gs://Bad_Bucket/p", "s3://bucket/p",
-                                 "gs://bucket//p", "gs://bucket/a/../b", "bucket/p"])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "gs://",
+        "gs:///p",
+        "gs://Bad_Bucket/p",
+        "s3://bucket/p",
+        "gs://bucket//p",
+        "gs://bucket/a/../b",
+        "bucket/p",
+    ],
+)
 def test_bad_urls_are_config_errors(url: str) -> None:
     with pytest.raises(ConfigError):
         GCSBackend(url)
@@ -83,12 +98,17 @@ def test_unusable_token_is_a_config_error_naming_key_and_tier(gcs_bucket: str) -
     assert info.value.key == "some/key" and backend.label in str(info.value)
 
 
-def test_gcsfs_options_reach_gcsfs(gcs_bucket: str, gcs_endpoint: str,
-                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gcsfs_options_reach_gcsfs(
+    gcs_bucket: str, gcs_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Without the variable, only the options point the tier at the emulator.
     monkeypatch.delenv("STORAGE_EMULATOR_HOST")
-    backend = GCSBackend(f"gs://{gcs_bucket}/p", endpoint_url=gcs_endpoint, token="anon",
-                         gcsfs_options={"session_kwargs": {"trust_env": False}})
+    backend = GCSBackend(
+        f"gs://{gcs_bucket}/p",
+        endpoint_url=gcs_endpoint,
+        token="anon",
+        gcsfs_options={"session_kwargs": {"trust_env": False}},
+    )
     backend.publish("k", b"v")
     assert backend.read_bytes("k") == b"v"
 

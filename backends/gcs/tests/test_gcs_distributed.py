@@ -33,8 +33,7 @@ def test_fsdp2_save_and_load_bit_exact_through_gcs_only(
     store = f"gs://{gcs_bucket}/run"
     saved_dir = tmp_path / "saved"
     saved_dir.mkdir()
-    job = run_job({"op": "train_save", "hot": store, "out": str(saved_dir), "saves": SAVES}, 2,
-                  env=gcs_env)
+    job = run_job({"op": "train_save", "hot": store, "out": str(saved_dir), "saves": SAVES}, 2, env=gcs_env)
     assert job.ok, job.describe()
 
     infos = list_checkpoints(store)
@@ -46,8 +45,7 @@ def test_fsdp2_save_and_load_bit_exact_through_gcs_only(
     for world in (2, 1):
         mine = tmp_path / f"loaded-{world}"
         mine.mkdir()
-        job = run_job({"op": "load", "hot": store, "out": str(mine), "loads": loads}, world,
-                      env=gcs_env)
+        job = run_job({"op": "load", "hot": store, "out": str(mine), "loads": loads}, world, env=gcs_env)
         assert job.ok, job.describe()
         for step in (1, 2, 3):
             result = _json(mine / f"loaded-{step}.json")

@@ -149,8 +149,13 @@ def test_lost_answer_to_final_chunk_is_resolved_by_reading_back(
     ],
 )
 def test_checksum_mismatch_is_detected_at_close_and_the_object_removed(
-    proxied: GCSBackend, direct: GCSBackend, fault_proxy: FaultProxy, method: str, match: str,
-    action: str, size: int,
+    proxied: GCSBackend,
+    direct: GCSBackend,
+    fault_proxy: FaultProxy,
+    method: str,
+    match: str,
+    action: str,
+    size: int,
 ) -> None:
     fault_proxy.inject(action, method=method, match=match, times=99)
     data = os.urandom(size)
@@ -199,22 +204,25 @@ def test_retries_are_bounded_and_answers_are_not_retried(
 
 
 def test_no_secrets_in_errors_logs_or_repr(
-    gcs_bucket: str, fault_proxy: FaultProxy, fast_retry: RetryPolicy,
-    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+    gcs_bucket: str,
+    fault_proxy: FaultProxy,
+    fast_retry: RetryPolicy,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     secret = "ya29.super-secret-access-token"
     # A raw access token, sent as a bearer header; gcsfs would ask Google about its expiry.
     monkeypatch.setenv("FETCH_RAW_TOKEN_EXPIRY", "false")
-    backend = GCSBackend(f"gs://{gcs_bucket}/s", endpoint_url=fault_proxy.url, token=secret,
-                         part_size=PART, retry=fast_retry)
+    backend = GCSBackend(
+        f"gs://{gcs_bucket}/s", endpoint_url=fault_proxy.url, token=secret, part_size=PART, retry=fast_retry
+    )
     caplog.set_level(logging.DEBUG)
     fault_proxy.inject(503, method="PUT", match=CHUNK, times=2)
     _write(backend, "a/b", os.urandom(2 * PART + 1))  # retries log warnings
     fault_proxy.inject(403, method="GET")
     with pytest.raises(StorageError) as info:
         backend.stat("a/b")
-    upload_ids = {p.split("upload_id=")[1].split("&")[0] for _, p, _ in fault_proxy.log
-                  if "upload_id=" in p}
+    upload_ids = {p.split("upload_id=")[1].split("&")[0] for _, p, _ in fault_proxy.log if "upload_id=" in p}
     assert upload_ids and f"Bearer {secret}" in fault_proxy.authorizations
     texts = [repr(backend), str(info.value), caplog.text]
     assert any("retrying" in t for t in texts)

@@ -45,8 +45,9 @@ _NO_EMULATOR = ("", "default")
 DELETE_THREADS = 16
 
 
-def _fs_options(endpoint_url: str | None, token: Any, project: str | None,
-                gcsfs_options: Mapping[str, Any] | None) -> dict[str, Any]:
+def _fs_options(
+    endpoint_url: str | None, token: Any, project: str | None, gcsfs_options: Mapping[str, Any] | None
+) -> dict[str, Any]:
     options = dict(gcsfs_options or {})
     if endpoint_url is not None:
         options["endpoint_url"] = endpoint_url  # else gcsfs reads STORAGE_EMULATOR_HOST itself
@@ -61,8 +62,9 @@ def _fs_options(endpoint_url: str | None, token: Any, project: str | None,
 
 def _check_part_size(part_size: int) -> int:
     if not isinstance(part_size, int) or part_size <= 0 or part_size % PART_QUANTUM:
-        raise ConfigError(f"part_size must be a positive multiple of {PART_QUANTUM} bytes "
-                          f"(256 KiB), got {part_size!r}")
+        raise ConfigError(
+            f"part_size must be a positive multiple of {PART_QUANTUM} bytes (256 KiB), got {part_size!r}"
+        )
     return part_size
 
 
@@ -87,12 +89,20 @@ class GCSBackend(Backend):
     scheme = "gs"
     spread_keys = True  # data keys over hashed prefixes, like S3
 
-    def __init__(self, url: str, *, endpoint_url: str | None = None, token: Any = None,
-                 project: str | None = None, part_size: int = DEFAULT_PART_SIZE,
-                 gcsfs_options: Mapping[str, Any] | None = None,
-                 retry: retry_mod.RetryPolicy | None = None,
-                 connect_timeout: float = CONNECT_TIMEOUT, read_timeout: float = READ_TIMEOUT,
-                 **options: Any) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        endpoint_url: str | None = None,
+        token: Any = None,
+        project: str | None = None,
+        part_size: int = DEFAULT_PART_SIZE,
+        gcsfs_options: Mapping[str, Any] | None = None,
+        retry: retry_mod.RetryPolicy | None = None,
+        connect_timeout: float = CONNECT_TIMEOUT,
+        read_timeout: float = READ_TIMEOUT,
+        **options: Any,
+    ) -> None:
         super().__init__(url)
         if options:
             raise ConfigError(f"unknown options for a GCS tier: {sorted(options)}")
@@ -101,8 +111,11 @@ class GCSBackend(Backend):
         self.retry = retry or retry_mod.DEFAULT
         if not (connect_timeout > 0 and read_timeout > 0):
             raise ConfigError("connect_timeout and read_timeout must be positive seconds")
-        self._transport = Transport(_fs_options(endpoint_url, token, project, gcsfs_options),
-                                    connect_timeout=connect_timeout, read_timeout=read_timeout)
+        self._transport = Transport(
+            _fs_options(endpoint_url, token, project, gcsfs_options),
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+        )
 
     # -- names and requests ------------------------------------------------------------
 
@@ -119,20 +132,31 @@ class GCSBackend(Backend):
     def _upload_url(self) -> str:
         return f"/upload/storage/v1/b/{quote(self.bucket, safe='')}/o"
 
-    def _request(self, what: str, key: str, method: str, url: str, *,
-                 ok: Sequence[int] = (200,), params: Mapping[str, str] | None = None,
-                 headers: Mapping[str, str] | None = None, body: Sequence[Buffer] = (),
-                 missing: str = "object") -> Response:
+    def _request(
+        self,
+        what: str,
+        key: str,
+        method: str,
+        url: str,
+        *,
+        ok: Sequence[int] = (200,),
+        params: Mapping[str, str] | None = None,
+        headers: Mapping[str, str] | None = None,
+        body: Sequence[Buffer] = (),
+        missing: str = "object",
+    ) -> Response:
         """One attempt, translated: an answer outside ``ok`` raises (``missing``: what a
         404 means here, see :func:`~tierstore_gcs._errors.status_error`)."""
         try:
-            response = self._transport.request(method, url, params=params, headers=headers,
-                                               body=body)
+            response = self._transport.request(method, url, params=params, headers=headers, body=body)
         except TierstoreError:
             raise
         except ClientBuildError as err:
-            raise ConfigError(f"cannot build a GCS client ({err}); check the token= and "
-                              "gcsfs_options options", key=key, tier=self.label) from err
+            raise ConfigError(
+                f"cannot build a GCS client ({err}); check the token= and gcsfs_options options",
+                key=key,
+                tier=self.label,
+            ) from err
         except Exception as err:
             raise exception_error(err, what=what, key=key, tier=self.label) from err
         if response.status not in ok:
@@ -146,16 +170,20 @@ class GCSBackend(Backend):
     # -- metadata --------------------------------------------------------------------
 
     def _metadata_once(self, key: str, *, what: str = "stat") -> dict[str, Any]:
-        response = self._request(what, key, "GET", self._object_url(self._name(key)),
-                                 params={"fields": _FIELDS})
+        response = self._request(
+            what, key, "GET", self._object_url(self._name(key)), params={"fields": _FIELDS}
+        )
         return response.json()
 
     def _info(self, key: str, resource: Mapping[str, Any]) -> ObjectInfo:
         generation = resource.get("generation")
-        return ObjectInfo(key=key, size=int(resource.get("size", 0)),
-                          mtime=parse_time(resource.get("updated")),
-                          crc32c=decode_crc32c(resource.get("crc32c")),
-                          version=str(generation) if generation else None)
+        return ObjectInfo(
+            key=key,
+            size=int(resource.get("size", 0)),
+            mtime=parse_time(resource.get("updated")),
+            crc32c=decode_crc32c(resource.get("crc32c")),
+            version=str(generation) if generation else None,
+        )
 
     def stat(self, key: str) -> ObjectInfo:
         self._name(key)  # reject unsafe keys before any request
@@ -182,11 +210,12 @@ class GCSBackend(Backend):
         params = {"prefix": prefix, "maxResults": _LIST_PAGE, "fields": _LIST_FIELDS}
         if token:
             params["pageToken"] = token
-        return self._request("list", prefix, "GET", self._list_url(), params=params,
-                             missing=f"bucket {self.bucket!r}").json()
+        return self._request(
+            "list", prefix, "GET", self._list_url(), params=params, missing=f"bucket {self.bucket!r}"
+        ).json()
 
     def _listed(self, item: Mapping[str, Any], root: str) -> ObjectInfo | None:
-        key = str(item.get("name", ""))[len(root):]
+        key = str(item.get("name", ""))[len(root) :]
         try:
             check_key(key)
         except StorageError:
@@ -211,42 +240,58 @@ class GCSBackend(Backend):
         if length <= 0:
             self.stat(key)  # still: a missing key is ObjectNotFound
             return io.BytesIO(b"")
-        return io.BytesIO(self._retrying(
-            f"read of bytes {offset}-{offset + length - 1}", key,
-            lambda: self._get_range_once(key, offset, length)))
+        return io.BytesIO(
+            self._retrying(
+                f"read of bytes {offset}-{offset + length - 1}",
+                key,
+                lambda: self._get_range_once(key, offset, length),
+            )
+        )
 
     def _get_range_once(self, key: str, offset: int, length: int) -> bytes:
-        response = self._request("read", key, "GET", self._object_url(self._name(key)),
-                                 ok=(200, 206, 416), params={"alt": "media"},
-                                 headers={"Range": f"bytes={offset}-{offset + length - 1}"})
+        response = self._request(
+            "read",
+            key,
+            "GET",
+            self._object_url(self._name(key)),
+            ok=(200, 206, 416),
+            params={"alt": "media"},
+            headers={"Range": f"bytes={offset}-{offset + length - 1}"},
+        )
         if response.status == 416:  # the range starts past the end of the object
             return b""
         body = bytes(response.body)
         if response.status == 200:  # the whole object: a server that ignored the range
-            return body[offset:offset + length]
+            return body[offset : offset + length]
         sent = response.headers.get("Content-Range", "")  # "bytes <first>-<last>/<size>"
         first, _, last = sent.partition(" ")[2].partition("/")[0].partition("-")
         if first.isdigit() and last.isdigit() and len(body) != int(last) - int(first) + 1:
-            raise TransientStorageError(f"read: range {sent} came back with {len(body)} bytes",
-                                        key=key, tier=self.label)
+            raise TransientStorageError(
+                f"read: range {sent} came back with {len(body)} bytes", key=key, tier=self.label
+            )
         return body
 
     def _read_range(self, key: str, generation: str, start: int, stop: int) -> bytes | bytearray:
         """Bytes ``[start, stop)`` of one generation of ``key``: one retried unit."""
-        return self._retrying("read", key,
-                              lambda: self._read_range_once(key, generation, start, stop))
+        return self._retrying("read", key, lambda: self._read_range_once(key, generation, start, stop))
 
-    def _read_range_once(self, key: str, generation: str, start: int,
-                         stop: int) -> bytes | bytearray:
+    def _read_range_once(self, key: str, generation: str, start: int, stop: int) -> bytes | bytearray:
         params = {"alt": "media"}
         if generation:
             params["generation"] = generation  # the object we stat'ed, never a newer one
-        body = self._request("read", key, "GET", self._object_url(self._name(key)),
-                             ok=(200, 206), params=params,
-                             headers={"Range": f"bytes={start}-{stop - 1}"}).body
+        body = self._request(
+            "read",
+            key,
+            "GET",
+            self._object_url(self._name(key)),
+            ok=(200, 206),
+            params=params,
+            headers={"Range": f"bytes={start}-{stop - 1}"},
+        ).body
         if len(body) != stop - start:
-            raise TransientStorageError(f"read: got {len(body)} of {stop - start} bytes at "
-                                        f"offset {start}", key=key, tier=self.label)
+            raise TransientStorageError(
+                f"read: got {len(body)} of {stop - start} bytes at offset {start}", key=key, tier=self.label
+            )
         return body
 
     # -- writes ----------------------------------------------------------------------
@@ -255,32 +300,48 @@ class GCSBackend(Backend):
         self._name(key)  # reject unsafe keys now, not at the first upload
         return GCSWriter(self, key)
 
-    def _upload_small(self, key: str, data: Buffer, crc32c: int, *,
-                     exclusive: bool = False) -> dict[str, Any]:
+    def _upload_small(
+        self, key: str, data: Buffer, crc32c: int, *, exclusive: bool = False
+    ) -> dict[str, Any]:
         """One multipart upload (one attempt); ``exclusive`` adds ``ifGenerationMatch=0``."""
         content_type, body = multipart_body(self._name(key), data, crc32c)
         params = {"uploadType": "multipart"}
         if exclusive:
             params["ifGenerationMatch"] = "0"
         what = "publish" if exclusive else "upload"
-        response = self._request(what, key, "POST", self._upload_url(), ok=(200, 201),
-                                 params=params, headers={"Content-Type": content_type},
-                                 body=body, missing=f"bucket {self.bucket!r}")
+        response = self._request(
+            what,
+            key,
+            "POST",
+            self._upload_url(),
+            ok=(200, 201),
+            params=params,
+            headers={"Content-Type": content_type},
+            body=body,
+            missing=f"bucket {self.bucket!r}",
+        )
         return response.json()
 
     def _start_session(self, key: str) -> str:
         """A resumable upload session for ``key``; its URL is a secret (see ``_http``)."""
+
         def once() -> str:
-            response = self._request("start upload", key, "POST", self._upload_url(),
-                                     params={"uploadType": "resumable"},
-                                     headers={"Content-Type": "application/json",
-                                              "X-Upload-Content-Type": "application/octet-stream"},
-                                     body=[_json_name(self._name(key))],
-                                     missing=f"bucket {self.bucket!r}")
+            response = self._request(
+                "start upload",
+                key,
+                "POST",
+                self._upload_url(),
+                params={"uploadType": "resumable"},
+                headers={
+                    "Content-Type": "application/json",
+                    "X-Upload-Content-Type": "application/octet-stream",
+                },
+                body=[_json_name(self._name(key))],
+                missing=f"bucket {self.bucket!r}",
+            )
             location = response.headers.get("Location")
             if not location:
-                raise StorageError("start upload: no session in the answer", key=key,
-                                   tier=self.label)
+                raise StorageError("start upload: no session in the answer", key=key, tier=self.label)
             return location
 
         return self._retrying("start upload", key, once)
@@ -292,22 +353,41 @@ class GCSBackend(Backend):
         if stored_size == size and stored_crc == crc32c:
             return
         shown = "none" if stored_crc is None else f"{stored_crc:08x}"
-        log.error("GCS stored %s in %s with size %d, CRC32C %s; we sent %d bytes, CRC32C %08x",
-                  key, self.label, stored_size, shown, size, crc32c)
+        log.error(
+            "GCS stored %s in %s with size %d, CRC32C %s; we sent %d bytes, CRC32C %08x",
+            key,
+            self.label,
+            stored_size,
+            shown,
+            size,
+            crc32c,
+        )
         self._discard(key, generation=resource.get("generation"))
         raise ChecksumMismatch(
             f"uploaded object differs from the bytes sent: size {stored_size} (expected "
             f"{size}), CRC32C {shown} (expected {crc32c:08x}); the object was deleted",
-            key=key, tier=self.label, expected=(size, crc32c), actual=(stored_size, stored_crc),
+            key=key,
+            tier=self.label,
+            expected=(size, crc32c),
+            actual=(stored_size, stored_crc),
         )
 
     def _discard(self, key: str, *, generation: Any = None) -> None:
         """Best effort: remove an upload that failed (only ``generation``, when given)."""
         params = {"ifGenerationMatch": str(generation)} if generation else None
         try:
-            self._retrying("discard", key, lambda: self._request(
-                "discard", key, "DELETE", self._object_url(self._name(key)),
-                ok=(200, 204, 404, 412), params=params))
+            self._retrying(
+                "discard",
+                key,
+                lambda: self._request(
+                    "discard",
+                    key,
+                    "DELETE",
+                    self._object_url(self._name(key)),
+                    ok=(200, 204, 404, 412),
+                    params=params,
+                ),
+            )
         except StorageError as err:
             log.warning("could not remove failed upload %s from %s: %s", key, self.label, err)
 
@@ -356,21 +436,19 @@ class GCSBackend(Backend):
                 same = self._read_range_once(key, generation, 0, len(data)) == data
         except ObjectNotFound as err:
             # Taken a moment ago, gone now: the exclusive publish can be tried again.
-            raise TransientStorageError("publish: the conflicting object vanished",
-                                        key=key, tier=self.label) from err
+            raise TransientStorageError(
+                "publish: the conflicting object vanished", key=key, tier=self.label
+            ) from err
         if not same:
-            raise PublishConflict("publish: already published by another writer", key=key,
-                                  tier=self.label)
-        log.info("ambiguous publish of %s in %s resolved: the earlier attempt landed",
-                 key, self.label)
+            raise PublishConflict("publish: already published by another writer", key=key, tier=self.label)
+        log.info("ambiguous publish of %s in %s resolved: the earlier attempt landed", key, self.label)
         return resource
 
     # -- delete and lifecycle --------------------------------------------------------
 
     def delete(self, key: str) -> None:
         url = self._object_url(self._name(key))
-        self._retrying("delete", key, lambda: self._request(
-            "delete", key, "DELETE", url, ok=(200, 204, 404)))
+        self._retrying("delete", key, lambda: self._request("delete", key, "DELETE", url, ok=(200, 204, 404)))
 
     def delete_if(self, key: str, version: str) -> bool:
         """A DELETE with ``ifGenerationMatch``: GCS itself compares (412: another object).
@@ -382,9 +460,18 @@ class GCSBackend(Backend):
         except ObjectNotFound:
             return True
         url = self._object_url(self._name(key))
-        response = self._retrying("conditional delete", key, lambda: self._request(
-            "conditional delete", key, "DELETE", url, ok=(200, 204, 404, 412),
-            params={"ifGenerationMatch": version}))
+        response = self._retrying(
+            "conditional delete",
+            key,
+            lambda: self._request(
+                "conditional delete",
+                key,
+                "DELETE",
+                url,
+                ok=(200, 204, 404, 412),
+                params={"ifGenerationMatch": version},
+            ),
+        )
         return response.status != 412
 
     def delete_many(self, keys: Iterable[str]) -> None:
@@ -395,8 +482,9 @@ class GCSBackend(Backend):
             for key in keys:
                 self.delete(key)
             return
-        with ThreadPoolExecutor(min(DELETE_THREADS, len(keys)),
-                                thread_name_prefix="tierstore-gcs-delete") as pool:
+        with ThreadPoolExecutor(
+            min(DELETE_THREADS, len(keys)), thread_name_prefix="tierstore-gcs-delete"
+        ) as pool:
             futures = [pool.submit(self.delete, key) for key in keys]
         for future in futures:
             future.result()

@@ -42,8 +42,9 @@ def _server_message(response: Response) -> str:
     return _scrub(str(message).strip())
 
 
-def status_error(status: int, detail: str, *, what: str, key: str, tier: str,
-                 missing: str = "object") -> StorageError:
+def status_error(
+    status: int, detail: str, *, what: str, key: str, tier: str, missing: str = "object"
+) -> StorageError:
     """The error for an HTTP answer the caller did not expect.
 
     ``missing``: what a 404 means; only ``"object"`` makes it :class:`ObjectNotFound`
@@ -65,28 +66,36 @@ def status_error(status: int, detail: str, *, what: str, key: str, tier: str,
     return StorageError(text, key=key, tier=tier)
 
 
-def response_error(response: Response, *, what: str, key: str, tier: str,
-                   missing: str = "object") -> StorageError:
-    return status_error(response.status, _server_message(response), what=what, key=key,
-                        tier=tier, missing=missing)
+def response_error(
+    response: Response, *, what: str, key: str, tier: str, missing: str = "object"
+) -> StorageError:
+    return status_error(
+        response.status, _server_message(response), what=what, key=key, tier=tier, missing=missing
+    )
 
 
 def _transient_exception(err: BaseException) -> bool:
     permanent = (aiohttp.InvalidURL, aiohttp.ClientConnectorCertificateError)
     if isinstance(err, permanent):
         return False
-    return isinstance(err, (aiohttp.ClientError, asyncio.TimeoutError, TimeoutError,
-                            ConnectionError, auth_errors.TransportError))
+    return isinstance(
+        err,
+        (
+            aiohttp.ClientError,
+            asyncio.TimeoutError,
+            TimeoutError,
+            ConnectionError,
+            auth_errors.TransportError,
+        ),
+    )
 
 
 def exception_error(err: BaseException, *, what: str, key: str, tier: str) -> StorageError:
     """The error for a request that got no HTTP answer (or failed to authenticate)."""
     code = getattr(err, "code", None)  # gcsfs's HttpError, raised by a failed token refresh
     if isinstance(code, int) and code >= 400:
-        return status_error(code, _scrub(str(getattr(err, "message", ""))), what=what,
-                            key=key, tier=tier)
+        return status_error(code, _scrub(str(getattr(err, "message", ""))), what=what, key=key, tier=tier)
     detail = _scrub(f"{type(err).__name__}: {err}")
     if _transient_exception(err):
-        return TransientStorageError(f"{what}: {detail}: transient, worth retrying",
-                                     key=key, tier=tier)
+        return TransientStorageError(f"{what}: {detail}: transient, worth retrying", key=key, tier=tier)
     return StorageError(f"{what}: {detail}: permanent", key=key, tier=tier)

@@ -52,11 +52,17 @@ class Response:
 class Transport:
     """Sends single requests; safe to share between threads and rebuilt after a fork."""
 
-    def __init__(self, fs_options: Mapping[str, Any], *, connect_timeout: float = CONNECT_TIMEOUT,
-                 read_timeout: float = READ_TIMEOUT) -> None:
+    def __init__(
+        self,
+        fs_options: Mapping[str, Any],
+        *,
+        connect_timeout: float = CONNECT_TIMEOUT,
+        read_timeout: float = READ_TIMEOUT,
+    ) -> None:
         self._fs_options = dict(fs_options)
-        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout,
-                                              sock_read=read_timeout)
+        self._timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=connect_timeout, sock_read=read_timeout
+        )
         self._fs: GCSFileSystem | None = None
         self._pid = 0
         self._lock = threading.Lock()
@@ -74,16 +80,23 @@ class Transport:
                 self._pid = os.getpid()
             return self._fs
 
-    def request(self, method: str, url: str, *, params: Mapping[str, str] | None = None,
-                headers: Mapping[str, str] | None = None,
-                body: Sequence[Buffer] = ()) -> Response:
+    def request(
+        self,
+        method: str,
+        url: str,
+        *,
+        params: Mapping[str, str] | None = None,
+        headers: Mapping[str, str] | None = None,
+        body: Sequence[Buffer] = (),
+    ) -> Response:
         """``url``: absolute (a session URL), or a path on the endpoint gcsfs resolved
         (``endpoint_url``, else ``STORAGE_EMULATOR_HOST``, else Google)."""
         fs = self._filesystem()
         if url.startswith("/"):
             url = str(fs._location).rstrip("/") + url
-        response: Response = sync(fs.loop, _send, fs, method, url, dict(params or {}),
-                                  dict(headers or {}), body, self._timeout)
+        response: Response = sync(
+            fs.loop, _send, fs, method, url, dict(params or {}), dict(headers or {}), body, self._timeout
+        )
         return response
 
     def close(self) -> None:
@@ -94,9 +107,15 @@ class Transport:
             sync(fs.loop, session.close)
 
 
-async def _send(fs: GCSFileSystem, method: str, url: str, params: dict[str, str],
-                headers: dict[str, str], body: Sequence[Buffer],
-                timeout: aiohttp.ClientTimeout) -> Response:
+async def _send(
+    fs: GCSFileSystem,
+    method: str,
+    url: str,
+    params: dict[str, str],
+    headers: dict[str, str],
+    body: Sequence[Buffer],
+    timeout: aiohttp.ClientTimeout,
+) -> Response:
     session = await fs._set_session()
     # identity: lengths we check are the bytes stored, never a compressed transfer.
     headers.setdefault("Accept-Encoding", "identity")
@@ -105,8 +124,9 @@ async def _send(fs: GCSFileSystem, method: str, url: str, params: dict[str, str]
     if body or method in ("POST", "PUT"):
         headers["Content-Length"] = str(size)
     data = _slices(body) if size else None
-    async with session.request(method, url, params=params, headers=headers, data=data,
-                               timeout=timeout, allow_redirects=False) as response:
+    async with session.request(
+        method, url, params=params, headers=headers, data=data, timeout=timeout, allow_redirects=False
+    ) as response:
         content = await _read_body(response)
         return Response(response.status, response.headers.copy(), content)
 

@@ -18,8 +18,7 @@ __all__ = ["RangeReader"]
 
 
 class RangeReader(io.RawIOBase):
-    def __init__(self, backend: GCSBackend, key: str, size: int, generation: str,
-                 block_size: int) -> None:
+    def __init__(self, backend: GCSBackend, key: str, size: int, generation: str, block_size: int) -> None:
         super().__init__()
         self._backend = backend
         self._key = key
@@ -41,8 +40,9 @@ class RangeReader(io.RawIOBase):
         except ObjectNotFound as err:
             # The generation we opened is gone: the key was replaced or deleted mid-read. Say
             # so, rather than "no such object" for a key that may well exist (as S3 does).
-            raise StorageError("object changed while being read", key=self._key,
-                               tier=self._backend.label) from err
+            raise StorageError(
+                "object changed while being read", key=self._key, tier=self._backend.label
+            ) from err
         self._block_start = self._pos
 
     def readinto(self, buffer: Any) -> int:

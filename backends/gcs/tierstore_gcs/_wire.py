@@ -14,8 +14,7 @@ from tierstore.errors import ConfigError, StorageError
 from tierstore.storage.backend import check_key
 from tierstore_gcs._http import Buffer
 
-__all__ = ["PART_QUANTUM", "parse_url", "encode_crc32c", "decode_crc32c", "multipart_body",
-           "parse_time"]
+__all__ = ["PART_QUANTUM", "parse_url", "encode_crc32c", "decode_crc32c", "multipart_body", "parse_time"]
 
 PART_QUANTUM = 256 << 10  # every resumable-upload chunk but the last is a multiple of this
 

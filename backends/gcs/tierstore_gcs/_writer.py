@@ -107,7 +107,11 @@ class GCSWriter(ObjectWriter):
         span = f"bytes {start}-{stop - 1}" if stop > start else "bytes *"
         view = memoryview(self._buf)[start - self._offset : stop - self._offset]
         return self._backend._request(
-            "upload", self.key, "PUT", self._session, ok=(200, 201, 308, *_SESSION_GONE),
+            "upload",
+            self.key,
+            "PUT",
+            self._session,
+            ok=(200, 201, 308, *_SESSION_GONE),
             headers={"Content-Range": f"{span}/{'*' if total is None else total}"},
             body=[view] if len(view) else [],
         )
@@ -116,16 +120,19 @@ class GCSWriter(ObjectWriter):
         label = self._backend.label
         if response.status != 308:
             if total is None:
-                raise StorageError("upload: GCS completed the object before its last part",
-                                   key=self.key, tier=label)
+                raise StorageError(
+                    "upload: GCS completed the object before its last part", key=self.key, tier=label
+                )
             return response.json()
         persisted = _persisted(response)
         if not self._persisted <= persisted <= stop:
-            raise StorageError(f"upload: GCS reports {persisted} bytes stored, expected "
-                               f"{self._persisted} to {stop}", key=self.key, tier=label)
+            raise StorageError(
+                f"upload: GCS reports {persisted} bytes stored, expected {self._persisted} to {stop}",
+                key=self.key,
+                tier=label,
+            )
         if persisted == self._persisted:  # no progress: back off rather than spin
-            raise TransientStorageError("upload: GCS took none of the bytes sent", key=self.key,
-                                        tier=label)
+            raise TransientStorageError("upload: GCS took none of the bytes sent", key=self.key, tier=label)
         self._persisted = persisted
         return None
 
@@ -134,8 +141,11 @@ class GCSWriter(ObjectWriter):
             # The lost final attempt may have completed the object: what is stored is
             # checked against our size and CRC32C like any other answer.
             return self._backend._metadata_once(self.key, what="upload read-back")
-        raise StorageError("upload: the resumable session no longer exists (expired or "
-                           "cancelled)", key=self.key, tier=self._backend.label)
+        raise StorageError(
+            "upload: the resumable session no longer exists (expired or cancelled)",
+            key=self.key,
+            tier=self._backend.label,
+        )
 
     def _finish(self) -> dict[str, Any]:
         total = self._offset + self._filled
@@ -151,7 +161,8 @@ class GCSWriter(ObjectWriter):
             return self._finish()
         data = memoryview(self._buf)[: self._filled]
         return self._backend._retrying(
-            "upload", self.key, lambda: self._backend._upload_small(self.key, data, self.crc32c))
+            "upload", self.key, lambda: self._backend._upload_small(self.key, data, self.crc32c)
+        )
 
     def _commit(self) -> None:
         try:

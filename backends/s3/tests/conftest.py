@@ -38,8 +38,14 @@ def make_backend(s3_endpoint: str, s3_bucket: str) -> Iterator[Callable[..., S3B
 
     def make(prefix: str = "run", *, endpoint: str | None = None, **options: Any) -> S3Backend:
         settings: dict[str, Any] = dict(
-            endpoint_url=endpoint or s3_endpoint, key="testing", secret="testing",
-            region="us-west-2", part_size=PART, max_concurrency=2, retry=FAST_RETRY)
+            endpoint_url=endpoint or s3_endpoint,
+            key="testing",
+            secret="testing",
+            region="us-west-2",
+            part_size=PART,
+            max_concurrency=2,
+            retry=FAST_RETRY,
+        )
         settings.update(options)
         backend = S3Backend(f"s3://{s3_bucket}/{prefix}", **settings)
         made.append(backend)
@@ -54,8 +60,13 @@ def make_backend(s3_endpoint: str, s3_bucket: str) -> Iterator[Callable[..., S3B
 def boto_client(s3_endpoint: str) -> Any:
     """A plain boto3 client, to look at the bucket behind the backend's back."""
     boto3 = pytest.importorskip("boto3")
-    return boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-west-2",
-                        aws_access_key_id="testing", aws_secret_access_key="testing")
+    return boto3.client(
+        "s3",
+        endpoint_url=s3_endpoint,
+        region_name="us-west-2",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
 
 
 @pytest.fixture(scope="session")

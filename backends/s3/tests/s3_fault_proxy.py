@@ -60,8 +60,16 @@ _ERRORS = {
     "bad_digest": (400, "BadDigest", "The CRC32C you specified did not match the calculated."),
     "deny": (403, "AccessDenied", "Access Denied"),
 }
-_HOP_BY_HOP = {"connection", "keep-alive", "expect", "transfer-encoding", "proxy-connection",
-               "te", "trailer", "upgrade"}
+_HOP_BY_HOP = {
+    "connection",
+    "keep-alive",
+    "expect",
+    "transfer-encoding",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "upgrade",
+}
 
 
 @dataclass
@@ -170,9 +178,17 @@ class FaultProxy:
             except OSError:
                 pass  # already gone
 
-    def add(self, action: str, *, method: str | None = None, contains: tuple[str, ...] = (),
-            excludes: tuple[str, ...] = (), times: int = 1, delay: float = 0.0,
-            before: Callable[[], None] | None = None) -> Rule:
+    def add(
+        self,
+        action: str,
+        *,
+        method: str | None = None,
+        contains: tuple[str, ...] = (),
+        excludes: tuple[str, ...] = (),
+        times: int = 1,
+        delay: float = 0.0,
+        before: Callable[[], None] | None = None,
+    ) -> Rule:
         rule = Rule(action, method, contains, excludes, times, delay, before)
         with self._state.lock:
             self._state.rules.append(rule)
@@ -180,8 +196,9 @@ class FaultProxy:
 
     def seen(self, method: str | None = None, contains: str = "") -> list[Seen]:
         with self._state.lock:
-            return [s for s in self._state.seen
-                    if (method is None or s.method == method) and contains in s.path]
+            return [
+                s for s in self._state.seen if (method is None or s.method == method) and contains in s.path
+            ]
 
     def peak_in_flight(self, kind: str) -> int:
         with self._state.lock:
@@ -280,8 +297,10 @@ class FaultProxy:
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _serve
 
             def _answer_error(self, status: int, code: str, message: str) -> None:
-                xml = (f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code>"
-                       f"<Message>{message}</Message></Error>").encode()
+                xml = (
+                    f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code>"
+                    f"<Message>{message}</Message></Error>"
+                ).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/xml")
                 self.send_header("Content-Length", str(len(xml)))
@@ -291,8 +310,7 @@ class FaultProxy:
 
             def _reset(self) -> None:
                 # SO_LINGER 0: close() sends RST, as a dropped connection looks to clients.
-                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
-                                           struct.pack("ii", 1, 0))
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 self.connection.close()
                 self.close_connection = True
 
@@ -300,8 +318,7 @@ class FaultProxy:
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
                 action, path = seen.action, self.path
                 if action == "wrong_checksum":
-                    headers = {k: v for k, v in headers.items()
-                               if k.lower() != "x-amz-checksum-crc32c"}
+                    headers = {k: v for k, v in headers.items() if k.lower() != "x-amz-checksum-crc32c"}
                     headers["x-amz-checksum-crc32c"] = "AAAAAA=="
                 elif action == "small_pages":
                     path = f"{path}&max-keys=2"
@@ -323,8 +340,9 @@ class FaultProxy:
                     return
                 self._relay(status, reason, answer_headers, data)
 
-            def _upstream(self, path: str, headers: dict[str, str], body: bytes
-                          ) -> tuple[int, str, list[tuple[str, str]], bytes]:
+            def _upstream(
+                self, path: str, headers: dict[str, str], body: bytes
+            ) -> tuple[int, str, list[tuple[str, str]], bytes]:
                 conn = http.client.HTTPConnection(*proxy._upstream, timeout=60)
                 try:
                     conn.request(self.command, path, body=body or None, headers=headers)
@@ -334,8 +352,7 @@ class FaultProxy:
                 finally:
                     conn.close()
 
-            def _relay(self, status: int, reason: str, headers: list[tuple[str, str]],
-                       data: bytes) -> None:
+            def _relay(self, status: int, reason: str, headers: list[tuple[str, str]], data: bytes) -> None:
                 self.send_response(status, reason)
                 for name, value in headers:
                     lower = name.lower()

@@ -26,10 +26,14 @@ FAST_RETRY = RetryPolicy(attempts=6, deadline=30.0, initial=0.005, maximum=0.05)
 
 def create_bucket(endpoint: str) -> str:
     name = f"test-{uuid.uuid4().hex[:12]}"
-    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-west-2",
-                          aws_access_key_id="testing", aws_secret_access_key="testing")
-    client.create_bucket(Bucket=name,
-                         CreateBucketConfiguration={"LocationConstraint": "us-west-2"})
+    client = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name="us-west-2",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
+    client.create_bucket(Bucket=name, CreateBucketConfiguration={"LocationConstraint": "us-west-2"})
     return name
 
 
@@ -44,8 +48,10 @@ def moto_in_own_process(timeout: float = 30.0) -> Iterator[str]:
     """A moto S3 server in a child process; yields its URL, stops it on exit."""
     port = _free_port()
     server = subprocess.Popen(
-        [sys.executable, "-c", "from moto.server import main; main()", "-H", "127.0.0.1",
-         "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [sys.executable, "-c", "from moto.server import main; main()", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout

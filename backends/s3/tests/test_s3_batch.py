@@ -40,8 +40,9 @@ def test_a_throttled_ranged_get_is_retried_whole(proxied: S3Backend, fault_proxy
     assert len(fault_proxy.seen("GET", "/batch/obj")) == 2
 
 
-def test_delete_many_sends_one_request_per_batch(proxied: S3Backend, fault_proxy: FaultProxy,
-                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_delete_many_sends_one_request_per_batch(
+    proxied: S3Backend, fault_proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(s3_backend, "DELETE_BATCH", 10)  # 1,000 in production
     keys = [f"d/{i}" for i in range(25)]
     for key in keys:

@@ -44,22 +44,33 @@ def _everything_said(err: BaseException) -> str:
 
 # -- credentials ------------------------------------------------------------------------------
 
+
 def test_explicit_credentials_never_appear_in_repr_errors_or_logs(
-        s3_bucket: str, fault_proxy: FaultProxy, caplog: pytest.LogCaptureFixture) -> None:
+    s3_bucket: str, fault_proxy: FaultProxy, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.DEBUG)
     for name in ("botocore", "aiobotocore", "s3fs", "tierstore", "tierstore_s3"):
         caplog.set_level(logging.DEBUG, logger=name)
-    backend = S3Backend(f"s3://{s3_bucket}/creds", endpoint_url=fault_proxy.url, key=KEY_ID,
-                        secret=SECRET, token=TOKEN, region="us-west-2", part_size=PART,
-                        retry=RetryPolicy(attempts=2, initial=0.001, maximum=0.001))
+    backend = S3Backend(
+        f"s3://{s3_bucket}/creds",
+        endpoint_url=fault_proxy.url,
+        key=KEY_ID,
+        secret=SECRET,
+        token=TOKEN,
+        region="us-west-2",
+        part_size=PART,
+        retry=RetryPolicy(attempts=2, initial=0.001, maximum=0.001),
+    )
     backend.publish("fine.json", b"{}")  # moto takes any credentials
     fault_proxy.add("deny", method="PUT", contains=("/creds/denied",))
     fault_proxy.add("slowdown", method="PUT", contains=("/creds/throttled",), times=5)
     failures: list[TierstoreError] = []
-    for fail in (lambda: backend.stat("missing"),
-                 lambda: backend.publish("denied", b"x"),
-                 lambda: _write(backend, "throttled", b"x"),
-                 lambda: backend.publish("fine.json", b"{}")):
+    for fail in (
+        lambda: backend.stat("missing"),
+        lambda: backend.publish("denied", b"x"),
+        lambda: _write(backend, "throttled", b"x"),
+        lambda: backend.publish("fine.json", b"{}"),
+    ):
         with pytest.raises(TierstoreError) as info:
             fail()
         failures.append(info.value)
@@ -72,14 +83,18 @@ def test_explicit_credentials_never_appear_in_repr_errors_or_logs(
     # botocore's DEBUG dumps of signed requests show the session token and key id (its own
     # behaviour, outside our control); nothing else may: not repr, errors, tierstore's or
     # s3fs's logs, or any record at INFO and above.
-    logged = [r.getMessage() for r in caplog.records
-              if not r.name.startswith("botocore") or r.levelno >= logging.INFO]
+    logged = [
+        r.getMessage()
+        for r in caplog.records
+        if not r.name.startswith("botocore") or r.levelno >= logging.INFO
+    ]
     for text in [repr(backend), str(backend), *errors, *logged]:
         assert TOKEN not in text and KEY_ID not in text
 
 
-def test_environment_alone_configures_the_backend(monkeypatch: pytest.MonkeyPatch,
-                                                  s3_env: dict[str, str], s3_bucket: str) -> None:
+def test_environment_alone_configures_the_backend(
+    monkeypatch: pytest.MonkeyPatch, s3_env: dict[str, str], s3_bucket: str
+) -> None:
     for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_REGION"):
         monkeypatch.delenv(name, raising=False)
     for name in ("AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
@@ -100,27 +115,30 @@ def test_environment_alone_configures_the_backend(monkeypatch: pytest.MonkeyPatc
     backend.close()
 
 
-@pytest.mark.parametrize("url", ["s3://", "s3:///run", "s3://b/../x", "s3://b/a//c",
-                                 "s3://b/run?versionId=1", "gs://b/run"])
+@pytest.mark.parametrize(
+    "url", ["s3://", "s3:///run", "s3://b/../x", "s3://b/a//c", "s3://b/run?versionId=1", "gs://b/run"]
+)
 def test_bad_urls_are_config_errors(url: str) -> None:
     with pytest.raises(ConfigError):
         S3Backend(url, endpoint_url="http://127.0.0.1:9", region="us-west-2")
 
 
-@pytest.mark.parametrize("options", [{"part_size": 1 << 20}, {"max_concurrency": 0},
-                                     {"no_such_option": 1}, {"profile": "no-such-profile"}])
+@pytest.mark.parametrize(
+    "options",
+    [{"part_size": 1 << 20}, {"max_concurrency": 0}, {"no_such_option": 1}, {"profile": "no-such-profile"}],
+)
 def test_bad_options_are_config_errors(options: dict[str, Any]) -> None:
     with pytest.raises(ConfigError):
-        S3Backend("s3://bucket/run", endpoint_url="http://127.0.0.1:9", region="us-west-2",
-                  **options)
+        S3Backend("s3://bucket/run", endpoint_url="http://127.0.0.1:9", region="us-west-2", **options)
 
 
 # -- uploads --------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("size, parts", [(0, 0), (PART - 1, 0), (PART, 0), (PART + 1, 2)])
-def test_single_put_below_part_size_multipart_above(make_backend: MakeBackend,
-                                                    fault_proxy: FaultProxy,
-                                                    size: int, parts: int) -> None:
+def test_single_put_below_part_size_multipart_above(
+    make_backend: MakeBackend, fault_proxy: FaultProxy, size: int, parts: int
+) -> None:
     backend = make_backend("sizes", endpoint=fault_proxy.url)
     data = os.urandom(size)
     _write(backend, "obj", data)
@@ -141,8 +159,9 @@ def test_multipart_checksum_kinds(make_backend: MakeBackend, full_object: bool) 
     assert backend.stat("obj").crc32c == expected
 
 
-def test_abort_removes_the_upload_and_leaves_no_object(make_backend: MakeBackend,
-                                                       boto_client: Any, s3_bucket: str) -> None:
+def test_abort_removes_the_upload_and_leaves_no_object(
+    make_backend: MakeBackend, boto_client: Any, s3_bucket: str
+) -> None:
     backend = make_backend("abort")
     with pytest.raises(RuntimeError):
         with backend.open_write("big") as out:
@@ -156,7 +175,8 @@ def test_abort_removes_the_upload_and_leaves_no_object(make_backend: MakeBackend
 
 
 def test_abort_stale_uploads_finds_and_aborts_only_old_uploads_below_the_root(
-        make_backend: MakeBackend, boto_client: Any, s3_bucket: str) -> None:
+    make_backend: MakeBackend, boto_client: Any, s3_bucket: str
+) -> None:
     backend = make_backend("gc")
     for key in ("gc/ck/killed-writer", "elsewhere/not-ours"):  # as a SIGKILLed writer leaves
         boto_client.create_multipart_upload(Bucket=s3_bucket, Key=key)
@@ -167,17 +187,17 @@ def test_abort_stale_uploads_finds_and_aborts_only_old_uploads_below_the_root(
     assert backend.abort_stale_uploads(older_than=60, now=young, dry_run=False) == []
     assert backend.abort_stale_uploads(older_than=60, now=old) == ["ck/killed-writer"]
     assert len(boto_client.list_multipart_uploads(Bucket=s3_bucket)["Uploads"]) == 2  # dry run
-    assert backend.abort_stale_uploads(older_than=60, now=old, dry_run=False) == [
-        "ck/killed-writer"]
+    assert backend.abort_stale_uploads(older_than=60, now=old, dry_run=False) == ["ck/killed-writer"]
     left = boto_client.list_multipart_uploads(Bucket=s3_bucket)["Uploads"]
     assert [u["Key"] for u in left] == ["elsewhere/not-ours"]
 
 
 # -- listing --------------------------------------------------------------------------------
 
-def test_list_pages_and_stays_inside_the_prefix(make_backend: MakeBackend,
-                                                fault_proxy: FaultProxy, boto_client: Any,
-                                                s3_bucket: str) -> None:
+
+def test_list_pages_and_stays_inside_the_prefix(
+    make_backend: MakeBackend, fault_proxy: FaultProxy, boto_client: Any, s3_bucket: str
+) -> None:
     backend = make_backend("run", endpoint=fault_proxy.url)
     keys = {f"ck/{i}" for i in range(5)} | {"ck/sub/deep", "manifests/a.json"}
     for key in keys:
@@ -212,8 +232,9 @@ def _open_connections_to(port: int) -> int:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="counts connections through /proc")
-def test_close_releases_connections_and_is_idempotent(make_backend: MakeBackend,
-                                                      fault_proxy: FaultProxy) -> None:
+def test_close_releases_connections_and_is_idempotent(
+    make_backend: MakeBackend, fault_proxy: FaultProxy
+) -> None:
     port = int(fault_proxy.url.rsplit(":", 1)[1])  # a keep-alive server: connections stay open
     backend = make_backend("closing", endpoint=fault_proxy.url)
     backend.publish("x", b"x")

@@ -23,8 +23,15 @@ class TestS3Contract(BackendContract):
         # moto runs in its own process here: the streaming test's tracemalloc would
         # otherwise count the server's copies of the object as the client's.
         bucket = create_bucket(s3_endpoint_own_process)
-        backend = S3Backend(f"s3://{bucket}/contract/run", endpoint_url=s3_endpoint_own_process,
-                            key="testing", secret="testing", region="us-west-2",
-                            part_size=PART, max_concurrency=2, retry=FAST_RETRY)
+        backend = S3Backend(
+            f"s3://{bucket}/contract/run",
+            endpoint_url=s3_endpoint_own_process,
+            key="testing",
+            secret="testing",
+            region="us-west-2",
+            part_size=PART,
+            max_concurrency=2,
+            retry=FAST_RETRY,
+        )
         yield backend
         backend.close()

@@ -24,28 +24,27 @@ def _json(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def test_fsdp2_save_and_load_on_s3_is_bit_exact(s3_env: dict[str, str], s3_bucket: str,
-                                                tmp_path: Path,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fsdp2_save_and_load_on_s3_is_bit_exact(
+    s3_env: dict[str, str], s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     store = f"s3://{s3_bucket}/run"
     out = tmp_path / "saved"
     out.mkdir()
-    job = run_job({"op": "train_save", "hot": store, "out": str(out), "saves": MODES}, 2,
-                  env=s3_env)
+    job = run_job({"op": "train_save", "hot": store, "out": str(out), "saves": MODES}, 2, env=s3_env)
     assert job.ok, job.describe()
 
     for name, value in s3_env.items():  # this process reads the store the same way
         monkeypatch.setenv(name, value)
     infos = list_checkpoints(store)
     assert [(c.step, c.world_size, c.tiers, c.num_files) for c in infos] == [
-        (step, 2, ("hot",), 3) for step in (1, 2, 3)]
+        (step, 2, ("hot",), 3) for step in (1, 2, 3)
+    ]
 
     loads = [{"step": s, "tag": str(s)} for s in (1, 2, 3)] + [{"tag": "latest"}]
     for world in (2, 1):
         mine = tmp_path / f"loaded-at-{world}"
         mine.mkdir()
-        job = run_job({"op": "load", "hot": store, "out": str(mine), "loads": loads}, world,
-                      env=s3_env)
+        job = run_job({"op": "load", "hot": store, "out": str(mine), "loads": loads}, world, env=s3_env)
         assert job.ok, job.describe()
         for step in (1, 2, 3):
             result = _json(mine / f"loaded-{step}.json")

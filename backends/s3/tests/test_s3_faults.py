@@ -41,8 +41,8 @@ def _no_open_uploads(client: Any, bucket: str) -> bool:
 
 # -- transient failures are retried ------------------------------------------------------
 
-def test_single_put_survives_slowdown_and_reset(flaky: S3Backend, fault_proxy: FaultProxy
-                                                ) -> None:
+
+def test_single_put_survives_slowdown_and_reset(flaky: S3Backend, fault_proxy: FaultProxy) -> None:
     fault_proxy.add("slowdown", method="PUT", contains=("/faults/one",))
     fault_proxy.add("reset", method="PUT", contains=("/faults/one",))
     data = os.urandom(300_000)
@@ -52,8 +52,9 @@ def test_single_put_survives_slowdown_and_reset(flaky: S3Backend, fault_proxy: F
     assert flaky.stat("one").crc32c == crc32c_update(0, data)
 
 
-def test_multipart_survives_faults_at_every_step(flaky: S3Backend, fault_proxy: FaultProxy,
-                                                 boto_client: Any, s3_bucket: str) -> None:
+def test_multipart_survives_faults_at_every_step(
+    flaky: S3Backend, fault_proxy: FaultProxy, boto_client: Any, s3_bucket: str
+) -> None:
     fault_proxy.add("slowdown", method="POST", contains=("/faults/big", "?uploads"))
     fault_proxy.add("reset", method="PUT", contains=("&partNumber=2",))
     fault_proxy.add("internal", method="PUT", contains=("&partNumber=3",))
@@ -74,8 +75,7 @@ def test_multipart_survives_faults_at_every_step(flaky: S3Backend, fault_proxy: 
     assert _no_open_uploads(boto_client, s3_bucket)
 
 
-def test_parts_in_flight_are_bounded_by_max_concurrency(flaky: S3Backend,
-                                                        fault_proxy: FaultProxy) -> None:
+def test_parts_in_flight_are_bounded_by_max_concurrency(flaky: S3Backend, fault_proxy: FaultProxy) -> None:
     fault_proxy.add("delay", method="PUT", contains=("partNumber=",), times=100, delay=0.15)
     data = os.urandom(3 * PART + 1)  # 4 parts, max_concurrency 2
     _write(flaky, "wide", data)
@@ -84,18 +84,17 @@ def test_parts_in_flight_are_bounded_by_max_concurrency(flaky: S3Backend,
     assert flaky.read_bytes("wide") == data
 
 
-@pytest.mark.parametrize("fault", ["slowdown", "internal", "conflict", "timeout",
-                                   "bad_digest", "reset"])
-def test_publish_retries_transient_failures(flaky: S3Backend, fault_proxy: FaultProxy,
-                                            fault: str) -> None:
+@pytest.mark.parametrize("fault", ["slowdown", "internal", "conflict", "timeout", "bad_digest", "reset"])
+def test_publish_retries_transient_failures(flaky: S3Backend, fault_proxy: FaultProxy, fault: str) -> None:
     fault_proxy.add(fault, method="PUT", contains=("/faults/m/a.json",), times=2)
     flaky.publish("m/a.json", b'{"ok": 1}')
     assert _actions(fault_proxy, "PUT", "/faults/m/a.json") == [fault, fault, "forward"]
     assert flaky.read_bytes("m/a.json") == b'{"ok": 1}'
 
 
-def test_reads_retry_whole_ranges(make_backend: MakeBackend, flaky: S3Backend,
-                                  fault_proxy: FaultProxy) -> None:
+def test_reads_retry_whole_ranges(
+    make_backend: MakeBackend, flaky: S3Backend, fault_proxy: FaultProxy
+) -> None:
     data = os.urandom(2 * PART + 99)
     _write(make_backend("faults"), "r", data)  # written directly, read through the proxy
     fault_proxy.add("slowdown", method="GET", contains=("/faults/r",))
@@ -107,9 +106,11 @@ def test_reads_retry_whole_ranges(make_backend: MakeBackend, flaky: S3Backend,
 
 # -- permanent failures are not ------------------------------------------------------------
 
+
 @pytest.mark.parametrize("op", ["publish", "write", "multipart"])
-def test_access_denied_is_permanent_names_key_and_tier(flaky: S3Backend, fault_proxy: FaultProxy,
-                                                       op: str) -> None:
+def test_access_denied_is_permanent_names_key_and_tier(
+    flaky: S3Backend, fault_proxy: FaultProxy, op: str
+) -> None:
     flaky.label = "cold s3://bucket/faults"
     fault_proxy.add("deny", method="PUT", contains=("/faults/ck/x",), times=100)
     with pytest.raises(StorageError) as info:
@@ -128,8 +129,7 @@ def test_access_denied_is_permanent_names_key_and_tier(flaky: S3Backend, fault_p
     assert not flaky.exists("ck/x")
 
 
-def test_stored_checksum_differs_is_checksum_mismatch(flaky: S3Backend,
-                                                      fault_proxy: FaultProxy) -> None:
+def test_stored_checksum_differs_is_checksum_mismatch(flaky: S3Backend, fault_proxy: FaultProxy) -> None:
     # moto stores whatever checksum it is sent without checking it: a wrong one stands in
     # for a server that holds other bytes than we sent.
     fault_proxy.add("wrong_checksum", method="PUT", contains=("/faults/bad",))
@@ -139,8 +139,7 @@ def test_stored_checksum_differs_is_checksum_mismatch(flaky: S3Backend,
     assert not flaky.exists("bad")  # the bad object is deleted
 
 
-def test_stored_size_differs_is_checksum_mismatch(flaky: S3Backend,
-                                                  fault_proxy: FaultProxy) -> None:
+def test_stored_size_differs_is_checksum_mismatch(flaky: S3Backend, fault_proxy: FaultProxy) -> None:
     fault_proxy.add("truncate", method="PUT", contains=("/faults/short",))
     with pytest.raises(ChecksumMismatch) as info:
         _write(flaky, "short", os.urandom(1000))
@@ -150,8 +149,8 @@ def test_stored_size_differs_is_checksum_mismatch(flaky: S3Backend,
 
 # -- ambiguous conditional publish (design.md invariant 12) ----------------------------------
 
-def test_lost_answer_then_412_for_our_own_put_is_success(flaky: S3Backend,
-                                                         fault_proxy: FaultProxy) -> None:
+
+def test_lost_answer_then_412_for_our_own_put_is_success(flaky: S3Backend, fault_proxy: FaultProxy) -> None:
     # The first conditional PUT lands, its answer is lost; the resend (ours, or aiohttp's
     # own on a reused connection) gets 412; the read-back shows the object is ours.
     fault_proxy.add("lose_answer", method="PUT", contains=("/faults/manifests/a.json",))
@@ -164,8 +163,8 @@ def test_lost_answer_then_412_for_our_own_put_is_success(flaky: S3Backend,
 
 @pytest.mark.parametrize("theirs", [b'{"attempt": "theirs"}', b'{"attempt": "ours"}'])
 def test_412_after_a_lost_put_with_a_rivals_object_is_conflict(
-        make_backend: MakeBackend, flaky: S3Backend, fault_proxy: FaultProxy,
-        theirs: bytes) -> None:
+    make_backend: MakeBackend, flaky: S3Backend, fault_proxy: FaultProxy, theirs: bytes
+) -> None:
     rival = make_backend("faults")
 
     def rival_wins() -> None:
@@ -174,8 +173,7 @@ def test_412_after_a_lost_put_with_a_rivals_object_is_conflict(
     # Our first PUT never arrives; meanwhile a rival publishes (even the very same bytes:
     # of two publishers exactly one wins); our resend gets 412 and the read-back says
     # the object is not ours.
-    fault_proxy.add("reset", method="PUT", contains=("/faults/manifests/b.json",),
-                    before=rival_wins)
+    fault_proxy.add("reset", method="PUT", contains=("/faults/manifests/b.json",), before=rival_wins)
     with pytest.raises(PublishConflict) as info:
         flaky.publish("manifests/b.json", b'{"attempt": "ours"}')
     assert info.value.key == "manifests/b.json"

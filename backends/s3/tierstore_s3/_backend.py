@@ -49,8 +49,9 @@ DELETE_BATCH = 1000  # S3's limit of keys per DeleteObjects request
 def _split_url(url: str) -> tuple[str, str]:
     parsed = urlparse(url)
     if "@" in parsed.netloc:  # never echo it: the part before "@" may be a secret
-        raise ConfigError("credentials do not belong in an S3 tier URL: pass key=/secret= "
-                          "or use the AWS credential chain")
+        raise ConfigError(
+            "credentials do not belong in an S3 tier URL: pass key=/secret= or use the AWS credential chain"
+        )
     if parsed.scheme != "s3" or not parsed.netloc or parsed.query or parsed.fragment:
         raise ConfigError(f"not an S3 tier URL (s3://bucket[/prefix]): {url!r}")
     prefix = parsed.path.strip("/")
@@ -62,14 +63,25 @@ def _split_url(url: str) -> tuple[str, str]:
     return parsed.netloc, prefix
 
 
-def _make_fs(endpoint_url: str | None, key: str | None, secret: str | None,
-             token: str | None, profile: str | None, region: str | None,
-             extra: Mapping[str, Any]) -> s3fs.S3FileSystem:
+def _make_fs(
+    endpoint_url: str | None,
+    key: str | None,
+    secret: str | None,
+    token: str | None,
+    profile: str | None,
+    region: str | None,
+    extra: Mapping[str, Any],
+) -> s3fs.S3FileSystem:
     """An s3fs filesystem: explicit settings where given, else the standard AWS chain."""
     options: dict[str, Any] = {"skip_instance_cache": True, "use_listings_cache": False}
     options.update(extra)
-    explicit = {"endpoint_url": endpoint_url, "key": key, "secret": secret, "token": token,
-                "profile": profile}
+    explicit = {
+        "endpoint_url": endpoint_url,
+        "key": key,
+        "secret": secret,
+        "token": token,
+        "profile": profile,
+    }
     options.update({name: value for name, value in explicit.items() if value is not None})
     if region is not None:
         options["client_kwargs"] = {**options.get("client_kwargs", {}), "region_name": region}
@@ -85,9 +97,11 @@ def _make_fs(endpoint_url: str | None, key: str | None, secret: str | None,
 
 # s3fs silently drops request parameters its botocore does not know: an old botocore would
 # turn the exclusive publish into a plain overwrite. Refuse to run on one.
-_REQUIRED = {"PutObject": ("IfNoneMatch", "ChecksumCRC32C"),
-             "CreateMultipartUpload": ("ChecksumType",),
-             "CompleteMultipartUpload": ("ChecksumType", "ChecksumCRC32C")}
+_REQUIRED = {
+    "PutObject": ("IfNoneMatch", "ChecksumCRC32C"),
+    "CreateMultipartUpload": ("ChecksumType",),
+    "CompleteMultipartUpload": ("ChecksumType", "ChecksumCRC32C"),
+}
 
 
 def _require_parameters(fs: s3fs.S3FileSystem) -> None:
@@ -96,8 +110,10 @@ def _require_parameters(fs: s3fs.S3FileSystem) -> None:
         known = model.operation_model(operation).input_shape.members
         missing = [name for name in names if name not in known]
         if missing:
-            raise ConfigError(f"this botocore's S3 {operation} lacks {missing}: upgrade "
-                              "s3fs/aiobotocore to a 2025 or later botocore")
+            raise ConfigError(
+                f"this botocore's S3 {operation} lacks {missing}: upgrade "
+                "s3fs/aiobotocore to a 2025 or later botocore"
+            )
 
 
 class S3Backend(Backend):
@@ -124,12 +140,23 @@ class S3Backend(Backend):
     scheme = "s3"
     spread_keys = True  # data keys over hashed prefixes: S3 throttles per prefix
 
-    def __init__(self, url: str, *, endpoint_url: str | None = None, key: str | None = None,
-                 secret: str | None = None, token: str | None = None,
-                 profile: str | None = None, region: str | None = None,
-                 part_size: int = 16 * MiB, max_concurrency: int = 4,
-                 full_object_checksum: bool = True, retry: RetryPolicy = DEFAULT,
-                 s3fs_options: Mapping[str, Any] | None = None, **options: Any) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        endpoint_url: str | None = None,
+        key: str | None = None,
+        secret: str | None = None,
+        token: str | None = None,
+        profile: str | None = None,
+        region: str | None = None,
+        part_size: int = 16 * MiB,
+        max_concurrency: int = 4,
+        full_object_checksum: bool = True,
+        retry: RetryPolicy = DEFAULT,
+        s3fs_options: Mapping[str, Any] | None = None,
+        **options: Any,
+    ) -> None:
         super().__init__(url)
         if options:
             raise ConfigError(f"unknown options for an S3 tier: {sorted(options)}")
@@ -143,13 +170,11 @@ class S3Backend(Backend):
         self.full_object_checksum = full_object_checksum
         self.retry = retry
         try:
-            self._fs = _make_fs(endpoint_url, key, secret, token, profile, region,
-                                dict(s3fs_options or {}))
+            self._fs = _make_fs(endpoint_url, key, secret, token, profile, region, dict(s3fs_options or {}))
         except ConfigError:
             raise
         except (TypeError, ValueError, BotoCoreError) as err:
-            raise ConfigError(f"cannot set up S3 tier {url!r}: {type(err).__name__}: {err}"
-                              ) from err
+            raise ConfigError(f"cannot set up S3 tier {url!r}: {type(err).__name__}: {err}") from err
 
     # -- plumbing shared with the writer and reader -------------------------------------
 
@@ -177,15 +202,22 @@ class S3Backend(Backend):
 
     def head(self, key: str) -> dict[str, Any]:
         full = self.full_key(key)
-        answer: dict[str, Any] = self.retrying("head", key, lambda: self.call(
-            "head_object", key, Key=full, ChecksumMode="ENABLED"))
+        answer: dict[str, Any] = self.retrying(
+            "head", key, lambda: self.call("head_object", key, Key=full, ChecksumMode="ENABLED")
+        )
         return answer
 
     def put(self, key: str, body: bytes | BinaryIO, crc: int, **conditions: Any) -> Any:
         """One PutObject (not retried here) carrying our CRC32C for S3 to check."""
-        return self.call("put_object", key, Key=self.full_key(key), Body=body,
-                         ChecksumAlgorithm="CRC32C", ChecksumCRC32C=_checksum.encode(crc),
-                         **conditions)
+        return self.call(
+            "put_object",
+            key,
+            Key=self.full_key(key),
+            Body=body,
+            ChecksumAlgorithm="CRC32C",
+            ChecksumCRC32C=_checksum.encode(crc),
+            **conditions,
+        )
 
     # -- the contract -------------------------------------------------------------------
 
@@ -203,8 +235,11 @@ class S3Backend(Backend):
         if length <= 0:
             self.head(key)  # still: a missing key is ObjectNotFound
             return io.BytesIO(b"")
-        data = self.retrying(f"read of bytes {offset}-{offset + length - 1}", key,
-                             lambda: self._get_range(key, full, offset, length))
+        data = self.retrying(
+            f"read of bytes {offset}-{offset + length - 1}",
+            key,
+            lambda: self._get_range(key, full, offset, length),
+        )
         return io.BytesIO(data)
 
     def _get_range(self, key: str, full: str, offset: int, length: int) -> bytes:
@@ -219,16 +254,18 @@ class S3Backend(Backend):
             raise failure from err
 
     async def _fetch_range(self, key: str, full: str, offset: int, length: int) -> bytes:
-        answer = await self._fs._call_s3("get_object", Bucket=self.bucket, Key=full,
-                                         Range=f"bytes={offset}-{offset + length - 1}")
+        answer = await self._fs._call_s3(
+            "get_object", Bucket=self.bucket, Key=full, Range=f"bytes={offset}-{offset + length - 1}"
+        )
         async with answer["Body"] as body:
             data: bytes = await body.read()
         # "bytes <first>-<last>/<size>": the server's word on how many bytes it meant to send
         sent = str(answer.get("ContentRange") or "")
         first, _, last = sent.partition(" ")[2].partition("/")[0].partition("-")
         if first.isdigit() and last.isdigit() and len(data) != int(last) - int(first) + 1:
-            raise TransientStorageError(f"range {sent} came back with {len(data)} bytes",
-                                        key=key, tier=self.label)
+            raise TransientStorageError(
+                f"range {sent} came back with {len(data)} bytes", key=key, tier=self.label
+            )
         return data
 
     def publish(self, key: str, data: bytes) -> None:
@@ -258,8 +295,9 @@ class S3Backend(Backend):
         try:
             head = self.head(key)
         except ObjectNotFound as err:  # removed since the 412: the publish may go ahead
-            raise TransientStorageError("object vanished after a conflicting publish",
-                                        key=key, tier=self.label) from err
+            raise TransientStorageError(
+                "object vanished after a conflicting publish", key=key, tier=self.label
+            ) from err
         stored_crc = _checksum.full_object_crc32c(head)
         ours = (head.get("Metadata") or {}).get(_PUBLISH_TOKEN) == token
         return bool(ours and int(head["ContentLength"]) == size and stored_crc in (None, crc))
@@ -267,9 +305,13 @@ class S3Backend(Backend):
     def stat(self, key: str) -> ObjectInfo:
         head = self.head(key)
         modified = head.get("LastModified")
-        return ObjectInfo(key=key, size=int(head["ContentLength"]),
-                          mtime=modified.timestamp() if modified is not None else None,
-                          crc32c=_checksum.full_object_crc32c(head), version=_checksum.etag(head))
+        return ObjectInfo(
+            key=key,
+            size=int(head["ContentLength"]),
+            mtime=modified.timestamp() if modified is not None else None,
+            crc32c=_checksum.full_object_crc32c(head),
+            version=_checksum.etag(head),
+        )
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         if prefix and not prefix.endswith("/"):
@@ -289,16 +331,19 @@ class S3Backend(Backend):
 
     def _page_infos(self, page: Mapping[str, Any], root: str) -> Iterator[ObjectInfo]:
         for obj in page.get("Contents", []):
-            rel = str(obj["Key"])[len(root):]
+            rel = str(obj["Key"])[len(root) :]
             try:
                 check_key(rel)
             except UnsafePath:  # "dir/" markers and keys no tierstore key can name
                 log.debug("list of %s skips key %r", self.label, obj["Key"])
                 continue
             modified = obj.get("LastModified")
-            yield ObjectInfo(key=rel, size=int(obj["Size"]),
-                             mtime=modified.timestamp() if modified is not None else None,
-                             version=_checksum.etag(obj))
+            yield ObjectInfo(
+                key=rel,
+                size=int(obj["Size"]),
+                mtime=modified.timestamp() if modified is not None else None,
+                version=_checksum.etag(obj),
+            )
 
     def delete(self, key: str) -> None:
         full = self.full_key(key)
@@ -312,8 +357,11 @@ class S3Backend(Backend):
         object). A store that ignores ``If-Match`` deletes unconditionally."""
         full = self.full_key(key)
         try:
-            self.retrying("conditional delete", key, lambda: self.call(
-                "delete_object", key, Key=full, IfMatch=f'"{version}"'))
+            self.retrying(
+                "conditional delete",
+                key,
+                lambda: self.call("delete_object", key, Key=full, IfMatch=f'"{version}"'),
+            )
         except ObjectNotFound:
             return True
         except PublishConflict:  # the 412 of If-Match
@@ -337,28 +385,37 @@ class S3Backend(Backend):
         by_full = {self.full_key(key): key for key in keys}
 
         def attempt() -> None:
-            answer = self.call("delete_objects", keys[0], Delete={
-                "Objects": [{"Key": full} for full in by_full], "Quiet": True})
+            answer = self.call(
+                "delete_objects",
+                keys[0],
+                Delete={"Objects": [{"Key": full} for full in by_full], "Quiet": True},
+            )
             errors = answer.get("Errors") or []
             if not errors:
                 return
             first = errors[0]
             key = by_full.get(str(first.get("Key")), str(first.get("Key")))
-            text = (f"S3 DeleteObjects could not delete {len(errors)} of {len(keys)} keys; "
-                    f"this one: {first.get('Code')}: {first.get('Message', '')}")
+            text = (
+                f"S3 DeleteObjects could not delete {len(errors)} of {len(keys)} keys; "
+                f"this one: {first.get('Code')}: {first.get('Message', '')}"
+            )
             if all(e.get("Code") in _TRANSIENT_CODES for e in errors):
                 raise TransientStorageError(text, key=key, tier=self.label)
             raise StorageError(text, key=key, tier=self.label)
 
         self.retrying(f"batch delete ({len(keys)} keys, from)", keys[0], attempt)
 
-    def abort_stale_uploads(self, *, older_than: float, dry_run: bool = True,
-                            now: float | None = None) -> builtins.list[str]:
+    def abort_stale_uploads(
+        self, *, older_than: float, dry_run: bool = True, now: float | None = None
+    ) -> builtins.list[str]:
         """Abort multipart uploads below this tier's root started ``older_than`` seconds
         ago or earlier (a writer killed mid-upload leaves one); return their keys."""
         now = time.time() if now is None else now
-        stale = [(key, upload_id) for key, upload_id, started in self._open_uploads()
-                 if now - started >= older_than]
+        stale = [
+            (key, upload_id)
+            for key, upload_id, started in self._open_uploads()
+            if now - started >= older_than
+        ]
         if stale and not dry_run:
             for key, upload_id in stale:
                 self.abort_upload(key, upload_id)
@@ -370,22 +427,25 @@ class S3Backend(Backend):
         markers: dict[str, str] = {}
         while True:
             params = {"Prefix": root, **markers}
-            page = self.retrying("list uploads", "",
-                                 partial(self.call, "list_multipart_uploads", "", **params))
+            page = self.retrying(
+                "list uploads", "", partial(self.call, "list_multipart_uploads", "", **params)
+            )
             for upload in page.get("Uploads", []):
                 started = upload["Initiated"].timestamp()
-                yield str(upload["Key"])[len(root):], upload["UploadId"], started
+                yield str(upload["Key"])[len(root) :], upload["UploadId"], started
             if not page.get("IsTruncated"):
                 return
-            markers = {"KeyMarker": page["NextKeyMarker"],
-                       "UploadIdMarker": page["NextUploadIdMarker"]}
+            markers = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
 
     def abort_upload(self, key: str, upload_id: str) -> None:
         """Abort one multipart upload; one already gone counts as aborted."""
         full = f"{self.prefix}/{key}" if self.prefix else key
         try:
-            self.retrying("abort multipart upload", key, lambda: self.call(
-                "abort_multipart_upload", key, Key=full, UploadId=upload_id))
+            self.retrying(
+                "abort multipart upload",
+                key,
+                lambda: self.call("abort_multipart_upload", key, Key=full, UploadId=upload_id),
+            )
         except StorageError as err:
             if client_error_code(err) != "NoSuchUpload":  # gone already: fine
                 raise

@@ -36,14 +36,25 @@ except ImportError:  # pragma: no cover - aiobotocore with another HTTP backend
 
 _NOT_FOUND_CODES = {"NoSuchKey", "NotFound", "404"}
 _TRANSIENT_CODES = {
-    "SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout",
-    "RequestTimeoutException", "Throttling", "ThrottlingException", "ThrottledException",
-    "RequestThrottled", "RequestLimitExceeded", "TooManyRequestsException",
-    "PriorRequestNotComplete", "IncompleteBody",
+    "SlowDown",
+    "ServiceUnavailable",
+    "InternalError",
+    "RequestTimeout",
+    "RequestTimeoutException",
+    "Throttling",
+    "ThrottlingException",
+    "ThrottledException",
+    "RequestThrottled",
+    "RequestLimitExceeded",
+    "TooManyRequestsException",
+    "PriorRequestNotComplete",
+    "IncompleteBody",
     # S3: a conditional write raced another one on the same key; retry to learn who won.
-    "ConditionalRequestConflict", "OperationAborted",
+    "ConditionalRequestConflict",
+    "OperationAborted",
     # The bytes arrived damaged in transit; resending the same bytes is the cure.
-    "BadDigest", "XAmzContentSHA256Mismatch",
+    "BadDigest",
+    "XAmzContentSHA256Mismatch",
 }
 _TRANSIENT_STATUS = {429, 500, 502, 503, 504}
 # Transport failures: the request may or may not have reached the server.
@@ -98,8 +109,7 @@ def _from_client_error(err: boto.ClientError, key: str, tier: str) -> StorageErr
     if code in _NOT_FOUND_CODES:
         return ObjectNotFound(f"no such object: {text}", key=key, tier=tier)
     if code in _TRANSIENT_CODES or status in _TRANSIENT_STATUS:
-        return TransientStorageError(f"transient S3 failure, will retry: {text}",
-                                     key=key, tier=tier)
+        return TransientStorageError(f"transient S3 failure, will retry: {text}", key=key, tier=tier)
     return StorageError(f"permanent S3 failure, not retried: {text}", key=key, tier=tier)
 
 
@@ -114,6 +124,5 @@ def translate(err: BaseException, *, key: str, tier: str) -> TierstoreError:
     if isinstance(err, boto.SSLError):  # a certificate problem does not heal by retrying
         return StorageError(f"permanent S3 failure, not retried: {what}", key=key, tier=tier)
     if isinstance(err, _TRANSIENT_TRANSPORT):
-        return TransientStorageError(f"transient S3 failure, will retry: {what}",
-                                     key=key, tier=tier)
+        return TransientStorageError(f"transient S3 failure, will retry: {what}", key=key, tier=tier)
     return StorageError(f"permanent S3 failure, not retried: {what}", key=key, tier=tier)

@@ -48,8 +48,12 @@ class _RangedReader(io.RawIOBase):
         # fsspec's async API is its underscore-named coroutines: run on s3fs's loop, a
         # range can be fetched ahead without a thread of its own.
         answer = await self._backend.fs._call_s3(
-            "get_object", Bucket=self._backend.bucket, Key=self._full,
-            Range=f"bytes={start}-{end - 1}", **conditions)
+            "get_object",
+            Bucket=self._backend.bucket,
+            Key=self._full,
+            Range=f"bytes={start}-{end - 1}",
+            **conditions,
+        )
         # Fill one exact buffer: body.read() would join a list of chunks, briefly holding
         # the range twice.
         data = bytearray(end - start)
@@ -64,7 +68,9 @@ class _RangedReader(io.RawIOBase):
         if filled != len(data):
             raise TransientStorageError(
                 f"range of bytes {start}-{end - 1} came back with {filled} bytes",
-                key=self._key, tier=self._backend.label)
+                key=self._key,
+                tier=self._backend.label,
+            )
         return data
 
     def _start(self, start: int) -> Future[bytearray]:
@@ -77,8 +83,9 @@ class _RangedReader(io.RawIOBase):
         except Exception as err:
             failure = translate(err, key=self._key, tier=self._backend.label)
             if isinstance(failure, PublishConflict):  # the If-Match pin failed
-                failure = StorageError("object changed while being read",
-                                       key=self._key, tier=self._backend.label)
+                failure = StorageError(
+                    "object changed while being read", key=self._key, tier=self._backend.label
+                )
             if failure is err:
                 raise
             raise failure from err

@@ -36,14 +36,18 @@ class _MultipartUpload:
         self._key = key
         self._full = backend.full_key(key)
         extra = {"ChecksumType": "FULL_OBJECT"} if backend.full_object_checksum else {}
-        created = backend.retrying("start multipart upload", key, lambda: backend.call(
-            "create_multipart_upload", key, Key=self._full, ChecksumAlgorithm="CRC32C", **extra))
+        created = backend.retrying(
+            "start multipart upload",
+            key,
+            lambda: backend.call(
+                "create_multipart_upload", key, Key=self._full, ChecksumAlgorithm="CRC32C", **extra
+            ),
+        )
         self.upload_id: str = created["UploadId"]
         self.part_crcs: list[int] = []
         self._done: list[dict[str, Any]] = []
         self._pending: set[Future[dict[str, Any]]] = set()
-        self._pool = ThreadPoolExecutor(backend.max_concurrency,
-                                        thread_name_prefix="tierstore-s3-part")
+        self._pool = ThreadPoolExecutor(backend.max_concurrency, thread_name_prefix="tierstore-s3-part")
         self._aborted = False
         log.debug("started multipart upload of %s in %s", key, backend.label)
 
@@ -63,7 +67,10 @@ class _MultipartUpload:
         if number > MAX_PARTS:
             raise StorageError(
                 f"object needs more than {MAX_PARTS} parts of {self._backend.part_size} bytes; "
-                "raise the tier's part_size", key=self._key, tier=self._backend.label)
+                "raise the tier's part_size",
+                key=self._key,
+                tier=self._backend.label,
+            )
         self.part_crcs.append(part.crc)
         self._pending.add(self._pool.submit(self._upload_part, number, part))
 
@@ -72,11 +79,17 @@ class _MultipartUpload:
 
         def attempt() -> Any:
             if self._aborted:  # stop retrying: abort() is waiting for this thread
-                raise StorageError("multipart upload aborted", key=self._key,
-                                   tier=backend.label)
-            return backend.call("upload_part", self._key, Key=self._full,
-                                UploadId=self.upload_id, PartNumber=number, Body=part.body(),
-                                ChecksumAlgorithm="CRC32C", ChecksumCRC32C=encoded)
+                raise StorageError("multipart upload aborted", key=self._key, tier=backend.label)
+            return backend.call(
+                "upload_part",
+                self._key,
+                Key=self._full,
+                UploadId=self.upload_id,
+                PartNumber=number,
+                Body=part.body(),
+                ChecksumAlgorithm="CRC32C",
+                ChecksumCRC32C=encoded,
+            )
 
         answer = backend.retrying(f"upload part {number}", self._key, attempt)
         return {"PartNumber": number, "ETag": answer["ETag"], "ChecksumCRC32C": encoded}
@@ -94,9 +107,14 @@ class _MultipartUpload:
             nonlocal tries
             tries += 1
             try:
-                self._backend.call("complete_multipart_upload", self._key, Key=self._full,
-                                   UploadId=self.upload_id, MultipartUpload={"Parts": parts},
-                                   **extra)
+                self._backend.call(
+                    "complete_multipart_upload",
+                    self._key,
+                    Key=self._full,
+                    UploadId=self.upload_id,
+                    MultipartUpload={"Parts": parts},
+                    **extra,
+                )
             except TierstoreError as err:
                 # An earlier attempt may have completed it and lost the answer; the
                 # verification that follows decides (docs/design.md invariant 12).
@@ -113,9 +131,13 @@ class _MultipartUpload:
         try:
             self._backend.abort_upload(self._key, self.upload_id)
         except Exception as err:  # an unaborted upload costs storage, not correctness
-            log.warning("could not abort multipart upload of %s in %s (its parts stay until "
-                        "garbage collection or a lifecycle rule removes them): %s", self._key,
-                        self._backend.label, err)
+            log.warning(
+                "could not abort multipart upload of %s in %s (its parts stay until "
+                "garbage collection or a lifecycle rule removes them): %s",
+                self._key,
+                self._backend.label,
+                err,
+            )
 
 
 class _Part:
@@ -163,7 +185,7 @@ class S3ObjectWriter(ObjectWriter):
                 self._ship_part()
             piece = view[: part_size - self._part.size]
             self._part.add(piece)
-            view = view[len(piece):]
+            view = view[len(piece) :]
 
     def _ship_part(self, *, last: bool = False) -> None:
         if self._upload is None:
@@ -178,8 +200,9 @@ class S3ObjectWriter(ObjectWriter):
         try:
             if self._upload is None:
                 part, self._part = self._part, _Part()
-                self._backend.retrying("upload", self.key, lambda: self._backend.put(
-                    self.key, part.body(), self.crc32c))
+                self._backend.retrying(
+                    "upload", self.key, lambda: self._backend.put(self.key, part.body(), self.crc32c)
+                )
                 part_crcs: list[int] = []
             else:
                 self._ship_part(last=True)
@@ -208,15 +231,20 @@ class S3ObjectWriter(ObjectWriter):
         that object (``If-Match`` its ETag): no good copy of anything has its size or CRC32C,
         and a good copy another migrator puts there meanwhile has another ETag and stays."""
         try:
-            self._backend.call("delete_object", self.key, Key=self._backend.full_key(self.key),
-                               IfMatch=head["ETag"])
+            self._backend.call(
+                "delete_object", self.key, Key=self._backend.full_key(self.key), IfMatch=head["ETag"]
+            )
         except Exception as err:  # best effort: the mismatch is raised all the same
             log.warning("left a damaged upload %s in %s: %s", self.key, self._backend.label, err)
 
     def _mismatch(self, what: str, expected: str, actual: str) -> ChecksumMismatch:
         return ChecksumMismatch(
             f"uploaded object's {what} differs: expected {expected}, S3 holds {actual}",
-            key=self.key, tier=self._backend.label, expected=expected, actual=actual)
+            key=self.key,
+            tier=self._backend.label,
+            expected=expected,
+            actual=actual,
+        )
 
     def _discard(self) -> None:
         """Abort our multipart upload; never delete the key.
