@@ -99,12 +99,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def _named_for_verify(store: Store, name: str | None) -> None:
     """:func:`require_named`, where a tier holding an invalid manifest of ``name`` holds it: verify
     reports that manifest (and checks another tier's copy) rather than stop at it."""
-    from tierstore.errors import InvalidManifest, ObjectTooLarge  # verify's alone
+    from tierstore.errors import InvalidManifest  # verify's alone
 
     def holds(tier: Tier, name: str) -> bool:
         try:
             return tier.find_manifest(name) is not None
-        except (InvalidManifest, ObjectTooLarge):
+        except InvalidManifest:
             return True
 
     if name is not None and not any(holds(t, name) for t in store.tiers):

@@ -160,13 +160,12 @@ class TieredReader(StorageReader):
             cold,
             hot_options=hot_options,
             cold_options=cold_options,
+            node_local=True if node_local else None,  # else as a Store given says
         )
         self.tiers = self.store.tiers
         self._transforms = _StorageReaderTransforms(_extension_registry)
         self._bad_id: ConfigError | None = None
-        if node_local and (self.store.hot is None or self.store.cold is None):
-            raise ConfigError("node_local=True needs both a hot and a cold tier")
-        self.node_local = node_local
+        self.node_local = self.store.node_local
         self.lease = lease
         self._leases: list[leases.Lease] = []
         self.resolve_once, self._group = resolve_once, process_group
@@ -223,7 +222,7 @@ class TieredReader(StorageReader):
 
     def _resolve(self, exclude: Collection[tuple[str, str]] = ()) -> tuple[Manifest, list[Tier]]:
         """Pick the checkpoint and lease it; re-pick if a prune removed it meanwhile."""
-        committed_tiers = self.tiers[1:] if self.node_local else self.tiers
+        committed_tiers = self.store.committed_tiers
         for _ in range(5):
             manifest, holders = resolve(committed_tiers, step=self.step, name=self.name, exclude=exclude)
             self._release()
@@ -231,11 +230,7 @@ class TieredReader(StorageReader):
                 self._leases = [held for t in holders if (held := leases.take(t, manifest.name)) is not None]
             faults.point("reader.after_lease")
             # Leased first, checked second: a prune either sees our lease or we see it gone.
-            alive = [
-                t
-                for t in holders
-                if (m := t.find_manifest(manifest.name)) is not None and m.attempt == manifest.attempt
-            ]
+            alive = self.store.holders(manifest, among=holders)
             if alive:
                 return manifest, alive
         raise CheckpointNotFound(
@@ -287,7 +282,7 @@ class TieredReader(StorageReader):
 
     def _follow(self, name: str, attempt: str) -> tuple[Manifest, list[Tier]]:
         """The checkpoint the coordinator picked, by its manifest in each tier committing it."""
-        committed = self.tiers[1:] if self.node_local else self.tiers
+        committed = self.store.committed_tiers
         found: list[tuple[Manifest, Tier]] = []
         invalid: list[InvalidManifest] = []
         for tier in committed:
@@ -295,13 +290,6 @@ class TieredReader(StorageReader):
                 manifest = tier.find_manifest(name)
             except InvalidManifest as err:
                 invalid.append(err)  # the coordinator read a valid one somewhere
-                continue
-            except ObjectTooLarge as err:
-                invalid.append(
-                    InvalidManifest(
-                        f"invalid manifest: {err.message}", key=err.key, tier=tier.label, checkpoint=name
-                    )
-                )
                 continue
             if manifest is not None and manifest.attempt == attempt:
                 found.append((manifest, tier))

@@ -102,7 +102,7 @@ def _read(tier: Tier, key: str) -> Quarantined | None:
     try:
         body = json.loads(tier.backend.read_bytes(key, limit=_RECORD_LIMIT))
         manifest = Manifest.from_json(
-            str(body["manifest"]).encode(), key=key, tier=tier.label, expect_name=name, loader=tier._read_part
+            str(body["manifest"]).encode(), key=key, tier=tier.label, expect_name=name, loader=tier.read_part
         )
         if manifest.attempt != attempt:
             raise ValueError(f"it records attempt {manifest.attempt}")

@@ -157,7 +157,7 @@ class Loading(Base):
             )
             for tier in self.store.tiers:
                 try:
-                    here = tier.find_manifest(manifest.name)
+                    here = tier.find_manifest(manifest.name)  # this tier's own copy is the record
                     if here is not None and here.attempt == manifest.attempt:
                         quarantine(tier, here, reason)
                 except TierstoreError as failure:  # kept published: the next resume retries

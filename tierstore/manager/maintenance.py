@@ -21,7 +21,6 @@ from tierstore.tiers.delivery import (
 from tierstore.tiers.migrator import (
     files_by_rank,
 )
-from tierstore.tiers.tier import Tier
 from tierstore.tiers.workers import migrator_for
 
 __all__ = ["Maintenance"]
@@ -147,7 +146,7 @@ class Maintenance(Base):
         protect: set[str] = set()
         still_safe = None
         if cold is not None:
-            cold_id = _known_store_id(cold)
+            cold_id = cold.store_id  # as this process last read it: no request before a save
             protect = {m.name for m in manifests if not marks.was_migrated(hot, m, cold_id)}
 
             def still_safe(manifest: Manifest) -> str | None:
@@ -170,9 +169,3 @@ class Maintenance(Base):
 
 def _interpreter_exiting() -> bool:
     return sys.is_finalizing() or getattr(threading, "_SHUTTING_DOWN", False)
-
-
-def _known_store_id(cold: Tier) -> str | None:
-    """The cold tier's identity if this process already read it (no request is sent)."""
-    known = getattr(cold, "_store_id", None)
-    return str(known) if known is not None else None

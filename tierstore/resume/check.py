@@ -233,17 +233,17 @@ def verify_resume(
     """
     from tierstore.resume import probe as _probe
 
-    store = Store.of(hot, cold, hot_options=hot_options, cold_options=cold_options)
+    store = Store.of(
+        hot, cold, hot_options=hot_options, cold_options=cold_options, node_local=node_local or None
+    )
     spec_name = probe_spec(probe)
     factory = probe if callable(probe) else load_probe(probe)
     start = time.monotonic()
     rank, world = _dist.rank_world()
     picked: tuple[str, int] | TierstoreError | None = None
     if rank == 0:
-        # Node-local hot tiers each hold some ranks' files: the cold manifest is the commit.
-        tiers = [t for t in store.tiers if not (node_local and t.role == "hot")]
         try:
-            picked = resolve(tiers, step=step, name=name)[0].name, free_port()
+            picked = resolve(store.committed_tiers, step=step, name=name)[0].name, free_port()
         except TierstoreError as err:  # every rank raises it, none waits for a partner
             picked = err
     picked = _dist.broadcast(picked, group)

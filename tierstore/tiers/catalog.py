@@ -148,7 +148,7 @@ def resolve(
 def _find(tier: Tier, name: str) -> Manifest | InvalidManifest | None:
     """The tier's valid manifest of ``name``, the error of an invalid one, or ``None``."""
     try:
-        return tier._find_valid(name)
+        return tier.find_manifest(name)
     except InvalidManifest as err:
         return err
 

@@ -99,7 +99,7 @@ def store_id(tier: Tier, *, create: bool = False) -> str | None:
         except PublishConflict:
             pass  # another migrator named the tier first: theirs is the identity
         found = _read_store_id(tier)
-    tier._store_id = found  # type: ignore[attr-defined]
+    tier.store_id = found
     return found
 
 

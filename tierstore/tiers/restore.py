@@ -23,7 +23,6 @@ from tierstore.errors import (
     ChecksumMismatch,
     InvalidManifest,
     ObjectNotFound,
-    ObjectTooLarge,
     StorageError,
 )
 from tierstore.format import layout
@@ -151,10 +150,10 @@ def restore_checkpoint(
     return RestoreReport(manifest, tuple(copied), tuple(repaired), manifest_repaired=torn is not None)
 
 
-def _hot_manifest(hot: Tier, name: str) -> tuple[Manifest | None, InvalidManifest | ObjectTooLarge | None]:
+def _hot_manifest(hot: Tier, name: str) -> tuple[Manifest | None, InvalidManifest | None]:
     try:
         return hot.find_manifest(name), None
-    except (InvalidManifest, ObjectTooLarge) as err:
+    except InvalidManifest as err:
         return None, err
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tierstore import errors
@@ -51,6 +51,9 @@ class Tier:
         self.options = dict(options or {})
         self._backend: Backend | None = None
         self._manifests: dict[str, _Cached] = {}
+        self.store_id: str | None = None
+        """The identity of the store in this tier, once this process has read it
+        (:func:`tierstore.tiers.marks.store_id`); ``None`` means not read yet, never "none"."""
 
     def __repr__(self) -> str:
         return f"Tier({self.role!r}, {redact_url(self.url)!r})"
@@ -81,7 +84,9 @@ class Tier:
         return layout.file_key(name, attempt, path, spread=self.backend.spread_keys)
 
     def find_manifest(self, name: str) -> Manifest | None:
-        """The valid manifest of ``name``, ``None`` if absent; raises if present but invalid.
+        """The valid manifest of ``name``, ``None`` if absent; :class:`~tierstore.errors.InvalidManifest`
+        if present but invalid (torn, corrupt, oversized). The one way to find a manifest in
+        a tier.
 
         Reads the root only (one object, whatever the world size); parts are read when an
         entry of theirs is first asked for.
@@ -92,6 +97,10 @@ class Tier:
         except errors.ObjectNotFound:
             self._manifests.pop(key, None)
             return None
+        except errors.ObjectTooLarge as err:
+            raise errors.InvalidManifest(
+                f"invalid manifest: {err.message}", key=err.key, tier=self.label, checkpoint=name
+            ) from err
         return self._parse(key, name, data, None)
 
     def _parse(self, key: str, name: str, data: bytes, listed: tuple[Any, ...] | None) -> Manifest:
@@ -101,12 +110,20 @@ class Tier:
             manifest = cached[2]
         else:
             manifest = Manifest.from_json(
-                data, key=key, tier=self.label, expect_name=name, loader=self._read_part
+                data, key=key, tier=self.label, expect_name=name, loader=self.read_part
             )
         self._manifests[key] = (digest, listed, manifest)
         return manifest
 
-    def _read_part(self, name: str, attempt: str, ref: PartRef) -> tuple[str, bytes]:
+    def holds(self, manifest: Manifest) -> bool:
+        """Whether this tier's committed manifest of ``manifest.name`` is that attempt (read
+        now: a prune may have removed it, or another attempt committed the name since)."""
+        here = self.find_manifest(manifest.name)
+        return here is not None and here.attempt == manifest.attempt
+
+    def read_part(self, name: str, attempt: str, ref: PartRef) -> tuple[str, bytes]:
+        """Part ``ref`` of a two-level manifest of ``name`` attempt ``attempt``: the key it
+        was read from and its bytes (the loader of every manifest this tier reads)."""
         key = self.file_key(name, attempt, ref.path)
         try:
             return key, self.backend.read_bytes(key, limit=ref.size)
@@ -197,15 +214,6 @@ class Tier:
             self._manifests.pop(key, None)
         return gone
 
-    def _find_valid(self, name: str) -> Manifest | None:
-        """:meth:`find_manifest`, with an oversized manifest reported as invalid."""
-        try:
-            return self.find_manifest(name)
-        except errors.ObjectTooLarge as err:
-            raise errors.InvalidManifest(
-                f"invalid manifest: {err.message}", key=err.key, tier=self.label, checkpoint=name
-            ) from err
-
     def publish_manifest(self, manifest: Manifest) -> None:
         """The commit point of ``manifest`` in this tier; never overwrites.
 
@@ -241,6 +249,10 @@ class Store:
     ``Store("/nvme/run1", "s3://bucket/run1", cold_options={...})``. Building one sends no
     request; each tier's backend is opened on first use. A store pickles without its open
     backends, so it can travel to DCP's background saver and to worker processes.
+
+    ``node_local=True`` says the hot tier is per node (NVMe): each node's hot root holds only
+    its own ranks' files, so a hot manifest is not a commit of the whole checkpoint and only
+    the cold tier's is (:attr:`committed_tiers`).
     """
 
     def __init__(
@@ -250,11 +262,20 @@ class Store:
         *,
         hot_options: Mapping[str, Any] | None = None,
         cold_options: Mapping[str, Any] | None = None,
+        node_local: bool = False,
     ) -> None:
         if hot is None and cold is None:
             raise ConfigError("a store needs at least one tier: pass hot= (and optionally cold=)")
         self.hot = Tier("hot", hot, hot_options) if hot is not None else None
         self.cold = Tier("cold", cold, cold_options) if cold is not None else None
+        self.node_local = self._check_node_local(node_local)
+
+    def _check_node_local(self, node_local: bool) -> bool:
+        if not isinstance(node_local, bool):
+            raise ConfigError(f"node_local must be True or False, got {node_local!r}")
+        if node_local and (self.hot is None or self.cold is None):
+            raise ConfigError("node_local=True needs both a hot and a cold tier")
+        return node_local
 
     @classmethod
     def of(
@@ -264,31 +285,47 @@ class Store:
         *,
         hot_options: Mapping[str, Any] | None = None,
         cold_options: Mapping[str, Any] | None = None,
+        node_local: bool | None = None,
     ) -> Store:
         """``hot`` itself if it is a :class:`Store`, else a store built from the URLs.
 
         A store given with ``cold`` or options as well is a :class:`~tierstore.errors.ConfigError`:
-        the store already says what they would.
+        the store already says what they would. ``node_local=True`` with a store that is not
+        node-local gives the same tiers (their open backends shared) as a node-local store.
         """
         if isinstance(hot, Store):
             if cold is not None or hot_options or cold_options:
                 raise ConfigError("pass either a Store or tier URLs and options, not both")
-            return hot
-        return cls(hot, cold, hot_options=hot_options, cold_options=cold_options)
+            if node_local is None or node_local == hot.node_local:
+                return hot
+            return cls.of_tiers(hot.hot, hot.cold, node_local=node_local)
+        return cls(hot, cold, hot_options=hot_options, cold_options=cold_options, node_local=bool(node_local))
 
     @classmethod
-    def of_tiers(cls, hot: Tier | None, cold: Tier | None) -> Store:
+    def of_tiers(cls, hot: Tier | None, cold: Tier | None, *, node_local: bool = False) -> Store:
         """A store of tiers already built (sharing their open backends)."""
         if hot is None and cold is None:
             raise ConfigError("a store needs at least one tier")
         store = cls.__new__(cls)
         store.hot, store.cold = hot, cold
+        store.node_local = store._check_node_local(node_local)
         return store
 
     @property
     def tiers(self) -> list[Tier]:
         """The tiers, nearest first."""
         return [t for t in (self.hot, self.cold) if t is not None]
+
+    @property
+    def committed_tiers(self) -> list[Tier]:
+        """The tiers whose manifest commits a whole checkpoint, nearest first: every tier,
+        or only the cold one when the hot tier is node-local."""
+        return [t for t in self.tiers if not (self.node_local and t is self.hot)]
+
+    def holders(self, manifest: Manifest, among: Sequence[Tier] | None = None) -> list[Tier]:
+        """The tiers (of ``among``, default :attr:`tiers`) that hold ``manifest``'s attempt
+        committed now, nearest first (:meth:`Tier.holds`)."""
+        return [t for t in (self.tiers if among is None else among) if t.holds(manifest)]
 
     @property
     def label(self) -> str:
@@ -310,4 +347,4 @@ class Store:
 
     def __repr__(self) -> str:
         urls = ", ".join(f"{t.role}={redact_url(t.url)!r}" for t in self.tiers)
-        return f"Store({urls})"
+        return f"Store({urls}{', node_local=True' if self.node_local else ''})"
