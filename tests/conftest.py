@@ -1,13 +1,9 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))  # tests/launch.py, tests/dist_job.py
-
 from cold_tiers import any_cold  # noqa: F401  (a fixture for every test: tests/cold_tiers.py)
 
 from tierstore.storage import faults

@@ -6,6 +6,7 @@
   Markdown with ``<!-- not run: reason -->``.
 * ``pip install`` lines take one of two forms everywhere: from the index (``tierstore-s3``)
   or from a checkout (``-e backends/s3``), and a file giving one gives the other.
+* Every test file the docs cite exists, and so does every test they name in it.
 * ``dir(tierstore)`` is the public API; ``TimeCadence`` and the resume report types have
   reprs a person can read.
 """
@@ -226,6 +227,43 @@ def test_checkout_paths_hold_the_distributions_they_name() -> None:
     for target, dist in CHECKOUT.items():
         pyproject = (ROOT / target.removeprefix("-e ") / "pyproject.toml").read_text()
         assert re.search(rf'^name\s*=\s*"{re.escape(dist)}"', pyproject, re.M), (target, dist)
+
+
+# -- test files the docs cite ----------------------------------------------------------------------
+
+# `tests/dcp/test_x.py`, `crash/test_y.py` (under tests/), `test_z.py`, each maybe `::test_name`
+_CITED = re.compile(r"(?<![\w/.*-])((?:[\w*.-]+/)*test_[\w*]+\.py)(?:::([\w*]+))?")
+
+
+def cited_files(path: str) -> list[Path]:
+    """The files a cited path names: from the checkout's root when it starts with ``tests/``,
+    ``backends/`` or ``examples/``, else under tests/; a bare name anywhere under tests/ or
+    a backend's tests/."""
+    if path.startswith(("tests/", "backends/", "examples/")):
+        return sorted(ROOT.glob(path))
+    if "/" in path:
+        return sorted((ROOT / "tests").glob(path))
+    return sorted([*(ROOT / "tests").rglob(path), *ROOT.glob(f"backends/*/tests/{path}")])
+
+
+def test_the_test_files_the_docs_cite_exist() -> None:
+    seen, wrong = 0, []
+    for doc in doc_files():
+        for match in _CITED.finditer(doc.read_text()):
+            seen += 1
+            where, name = f"{doc.relative_to(ROOT)}: {match[0]}", match[2]
+            files = cited_files(match[1])
+            if len(files) != 1 and "*" not in match[1]:
+                wrong.append(f"{where} names {len(files)} files")
+            elif not files:
+                wrong.append(f"{where} names no file")
+            elif name:
+                word = re.escape(name).replace(r"\*", r"\w*")
+                defined = re.compile(rf"^\s*(?:def|class) {word}\b", re.M)
+                if not any(defined.search(f.read_text()) for f in files):
+                    wrong.append(f"{where}: no {name} there")
+    assert not wrong, "\n".join(wrong)
+    assert seen >= 100
 
 
 # -- the package's face ----------------------------------------------------------------------------

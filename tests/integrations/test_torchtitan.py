@@ -27,7 +27,7 @@ from tierstore import list_checkpoints
 from tierstore.errors import ConfigError
 from tierstore.tiers.status import migrate_pending
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(workdir: Path, *args: str) -> subprocess.CompletedProcess[str]:

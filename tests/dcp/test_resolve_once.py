@@ -122,7 +122,6 @@ def unwrap_one(failure: Any) -> BaseException:
 
 
 def _run(tmp_path: Path, hot: str, mode: str) -> list[dict[str, Any]]:
-    sys.path.insert(0, str(HERE.parent))
     from launch import run_job
 
     from tierstore.testing import returns_within
@@ -225,4 +224,5 @@ def test_an_error_crosses_to_other_ranks_as_itself() -> None:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(HERE.parents[1]))  # tests/: helpers.py, launch.py
     _rank_main(json.loads(sys.argv[1]))

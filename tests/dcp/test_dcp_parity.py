@@ -305,7 +305,7 @@ def run_read_only_load(base: Path, command: list[str], *, chmod: bool) -> None:
         capture_output=True,
         text=True,
         timeout=300,
-        cwd=Path(__file__).parent.parent,
+        cwd=Path(__file__).parents[2],
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "LOADED" in done.stdout

@@ -1,5 +1,5 @@
 """Pruning in the safe order, leases that hold a checkpoint's data, SIGKILL at each prune
-fault point (garbage collection: test_gc.py)."""
+fault point (garbage collection: tests/lifecycle/test_gc.py)."""
 
 from __future__ import annotations
 

@@ -218,7 +218,7 @@ def _process_job(spec: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":  # the PROCESS-mode job: run_job starts this file per rank
-    sys.path.insert(0, str(Path(__file__).parent))
+    sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: launch.py
     _process_job(json.loads(sys.argv[1]))
 
 

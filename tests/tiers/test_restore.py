@@ -1,5 +1,5 @@
 """Restoring the hot tier from the cold one (tierstore.tiers.restore) after losing it, and
-replacing a damaged hot file. Finer-grained repairs: tests/test_restore_repair.py."""
+replacing a damaged hot file. Finer-grained repairs: tests/tiers/test_restore_repair.py."""
 
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
 """TierstoreCheckpoint with the real lightning package: 2 CPU ranks (gloo), SIGKILL, resume.
 
-Run as a script, this file is one rank of a Lightning job (``python test_lightning.py SPEC``,
-started by tests/launch.py like torchrun would): a tiny seeded MLP trained with Adam under
-``ModelParallelStrategy`` (FSDP2 shards; it runs on CPU) or DDP, checkpointed at every epoch
-end through ``TierstoreCheckpoint``. Rank 0 may SIGKILL itself in the middle of an epoch once
-the last save committed; rank 0 writes the final full weights and optimizer state.
+Run as a script, this file is one rank of a Lightning job
+(``python tests/integrations/test_lightning.py SPEC``, started by tests/launch.py like torchrun
+would): a tiny seeded MLP trained with Adam under ``ModelParallelStrategy`` (FSDP2 shards; it
+runs on CPU) or DDP, checkpointed at every epoch end through ``TierstoreCheckpoint``. Rank 0 may
+SIGKILL itself in the middle of an epoch once the last save committed; rank 0 writes the final
+full weights and optimizer state.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from tierstore import list_checkpoints
 
 HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))  # tests/: launch.py, when run as a rank
 from launch import leave_cleanly, run_job  # noqa: E402
 
 pytestmark = pytest.mark.dist
@@ -313,7 +314,7 @@ def test_example_fits_resumes_from_last_and_keeps_the_two_best(tmp_path: Path) -
     proc = subprocess.run(
         [
             sys.executable,
-            str(HERE.parent / "examples" / "lightning_tierstore.py"),
+            str(HERE.parents[1] / "examples" / "lightning_tierstore.py"),
             "--workdir",
             str(tmp_path),
             "--epochs",

@@ -18,7 +18,7 @@ from tierstore import list_checkpoints
 
 pytestmark = pytest.mark.dist
 
-JOB = Path(__file__).with_name("resume_job.py")
+JOB = Path(__file__).parents[1] / "resume_job.py"
 STEPS, SAVE_EVERY = 14, 4  # 10 steps per epoch: the resumed runs cross an epoch boundary
 
 

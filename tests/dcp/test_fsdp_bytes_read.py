@@ -2,7 +2,7 @@
 fresh ranks: each rank reads about what its own load plan needs, not the files that DCP's
 dedup spread its replicated items over (before range reads: ~4x its share).
 
-This file is also the job each rank runs (``python tests/test_fsdp_bytes_read.py SPEC``).
+This file is also the job each rank runs (``python tests/dcp/test_fsdp_bytes_read.py SPEC``).
 """
 
 from __future__ import annotations
@@ -92,6 +92,7 @@ if __name__ == "__main__":
 
     import torch.distributed as dist
 
+    sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: dist_job.py, helpers.py, launch.py
     warnings.filterwarnings("ignore")
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     _job(json.loads(sys.argv[1]))

@@ -99,7 +99,7 @@ def test_ranks_with_different_clocks_decide_alike(tmp_path: Path) -> None:
     from launch import run_job
 
     job = run_job(
-        {"op": "cadence", "out": str(tmp_path)}, 2, script=Path(__file__).with_name("resume_job.py")
+        {"op": "cadence", "out": str(tmp_path)}, 2, script=Path(__file__).parents[1] / "resume_job.py"
     )
     assert job.ok, job.describe()
     decisions = [json.loads((tmp_path / f"cadence-{r}.json").read_text()) for r in (0, 1)]

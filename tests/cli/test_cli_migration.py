@@ -1,5 +1,5 @@
 """`tierstore status` and `tierstore migrate` on a checkpoint left pending, text and JSON.
-(`tierstore migrate` after a SIGKILL mid-migration: tests/test_migrator.py.)"""
+(`tierstore migrate` after a SIGKILL mid-migration: tests/tiers/test_migrator.py.)"""
 
 from __future__ import annotations
 

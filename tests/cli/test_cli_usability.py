@@ -28,7 +28,7 @@ from tierstore.cli.parser import build_parser
 from tierstore.format import layout
 
 BIG = (1024, 1024)  # 4 MiB a checkpoint: seconds to copy at --bandwidth 1
-DOCS = Path(__file__).parents[1] / "docs" / "operations.md"
+DOCS = Path(__file__).parents[2] / "docs" / "operations.md"
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

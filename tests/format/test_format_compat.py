@@ -20,7 +20,7 @@ from tierstore import TieredReader, TieredWriter, list_checkpoints
 from tierstore.errors import ChecksumMismatch
 from tierstore.lifecycle.scrub import verify_store
 
-GOLDEN = Path(__file__).with_name("data") / "store-0.2"
+GOLDEN = Path(__file__).parents[1] / "data" / "store-0.2"
 
 
 def golden_state() -> dict[str, Any]:

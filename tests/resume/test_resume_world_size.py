@@ -7,7 +7,7 @@ bit for bit. A planner given explicitly is the one used: DCP's own default plann
 2 -> 3 load with an error that names both world sizes and the way out, not DCP's bare
 missing-key error, and a planner of the test's own is seen planning.
 
-This file is also the job each rank runs (``python tests/test_resume_world_size.py SPEC``).
+This file is also the job each rank runs (``python tests/resume/test_resume_world_size.py SPEC``).
 """
 
 from __future__ import annotations
@@ -204,4 +204,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).parents[1]))  # tests/: launch.py
     main()

@@ -15,7 +15,7 @@ from tierstore.errors import ConfigError
 from tierstore.resume.check import Probe, load_probe, probe_spec
 from tierstore.resume.report import compare, part_of
 
-JOB = Path(__file__).with_name("resume_job.py")
+JOB = Path(__file__).parents[1] / "resume_job.py"
 
 
 def live(loss: float, **digests: str) -> dict[str, object]:

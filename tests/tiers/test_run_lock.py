@@ -62,7 +62,7 @@ class Job:
                 stderr=err,
                 text=True,
                 env=env,
-                cwd=Path(__file__).parent.parent,
+                cwd=Path(__file__).parents[2],
             )
 
     def ready(self) -> None:

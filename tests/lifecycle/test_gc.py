@@ -1,5 +1,5 @@
 """Garbage collection removes old debris nothing references, and only that (damaged
-manifests, marks and leases: test_gc_damaged.py)."""
+manifests, marks and leases: tests/lifecycle/test_gc_damaged.py)."""
 
 from __future__ import annotations
 

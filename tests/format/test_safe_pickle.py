@@ -405,7 +405,7 @@ FSDP_JOB = textwrap.dedent("""
 def test_fsdp2_dtensor_with_optimizer_round_trips(tmp_path: Path) -> None:
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]),
     }
     run = subprocess.run(
         [sys.executable, "-c", FSDP_JOB, str(tmp_path / "hot")],

@@ -40,7 +40,7 @@ FAST = MigrationConfig(
     commit_timeout=10,
     retry=RetryPolicy(attempts=3, initial=0.001, maximum=0.01),
 )
-GOLDEN = Path(__file__).parent / "data" / "store-0.2"
+GOLDEN = Path(__file__).parents[1] / "data" / "store-0.2"
 
 
 def make(
