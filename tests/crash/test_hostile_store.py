@@ -16,7 +16,8 @@ Invariants after every operation:
    key, file or checkpoint and the tier; a load that returns has the right bytes.
 
 Each mutation family is its own test, so a family whose bugs are still being fixed is
-marked ``xfail`` by itself (``KNOWN``) and the lead removes the mark when the fix lands.
+marked ``xfail`` by itself (``KNOWN``). The mark is strict: the family must fail while it is
+listed, and once the fix lands it fails as XPASS until the lead removes the entry.
 """
 
 from __future__ import annotations
@@ -562,12 +563,13 @@ HARMLESS = {"lease", "upload-mark"}
 OPS = st.permutations(sorted(OPERATIONS))  # every operation, in a drawn order
 
 # Families with bugs other engineers are fixing (issue 12): remove an entry when its fix
-# lands. Each reason is the minimal failing example the fuzzer found.
+# lands (a strict xfail that passes fails). Each reason is the minimal failing example the
+# fuzzer found.
 KNOWN: dict[str, str] = {}  # family -> reason, while a bug this fuzzer found is being fixed
 
 
 def _family(name: str) -> Any:
-    marks = [pytest.mark.xfail(strict=False, reason=KNOWN[name])] if name in KNOWN else []
+    marks = [pytest.mark.xfail(strict=True, reason=KNOWN[name])] if name in KNOWN else []
     return pytest.param(name, marks=marks, id=name)
 
 
