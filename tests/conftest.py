@@ -1,12 +1,14 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from cold_tiers import any_cold  # noqa: F401  (a fixture for every test: tests/cold_tiers.py)
 
-from tierstore.storage import faults
+from tierstore.storage import faults, registry
+from tierstore.storage.backend import Backend
 
 
 @pytest.fixture(autouse=True)
@@ -14,6 +16,19 @@ def _no_armed_faults():
     faults.disarm()
     yield
     faults.disarm()
+
+
+@pytest.fixture
+def registered_backend(monkeypatch: pytest.MonkeyPatch) -> Callable[[str, type[Backend]], None]:
+    """Registers a backend class under a scheme for one test: ``registered_backend("flaky",
+    FlakyBackend)`` serves ``flaky://...``. The test registers into a copy of the registry
+    (entry points loaded), and the registry is put back afterwards, so nothing leaks."""
+    monkeypatch.setattr(registry, "_registry", dict(registry.registered_backends()))
+
+    def register(scheme: str, backend: type[Backend]) -> None:
+        registry.register_backend(scheme, backend)
+
+    return register
 
 
 @pytest.fixture

@@ -112,8 +112,8 @@ class CountingBackend(Backend):
 
 
 @pytest.fixture(autouse=True)
-def _counting(monkeypatch: pytest.MonkeyPatch) -> None:
-    registry.register_backend("counted", CountingBackend, replace=True)
+def _counting(registered_backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    registered_backend("counted", CountingBackend)
     CountingBackend.reset()
     monkeypatch.setattr(encoding, "BLOCK", 16 << 10)  # 64 blocks a tensor: slices end inside some
 

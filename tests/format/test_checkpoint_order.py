@@ -20,7 +20,6 @@ from tierstore import CheckpointManager, TieredWriter, keep_all, list_checkpoint
 from tierstore.format import layout
 from tierstore.format.manifest import checkpoint_order
 from tierstore.lifecycle.scrub import verify_store
-from tierstore.storage import registry
 from tierstore.storage.local import LocalBackend
 from tierstore.tiers.tier import Tier
 
@@ -75,12 +74,11 @@ class TightBackend(LocalBackend):
         return self.free
 
 
-def test_disk_pressure_measures_the_newest_checkpoint(tmp_path: Path, monkeypatch, caplog) -> None:
+def test_disk_pressure_measures_the_newest_checkpoint(tmp_path: Path, registered_backend, caplog) -> None:
     """The "auto" watermark is 1.1x the newest checkpoint: step 0 (4 MiB), not the small
     checkpoint without a step committed after it. 3 MiB free is below that watermark, so
     the save prunes the hot tier down to its newest checkpoint, step 0."""
-    monkeypatch.setattr(registry, "_registry", dict(registry.registered_backends()))
-    registry.register_backend("tight", TightBackend)
+    registered_backend("tight", TightBackend)
     hot = str(tmp_path / "hot")
     save(hot, 0, shape=BIG)
     save_no_step(hot)

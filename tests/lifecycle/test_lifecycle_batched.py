@@ -23,7 +23,6 @@ from tierstore.format import layout
 from tierstore.format.manifest import FileEntry, Manifest
 from tierstore.lifecycle.prune import prune, prune_node_local, prune_tier
 from tierstore.lifecycle.retention import keep_all, keep_last
-from tierstore.storage import registry
 from tierstore.storage.backend import ObjectInfo
 from tierstore.storage.checksum import crc32c_update
 from tierstore.storage.local import LocalBackend
@@ -70,9 +69,8 @@ class CountingBackend(LocalBackend):
 
 
 @pytest.fixture(autouse=True)
-def _counting(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(registry, "_registry", dict(registry.registered_backends()))
-    registry.register_backend("counting", CountingBackend)
+def _counting(registered_backend) -> None:
+    registered_backend("counting", CountingBackend)
 
 
 def calls(tier: Tier | None) -> Counter[str]:

@@ -25,10 +25,8 @@ def test_unknown_scheme_names_the_package_to_install(monkeypatch) -> None:
         registry.open_backend("nosuchscheme://bucket/x")
 
 
-def test_register_backend_conflicts_raise(monkeypatch) -> None:
-    registry.registered_backends()
-    monkeypatch.setattr(registry, "_registry", dict(registry._registry))
-    registry.register_backend("unit-test", LocalBackend)
+def test_register_backend_conflicts_raise(registered_backend) -> None:
+    registered_backend("unit-test", LocalBackend)  # the registry is restored after the test
     registry.register_backend("unit-test", LocalBackend)  # same again: fine
     with pytest.raises(ConfigError, match="already registered"):
         registry.register_backend("unit-test", "somewhere:Else")

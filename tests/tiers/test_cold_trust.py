@@ -31,7 +31,6 @@ from tierstore.format.manifest import FileEntry
 from tierstore.lifecycle.prune import prune
 from tierstore.lifecycle.retention import keep_last
 from tierstore.retry import RetryPolicy
-from tierstore.storage import registry
 from tierstore.storage.local import LocalBackend
 from tierstore.tiers import marks
 from tierstore.tiers.migrator import Job as _Job
@@ -115,9 +114,11 @@ def test_prune_keeps_every_hot_copy_when_the_cold_tier_cannot_be_read(
     assert any("cannot be read" in w for w in reports[0].warnings)
 
 
-def test_second_migrator_that_is_throttled_never_deletes_a_committed_object(store: tuple[str, str]) -> None:
+def test_second_migrator_that_is_throttled_never_deletes_a_committed_object(
+    store: tuple[str, str], registered_backend
+) -> None:
     hot, cold = store
-    registry.register_backend("flaky", flaky.FlakyBackend, replace=True)
+    registered_backend("flaky", flaky.FlakyBackend)
     save(hot, 1, migration=FAST)
     manifest = Tier("hot", hot).find_manifest("step-0000000001")
     assert manifest is not None
@@ -266,9 +267,9 @@ for _op in ("exists", "stat", "list", "open_read", "open_write", "publish", "del
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_save_sends_nothing_to_the_cold_tier(store: tuple[str, str], mode: str) -> None:
+def test_a_save_sends_nothing_to_the_cold_tier(store: tuple[str, str], mode: str, registered_backend) -> None:
     hot, cold = store
-    registry.register_backend("spy", SpyBackend, replace=True)
+    registered_backend("spy", SpyBackend)
     SpyBackend.CALLERS.clear()
     writer = TieredWriter(hot, f"spy://{cold}", step=1, migration=FAST)
     if mode == "sync":

@@ -21,7 +21,6 @@ from tierstore import TieredReader, list_checkpoints
 from tierstore.format import layout
 from tierstore.format.manifest import FileEntry, Manifest
 from tierstore.retry import RetryPolicy
-from tierstore.storage import registry
 from tierstore.tiers.migrator import MigrationConfig, MigrationState, Migrator
 from tierstore.tiers.status import migrate_pending, migration_status, wait_for_migrations
 from tierstore.tiers.tier import Tier
@@ -40,9 +39,8 @@ def tiers(tmp_path: Path) -> tuple[str, str]:
 
 
 @pytest.fixture
-def flaky_cold(tmp_path: Path, monkeypatch) -> str:
-    registry.registered_backends()
-    monkeypatch.setattr(registry, "_registry", {**registry._registry, "flaky": flaky.FlakyBackend})
+def flaky_cold(tmp_path: Path, registered_backend) -> str:
+    registered_backend("flaky", flaky.FlakyBackend)
     root = str(tmp_path / "cold")
     flaky.FAILURES.pop(root, None)
     flaky.CALLS.pop(root, None)
@@ -94,10 +92,11 @@ def test_transient_failures_are_retried_until_committed(tiers, flaky_cold) -> No
     assert [c.tiers for c in list_checkpoints(hot, flaky_cold)] == [("hot", "cold")]
 
 
-def test_permanent_failure_is_reported_and_training_saves_keep_working(tiers, tmp_path, monkeypatch) -> None:
+def test_permanent_failure_is_reported_and_training_saves_keep_working(
+    tiers, tmp_path, registered_backend
+) -> None:
     hot, _ = tiers
-    registry.registered_backends()
-    monkeypatch.setattr(registry, "_registry", {**registry._registry, "flaky": flaky.FlakyBackend})
+    registered_backend("flaky", flaky.FlakyBackend)
     root = str(tmp_path / "cold-denied")
     flaky.FAILURES[root].update(open_write=1)
     cold = f"flaky://{root}"
