@@ -17,12 +17,17 @@ then re-reads that file (or that thread's part of it) from another tier or raise
 completes on bad bytes it read (docs/design.md invariant 5), and damage is reported as the
 file's size or CRC32C mismatch, the message scrub and transfer give for the same damage (a
 raw copy found damaged is read whole once, for that message).
+
+Why one module of about 600 lines: it is one ``StorageReader``. DCP's protocol methods,
+picking and leasing a checkpoint and the fallback from tier to tier share the state of one
+load; what does not lives beside it: reading dcp-encoded items (:mod:`tierstore.dcp.dcp_files`),
+the listing checks of a candidate (:mod:`tierstore.dcp.listing`), ranged raw reads
+(:mod:`tierstore.dcp.raw_read`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import io
 import logging
 import os
 import pickle
@@ -32,19 +37,19 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO
 
-import torch
-from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint._extension import ExtensionRegistry
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _StorageReaderTransforms
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from tierstore import _dist
 from tierstore._redact import redact_url
 from tierstore.dcp import dcp_args, raw_read
+from tierstore.dcp.dcp_files import ItemStream, deliver
 from tierstore.dcp.failures import causes
+from tierstore.dcp.listing import check_data_files
 from tierstore.errors import (
     CheckpointNotFound,
     ChecksumMismatch,
@@ -56,15 +61,14 @@ from tierstore.errors import (
     StorageError,
     TierstoreError,
     UnsafePath,
-    UnsafeType,
 )
 from tierstore.format import layout
 from tierstore.format.encoding import RawItem
 from tierstore.format.manifest import FileEntry, Manifest
-from tierstore.format.safe_pickle import load_metadata, safe_byte_io
-from tierstore.format.verified import VerifiedStream, open_verified, verify_file
+from tierstore.format.safe_pickle import load_metadata
+from tierstore.format.verified import open_verified, verify_file
 from tierstore.storage import faults
-from tierstore.tiers import leases, marks
+from tierstore.tiers import leases
 from tierstore.tiers.catalog import resolve
 from tierstore.tiers.tier import Store, Tier, TierURL
 
@@ -317,11 +321,11 @@ class TieredReader(StorageReader):
         """Open the named checkpoint; without a name, the newest one that opens verified.
 
         Without a name, a candidate is skipped (warning naming it and what was wrong) when
-        its ``.metadata`` is missing, damaged or unloadable in every tier holding it, one
-        of its data files is missing or of the wrong size in every tier, or a part of its
-        two-level manifest is missing (listings: :meth:`_check_data_files`; bytes are checked
-        only while streaming, in :meth:`read_data`). Candidates with
-        a manifest invalid in every tier are never picked (:func:`tierstore.tiers.catalog.resolve`).
+        its ``.metadata`` is missing, damaged or unloadable in every tier holding it, one of
+        its data files is missing or of the wrong size in every tier, or a part of its
+        two-level manifest is missing (from listings: :func:`tierstore.dcp.listing.check_data_files`;
+        bytes are checked only while streaming, in :meth:`read_data`). Candidates with a
+        manifest invalid in every tier are never picked (:func:`tierstore.tiers.catalog.resolve`).
         If every candidate is damaged, the newest one's error is raised.
         """
         skipped: dict[tuple[str, str], TierstoreError] = {}
@@ -341,7 +345,7 @@ class TieredReader(StorageReader):
                         file=manifest.metadata_file,
                     )
                 if self.name is None:
-                    self._check_data_files(manifest, holders, metadata.storage_data)
+                    check_data_files(manifest, holders, metadata.storage_data)
                 return metadata
             except TierstoreError as err:
                 if self.name is not None or not is_damage(err):
@@ -356,80 +360,6 @@ class TieredReader(StorageReader):
                     err,
                 )
         raise next(iter(skipped.values()))
-
-    def _check_data_files(
-        self, manifest: Manifest, holders: Sequence[Tier], storage: Mapping[MetadataIndex, Any]
-    ) -> None:
-        """Raise if some data file is missing or of the wrong size in every tier in ``holders``
-        (the error of the farthest tier, as a read would), or a manifest part is missing or
-        unreadable.
-
-        Listings, not a request per file: a tier whose attempt lives under known prefixes (its
-        directory; on an object store, one prefix per 64 ranks: :func:`layout.attempt_prefixes`)
-        is listed and, where it holds every part and every file DCP's metadata stores an item
-        in and its files add up to the root's file count and bytes, vouches for every file
-        without reading a manifest part (the coordinator of a 16k-rank job reads the root
-        only). Otherwise each tier is listed per data prefix against the file entries
-        (:func:`tierstore.tiers.marks.not_in_place`), parts loaded as needed: a part that is
-        missing or altered raises its ``InvalidManifest`` here, so a reader without a name
-        skips the checkpoint rather than fail its reads.
-        """
-        if manifest.parts and any(self._complete_by_listing(manifest, t, storage) for t in holders):
-            return
-        wanted = [f for f in manifest.files if f.path != manifest.metadata_file]
-        for i, tier in enumerate(holders):
-            wanted = marks.not_in_place(tier, manifest.name, manifest.attempt, wanted)
-            if not wanted:
-                return
-            if i + 1 < len(holders):
-                continue
-            entry = wanted[0]
-            key = tier.file_key(manifest.name, manifest.attempt, entry.path)
-            try:
-                size = tier.backend.stat(key).size
-            except (ObjectNotFound, UnsafePath) as err:
-                context = {**err.context, "checkpoint": manifest.name, "file": entry.path}
-                raise type(err)(err.message, **context) from err
-            if size != entry.size:
-                raise ChecksumMismatch.size(
-                    entry.size, size, checkpoint=manifest.name, file=entry.path, tier=tier.label
-                )
-            raise ChecksumMismatch(
-                "stored with another CRC32C than the manifest's",
-                checkpoint=manifest.name,
-                file=entry.path,
-                tier=tier.label,
-            )
-
-    @staticmethod
-    def _complete_by_listing(manifest: Manifest, tier: Tier, storage: Mapping[MetadataIndex, Any]) -> bool:
-        """Whether one listing of the attempt shows it whole without reading a part: every
-        part at its recorded size, every file DCP's metadata names at least as long as its
-        last item, and totals that add up. Totals alone are not enough: a deleted shard and a
-        stray file of its size would add up the same."""
-        prefixes = layout.attempt_prefixes(
-            manifest.name, manifest.attempt, manifest.world_size, spread=tier.backend.spread_keys
-        )
-        if prefixes is None:
-            return False  # spread over any of 256 hashed prefixes: only the parts say where
-        parts = {tier.file_key(manifest.name, manifest.attempt, ref.path): ref.size for ref in manifest.parts}
-        by_path = {manifest.metadata_file: 0}
-        for item in storage.values():  # O(items), from .metadata: no part needed
-            by_path[item.relative_path] = max(by_path.get(item.relative_path, 0), item.offset + item.length)
-        ends = {tier.file_key(manifest.name, manifest.attempt, path): end for path, end in by_path.items()}
-        count = size = 0
-        for info in (i for prefix in prefixes for i in tier.backend.list(prefix)):
-            if layout.is_temporary(info.key):
-                continue
-            if layout.is_manifest_part(info.key):
-                if parts.pop(info.key, None) != info.size:
-                    return False
-                continue
-            end = ends.pop(info.key, None)
-            if end is not None and info.size < end:
-                return False
-            count, size = count + 1, size + info.size
-        return not parts and not ends and count == manifest.num_files and size == manifest.total_size
 
     def _open(self, manifest: Manifest, holders: list[Tier]) -> Metadata:
         if self.node_local:
@@ -554,7 +484,7 @@ class TieredReader(StorageReader):
         """Read a whole file (``.metadata``) from the nearest tier with a verified copy."""
         chunks: list[bytes] = []
 
-        def collect(stream: _ItemStream) -> None:
+        def collect(stream: ItemStream) -> None:
             data = stream.read_exactly(entry.size)
             stream.finish()  # verified before anyone unpickles it
             chunks[:] = [data]
@@ -569,7 +499,7 @@ class TieredReader(StorageReader):
             spans.setdefault(item.storage_index, []).append(item)
         ordered = sorted(spans.items(), key=lambda kv: self._storage_data[kv[0]].offset)
 
-        def deliver_all(stream: _ItemStream) -> None:
+        def deliver_all(stream: ItemStream) -> None:
             failure: Exception | None = None
             for index, reqs in ordered:
                 info = self._storage_data[index]
@@ -578,7 +508,7 @@ class TieredReader(StorageReader):
                 if failure is None:
                     try:
                         for req in reqs:
-                            _deliver(
+                            deliver(
                                 req, payload, planner, stream, self._transforms, info.transform_descriptors
                             )
                     except Exception as err:  # corrupt bytes may break torch.load first
@@ -589,7 +519,7 @@ class TieredReader(StorageReader):
 
         self._streamed(entry, deliver_all)
 
-    def _streamed(self, entry: FileEntry, consume: Callable[[_ItemStream], None]) -> None:
+    def _streamed(self, entry: FileEntry, consume: Callable[[ItemStream], None]) -> None:
         """Stream ``entry`` from the nearest tier whose copy verifies whole."""
         assert self.manifest is not None
         name = self.manifest.name
@@ -597,7 +527,7 @@ class TieredReader(StorageReader):
         def consume_tier(tier: Tier, key: str) -> None:
             with open_verified(tier.backend, key, entry, checkpoint=name, tier=tier.label) as verified:
                 try:
-                    consume(_ItemStream(verified))
+                    consume(ItemStream(verified))
                 finally:
                     self._count(tier, verified.pos)
 
@@ -681,92 +611,3 @@ class TieredReader(StorageReader):
                     self.manifest.name,
                     err,
                 )
-
-
-def _deliver(
-    req: ReadItem,
-    payload: bytes,
-    planner: LoadPlanner,
-    stream: _ItemStream,
-    transforms: _StorageReaderTransforms | None = None,
-    descriptors: Sequence[str] | None = None,
-) -> None:
-    # Nothing stored reaches a code-running unpickler: tensors load weights_only, and a
-    # BYTE_IO item reaches the planner (whose torch.load has weights_only=False) re-encoded.
-    try:
-        if descriptors and transforms is not None:  # undone as DCP's reader does
-            payload = transforms.transform_load_stream(req, descriptors, io.BytesIO(payload)).read(-1)
-        if req.type == LoadItemType.BYTE_IO:
-            f = stream.verified
-            planner.load_bytes(
-                req,
-                safe_byte_io(
-                    payload,
-                    item=req.storage_index.fqn,
-                    checkpoint=f.checkpoint,
-                    file=f.entry.path,
-                    tier=f.tier,
-                ),
-            )
-            return
-        tensor = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"found a {type(tensor).__name__}, not a tensor")
-        tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
-    except UnsafeType:
-        raise  # a refusal by policy, not damage: raised after the file verified (deliver_all)
-    except Exception as err:
-        raise stream.corrupt(
-            f"item {req.storage_index.fqn!r} cannot be loaded safely: {type(err).__name__}: {err}"
-        ) from err
-    target = planner.resolve_tensor(req).detach()
-    if target.size() != tensor.size():
-        raise stream.corrupt(
-            f"stored chunk of {req.storage_index.fqn!r} has shape "
-            f"{tuple(tensor.size())}, expected {tuple(target.size())}"
-        )
-    target.copy_(tensor)
-    planner.commit_tensor(req, target)
-
-
-class _ItemStream:
-    """A verified file read item by item, at the offsets DCP metadata gives (checked: it is input too)."""
-
-    def __init__(self, verified: VerifiedStream) -> None:
-        self._file = verified
-
-    @property
-    def verified(self) -> VerifiedStream:
-        return self._file
-
-    def corrupt(self, message: str) -> IntegrityError:
-        """An error about this file's contents or the metadata describing them."""
-        f = self._file
-        return IntegrityError(message, checkpoint=f.checkpoint, file=f.entry.path, tier=f.tier)
-
-    def _check_span(self, what: str, value: Any, end: int) -> None:
-        # DCP metadata is input: a negative, non-integer or too large span must not reach
-        # read() (read(-1) reads everything) nor be reported as a size mismatch.
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise self.corrupt(f"DCP metadata gives item {what} {value!r}: not a byte count")
-        if end > self._file.entry.size:
-            raise self.corrupt(
-                f"DCP metadata points past the end of the file: item {what} "
-                f"{value} ends at byte {end}, the file has {self._file.entry.size}"
-            )
-
-    def read_exactly(self, n: int) -> bytes:
-        self._check_span("length", n, self._file.pos + n if isinstance(n, int) else 0)
-        return self._file.read_exactly(n)
-
-    def skip_to(self, offset: int) -> None:
-        self._check_span("offset", offset, offset if isinstance(offset, int) else 0)
-        if offset < self._file.pos:
-            raise self.corrupt(
-                f"DCP metadata has overlapping items: one starts at byte {offset}, "
-                f"inside the previous one (which ends at byte {self._file.pos})"
-            )
-        self._file.skip_to(offset)
-
-    def finish(self) -> None:
-        self._file.finish()

@@ -26,28 +26,26 @@ commit, in the migrator, where a different committed attempt is a reported confl
 Data files are raw-encoded by default (:mod:`tierstore.format.encoding`: each tensor's bytes
 as they are, block checksums in the metadata); ``encoding="dcp"`` writes what
 ``FileSystemWriter`` writes (one ``torch.save`` per item), which plain DCP readers load.
+
+Why one module of about 490 lines: it is one ``StorageWriter``, DCP's call order above with
+the checks each step makes; the dcp-encoded file layout is :mod:`tierstore.dcp.dcp_files`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import io
 import os
 import pickle
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import IO, Any, cast
+from typing import Any
 
-import torch
 from torch.distributed.checkpoint._extension import StreamTransformExtension
 from torch.distributed.checkpoint.filesystem import (
     SerializationFormat,
     _StorageInfo,
-    _StorageWriterTransforms,
 )
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
@@ -56,14 +54,13 @@ from torch.futures import Future
 
 from tierstore._redact import redact_url
 from tierstore._version import producer
-from tierstore.dcp import dcp_args
+from tierstore.dcp import dcp_args, dcp_files
 from tierstore.errors import CheckpointExists, ConfigError, NoSpaceLeft
 from tierstore.format import encoding as raw
 from tierstore.format import layout
 from tierstore.format import manifest_format as fmt
 from tierstore.format.manifest import FileEntry, Manifest
 from tierstore.storage import faults
-from tierstore.storage.backend import ObjectWriter
 from tierstore.tiers.migrator import MigrationConfig, Migrator
 from tierstore.tiers.tier import Store, Tier, TierURL
 from tierstore.tiers.workers import migrator_for
@@ -347,7 +344,7 @@ class TieredWriter(StorageWriter):
                 self.hot, attempt, job[0], job[1], planner.resolve_data, self.encoding, self.extensions
             )
 
-        with _without_zip_crc32():
+        with dcp_files.without_zip_crc32():
             if self.thread_count > 1 and len(jobs) > 1:
                 with ThreadPoolExecutor(self.thread_count, thread_name_prefix="tierstore-write") as pool:
                     per_file = list(pool.map(write, jobs))
@@ -453,7 +450,7 @@ def _write_file(
             )
             placed = list(zip(ordered, infos))
         else:
-            placed = _write_dcp_items(out, ordered, resolve, relpath, extensions)
+            placed = dcp_files.write_items(out, ordered, resolve, relpath, extensions)
     entry = FileEntry(relpath, out.size, out.crc32c, attempt.rank)
     faults.point("writer.after_file_write")
     return [
@@ -464,95 +461,6 @@ def _write_file(
         )
         for i, (item, info) in enumerate(placed)
     ]
-
-
-def _write_dcp_items(
-    out: ObjectWriter,
-    items: Sequence[WriteItem],
-    resolve: Callable[[WriteItem], Any],
-    relpath: str,
-    extensions: Sequence[StreamTransformExtension] = (),
-) -> list[tuple[WriteItem, _StorageInfo | raw.RawItem]]:
-    """Lay items out as ``FileSystemWriter`` does: one ``torch.save`` per tensor, through
-    DCP's stream transforms (``_extensions``) when there are any. ``out`` checksums what
-    reaches it, so the file's CRC32C is of the transformed bytes."""
-    transforms = _StorageWriterTransforms(extensions) if extensions else None
-    placed: list[tuple[WriteItem, _StorageInfo | raw.RawItem]] = []
-    for item in items:
-        offset = out.size
-        data = resolve(item)
-        sink, descriptors = (
-            (cast(IO[bytes], out), [])
-            if transforms is None
-            else transforms.transform_save_stream(item, cast(io.IOBase, out))
-        )
-        try:
-            if item.type == WriteItemType.BYTE_IO:
-                sink.write(data.getbuffer() if isinstance(data, io.BytesIO) else data)
-            else:
-                torch.save(_plain_cpu(data), sink)
-            if transforms is not None:
-                sink.close()  # flushes the transform's tail; DCP's wrapper leaves ``out`` open
-        except Exception as err:
-            if out.failure is not None and out.failure is not err:  # a full disk, not torch's
-                raise out.failure from err  # "unexpected pos"
-            raise
-        placed.append(
-            (
-                item,
-                _StorageInfo(relpath, offset, out.size - offset, transform_descriptors=descriptors or None),
-            )
-        )
-    return placed
-
-
-# torch.save computes a zip CRC32 of every record, in software: about 3x the CPU of the
-# CRC32C tierstore computes over the same bytes as it writes them, which every read verifies
-# (torch.load never checks the zip CRC32). So it is off while TieredWriters write: measured in
-# benchmarks/jobs/cpu_costs.py, it is the largest CPU item of a save. The switch is process-wide
-# (torch.serialization.set_crc32_options): the first writer in turns it off, the last one
-# out restores it; a torch.save of another thread in that window skips it too, and its file
-# loads as usual.
-_zip_crc32_lock = threading.Lock()
-_zip_crc32_writers = 0
-_zip_crc32_saved = True
-
-
-@contextmanager
-def _without_zip_crc32() -> Iterator[None]:
-    global _zip_crc32_writers, _zip_crc32_saved
-    with _zip_crc32_lock:
-        if _zip_crc32_writers == 0:
-            _zip_crc32_saved = torch.serialization.get_crc32_options()
-            torch.serialization.set_crc32_options(False)
-        _zip_crc32_writers += 1
-    try:
-        yield
-    finally:
-        with _zip_crc32_lock:
-            _zip_crc32_writers -= 1
-            if _zip_crc32_writers == 0:
-                torch.serialization.set_crc32_options(_zip_crc32_saved)
-
-
-def _reset_zip_crc32_after_fork() -> None:
-    # A child forked mid-write has no writer running: give torch back its setting.
-    global _zip_crc32_lock, _zip_crc32_writers
-    if _zip_crc32_writers:
-        torch.serialization.set_crc32_options(_zip_crc32_saved)
-    _zip_crc32_lock, _zip_crc32_writers = threading.Lock(), 0
-
-
-os.register_at_fork(after_in_child=_reset_zip_crc32_after_fork)
-
-
-def _plain_cpu(tensor: torch.Tensor) -> torch.Tensor:
-    tensor = tensor.detach()
-    if tensor.device.type != "cpu":
-        tensor = tensor.cpu()
-    if tensor.untyped_storage().size() != tensor.numel() * tensor.element_size():
-        tensor = tensor.clone()  # a view: save only its own bytes, not the whole storage
-    return tensor
 
 
 def _item_size(item: WriteItem) -> int:

@@ -48,6 +48,9 @@ manifest names them, deleted with it.
 ``<attempt>`` is unique to one save attempt (docs/design.md invariant 3), so a rerun of a step
 never touches a committed attempt's files. An attempt directory is a plain DCP checkpoint:
 ``FileSystemReader`` can read it directly, tierstore not needed.
+
+Why one module of about 460 lines: nothing else builds paths, so every key of a store, its
+parser and the tree above are here together.
 """
 
 from __future__ import annotations

@@ -31,6 +31,9 @@ Its time field is zeros: no clock is shared either.
 Limits: loads take no lease (torch_checkpointing gives a storage no start or end of a load), so
 do not prune the checkpoint a job is loading; the coordinator lists and reads one small record
 per file at the commit; HF consolidation's file renames are refused.
+
+Why one module of about 470 lines: it is one drop-in, the storage class torch_checkpointing
+loads by name, and its writer process, commit and streamed reads share that class's state.
 """
 
 from __future__ import annotations

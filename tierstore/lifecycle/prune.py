@@ -36,6 +36,10 @@ checkpoints held against the cold tier, nothing deleted), ``prune.before_unpubli
 checkpoint re-checked, not yet un-published), ``prune.after_unpublish`` (before the lease
 check), ``prune.after_lease_check`` (no live lease seen, data not yet deleted),
 ``prune.after_file_delete``.
+
+Why one module of about 470 lines: every deletion by policy goes through it (hot, cold,
+node-local, disk pressure), and keeping them together keeps the one-view rule and its gates
+visible in one place.
 """
 
 from __future__ import annotations

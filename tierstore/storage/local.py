@@ -11,6 +11,10 @@ a symbolic link.
 Writes go to an unbuffered descriptor: a large buffer goes to ``os.write`` as it is, with no
 copy in Python; only small writes are coalesced. With ``direct_io`` they bypass the page cache
 (``O_DIRECT``) through a page-aligned staging buffer, where the filesystem allows it.
+
+Why one module of about 600 lines: it is one backend, and its guarantees (fsync of files and
+directories, link-based exclusive publish, no symlink followed, versions from inode, size and
+mtime) hold only together; split, the contract it meets would be spread over files.
 """
 
 from __future__ import annotations

@@ -26,6 +26,10 @@ Migration keeps no state of its own: the tiers hold it (docs/design.md invariant
   leaves, GC removes).
 * **Migrated marks** (hot tier): ``migrated/<name>/<attempt>/<store-id>.json`` says the
   attempt was committed in that cold tier, even if its policy pruned it there since.
+
+Why one module of about 470 lines: the marks are one protocol. When an upload mark counts
+depends on its name, the identity and the failure marks, and a change to one must be read
+against the others.
 """
 
 from __future__ import annotations
