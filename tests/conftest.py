@@ -32,8 +32,8 @@ def registered_backend(monkeypatch: pytest.MonkeyPatch) -> Callable[[str, type[B
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> str:
-    """An empty hot-tier root."""
+def hot_dir(tmp_path: Path) -> str:
+    """An empty hot tier: a local directory, not yet created."""
     return str(tmp_path / "hot")
 
 

@@ -47,7 +47,7 @@ def test_redact_url(url: str, shown: str) -> None:
 
 
 @pytest.fixture
-def secret_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+def secret_url(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     # fsspec's file protocol keeps userinfo in the (relative) path: an offline store whose
     # URL carries a password, readable from another process too.
     monkeypatch.chdir(tmp_path)
@@ -60,22 +60,22 @@ def _clean(text: str) -> None:
     assert SECRET not in text and TOKEN not in text, text
 
 
-def test_repr_label_and_checkpoint_id(secret_store: str) -> None:
-    tier = Tier("cold", secret_store)
+def test_repr_label_and_checkpoint_id(secret_url: str) -> None:
+    tier = Tier("cold", secret_url)
     _clean(repr(tier))
     _clean(tier.label)
     _clean(repr(tier.backend) + tier.backend.label)
     assert tier.label == "cold fsspec+file://user:***@/store?token=***"
-    _clean(TieredReader(secret_store).checkpoint_id)
-    _clean(TieredWriter(secret_store, step=2).checkpoint_id)
+    _clean(TieredReader(secret_url).checkpoint_id)
+    _clean(TieredWriter(secret_url, step=2).checkpoint_id)
 
 
 def test_errors_and_logs_of_a_failing_read(
-    secret_store: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    secret_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.DEBUG)
     hot = f"fsspec+memory://user:{SECRET}@/empty-{os.getpid()}"
-    reader = TieredReader(hot, secret_store)
+    reader = TieredReader(hot, secret_url)
     # The cold copy's data file vanishes: the read fails, naming the cold tier.
     shard = next(Path(tmp_path).rglob("__0_0.distcp"))
     shard.unlink()
@@ -94,7 +94,7 @@ def test_errors_and_logs_of_a_failing_read(
         _clean(record.getMessage())
 
 
-def test_cli_output(secret_store: str, tmp_path: Path) -> None:
+def test_cli_output(secret_url: str, tmp_path: Path) -> None:
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
@@ -105,10 +105,10 @@ def test_cli_output(secret_store: str, tmp_path: Path) -> None:
         ["show"],
         ["show", "--name", "nope"],
         ["verify"],
-        ["status", "--cold", secret_store],
+        ["status", "--cold", secret_url],
     ):
         run = subprocess.run(
-            [sys.executable, "-m", "tierstore", *args, "--hot", secret_store],
+            [sys.executable, "-m", "tierstore", *args, "--hot", secret_url],
             cwd=tmp_path,
             env=env,
             capture_output=True,

@@ -22,7 +22,7 @@ SHAPE = (256, 256)  # a data file over 256 KiB: `ls` sizes are checked against i
 
 
 @pytest.fixture
-def store(tmp_path: Path, s3_bucket: str, s3_env: dict[str, str], monkeypatch) -> tuple[str, str]:
+def tiers(tmp_path: Path, s3_bucket: str, s3_env: dict[str, str], monkeypatch) -> tuple[str, str]:
     for key, value in s3_env.items():
         monkeypatch.setenv(key, value)
     hot, cold = str(tmp_path / "hot"), f"s3://{s3_bucket}/run"
@@ -31,10 +31,10 @@ def store(tmp_path: Path, s3_bucket: str, s3_env: dict[str, str], monkeypatch) -
     return hot, cold
 
 
-def cli(*args: str, store: tuple[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    tiers = ["--hot", store[0], "--cold", store[1]] if store else []
+def cli(*args: str, tiers: tuple[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    flags = ["--hot", tiers[0], "--cold", tiers[1]] if tiers else []
     return subprocess.run(
-        [sys.executable, "-m", "tierstore", *args, *tiers],
+        [sys.executable, "-m", "tierstore", *args, *flags],
         capture_output=True,
         text=True,
         timeout=120,
@@ -42,68 +42,68 @@ def cli(*args: str, store: tuple[str, str] | None = None) -> subprocess.Complete
     )
 
 
-def ok_json(*args: str, store: tuple[str, str]) -> object:
-    proc = cli(*args, "--json", store=store)
+def ok_json(*args: str, tiers: tuple[str, str]) -> object:
+    proc = cli(*args, "--json", tiers=tiers)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
 
-def test_every_command(store: tuple[str, str]) -> None:
-    hot, cold = store
+def test_every_command(tiers: tuple[str, str]) -> None:
+    hot, cold = tiers
     names = [layout.default_name(s) for s in (1, 2, 3)]
 
     # status: pending before migration
-    assert [(s["name"], s["state"]) for s in ok_json("status", store=store)] == [
+    assert [(s["name"], s["state"]) for s in ok_json("status", tiers=tiers)] == [
         (n, "pending") for n in names
     ]
-    assert "pending" in cli("status", store=store).stdout
+    assert "pending" in cli("status", tiers=tiers).stdout
 
     # migrate: progress on stderr, result on stdout; then nothing left
-    proc = cli("migrate", store=store)
+    proc = cli("migrate", tiers=tiers)
     assert proc.returncode == 0, proc.stderr
     assert all(f"{n}: committed" in proc.stdout for n in names)
-    assert ok_json("migrate", store=store) == []
+    assert ok_json("migrate", tiers=tiers) == []
 
     # ls
-    rows = ok_json("ls", store=store)
+    rows = ok_json("ls", tiers=tiers)
     assert [(r["step"], r["tiers"], r["migration"]) for r in rows] == [
         (s, ["hot", "cold"], "committed") for s in (1, 2, 3)
     ]
     assert all(r["size"] > 256 * 256 * 4 and r["age_seconds"] >= 0 for r in rows)
-    text = cli("ls", store=store).stdout
+    text = cli("ls", tiers=tiers).stdout
     assert "step-0000000002" in text and "hot,cold" in text and "committed" in text
 
     # show
-    shown = ok_json("show", "--step", "2", store=store)
+    shown = ok_json("show", "--step", "2", tiers=tiers)
     assert shown["name"] == names[1] and shown["tiers"] == ["hot", "cold"]
     assert {f["path"] for f in shown["files"]} == {".metadata", "__0_0.distcp"}
-    assert "crc32c" in cli("show", "--step", "2", store=store).stdout
+    assert "crc32c" in cli("show", "--step", "2", tiers=tiers).stdout
 
     # verify: clean, then a flipped byte in the hot copy of step 3
-    checks = ok_json("verify", store=store)
+    checks = ok_json("verify", tiers=tiers)
     assert len(checks) == 12 and all(c["ok"] for c in checks)
     path = file_path(hot, committed(hot, 3))
     flip(path, 1000)
-    proc = cli("verify", store=store)
+    proc = cli("verify", tiers=tiers)
     assert proc.returncode == 1
     assert f"DAMAGED  hot {hot}  {names[2]}  __0_0.distcp: CRC32C mismatch" in proc.stdout
     assert "11 ok, 1 damaged" in proc.stdout
-    proc = cli("verify", "--json", store=store)
+    proc = cli("verify", "--json", tiers=tiers)
     assert proc.returncode == 1
     assert [c["file"] for c in json.loads(proc.stdout) if not c["ok"]] == ["__0_0.distcp"]
     path.unlink()  # repair by restoring below
 
     # prune: dry run by default, then for real
-    assert "would prune" in cli("prune", "--hot-keep-last", "1", store=store).stdout
+    assert "would prune" in cli("prune", "--hot-keep-last", "1", tiers=tiers).stdout
     assert [c.step for c in list_checkpoints(hot)] == [1, 2, 3]
-    reports = ok_json("prune", "--hot-keep-last", "1", "--yes", store=store)
+    reports = ok_json("prune", "--hot-keep-last", "1", "--yes", tiers=tiers)
     assert set(reports[0]["deleted"]) == set(names[:2])
     assert [c.step for c in list_checkpoints(hot)] == [3]
 
     # restore: from cold, verified; damaged step 3 first needs its hot manifest gone
-    proc = cli("restore", "--step", "1", store=store)
+    proc = cli("restore", "--step", "1", tiers=tiers)
     assert proc.returncode == 0 and "restored step-0000000001" in proc.stdout
-    assert ok_json("restore", "--step", "2", store=store)["name"] == names[1]
+    assert ok_json("restore", "--step", "2", tiers=tiers)["name"] == names[1]
     assert [c.step for c in list_checkpoints(hot)] == [1, 2, 3]
     for step in (1, 2):  # restored means the hot copy alone loads the saved bytes
         assert matches(load(hot, shape=SHAPE, step=step, lease=False)[0], step, SHAPE)
@@ -114,9 +114,9 @@ def test_every_command(store: tuple[str, str]) -> None:
     (dead / "__0_0.distcp").write_bytes(b"junk" * 10)
     old = time.time() - 7 * 86400
     os.utime(dead / "__0_0.distcp", (old, old))
-    proc = cli("gc", store=store)
+    proc = cli("gc", tiers=tiers)
     assert proc.returncode == 0 and "would delete" in proc.stdout and "0badf00d" in proc.stdout
-    report = ok_json("gc", "--yes", store=store)
+    report = ok_json("gc", "--yes", tiers=tiers)
     assert report["deleted"] is True and [(g["key"], g["reason"]) for g in report["garbage"]] == [
         (
             f"{layout.attempt_prefix('step-0000000007', '20260101T000000Z-0badf00d')}__0_0.distcp",
@@ -126,8 +126,8 @@ def test_every_command(store: tuple[str, str]) -> None:
     assert not dead.exists()
 
 
-def test_errors_and_usage(store: tuple[str, str]) -> None:
-    proc = cli("show", "--name", "nope", store=store)
+def test_errors_and_usage(tiers: tuple[str, str]) -> None:
+    proc = cli("show", "--name", "nope", tiers=tiers)
     assert proc.returncode == 1 and "CheckpointNotFound" in proc.stderr and "nope" in proc.stderr
     assert cli("ls").returncode == 2
     assert cli("bogus").returncode == 2

@@ -45,7 +45,7 @@ def watching_opens() -> Iterator[list[str]]:
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> dict[str, Path]:
+def store_paths(tmp_path: Path) -> dict[str, Path]:
     hot = tmp_path / "hot"
     dcp.save(model.state_for(1), storage_writer=TieredWriter(str(hot), step=1))
     secret = tmp_path / "secret.distcp"
@@ -62,9 +62,9 @@ def tamper(path: Path, mutate, *, reseal: bool = True) -> None:
     path.write_text(json.dumps(body))
 
 
-def load_error(store: dict[str, Path]) -> BaseException:
+def load_error(store_paths: dict[str, Path]) -> BaseException:
     with watching_opens() as opened, pytest.raises(BaseException) as info:
-        model.load(str(store["hot"]), None, layout.default_name(1))
+        model.load(str(store_paths["hot"]), None, layout.default_name(1))
     STATS.faults += 1
     code = (".py", ".pyc", ".so")  # Python reading its own modules (lazy imports, tracebacks)
     # Relative names are opened relative to a directory the local backend walked from the
@@ -73,66 +73,66 @@ def load_error(store: dict[str, Path]) -> BaseException:
         p
         for p in opened
         if os.path.isabs(p)
-        and not os.path.realpath(p).startswith(os.path.realpath(store["hot"]))
+        and not os.path.realpath(p).startswith(os.path.realpath(store_paths["hot"]))
         and not p.endswith(code)
         and not p.startswith(("/proc/", "/dev/", sys.prefix))
     ]
-    assert not any(os.path.realpath(p) == os.path.realpath(store["secret"]) for p in opened), opened
+    assert not any(os.path.realpath(p) == os.path.realpath(store_paths["secret"]) for p in opened), opened
     assert outside == [], f"opened outside the store: {outside}"
     return model.unwrap(info.value)
 
 
 @pytest.mark.parametrize("path", ["../../secret.distcp", "/etc/passwd", "../../../../../../etc/shadow"])
-def test_traversal_and_absolute_paths(store: dict[str, Path], path: str) -> None:
-    tamper(store["manifest"], lambda b: b["files"][1].update(path=path))
-    err = load_error(store)
+def test_traversal_and_absolute_paths(store_paths: dict[str, Path], path: str) -> None:
+    tamper(store_paths["manifest"], lambda b: b["files"][1].update(path=path))
+    err = load_error(store_paths)
     assert isinstance(err, InvalidManifest) and "unsafe file path" in str(err)
 
 
-def test_symlinked_file(store: dict[str, Path]) -> None:
-    manifest = json.loads(store["manifest"].read_text())
-    shard = store["hot"] / layout.file_key(manifest["name"], manifest["attempt"], "__0_0.distcp")
+def test_symlinked_file(store_paths: dict[str, Path]) -> None:
+    manifest = json.loads(store_paths["manifest"].read_text())
+    shard = store_paths["hot"] / layout.file_key(manifest["name"], manifest["attempt"], "__0_0.distcp")
     shard.unlink()
-    os.symlink(store["secret"], shard)
-    err = load_error(store)
+    os.symlink(store_paths["secret"], shard)
+    err = load_error(store_paths)
     assert isinstance(err, UnsafePath) and "__0_0.distcp" in str(err)
 
 
-def test_forged_manifest_for_foreign_bytes(store: dict[str, Path]) -> None:
+def test_forged_manifest_for_foreign_bytes(store_paths: dict[str, Path]) -> None:
     # The forger points an entry at a file of their choosing by copying it in, re-sealed:
     # sizes must still match the bytes, and DCP's metadata must still parse as metadata.
-    manifest = json.loads(store["manifest"].read_text())
-    shard = store["hot"] / layout.file_key(manifest["name"], manifest["attempt"], "__0_0.distcp")
-    shard.write_bytes(store["secret"].read_bytes())
-    tamper(store["manifest"], lambda b: None, reseal=False)  # the original checksums now lie
-    err = load_error(store)
+    manifest = json.loads(store_paths["manifest"].read_text())
+    shard = store_paths["hot"] / layout.file_key(manifest["name"], manifest["attempt"], "__0_0.distcp")
+    shard.write_bytes(store_paths["secret"].read_bytes())
+    tamper(store_paths["manifest"], lambda b: None, reseal=False)  # the original checksums now lie
+    err = load_error(store_paths)
     assert isinstance(err, ChecksumMismatch) and err.file == "__0_0.distcp"
 
 
 def test_forged_manifest_with_matching_checksums_cannot_smuggle_code(
-    store: dict[str, Path], tmp_path: Path
+    store_paths: dict[str, Path], tmp_path: Path
 ) -> None:
     marker = tmp_path / "owned"
     evil = b"cos\nsystem\n(S'touch " + str(marker).encode() + b"'\ntR."
-    manifest = json.loads(store["manifest"].read_text())
-    meta = store["hot"] / layout.file_key(manifest["name"], manifest["attempt"], ".metadata")
+    manifest = json.loads(store_paths["manifest"].read_text())
+    meta = store_paths["hot"] / layout.file_key(manifest["name"], manifest["attempt"], ".metadata")
     meta.write_bytes(evil)
     tamper(
-        store["manifest"],
+        store_paths["manifest"],
         lambda b: [
             f.update(size=len(evil), crc32c=crc32c_update(0, evil))
             for f in b["files"]
             if f["path"] == ".metadata"
         ],
     )
-    err = load_error(store)
+    err = load_error(store_paths)
     assert isinstance(err, IntegrityError) and "cannot be loaded safely" in str(err)
     assert not marker.exists()
 
 
 @pytest.mark.parametrize("size", [1 << 40, (1 << 50) + 1, -1])
-def test_absurd_sizes(store: dict[str, Path], size: int) -> None:
-    tamper(store["manifest"], lambda b: b["files"][1].update(size=size))
-    err = load_error(store)  # 1 TiB passes validation, then fails on the stored size at once
+def test_absurd_sizes(store_paths: dict[str, Path], size: int) -> None:
+    tamper(store_paths["manifest"], lambda b: b["files"][1].update(size=size))
+    err = load_error(store_paths)  # 1 TiB passes validation, then fails on the stored size at once
     assert isinstance(err, (InvalidManifest, ChecksumMismatch)), err
     assert "absurd size" in str(err) or "size mismatch" in str(err)

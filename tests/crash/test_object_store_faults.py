@@ -48,7 +48,7 @@ def proxy(s3_endpoint: str) -> Iterator[FaultProxy]:
 
 
 @pytest.fixture
-def store(tmp_path: Path, s3_bucket: str, proxy: FaultProxy) -> dict[str, Any]:
+def proxied_tiers(tmp_path: Path, s3_bucket: str, proxy: FaultProxy) -> dict[str, Any]:
     cold_options = {
         "endpoint_url": proxy.url,
         "key": "testing",
@@ -61,82 +61,89 @@ def store(tmp_path: Path, s3_bucket: str, proxy: FaultProxy) -> dict[str, Any]:
     return {"hot": str(tmp_path / "hot"), "cold": f"s3://{s3_bucket}/run", "cold_options": cold_options}
 
 
-def save(store: dict[str, Any], step: int) -> TieredWriter:
+def save(proxied_tiers: dict[str, Any], step: int) -> TieredWriter:
     writer = TieredWriter(
-        store["hot"], store["cold"], step=step, cold_options=store["cold_options"], migration=CONFIG
+        proxied_tiers["hot"],
+        proxied_tiers["cold"],
+        step=step,
+        cold_options=proxied_tiers["cold_options"],
+        migration=CONFIG,
     )
     dcp.save(state_for(step), storage_writer=writer)
     return writer
 
 
-def assert_cold_copy_is_whole(store: dict[str, Any], step: int) -> None:
+def assert_cold_copy_is_whole(proxied_tiers: dict[str, Any], step: int) -> None:
     target = {"big": torch.zeros(6 * MiB // 4), "small": torch.zeros(100), "extra": {"step": -1}}
     dcp.load(
         target,
         storage_reader=TieredReader(
-            None, store["cold"], step=step, cold_options=store["cold_options"], lease=False
+            None, proxied_tiers["cold"], step=step, cold_options=proxied_tiers["cold_options"], lease=False
         ),
     )
     want = state_for(step)
     assert torch.equal(target["big"], want["big"]) and target["extra"] == {"step": step}
-    checks = verify_store(None, store["cold"], cold_options=store["cold_options"])
+    checks = verify_store(None, proxied_tiers["cold"], cold_options=proxied_tiers["cold_options"])
     assert checks and all(c.ok for c in checks), [c for c in checks if not c.ok]
 
 
-def test_slowdown_storm_resets_and_latency_spikes(store: dict[str, Any], proxy: FaultProxy) -> None:
+def test_slowdown_storm_resets_and_latency_spikes(proxied_tiers: dict[str, Any], proxy: FaultProxy) -> None:
     proxy.add("slowdown", method="PUT", times=12)  # a storm of 503 SlowDown on every upload
     proxy.add("reset", method="PUT", contains=("partNumber",), times=3)  # parts cut mid-upload
     proxy.add("delay", delay=0.3, times=10)  # latency spikes on whatever comes next
     proxy.add("internal", method="GET", times=3)
     STATS.faults += 28
-    writer = save(store, 1)
+    writer = save(proxied_tiers, 1)
     assert writer.migrator.wait(120)
     [status] = writer.migrator.status()
     assert status.state is MigrationState.COMMITTED, status
     fired = {r.action: r.fired for r in proxy._state.rules}
     assert fired["slowdown"] == 12 and fired["reset"] == 3  # the faults really happened
-    assert_cold_copy_is_whole(store, 1)
+    assert_cold_copy_is_whole(proxied_tiers, 1)
 
 
-def test_lost_answer_to_the_cold_commit_is_resolved(store: dict[str, Any], proxy: FaultProxy) -> None:
+def test_lost_answer_to_the_cold_commit_is_resolved(proxied_tiers: dict[str, Any], proxy: FaultProxy) -> None:
     # The conditional PUT of the cold manifest reaches S3, but its answer never comes back:
     # the retry meets 412 and must read back to learn the commit was its own.
     rule = proxy.add("lose_answer", method="PUT", contains=(layout.MANIFEST_DIR + "/",))
     STATS.faults += 1
-    writer = save(store, 1)
+    writer = save(proxied_tiers, 1)
     assert writer.migrator.wait(120)
     assert rule.fired == 1
     [status] = writer.migrator.status()
     assert status.state is MigrationState.COMMITTED, status
     assert [
-        c.tiers for c in list_checkpoints(store["hot"], store["cold"], cold_options=store["cold_options"])
+        c.tiers
+        for c in list_checkpoints(
+            proxied_tiers["hot"], proxied_tiers["cold"], cold_options=proxied_tiers["cold_options"]
+        )
     ] == [("hot", "cold")]
-    assert_cold_copy_is_whole(store, 1)
+    assert_cold_copy_is_whole(proxied_tiers, 1)
 
 
-def test_saves_never_wait_for_migration(store: dict[str, Any], proxy: FaultProxy) -> None:
+def test_saves_never_wait_for_migration(proxied_tiers: dict[str, Any], proxy: FaultProxy) -> None:
     held = proxy.add("delay", method="PUT", delay=5.0, times=1)  # the first upload hangs 5 s
-    writer = save(store, 1)
+    writer = save(proxied_tiers, 1)
     # dcp.save has returned, yet the first upload is still held up at the proxy.
     pending = writer.migrator.pending()
     assert [s.name for s in pending] == [layout.default_name(1)]
-    save(store, 2)  # and the next save goes through meanwhile
+    save(proxied_tiers, 2)  # and the next save goes through meanwhile
     assert writer.migrator.wait(120) and held.fired == 1
     assert {s.state for s in writer.migrator.status()} == {MigrationState.COMMITTED}
 
 
 def test_permanent_denial_is_reported_and_the_next_save_works(
-    store: dict[str, Any], proxy: FaultProxy
+    proxied_tiers: dict[str, Any], proxy: FaultProxy
 ) -> None:
     proxy.add("deny", method="PUT", contains=("shards/",), times=100)
     STATS.faults += 1
-    writer = save(store, 1)
+    writer = save(proxied_tiers, 1)
     assert writer.migrator.wait(120)
     [failed] = writer.migrator.failures()
     assert failed.failed_rank == 0 and failed.failed_file is not None and "AccessDenied" in failed.error
     proxy.reset()
-    second = save(store, 2)
+    second = save(proxied_tiers, 2)
     assert second.migrator.wait(120)
     states = {s.name: s.state for s in second.migrator.status()}
     assert states[layout.default_name(2)] is MigrationState.COMMITTED
-    assert_cold_copy_is_whole(store, 2)
+    assert_cold_copy_is_whole(proxied_tiers, 2)

@@ -57,27 +57,27 @@ def _pair() -> dict[str, Any]:
     }
 
 
-def _save_pair(store: str) -> None:
-    dcp.save(_pair(), storage_writer=TieredWriter(store, step=1))
+def _save_pair(hot_dir: str) -> None:
+    dcp.save(_pair(), storage_writer=TieredWriter(hot_dir, step=1))
 
 
-def _raw(store: str, fqn: str) -> RawItem:
-    meta = pickle.loads(file_path(store, committed(store, 1), ".metadata").read_bytes())
+def _raw(hot_dir: str, fqn: str) -> RawItem:
+    meta = pickle.loads(file_path(hot_dir, committed(hot_dir, 1), ".metadata").read_bytes())
     return next(v for k, v in meta.storage_data.items() if k.fqn == fqn)
 
 
-def _load_only_x(store: str, **options: Any) -> torch.Tensor:
+def _load_only_x(hot_dir: str, **options: Any) -> torch.Tensor:
     target = {"x": torch.full((8, 4), 7.0)}
     dcp.load(
         target,
-        storage_reader=TieredReader(store, **options),
+        storage_reader=TieredReader(hot_dir, **options),
         planner=DefaultLoadPlanner(allow_partial_load=True),
     )
     return target["x"]
 
 
-def _checks(store: str) -> dict[str, Any]:
-    return {c.file: c for c in verify_store(store)}
+def _checks(hot_dir: str) -> dict[str, Any]:
+    return {c.file: c for c in verify_store(hot_dir)}
 
 
 # -- 1. metadata that does not cover, alias or match its tensors ------------------------------
@@ -90,48 +90,48 @@ def _half_chunk(meta: Metadata) -> None:
 
 
 @pytest.mark.parametrize("named", [True, False])
-def test_chunks_that_leave_part_of_a_tensor_uncovered_are_refused(store: str, named: bool) -> None:
-    saved(store, 1)
-    forge_metadata(store, _half_chunk)
-    err = load_error(store, name=NAME if named else None, lease=False)
+def test_chunks_that_leave_part_of_a_tensor_uncovered_are_refused(hot_dir: str, named: bool) -> None:
+    saved(hot_dir, 1)
+    forge_metadata(hot_dir, _half_chunk)
+    err = load_error(hot_dir, name=NAME if named else None, lease=False)
     assert isinstance(err, IntegrityError), f"{type(err).__name__}: {err}"
-    assert err.checkpoint == NAME and err.file == ".metadata" and err.tier == f"hot {store}", err
+    assert err.checkpoint == NAME and err.file == ".metadata" and err.tier == f"hot {hot_dir}", err
     assert "'w'" in str(err) and "cover" in str(err), err
 
 
-def test_a_raw_item_of_another_dtype_than_its_tensor_is_refused(store: str) -> None:
-    saved(store, 1)
+def test_a_raw_item_of_another_dtype_than_its_tensor_is_refused(hot_dir: str) -> None:
+    saved(hot_dir, 1)
     # Same item size, length and block checksums: only the tensor's metadata says float32.
-    forge_raw_item(store, "w", lambda item: dataclasses.replace(item, dtype="int32"))
-    err = load_error(store, name=NAME, lease=False)
+    forge_raw_item(hot_dir, "w", lambda item: dataclasses.replace(item, dtype="int32"))
+    err = load_error(hot_dir, name=NAME, lease=False)
     assert isinstance(err, IntegrityError), f"{type(err).__name__}: {err}"
     assert err.checkpoint == NAME and "'w'" in str(err) and "int32" in str(err), err
-    assert not _checks(store)[".metadata"].ok
+    assert not _checks(hot_dir)[".metadata"].ok
 
 
-def test_an_alias_of_another_items_bytes_is_refused_by_a_partial_load(store: str) -> None:
-    _save_pair(store)
-    y = _raw(store, "y")
-    forge_raw_item(store, "x", lambda item: y)  # x's entry now names y's bytes, checksums and all
+def test_an_alias_of_another_items_bytes_is_refused_by_a_partial_load(hot_dir: str) -> None:
+    _save_pair(hot_dir)
+    y = _raw(hot_dir, "y")
+    forge_raw_item(hot_dir, "x", lambda item: y)  # x's entry now names y's bytes, checksums and all
     with pytest.raises(BaseException) as info:
-        _load_only_x(store, name=NAME, lease=False)
+        _load_only_x(hot_dir, name=NAME, lease=False)
     err = unwrap(info.value)
     assert isinstance(err, IntegrityError), f"{type(err).__name__}: {err}"
-    assert err.checkpoint == NAME and err.tier == f"hot {store}", err
+    assert err.checkpoint == NAME and err.tier == f"hot {hot_dir}", err
     assert "overlap" in str(err) and "'x'" in str(err) and "'y'" in str(err), err
 
 
-def test_verify_checks_every_raw_item_against_its_data_file(store: str) -> None:
-    _save_pair(store)
+def test_verify_checks_every_raw_item_against_its_data_file(hot_dir: str) -> None:
+    _save_pair(hot_dir)
     data = layout.data_file_name(0, 0)
-    assert all(c.ok for c in verify_store(store))
+    assert all(c.ok for c in verify_store(hot_dir))
     # A block checksum that no longer matches the bytes (the file's own CRC32C still does).
-    forge_raw_item(store, "x", lambda item: dataclasses.replace(item, crc32c=(item.crc32c[0] ^ 1,)))
-    check = _checks(store)[data]
+    forge_raw_item(hot_dir, "x", lambda item: dataclasses.replace(item, crc32c=(item.crc32c[0] ^ 1,)))
+    check = _checks(hot_dir)[data]
     assert not check.ok and "'x'" in (check.problem or "") and "block" in (check.problem or ""), check
     # An item past the end of its file.
-    forge_raw_item(store, "x", lambda item: dataclasses.replace(item, offset=item.offset + (1 << 20)))
-    check = _checks(store)[data]
+    forge_raw_item(hot_dir, "x", lambda item: dataclasses.replace(item, offset=item.offset + (1 << 20)))
+    check = _checks(hot_dir)[data]
     assert not check.ok and "past the end" in (check.problem or ""), check
 
 
@@ -216,13 +216,13 @@ DAMAGE = {"part missing": _drop_part, "shard replaced by a same-size stray": _sw
 
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
 def test_a_reader_without_a_name_skips_a_damaged_two_level_checkpoint(
-    store: str, damage: str, caplog: pytest.LogCaptureFixture
+    hot_dir: str, damage: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    _two_level(store, 1)
-    newest = _two_level(store, 2)
-    DAMAGE[damage](store, newest)
+    _two_level(hot_dir, 1)
+    newest = _two_level(hot_dir, 2)
+    DAMAGE[damage](hot_dir, newest)
     state = load_state(2, step=1)
-    reader = TieredReader(store, lease=False)
+    reader = TieredReader(hot_dir, lease=False)
     with caplog.at_level(logging.WARNING, logger="tierstore"):
         dcp.load(state, storage_reader=reader)
     assert reader.manifest is not None and reader.manifest.step == 1 and holds_saved(state, 2, step=1)
@@ -230,35 +230,35 @@ def test_a_reader_without_a_name_skips_a_damaged_two_level_checkpoint(
     assert len(warned) == 1 and newest.name in warned[0], warned
     # Named, it raises, naming the checkpoint.
     with pytest.raises(CheckpointException) as info:
-        dcp.load(load_state(2, step=2), storage_reader=TieredReader(store, name=newest.name, lease=False))
+        dcp.load(load_state(2, step=2), storage_reader=TieredReader(hot_dir, name=newest.name, lease=False))
     err = unwrap(info.value)
     assert is_damage(err) and err.checkpoint == newest.name, f"{type(err).__name__}: {err}"
 
 
 def test_verify_reports_every_damaged_checkpoint_and_goes_on(
-    store: str, capsys: pytest.CaptureFixture[str]
+    hot_dir: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    _two_level(store, 1)
-    _drop_part(store, _two_level(store, 2))
-    _swap_shard_for_stray(store, _two_level(store, 3))
-    _drop_part(store, _two_level(store, 4))
-    checks = verify_store(store)
+    _two_level(hot_dir, 1)
+    _drop_part(hot_dir, _two_level(hot_dir, 2))
+    _swap_shard_for_stray(hot_dir, _two_level(hot_dir, 3))
+    _drop_part(hot_dir, _two_level(hot_dir, 4))
+    checks = verify_store(hot_dir)
     bad = {c.checkpoint for c in checks if not c.ok}
     assert bad == {layout.default_name(s) for s in (2, 3, 4)}, checks
     assert all(c.ok for c in checks if c.checkpoint == layout.default_name(1))
     parts = [c for c in checks if not c.ok and c.file == "<manifest>"]
     assert {c.checkpoint for c in parts} == {layout.default_name(s) for s in (2, 4)}
     assert all("part" in (c.problem or "") for c in parts), parts
-    assert main(["verify", "--hot", store]) == 1
+    assert main(["verify", "--hot", hot_dir]) == 1
     out = capsys.readouterr().out
     assert all(layout.default_name(s) in out for s in (2, 3, 4)), out
 
 
 def test_verify_of_a_named_checkpoint_with_a_missing_part_reports_it(
-    store: str, capsys: pytest.CaptureFixture[str]
+    hot_dir: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    _drop_part(store, _two_level(store, 1))
-    assert main(["verify", "--hot", store, "--name", NAME]) == 1
+    _drop_part(hot_dir, _two_level(hot_dir, 1))
+    assert main(["verify", "--hot", hot_dir, "--name", NAME]) == 1
     out = capsys.readouterr().out
     assert "DAMAGED" in out and NAME in out and "part" in out, out
 
@@ -285,8 +285,8 @@ class Settings:
     depth: int
 
 
-def _resume(store: str, states: list[dict[str, Any]], target: dict[str, Any]) -> int | None:
-    with CheckpointManager(store, hot_min_free=None, async_save=False) as manager:
+def _resume(hot_dir: str, states: list[dict[str, Any]], target: dict[str, Any]) -> int | None:
+    with CheckpointManager(hot_dir, hot_min_free=None, async_save=False) as manager:
         for step, state in enumerate(states, 1):
             manager.save(step, state, force=True)
         manager.wait()
@@ -294,10 +294,10 @@ def _resume(store: str, states: list[dict[str, Any]], target: dict[str, Any]) ->
 
 
 def _refusal(
-    store: str, states: list[dict[str, Any]], target: dict[str, Any], caplog: pytest.LogCaptureFixture
+    hot_dir: str, states: list[dict[str, Any]], target: dict[str, Any], caplog: pytest.LogCaptureFixture
 ) -> errors.UnsafeType:
     with caplog.at_level(logging.WARNING, logger="tierstore"), pytest.raises(CheckpointException) as info:
-        _resume(store, states, target)
+        _resume(hot_dir, states, target)
     err = unwrap(info.value)
     assert isinstance(err, errors.UnsafeType), f"{type(err).__name__}: {err}"
     assert not isinstance(err, IntegrityError) and not is_damage(info.value)
@@ -334,22 +334,22 @@ def test_a_custom_class_is_refused_naming_it_never_stepping_back(
     assert target["cfg"] == Settings(2)
 
 
-def _refused_load(store: str) -> BaseException:
+def _refused_load(hot_dir: str) -> BaseException:
     with pytest.raises(CheckpointException) as info:
-        dcp.load({"w": torch.zeros(3), "cfg": None}, storage_reader=TieredReader(store, lease=False))
+        dcp.load({"w": torch.zeros(3), "cfg": None}, storage_reader=TieredReader(hot_dir, lease=False))
     return unwrap(info.value)
 
 
-def test_a_refused_type_is_the_same_error_from_a_plain_reader(store: str) -> None:
-    dcp.save({"w": torch.ones(3), "cfg": Settings(1)}, storage_writer=TieredWriter(store, step=1))
-    err = _refused_load(store)
+def test_a_refused_type_is_the_same_error_from_a_plain_reader(hot_dir: str) -> None:
+    dcp.save({"w": torch.ones(3), "cfg": Settings(1)}, storage_writer=TieredWriter(hot_dir, step=1))
+    err = _refused_load(hot_dir)
     assert isinstance(err, errors.UnsafeType) and err.checkpoint == NAME, f"{type(err).__name__}: {err}"
-    assert err.file == layout.data_file_name(0, 0) and err.tier == f"hot {store}", err
+    assert err.file == layout.data_file_name(0, 0) and err.tier == f"hot {hot_dir}", err
 
 
-def test_dcp_encoded_refusal_is_an_unsafe_type_too(store: str) -> None:
+def test_dcp_encoded_refusal_is_an_unsafe_type_too(hot_dir: str) -> None:
     dcp.save(
-        {"w": torch.ones(3), "cfg": Settings(1)}, storage_writer=TieredWriter(store, step=1, encoding="dcp")
+        {"w": torch.ones(3), "cfg": Settings(1)}, storage_writer=TieredWriter(hot_dir, step=1, encoding="dcp")
     )
-    err = _refused_load(store)
+    err = _refused_load(hot_dir)
     assert isinstance(err, errors.UnsafeType) and "Settings" in str(err), f"{type(err).__name__}: {err}"

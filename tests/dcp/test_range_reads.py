@@ -203,9 +203,9 @@ def _item(root: str, manifest: Manifest, fqn: str) -> Any:
     return next(v for k, v in meta.storage_data.items() if k.fqn == fqn)
 
 
-def test_a_sliced_load_from_a_local_tier_reads_its_plan(store: str) -> None:
-    manifest = _save(store)
-    loaded, reader, planner = _load_window(f"counted://{store}")
+def test_a_sliced_load_from_a_local_tier_reads_its_plan(hot_dir: str) -> None:
+    manifest = _save(hot_dir)
+    loaded, reader, planner = _load_window(f"counted://{hot_dir}")
     assert torch.equal(loaded, _window_of_b())
     entry = manifest.file(DATA)
     assert entry is not None and planner.needed == (WINDOW[1] - WINDOW[0]) * COLS * 4
@@ -262,30 +262,30 @@ def test_a_flipped_byte_in_a_wanted_block_falls_back_to_the_next_tier(tmp_path: 
     assert torch.equal(loaded, _window_of_b()) and reader.sources[DATA] == "cold"
 
 
-def test_a_flipped_byte_outside_every_wanted_range_is_not_read(store: str) -> None:
-    manifest = _save(store)
-    b = _item(store, manifest, "b")
+def test_a_flipped_byte_outside_every_wanted_range_is_not_read(hot_dir: str) -> None:
+    manifest = _save(hot_dir)
+    b = _item(hot_dir, manifest, "b")
     # In the rows after the window, past the coalescing distance: no request covers it.
     damaged = b.offset + WINDOW[1] * COLS * 4 + raw_read.COALESCE + encoding.BLOCK
-    flip(file_path(store, manifest), damaged)
-    loaded, reader, planner = _load_window(f"counted://{store}")
+    flip(file_path(hot_dir, manifest), damaged)
+    loaded, reader, planner = _load_window(f"counted://{hot_dir}")
     assert torch.equal(loaded, _window_of_b()) and reader.sources[DATA] == "hot"
     assert _data_bytes(manifest) <= 1.1 * planner.needed
     # Loads verify what they read; `tierstore verify` (scrub) reads every byte and finds it.
-    checks = {c.file: c for c in verify_store(store)}
+    checks = {c.file: c for c in verify_store(hot_dir)}
     assert checks[".metadata"].ok and not checks[DATA].ok
     assert "CRC32C mismatch" in (checks[DATA].problem or "")
 
 
 @pytest.mark.parametrize("where", ["past the end", "negative"])
-def test_a_hostile_offset_is_refused_before_any_data_is_read(store: str, where: str) -> None:
-    manifest = _save(store)
+def test_a_hostile_offset_is_refused_before_any_data_is_read(hot_dir: str, where: str) -> None:
+    manifest = _save(hot_dir)
     entry = manifest.file(DATA)
     assert entry is not None
     offset = entry.size + 4096 if where == "past the end" else -4096
-    forge_raw_item(store, "b", lambda item: dataclasses.replace(item, offset=offset))
+    forge_raw_item(hot_dir, "b", lambda item: dataclasses.replace(item, offset=offset))
     with pytest.raises(BaseException) as info:
-        _load_window(f"counted://{store}")
+        _load_window(f"counted://{hot_dir}")
     err = unwrap(info.value)
     assert isinstance(err, IntegrityError), f"{type(err).__name__}: {err}"
     assert err.checkpoint == manifest.name and err.file in (DATA, ".metadata"), err

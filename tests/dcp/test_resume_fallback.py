@@ -30,12 +30,12 @@ DAMAGES = {
 
 
 @pytest.mark.parametrize("damage", list(DAMAGES))
-def test_reader_without_name_skips_a_damaged_newest(store: str, damage: str, caplog) -> None:
-    saved(store, 1)
-    newest = saved(store, 2)
-    DAMAGES[damage](store, newest)
+def test_reader_without_name_skips_a_damaged_newest(hot_dir: str, damage: str, caplog) -> None:
+    saved(hot_dir, 1)
+    newest = saved(hot_dir, 2)
+    DAMAGES[damage](hot_dir, newest)
     target = blank()
-    reader = TieredReader(store, lease=False)
+    reader = TieredReader(hot_dir, lease=False)
     with caplog.at_level(logging.WARNING, logger="tierstore"):
         dcp.load(target, storage_reader=reader)
     assert reader.manifest is not None and reader.manifest.step == 1
@@ -46,21 +46,21 @@ def test_reader_without_name_skips_a_damaged_newest(store: str, damage: str, cap
     assert file in warned[0]
 
 
-def test_reader_with_a_name_never_falls_back(store: str) -> None:
-    saved(store, 1)
-    newest = saved(store, 2)
-    flip(file_path(store, newest, ".metadata"))
+def test_reader_with_a_name_never_falls_back(hot_dir: str) -> None:
+    saved(hot_dir, 1)
+    newest = saved(hot_dir, 2)
+    flip(file_path(hot_dir, newest, ".metadata"))
     with pytest.raises(CheckpointException) as info:
-        dcp.load(blank(), storage_reader=TieredReader(store, name=newest.name, lease=False))
+        dcp.load(blank(), storage_reader=TieredReader(hot_dir, name=newest.name, lease=False))
     err = unwrap(info.value)
     assert isinstance(err, ChecksumMismatch) and err.file == ".metadata"
 
 
-def test_every_checkpoint_damaged_raises_the_newest_error(store: str) -> None:
+def test_every_checkpoint_damaged_raises_the_newest_error(hot_dir: str) -> None:
     for step in (1, 2):
-        file_path(store, saved(store, step), "__0_0.distcp").unlink()
+        file_path(hot_dir, saved(hot_dir, step), "__0_0.distcp").unlink()
     with pytest.raises(CheckpointException) as info:
-        dcp.load(blank(), storage_reader=TieredReader(store, lease=False))
+        dcp.load(blank(), storage_reader=TieredReader(hot_dir, lease=False))
     assert layout.default_name(2) in str(unwrap(info.value))
 
 
@@ -97,13 +97,13 @@ def test_a_damaged_copy_in_one_tier_falls_back_to_the_other_not_to_an_older_one(
     assert reader.sources["__0_0.distcp"] == "cold"
 
 
-def test_manager_falls_back_past_a_flipped_byte_inside_a_shard(store: str, caplog) -> None:
-    saved(store, 1)
-    newest = saved(store, 2)
-    flip(file_path(store, newest, "__0_0.distcp"))  # same size: found only while streaming
+def test_manager_falls_back_past_a_flipped_byte_inside_a_shard(hot_dir: str, caplog) -> None:
+    saved(hot_dir, 1)
+    newest = saved(hot_dir, 2)
+    flip(file_path(hot_dir, newest, "__0_0.distcp"))  # same size: found only while streaming
     target = blank()
     with (
-        CheckpointManager(store, hot_min_free=None) as manager,
+        CheckpointManager(hot_dir, hot_min_free=None) as manager,
         caplog.at_level(logging.WARNING, logger="tierstore"),
     ):
         assert manager.load_latest(target) == 1
@@ -120,15 +120,15 @@ def test_manager_falls_back_past_a_flipped_byte_inside_a_shard(store: str, caplo
     assert warned and newest.name in warned[0] and "__0_0.distcp" in warned[0]
 
 
-def test_manager_raises_when_nothing_loads_and_on_other_failures(store: str, caplog) -> None:
+def test_manager_raises_when_nothing_loads_and_on_other_failures(hot_dir: str, caplog) -> None:
     for step in (1, 2):
-        flip(file_path(store, saved(store, step), "__0_0.distcp"))
-    with CheckpointManager(store, hot_min_free=None) as manager:
+        flip(file_path(hot_dir, saved(hot_dir, step), "__0_0.distcp"))
+    with CheckpointManager(hot_dir, hot_min_free=None) as manager:
         with pytest.raises(CheckpointException) as info:
             manager.load_latest(blank())
         err = unwrap(info.value)
         assert isinstance(err, ChecksumMismatch) and err.checkpoint == layout.default_name(2)
-    good = str(Path(store).parent / "good")
+    good = str(Path(hot_dir).parent / "good")
     saved(good, 1)
     saved(good, 2)
     caplog.clear()

@@ -35,14 +35,14 @@ from tierstore.tiers.tier import Tier
 # -- the happy paths -------------------------------------------------------------------
 
 
-def test_save_load_round_trip_and_manifest(store: str) -> None:
-    writer = save(store, 10)
+def test_save_load_round_trip_and_manifest(hot_dir: str) -> None:
+    writer = save(hot_dir, 10)
     manifest = writer.manifest
     assert manifest is not None and manifest.step == 10 and manifest.world_size == 1
     assert {f.path for f in manifest.files} == {".metadata", "__0_0.distcp"}
     for entry in manifest.files:  # every size in the manifest is the real one
-        assert file_path(store, manifest, entry.path).stat().st_size == entry.size
-    target, reader = load(store)
+        assert file_path(hot_dir, manifest, entry.path).stat().st_size == entry.size
+    target, reader = load(hot_dir)
     assert_same(target, state_for(10))
     assert reader.manifest == manifest
 
@@ -57,56 +57,56 @@ def test_round_trip_on_other_builtin_backends(tmp_path: Path, scheme: str) -> No
     assert_same(load(url)[0], state_for(2))
 
 
-def test_async_save_thread_without_process_group(store: str) -> None:
-    future = dcp.async_save(state_for(3), storage_writer=TieredWriter(store, step=3))
+def test_async_save_thread_without_process_group(hot_dir: str) -> None:
+    future = dcp.async_save(state_for(3), storage_writer=TieredWriter(hot_dir, step=3))
     future.result()
-    assert_same(load(store)[0], state_for(3))
+    assert_same(load(hot_dir)[0], state_for(3))
 
 
-def test_newest_is_loaded_and_step_or_name_pick_others(store: str) -> None:
+def test_newest_is_loaded_and_step_or_name_pick_others(hot_dir: str) -> None:
     for step in (5, 20, 15):
-        save(store, step)
-    assert [c.step for c in list_checkpoints(store)] == [5, 15, 20]
-    assert latest_checkpoint(store).step == 20
-    assert_same(load(store)[0], state_for(20))
-    assert_same(load(store, step=5)[0], state_for(5))
-    assert_same(load(store, name=layout.default_name(15))[0], state_for(15))
+        save(hot_dir, step)
+    assert [c.step for c in list_checkpoints(hot_dir)] == [5, 15, 20]
+    assert latest_checkpoint(hot_dir).step == 20
+    assert_same(load(hot_dir)[0], state_for(20))
+    assert_same(load(hot_dir, step=5)[0], state_for(5))
+    assert_same(load(hot_dir, name=layout.default_name(15))[0], state_for(15))
 
 
-def test_checkpoint_id_names_the_checkpoint(store: str) -> None:
-    dcp.save(state_for(1), checkpoint_id="warmup-done", storage_writer=TieredWriter(store))
+def test_checkpoint_id_names_the_checkpoint(hot_dir: str) -> None:
+    dcp.save(state_for(1), checkpoint_id="warmup-done", storage_writer=TieredWriter(hot_dir))
     target = blank()
-    dcp.load(target, checkpoint_id="warmup-done", storage_reader=TieredReader(store))
+    dcp.load(target, checkpoint_id="warmup-done", storage_reader=TieredReader(hot_dir))
     assert_same(target, state_for(1))
-    assert list_checkpoints(store)[0].name == "warmup-done"
+    assert list_checkpoints(hot_dir)[0].name == "warmup-done"
 
 
-def test_many_files_and_threads(store: str) -> None:
-    writer = save(store, 1, thread_count=3, single_file_per_rank=False)
+def test_many_files_and_threads(hot_dir: str) -> None:
+    writer = save(hot_dir, 1, thread_count=3, single_file_per_rank=False)
     assert len(writer.manifest.files) == 6  # .metadata + one per item (w, b, i, 2 in extra)
-    assert_same(load(store)[0], state_for(1))
-    save(store, 2, thread_count=2)
-    assert_same(load(store)[0], state_for(2))
+    assert_same(load(hot_dir)[0], state_for(1))
+    save(hot_dir, 2, thread_count=2)
+    assert_same(load(hot_dir)[0], state_for(2))
 
 
-def test_empty_state_dict(store: str) -> None:
-    dcp.save({}, storage_writer=TieredWriter(store, step=0))
-    dcp.load({}, storage_reader=TieredReader(store))
-    assert list_checkpoints(store)[0].num_files == 1
+def test_empty_state_dict(hot_dir: str) -> None:
+    dcp.save({}, storage_writer=TieredWriter(hot_dir, step=0))
+    dcp.load({}, storage_reader=TieredReader(hot_dir))
+    assert list_checkpoints(hot_dir)[0].num_files == 1
 
 
-def test_writer_pickles_without_its_backend(store: str) -> None:
-    writer = save(store, 1)
+def test_writer_pickles_without_its_backend(hot_dir: str) -> None:
+    writer = save(hot_dir, 1)
     clone = pickle.loads(pickle.dumps(writer))
     assert clone.tiers[0]._backend is None and clone.step == 1
 
 
-def test_attempt_directory_is_plain_dcp(store: str) -> None:
+def test_attempt_directory_is_plain_dcp(hot_dir: str) -> None:
     # The documented way to plain DCP: encoding="dcp" (the raw default needs TieredReader).
-    manifest = save(store, 4, encoding="dcp").manifest
+    manifest = save(hot_dir, 4, encoding="dcp").manifest
     assert manifest.encoding == "dcp"
     target = blank()
-    attempt_dir = Path(store, layout.attempt_prefix(manifest.name, manifest.attempt))
+    attempt_dir = Path(hot_dir, layout.attempt_prefix(manifest.name, manifest.attempt))
     dcp.load(target, storage_reader=dcp.FileSystemReader(attempt_dir))
     assert_same(target, state_for(4))
 
@@ -114,16 +114,16 @@ def test_attempt_directory_is_plain_dcp(store: str) -> None:
 # -- commit protocol -------------------------------------------------------------------
 
 
-def test_committed_checkpoint_is_never_overwritten(store: str) -> None:
-    save(store, 7)
+def test_committed_checkpoint_is_never_overwritten(hot_dir: str) -> None:
+    save(hot_dir, 7)
     with pytest.raises(BaseException) as info:
-        dcp.save(state_for(99), storage_writer=TieredWriter(store, step=7))
+        dcp.save(state_for(99), storage_writer=TieredWriter(hot_dir, step=7))
     assert isinstance(unwrap(info.value), CheckpointExists)
     assert "step-0000000007" in str(unwrap(info.value))
-    assert_same(load(store)[0], state_for(7))
+    assert_same(load(hot_dir)[0], state_for(7))
 
 
-def test_racing_attempts_on_one_step_commit_exactly_once(store: str, monkeypatch) -> None:
+def test_racing_attempts_on_one_step_commit_exactly_once(hot_dir: str, monkeypatch) -> None:
     # The outer save passes the "not yet committed" check, then a second attempt commits
     # the same step just before the outer one publishes: the outer publish must lose.
     real_publish = Tier.publish_manifest
@@ -132,46 +132,46 @@ def test_racing_attempts_on_one_step_commit_exactly_once(store: str, monkeypatch
     def publish_after_rival(self: Tier, manifest: Manifest) -> None:
         if not raced:
             raced.append(True)
-            dcp.save(state_for(8), storage_writer=TieredWriter(store, step=8))
+            dcp.save(state_for(8), storage_writer=TieredWriter(hot_dir, step=8))
         real_publish(self, manifest)
 
     monkeypatch.setattr(Tier, "publish_manifest", publish_after_rival)
     with pytest.raises(BaseException) as info:
-        dcp.save(state_for(1008), storage_writer=TieredWriter(store, step=8))
+        dcp.save(state_for(1008), storage_writer=TieredWriter(hot_dir, step=8))
     assert isinstance(unwrap(info.value), CheckpointExists)
     monkeypatch.undo()
-    assert [c.step for c in list_checkpoints(store)] == [8]
-    assert_same(load(store)[0], state_for(8))
-    attempts = os.listdir(Path(store, layout.checkpoint_prefix("step-0000000008")))
+    assert [c.step for c in list_checkpoints(hot_dir)] == [8]
+    assert_same(load(hot_dir)[0], state_for(8))
+    attempts = os.listdir(Path(hot_dir, layout.checkpoint_prefix("step-0000000008")))
     assert len(attempts) == 2  # the loser's files are debris for GC, never listed
 
 
 @pytest.mark.parametrize(
     "point", ["writer.after_file_write", "writer.after_metadata_write", "writer.before_manifest_publish"]
 )
-def test_failed_attempt_is_never_listed(store: str, point: str) -> None:
-    save(store, 1)
+def test_failed_attempt_is_never_listed(hot_dir: str, point: str) -> None:
+    save(hot_dir, 1)
     faults.arm(point)
     with pytest.raises(BaseException) as info:
-        save(store, 2)
+        save(hot_dir, 2)
     assert isinstance(unwrap(info.value), FaultInjected)
     faults.disarm()
-    assert [c.step for c in list_checkpoints(store)] == [1]
-    assert_same(load(store)[0], state_for(1))
-    assert Path(store, layout.checkpoint_prefix("step-0000000002")).is_dir()  # debris exists
-    save(store, 2)  # and a new attempt at the same step works
-    assert_same(load(store)[0], state_for(2))
+    assert [c.step for c in list_checkpoints(hot_dir)] == [1]
+    assert_same(load(hot_dir)[0], state_for(1))
+    assert Path(hot_dir, layout.checkpoint_prefix("step-0000000002")).is_dir()  # debris exists
+    save(hot_dir, 2)  # and a new attempt at the same step works
+    assert_same(load(hot_dir)[0], state_for(2))
 
 
-def test_writer_needs_a_name(store: str) -> None:
+def test_writer_needs_a_name(hot_dir: str) -> None:
     with pytest.raises(BaseException) as info:
-        dcp.save(state_for(1), storage_writer=TieredWriter(store))
+        dcp.save(state_for(1), storage_writer=TieredWriter(hot_dir))
     assert isinstance(unwrap(info.value), ConfigError)
     for bad in [dict(step=-1), dict(step="3"), dict(name="../x"), dict(thread_count=0)]:
         with pytest.raises(ConfigError):
-            TieredWriter(store, **bad)
+            TieredWriter(hot_dir, **bad)
     with pytest.raises(BaseException) as info:  # inside DCP's CheckpointException, as DCP's own errors
-        dcp.save(state_for(1), checkpoint_id="/abs/path", storage_writer=TieredWriter(store))
+        dcp.save(state_for(1), checkpoint_id="/abs/path", storage_writer=TieredWriter(hot_dir))
     assert isinstance(unwrap(info.value), ConfigError) and "not a checkpoint name" in str(info.value)
 
 
@@ -189,11 +189,11 @@ def test_empty_or_missing_store_names_the_tier(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("offset", [0, 700, -1])
-def test_flipped_byte_in_data_file_is_caught(store: str, offset: int) -> None:
-    manifest = save(store, 3).manifest
-    path = file_path(store, manifest)
+def test_flipped_byte_in_data_file_is_caught(hot_dir: str, offset: int) -> None:
+    manifest = save(hot_dir, 3).manifest
+    path = file_path(hot_dir, manifest)
     flip(path, offset if offset >= 0 else path.stat().st_size - 1)
-    err = load_error(store)
+    err = load_error(hot_dir)
     assert isinstance(err, ChecksumMismatch), err
     entry = manifest.file("__0_0.distcp")
     assert err.checkpoint == manifest.name and err.file == "__0_0.distcp" and "hot" in err.tier
@@ -201,32 +201,32 @@ def test_flipped_byte_in_data_file_is_caught(store: str, offset: int) -> None:
     assert "CRC32C mismatch" in str(err) and manifest.name in str(err)
 
 
-def test_flipped_byte_in_dcp_metadata_is_caught_before_unpickling(store: str) -> None:
-    manifest = save(store, 3).manifest
-    flip(file_path(store, manifest, ".metadata"), 40)
-    err = load_error(store)
+def test_flipped_byte_in_dcp_metadata_is_caught_before_unpickling(hot_dir: str) -> None:
+    manifest = save(hot_dir, 3).manifest
+    flip(file_path(hot_dir, manifest, ".metadata"), 40)
+    err = load_error(hot_dir)
     assert isinstance(err, ChecksumMismatch) and err.file == ".metadata"
 
 
 @pytest.mark.parametrize("change", ["truncate", "extend", "delete"])
-def test_wrong_size_or_missing_file(store: str, change: str) -> None:
-    manifest = save(store, 3).manifest
-    path = file_path(store, manifest)
+def test_wrong_size_or_missing_file(hot_dir: str, change: str) -> None:
+    manifest = save(hot_dir, 3).manifest
+    path = file_path(hot_dir, manifest)
     if change == "truncate":
         path.write_bytes(path.read_bytes()[:-10])
     elif change == "extend":
         path.write_bytes(path.read_bytes() + b"junk")
     else:
         path.unlink()
-    err = load_error(store)
+    err = load_error(hot_dir)
     if change == "delete":
         assert isinstance(err, ObjectNotFound) and "__0_0.distcp" in str(err)
     else:
         assert isinstance(err, ChecksumMismatch) and "size mismatch" in str(err)
 
 
-def rewrite_manifest(store: str, name: str, mutate) -> None:
-    path = Path(store, layout.manifest_key(name))
+def rewrite_manifest(hot_dir: str, name: str, mutate) -> None:
+    path = Path(hot_dir, layout.manifest_key(name))
     body = json.loads(path.read_text())
     mutate(body)
     body.pop("checksum")
@@ -235,45 +235,45 @@ def rewrite_manifest(store: str, name: str, mutate) -> None:
 
 
 @pytest.mark.parametrize("path", ["../../outside.distcp", "/etc/passwd"])
-def test_manifest_with_escaping_path_is_rejected(store: str, path: str, caplog) -> None:
-    save(store, 1)
-    name = save(store, 2).manifest.name
-    rewrite_manifest(store, name, lambda b: b["files"][1].update(path=path))
-    err = load_error(store, name=name)
+def test_manifest_with_escaping_path_is_rejected(hot_dir: str, path: str, caplog) -> None:
+    save(hot_dir, 1)
+    name = save(hot_dir, 2).manifest.name
+    rewrite_manifest(hot_dir, name, lambda b: b["files"][1].update(path=path))
+    err = load_error(hot_dir, name=name)
     assert isinstance(err, InvalidManifest) and "unsafe file path" in str(err)
     assert name in str(err) and "hot" in str(err)
     # Picking the newest skips the invalid checkpoint (it is not committed) and says so.
     with caplog.at_level(logging.WARNING, logger="tierstore"):
-        target, reader = load(store)
+        target, reader = load(hot_dir)
     assert reader.manifest.step == 1 and "invalid manifest" in caplog.text
-    assert [c.step for c in list_checkpoints(store)] == [1]
+    assert [c.step for c in list_checkpoints(hot_dir)] == [1]
 
 
-def test_manifest_with_wrong_self_checksum_or_truncated(store: str) -> None:
-    name = save(store, 1).manifest.name
-    path = Path(store, layout.manifest_key(name))
+def test_manifest_with_wrong_self_checksum_or_truncated(hot_dir: str) -> None:
+    name = save(hot_dir, 1).manifest.name
+    path = Path(hot_dir, layout.manifest_key(name))
     good = path.read_bytes()
     path.write_bytes(good.replace(b'"step": 1', b'"step": 2'))
-    assert "self-checksum" in str(load_error(store, name=name))
+    assert "self-checksum" in str(load_error(hot_dir, name=name))
     path.write_bytes(good[: len(good) // 2])
-    err = load_error(store, name=name)
+    err = load_error(hot_dir, name=name)
     assert isinstance(err, InvalidManifest) and "truncated" in str(err)
-    assert list_checkpoints(store) == []
+    assert list_checkpoints(hot_dir) == []
 
 
-def test_symlinked_data_file_is_refused_even_with_right_bytes(store: str, tmp_path: Path) -> None:
-    manifest = save(store, 1).manifest
-    path = file_path(store, manifest)
+def test_symlinked_data_file_is_refused_even_with_right_bytes(hot_dir: str, tmp_path: Path) -> None:
+    manifest = save(hot_dir, 1).manifest
+    path = file_path(hot_dir, manifest)
     copy = tmp_path / "elsewhere.distcp"
     shutil.copy(path, copy)
     path.unlink()
     os.symlink(copy, path)
-    err = load_error(store)
+    err = load_error(hot_dir)
     assert isinstance(err, UnsafePath) and "__0_0.distcp" in str(err)
 
 
-def test_forged_metadata_pickle_never_runs(store: str, tmp_path: Path) -> None:
-    manifest = save(store, 1).manifest
+def test_forged_metadata_pickle_never_runs(hot_dir: str, tmp_path: Path) -> None:
+    manifest = save(hot_dir, 1).manifest
     marker = tmp_path / "pwned"
 
     class Evil:
@@ -281,7 +281,7 @@ def test_forged_metadata_pickle_never_runs(store: str, tmp_path: Path) -> None:
             return (os.system, (f"touch {marker}",))
 
     payload = pickle.dumps(Evil())
-    file_path(store, manifest, ".metadata").write_bytes(payload)
+    file_path(hot_dir, manifest, ".metadata").write_bytes(payload)
     from tierstore.storage.backend import crc32c_update
 
     def forge(body: dict) -> None:  # a forger who also fixes up sizes and checksums
@@ -289,26 +289,26 @@ def test_forged_metadata_pickle_never_runs(store: str, tmp_path: Path) -> None:
             if entry["path"] == ".metadata":
                 entry.update(size=len(payload), crc32c=crc32c_update(0, payload))
 
-    rewrite_manifest(store, manifest.name, forge)
-    err = load_error(store)
+    rewrite_manifest(hot_dir, manifest.name, forge)
+    err = load_error(hot_dir)
     assert isinstance(err, IntegrityError) and "cannot be loaded safely" in str(err)
     assert not marker.exists()
 
 
-def test_metadata_referencing_unlisted_file_is_rejected(store: str) -> None:
-    manifest = save(store, 1).manifest
+def test_metadata_referencing_unlisted_file_is_rejected(hot_dir: str) -> None:
+    manifest = save(hot_dir, 1).manifest
 
     def drop(body: dict) -> None:
         body["files"] = [f for f in body["files"] if f["path"] != "__0_0.distcp"]
 
-    rewrite_manifest(store, manifest.name, drop)
-    err = load_error(store)
+    rewrite_manifest(hot_dir, manifest.name, drop)
+    err = load_error(hot_dir)
     assert isinstance(err, InvalidManifest) and "does not list" in str(err)
 
 
 @pytest.mark.parametrize("encoding", ["raw", "dcp"])
 def test_zip_crc32_is_skipped_while_writing_and_restored_after(
-    store: str, monkeypatch, encoding: str
+    hot_dir: str, monkeypatch, encoding: str
 ) -> None:
     # torch's own zip CRC32 is redundant with tierstore's CRC32C (verified on every read):
     # off while a TieredWriter writes (raw: the planner's torch.save of BYTE_IO items), the
@@ -323,15 +323,15 @@ def test_zip_crc32_is_skipped_while_writing_and_restored_after(
 
     monkeypatch.setattr(torch, "save", spy)
     assert torch.serialization.get_crc32_options() is True
-    manifest = save(store, 9, encoding=encoding).manifest
+    manifest = save(hot_dir, 9, encoding=encoding).manifest
     assert seen and not any(seen)
     assert torch.serialization.get_crc32_options() is True
     monkeypatch.undo()
     target = blank()
     dcp.load(
         target,
-        storage_reader=TieredReader(store)
+        storage_reader=TieredReader(hot_dir)
         if encoding == "raw"
-        else dcp.FileSystemReader(Path(store, layout.attempt_prefix(manifest.name, manifest.attempt))),
+        else dcp.FileSystemReader(Path(hot_dir, layout.attempt_prefix(manifest.name, manifest.attempt))),
     )
     assert_same(target, state_for(9))

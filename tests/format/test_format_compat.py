@@ -45,40 +45,40 @@ def blank_state() -> dict[str, Any]:
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> str:
+def golden_dir(tmp_path: Path) -> str:
     root = tmp_path / "store"
     shutil.copytree(GOLDEN, root)
     return str(root)
 
 
-def test_a_0_2_store_lists_loads_and_verifies(store: str) -> None:
-    [info] = list_checkpoints(store)
+def test_a_0_2_store_lists_loads_and_verifies(golden_dir: str) -> None:
+    [info] = list_checkpoints(golden_dir)
     assert (info.name, info.step, info.num_files) == ("step-0000000003", 3, 2)
     state = blank_state()
-    reader = TieredReader(store)
+    reader = TieredReader(golden_dir)
     dcp.load(state, storage_reader=reader)
     expected = golden_state()
     for key in ("w", "b", "h", "step"):
         assert torch.equal(state[key], expected[key]), key
     assert state["extra"] == expected["extra"]
     assert reader.manifest is not None and reader.manifest.encoding == "dcp"
-    assert all(check.ok for check in verify_store(store))
+    assert all(check.ok for check in verify_store(golden_dir))
 
 
-def test_a_0_2_store_still_catches_a_flipped_byte(store: str) -> None:
-    [data] = Path(store).glob("checkpoints/*/*/__0_0.distcp")
+def test_a_0_2_store_still_catches_a_flipped_byte(golden_dir: str) -> None:
+    [data] = Path(golden_dir).glob("checkpoints/*/*/__0_0.distcp")
     flip(data)
     with pytest.raises(BaseException) as caught:
-        dcp.load(blank_state(), storage_reader=TieredReader(store))
+        dcp.load(blank_state(), storage_reader=TieredReader(golden_dir))
     assert "CRC32C mismatch" in str(caught.value) or isinstance(caught.value, ChecksumMismatch)
 
 
-def test_new_saves_beside_a_0_2_checkpoint_use_the_raw_encoding(store: str) -> None:
-    dcp.save(golden_state(), storage_writer=TieredWriter(store, step=4))
-    assert [c.step for c in list_checkpoints(store)] == [3, 4]
+def test_new_saves_beside_a_0_2_checkpoint_use_the_raw_encoding(golden_dir: str) -> None:
+    dcp.save(golden_state(), storage_writer=TieredWriter(golden_dir, step=4))
+    assert [c.step for c in list_checkpoints(golden_dir)] == [3, 4]
     for step in (3, 4):
         state = blank_state()
-        reader = TieredReader(store, step=step)
+        reader = TieredReader(golden_dir, step=step)
         dcp.load(state, storage_reader=reader)
         assert torch.equal(state["w"], golden_state()["w"]), step
         assert reader.manifest is not None

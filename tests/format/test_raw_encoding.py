@@ -79,12 +79,12 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @pytest.mark.parametrize("threads", [1, 3])
-def test_every_dtype_round_trips(store: str, threads: int, monkeypatch) -> None:
+def test_every_dtype_round_trips(hot_dir: str, threads: int, monkeypatch) -> None:
     monkeypatch.setattr(raw_read, "SPLIT_MIN", 1)  # split even a small file over the threads
     state = _every_dtype()
-    dcp.save(state, storage_writer=TieredWriter(store, step=1, thread_count=threads))
+    dcp.save(state, storage_writer=TieredWriter(hot_dir, step=1, thread_count=threads))
     target = _zeros_like(state)
-    reader = TieredReader(store, thread_count=threads)
+    reader = TieredReader(hot_dir, thread_count=threads)
     dcp.load(target, storage_reader=reader)
     assert target["extra"] == state["extra"]
     for key, value in state.items():
@@ -106,9 +106,9 @@ def test_a_tier_without_file_descriptors_reads_by_seeking(monkeypatch, threads: 
     assert torch.equal(target["w"], state["w"]) and target["extra"] == state["extra"]
 
 
-def test_loads_land_in_the_destination_memory_without_torch_load(store: str, monkeypatch) -> None:
+def test_loads_land_in_the_destination_memory_without_torch_load(hot_dir: str, monkeypatch) -> None:
     state = {"w": torch.randn(300, 70), "h": torch.randn(5).to(torch.bfloat16), "s": torch.tensor(7)}
-    dcp.save(state, storage_writer=TieredWriter(store, step=1))
+    dcp.save(state, storage_writer=TieredWriter(hot_dir, step=1))
     target = {k: torch.zeros_like(v) for k, v in state.items()}
     pointers = {k: v.data_ptr() for k, v in target.items()}
     calls = []
@@ -119,7 +119,7 @@ def test_loads_land_in_the_destination_memory_without_torch_load(store: str, mon
         return real_load(*args, **kwargs)
 
     monkeypatch.setattr(torch, "load", counting)
-    dcp.load(target, storage_reader=TieredReader(store))
+    dcp.load(target, storage_reader=TieredReader(hot_dir))
     assert calls == []
     assert {k: v.data_ptr() for k, v in target.items()} == pointers
     assert all(torch.equal(target[k], state[k]) for k in state)
@@ -167,13 +167,13 @@ def _put(size: torch.Size, dim: int, value: int) -> torch.Size:
 @pytest.mark.parametrize("dim", [0, 1])
 @pytest.mark.parametrize("keep", [(0, 1), (0,), (1,)])
 def test_slices_of_stored_items_load_verified(
-    store: str, monkeypatch, dim: int, keep: tuple[int, ...]
+    hot_dir: str, monkeypatch, dim: int, keep: tuple[int, ...]
 ) -> None:
     monkeypatch.setattr(encoding, "BLOCK", 4096)  # many blocks: slices start and end inside some
     state = state_for(1, (301, 33))
-    save(store, 1, shape=(301, 33))
+    save(hot_dir, 1, shape=(301, 33))
     target = blank((301, 33))
-    dcp.load(target, storage_reader=TieredReader(store), planner=_Halves(dim, keep))
+    dcp.load(target, storage_reader=TieredReader(hot_dir), planner=_Halves(dim, keep))
     want = torch.zeros(301, 33)
     for part in keep:
         rows = slice(0, 150) if part == 0 else slice(150, None)
@@ -185,24 +185,24 @@ def test_slices_of_stored_items_load_verified(
     assert torch.equal(target["i"], state["i"]) and target["extra"] == state["extra"]
 
 
-def test_a_different_destination_dtype_is_converted(store: str) -> None:
-    save(store, 1)
+def test_a_different_destination_dtype_is_converted(hot_dir: str) -> None:
+    save(hot_dir, 1)
     target = {
         **blank(),
         "w": torch.zeros(64, 33, dtype=torch.float64),
         "b": torch.zeros(7),
         "i": torch.zeros(10, dtype=torch.int32),
     }
-    dcp.load(target, storage_reader=TieredReader(store))
+    dcp.load(target, storage_reader=TieredReader(hot_dir))
     state = state_for(1)
     assert torch.equal(target["w"], state["w"].double()) and torch.equal(target["b"], state["b"].float())
     assert torch.equal(target["i"], state["i"].int()) and target["extra"] == state["extra"]
 
 
-def test_the_manifest_records_the_encoding(store: str, tmp_path: Path) -> None:
-    raw = save(store, 1).manifest
+def test_the_manifest_records_the_encoding(hot_dir: str, tmp_path: Path) -> None:
+    raw = save(hot_dir, 1).manifest
     assert raw is not None and raw.encoding == "raw"
-    assert json.loads(Path(store, layout.manifest_key(raw.name)).read_bytes())["encoding"] == "raw"
+    assert json.loads(Path(hot_dir, layout.manifest_key(raw.name)).read_bytes())["encoding"] == "raw"
     plain = save(str(tmp_path / "plain"), 1, encoding="dcp").manifest
     assert plain is not None and plain.encoding == "dcp"
     # Absent for dcp: manifests stay exactly what older tierstore versions wrote and read.
@@ -211,9 +211,9 @@ def test_the_manifest_records_the_encoding(store: str, tmp_path: Path) -> None:
     assert torch.equal(state["w"], state_for(1)["w"]) and state["extra"] == state_for(1)["extra"]
 
 
-def test_an_unknown_encoding_is_refused(store: str) -> None:
+def test_an_unknown_encoding_is_refused(hot_dir: str) -> None:
     with pytest.raises(ValueError, match="encoding"):
-        TieredWriter(store, step=1, encoding="zip")
+        TieredWriter(hot_dir, step=1, encoding="zip")
 
 
 def _big(step: int) -> dict[str, Any]:
@@ -270,30 +270,30 @@ def test_damage_in_every_tier_is_the_files_mismatch(tmp_path: Path) -> None:
     assert err.expected == f"{entry.crc32c:08x}" and str(err).startswith("CRC32C mismatch")
 
 
-def test_a_partial_read_verifies_the_blocks_it_touches(store: str, monkeypatch) -> None:
+def test_a_partial_read_verifies_the_blocks_it_touches(hot_dir: str, monkeypatch) -> None:
     monkeypatch.setattr(encoding, "BLOCK", 4096)
-    save(store, 1, shape=(301, 33))
-    manifest = committed(store, 1)
-    meta = pickle.loads(file_path(store, manifest, ".metadata").read_bytes())
+    save(hot_dir, 1, shape=(301, 33))
+    manifest = committed(hot_dir, 1)
+    meta = pickle.loads(file_path(hot_dir, manifest, ".metadata").read_bytes())
     info = next(v for k, v in meta.storage_data.items() if k.fqn == "w")
-    flip(file_path(store, manifest), info.offset + 10)  # in the rows the first half reads
+    flip(file_path(hot_dir, manifest), info.offset + 10)  # in the rows the first half reads
     target = blank((301, 33))
     with pytest.raises(BaseException) as info_:
-        dcp.load(target, storage_reader=TieredReader(store), planner=_Halves(0, keep=(0,)))
+        dcp.load(target, storage_reader=TieredReader(hot_dir), planner=_Halves(0, keep=(0,)))
     err = unwrap(info_.value)
     assert isinstance(err, ChecksumMismatch) and err.file == "__0_0.distcp", err
 
 
-def test_damage_in_padding_is_caught_by_a_whole_file_load(store: str, monkeypatch) -> None:
+def test_damage_in_padding_is_caught_by_a_whole_file_load(hot_dir: str, monkeypatch) -> None:
     monkeypatch.setattr(raw_read, "SPLIT_MIN", 1)
-    save(store, 1)
-    manifest = committed(store, 1)
-    meta = pickle.loads(file_path(store, manifest, ".metadata").read_bytes())
+    save(hot_dir, 1)
+    manifest = committed(hot_dir, 1)
+    meta = pickle.loads(file_path(hot_dir, manifest, ".metadata").read_bytes())
     first = min(meta.storage_data.values(), key=lambda v: v.offset)
-    flip(file_path(store, manifest), first.offset + first.length)  # the padding after it
+    flip(file_path(hot_dir, manifest), first.offset + first.length)  # the padding after it
     for threads in (1, 3):
         with pytest.raises(BaseException) as info:
-            load(store, thread_count=threads)
+            load(hot_dir, thread_count=threads)
         err = unwrap(info.value)
         assert isinstance(err, ChecksumMismatch) and err.file == "__0_0.distcp", err
 
@@ -319,15 +319,15 @@ HOSTILE: dict[str, Callable[[RawItem], RawItem]] = {
 
 
 @pytest.mark.parametrize("case", sorted(HOSTILE))
-def test_hostile_raw_items_are_clean_integrity_errors(store: str, case: str) -> None:
-    save(store, 1)
-    forge_raw_item(store, "w", HOSTILE[case], NAME)
+def test_hostile_raw_items_are_clean_integrity_errors(hot_dir: str, case: str) -> None:
+    save(hot_dir, 1)
+    forge_raw_item(hot_dir, "w", HOSTILE[case], NAME)
     with pytest.raises(BaseException) as info:
-        load(store, name=NAME)
+        load(hot_dir, name=NAME)
     err = unwrap(info.value)
     assert isinstance(err, IntegrityError), f"{type(err).__name__}: {err}"
     assert err.checkpoint == NAME and err.file in (".metadata", "__0_0.distcp"), err
-    assert err.tier == f"hot {store}", err
+    assert err.tier == f"hot {hot_dir}", err
 
 
 def test_a_tensor_with_no_raw_encoding_fails_the_save_naming_it(tmp_path: Path) -> None:

@@ -115,7 +115,7 @@ def http_requests(tier: Tier) -> list[str]:
 
 
 @pytest.fixture(params=["local", "s3"])
-def cold(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Tier]:
+def cold_tier(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Tier]:
     if request.param == "local":
         yield Tier("cold", str(tmp_path / "cold"))
         return
@@ -189,13 +189,15 @@ def spread_prefixes(tier: Tier, manifest: Manifest) -> int:
     )
 
 
-def test_fresh_uploads_and_the_commit_stay_within_their_request_budgets(tmp_path: Path, cold: Tier) -> None:
+def test_fresh_uploads_and_the_commit_stay_within_their_request_budgets(
+    tmp_path: Path, cold_tier: Tier
+) -> None:
     hot = Tier("hot", str(tmp_path / "hot"))
     manifest = write_attempt(hot)
-    wrapper = counted(cold)
+    wrapper = counted(cold_tier)
     is_s3 = wrapper.inner.scheme == "s3"
-    sent = http_requests(cold) if is_s3 else []
-    migrator = Migrator(hot, cold, FAST)
+    sent = http_requests(cold_tier) if is_s3 else []
+    migrator = Migrator(hot, cold_tier, FAST)
     for rank in range(W):  # each rank's own migrator, in its own process in a real job
         wrapper.counts.clear()
         sent.clear()
@@ -210,14 +212,14 @@ def test_fresh_uploads_and_the_commit_stay_within_their_request_budgets(tmp_path
     # W/64 stands for the data listing: where keys spread over hashed prefixes (S3, GCS),
     # one listing per prefix the attempt uses, one per 64 ranks (layout.file_key) plus one.
     if wrapper.spread_keys:
-        assert spread_prefixes(cold, manifest) <= W / 64 + 1
+        assert spread_prefixes(cold_tier, manifest) <= W / 64 + 1
     budget = W / 1000 + W / 64 + 10
     assert wrapper.total <= budget, wrapper.counts
     if is_s3:
         assert len(sent) <= budget, Counter(sent)
     assert wrapper.counts["head"] == 0  # no HEAD per file, nor per mark
-    assert cold.find_manifest(manifest.name) == manifest
-    assert list(cold.backend.list(layout.upload_prefix(manifest.name, manifest.attempt))) == []
+    assert cold_tier.find_manifest(manifest.name) == manifest
+    assert list(cold_tier.backend.list(layout.upload_prefix(manifest.name, manifest.attempt))) == []
 
 
 def test_tierstore_migrate_keeps_every_check_before_an_upload(tmp_path: Path) -> None:
@@ -238,27 +240,27 @@ def test_tierstore_migrate_keeps_every_check_before_an_upload(tmp_path: Path) ->
 
 @pytest.mark.parametrize("damage", ["missing", "wrong size"])
 def test_a_forged_mark_never_commits_a_missing_or_resized_file(
-    tmp_path: Path, cold: Tier, damage: str
+    tmp_path: Path, cold_tier: Tier, damage: str
 ) -> None:
     hot = Tier("hot", str(tmp_path / "hot"))
     manifest = write_attempt(hot, world=8, part_ranks=4)  # a two-level manifest, 2 parts
-    migrator = Migrator(hot, cold, FAST)
+    migrator = Migrator(hot, cold_tier, FAST)
     upload_ranks(migrator, manifest, [r for r in range(8) if r != 5])
     victim = manifest.files_of_rank(5)[0]
     if damage == "wrong size":  # rank 5's other file is fine; this one is cut short
-        cold.backend.publish(cold.file_key(manifest.name, manifest.attempt, victim.path), b"short")
+        cold_tier.backend.publish(cold_tier.file_key(manifest.name, manifest.attempt, victim.path), b"short")
     # The right key for rank 5 (it names rank 5's files), but content no upload wrote.
     key = marks.upload_mark_key(manifest.name, manifest.attempt, 5, manifest.files_of_rank(5))
-    cold.backend.publish(key, b'{"forged": true}')
+    cold_tier.backend.publish(key, b'{"forged": true}')
     commit = rank_job(manifest, 0, commit=True)
     migrator.run(commit)
     assert commit.state is MigrationState.FAILED
     assert commit.failed_rank == 5 and commit.failed_file == victim.path
-    assert cold.find_manifest(manifest.name) is None  # never vouched for a hole
+    assert cold_tier.find_manifest(manifest.name) is None  # never vouched for a hole
     # `tierstore migrate` finds the mark damaged, uploads rank 5 again and commits.
-    assert migrate_pending(Store.of_tiers(hot, cold), config=FAST)[0].state is MigrationState.COMMITTED
-    stored = cold.backend.stat(cold.file_key(manifest.name, manifest.attempt, victim.path))
-    assert stored.size == victim.size and cold.find_manifest(manifest.name) == manifest
+    assert migrate_pending(Store.of_tiers(hot, cold_tier), config=FAST)[0].state is MigrationState.COMMITTED
+    stored = cold_tier.backend.stat(cold_tier.file_key(manifest.name, manifest.attempt, victim.path))
+    assert stored.size == victim.size and cold_tier.find_manifest(manifest.name) == manifest
 
 
 def test_a_mark_of_an_earlier_version_is_harmless(tmp_path: Path) -> None:

@@ -51,12 +51,12 @@ def states(hot: str, cold: str) -> dict[int | None, str]:
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> tuple[str, str]:
+def tiers(tmp_path: Path) -> tuple[str, str]:
     return str(tmp_path / "hot"), str(tmp_path / "cold")
 
 
-def test_repointed_hot_tier_is_pending_for_the_new_cold_tier(store: tuple[str, str], tmp_path: Path) -> None:
-    hot, cold_a = store
+def test_repointed_hot_tier_is_pending_for_the_new_cold_tier(tiers: tuple[str, str], tmp_path: Path) -> None:
+    hot, cold_a = tiers
     for step in (1, 2):
         save(hot, step, cold_a, migration=FAST, migrated=True)
     assert states(hot, cold_a) == {1: "committed", 2: "committed"}
@@ -77,8 +77,8 @@ def test_repointed_hot_tier_is_pending_for_the_new_cold_tier(store: tuple[str, s
     assert len(ids) == 2
 
 
-def test_a_checkpoint_pruned_from_cold_by_policy_may_leave_hot(store: tuple[str, str]) -> None:
-    hot, cold = store
+def test_a_checkpoint_pruned_from_cold_by_policy_may_leave_hot(tiers: tuple[str, str]) -> None:
+    hot, cold = tiers
     for step in (1, 2, 3):
         save(hot, step, cold, migration=FAST, migrated=True)
     prune(None, cold, cold_policy=keep_last(1))  # cold keeps only step 3
@@ -87,8 +87,8 @@ def test_a_checkpoint_pruned_from_cold_by_policy_may_leave_hot(store: tuple[str,
     assert set(reports[0].deleted) == {"step-0000000001", "step-0000000002"}
 
 
-def test_prune_keeps_the_hot_copy_when_the_cold_manifest_is_torn(store: tuple[str, str]) -> None:
-    hot, cold = store
+def test_prune_keeps_the_hot_copy_when_the_cold_manifest_is_torn(tiers: tuple[str, str]) -> None:
+    hot, cold = tiers
     for step in (1, 2):
         save(hot, step, cold, migration=FAST, migrated=True)
     torn = Path(cold) / layout.manifest_key("step-0000000001")
@@ -102,9 +102,9 @@ def test_prune_keeps_the_hot_copy_when_the_cold_manifest_is_torn(store: tuple[st
 
 
 def test_prune_keeps_every_hot_copy_when_the_cold_tier_cannot_be_read(
-    store: tuple[str, str], tmp_path: Path
+    tiers: tuple[str, str], tmp_path: Path
 ) -> None:
-    hot, cold = store
+    hot, cold = tiers
     for step in (1, 2):
         save(hot, step, cold, migration=FAST, migrated=True)
     identity = Path(cold) / layout.STORE_ID_KEY
@@ -115,9 +115,9 @@ def test_prune_keeps_every_hot_copy_when_the_cold_tier_cannot_be_read(
 
 
 def test_second_migrator_that_is_throttled_never_deletes_a_committed_object(
-    store: tuple[str, str], registered_backend
+    tiers: tuple[str, str], registered_backend
 ) -> None:
-    hot, cold = store
+    hot, cold = tiers
     registered_backend("flaky", flaky.FlakyBackend)
     save(hot, 1, migration=FAST)
     manifest = Tier("hot", hot).find_manifest("step-0000000001")
@@ -152,9 +152,9 @@ def _upload_without_check(migrator: Migrator, job: _Job, entry: FileEntry) -> No
 
 
 def test_cold_commit_refuses_when_a_named_object_is_gone(
-    store: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+    tiers: tuple[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    hot, cold = store
+    hot, cold = tiers
     save(hot, 1, migration=FAST)
     manifest = Tier("hot", hot).find_manifest("step-0000000001")
     assert manifest is not None
@@ -186,8 +186,8 @@ def test_cold_commit_refuses_when_a_named_object_is_gone(
 
 
 @pytest.mark.parametrize("damage", ["truncated", "wrong rank", "oversize", "other files"])
-def test_damaged_upload_mark_does_not_wedge_migration(store: tuple[str, str], damage: str) -> None:
-    hot, cold = store
+def test_damaged_upload_mark_does_not_wedge_migration(tiers: tuple[str, str], damage: str) -> None:
+    hot, cold = tiers
     save(hot, 1, migration=FAST)
     manifest = Tier("hot", hot).find_manifest("step-0000000001")
     assert manifest is not None
@@ -221,9 +221,9 @@ def test_damaged_upload_mark_does_not_wedge_migration(store: tuple[str, str], da
 
 
 def test_a_different_committed_cold_attempt_is_a_reported_conflict(
-    store: tuple[str, str], tmp_path: Path
+    tiers: tuple[str, str], tmp_path: Path
 ) -> None:
-    hot, cold = store
+    hot, cold = tiers
     save(hot, 1, cold, migration=FAST, migrated=True)
     other_hot = str(tmp_path / "other-hot")
     # same name, another attempt; the cold tier keeps the first
@@ -267,8 +267,8 @@ for _op in ("exists", "stat", "list", "open_read", "open_write", "publish", "del
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_save_sends_nothing_to_the_cold_tier(store: tuple[str, str], mode: str, registered_backend) -> None:
-    hot, cold = store
+def test_a_save_sends_nothing_to_the_cold_tier(tiers: tuple[str, str], mode: str, registered_backend) -> None:
+    hot, cold = tiers
     registered_backend("spy", SpyBackend)
     SpyBackend.CALLERS.clear()
     writer = TieredWriter(hot, f"spy://{cold}", step=1, migration=FAST)
@@ -290,12 +290,12 @@ def test_unknown_scheme_is_reported_when_the_writer_is_built(tmp_path: Path) -> 
         TieredWriter(str(tmp_path / "hot"), "nosuch://bucket/run", step=1)
 
 
-def test_a_migrator_finds_its_checkpoint_committed_by_another(store: tuple[str, str]) -> None:
+def test_a_migrator_finds_its_checkpoint_committed_by_another(tiers: tuple[str, str]) -> None:
     """Found by the multi-actor machine: the trainer's migrator was held after uploading;
     `tierstore migrate` committed the checkpoint and removed every upload mark; the trainer's
     migrator then waited the whole commit_timeout for marks that would never come, and
     reported a failure for a checkpoint that was committed."""
-    hot, cold = store
+    hot, cold = tiers
     save(hot, 1, migration=FAST)
     manifest = Tier("hot", hot).find_manifest("step-0000000001")
     assert manifest is not None
@@ -311,7 +311,7 @@ def test_a_migrator_finds_its_checkpoint_committed_by_another(store: tuple[str, 
     assert states(hot, cold) == {1: "committed"}
 
 
-def test_a_cold_tier_wiped_and_recreated_under_the_same_url_holds_nothing(store: tuple[str, str]) -> None:
+def test_a_cold_tier_wiped_and_recreated_under_the_same_url_holds_nothing(tiers: tuple[str, str]) -> None:
     """A name that is reused: the bucket emptied and re-created while the trainer runs. The
     marks name the old tier's identity, which this process had already read once."""
     import shutil
@@ -319,7 +319,7 @@ def test_a_cold_tier_wiped_and_recreated_under_the_same_url_holds_nothing(store:
 
     from tierstore import CheckpointManager
 
-    hot, cold = store
+    hot, cold = tiers
     manager = CheckpointManager(
         hot, cold, save_every=1, hot_policy=keep_last(1), cold_policy=keep_last(5), migration=FAST
     )

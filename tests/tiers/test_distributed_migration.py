@@ -24,7 +24,7 @@ def read(out: Path, name: str) -> dict:
 
 
 @pytest.fixture(params=["local", "s3"])
-def cold(request, tmp_path: Path) -> tuple[str, dict[str, str]]:
+def cold_url_env(request, tmp_path: Path) -> tuple[str, dict[str, str]]:
     if request.param == "local":
         return str(tmp_path / "cold"), {}
     pytest.importorskip("tierstore_s3", reason="the S3 backend is installed by make test")
@@ -32,8 +32,8 @@ def cold(request, tmp_path: Path) -> tuple[str, dict[str, str]]:
     return f"s3://{bucket}/run", request.getfixturevalue("s3_env")
 
 
-def test_async_saves_migrate_then_load_from_cold_alone(cold, tmp_path: Path) -> None:
-    cold_url, env = cold
+def test_async_saves_migrate_then_load_from_cold_alone(cold_url_env, tmp_path: Path) -> None:
+    cold_url, env = cold_url_env
     hot, out = str(tmp_path / "hot"), tmp_path / "out"
     out.mkdir()
     spec = {

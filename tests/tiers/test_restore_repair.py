@@ -19,7 +19,7 @@ from tierstore.tiers.tier import Tier
 
 
 @pytest.fixture
-def tiers(tmp_path: Path) -> tuple[str, str, Manifest]:
+def mirrored(tmp_path: Path) -> tuple[str, str, Manifest]:
     """Hot and cold tiers holding the same committed checkpoint of step 1."""
     hot, cold = str(tmp_path / "hot"), str(tmp_path / "cold")
     manifest = saved(hot, 1)
@@ -41,8 +41,8 @@ DAMAGES = {
 
 
 @pytest.mark.parametrize("damage", list(DAMAGES))
-def test_restore_repairs_a_committed_hot_copy(tiers, damage: str) -> None:
-    hot, cold, manifest = tiers
+def test_restore_repairs_a_committed_hot_copy(mirrored, damage: str) -> None:
+    hot, cold, manifest = mirrored
     file, harm, problem = DAMAGES[damage]
     harm(file_path(hot, manifest, file))
     assert restore(hot, cold) == manifest
@@ -57,8 +57,8 @@ def test_restore_repairs_a_committed_hot_copy(tiers, damage: str) -> None:
     assert again.copied == () and again.repaired == ()
 
 
-def test_restore_replaces_a_torn_hot_manifest(tiers) -> None:
-    hot, cold, manifest = tiers
+def test_restore_replaces_a_torn_hot_manifest(mirrored) -> None:
+    hot, cold, manifest = mirrored
     key = Path(hot, layout.manifest_key(manifest.name))
     key.write_bytes(key.read_bytes()[:50])
     flip(file_path(hot, manifest, "__0_0.distcp"))
@@ -67,8 +67,8 @@ def test_restore_replaces_a_torn_hot_manifest(tiers) -> None:
     assert hot_alone_loads(hot)
 
 
-def test_a_damaged_cold_copy_never_replaces_the_hot_file(tiers) -> None:
-    hot, cold, manifest = tiers
+def test_a_damaged_cold_copy_never_replaces_the_hot_file(mirrored) -> None:
+    hot, cold, manifest = mirrored
     shard = file_path(hot, manifest, "__0_0.distcp")
     flip(shard)
     damaged = shard.read_bytes()
@@ -78,8 +78,8 @@ def test_a_damaged_cold_copy_never_replaces_the_hot_file(tiers) -> None:
     assert shard.read_bytes() == damaged  # no delete before a verified copy
 
 
-def test_cli_restore_prints_what_it_repaired(tiers) -> None:
-    hot, cold, manifest = tiers
+def test_cli_restore_prints_what_it_repaired(mirrored) -> None:
+    hot, cold, manifest = mirrored
     os.remove(file_path(hot, manifest, "__0_0.distcp"))
     proc = subprocess.run(
         [sys.executable, "-m", "tierstore", "restore", "--hot", hot, "--cold", cold],
