@@ -1,66 +1,35 @@
-"""An S3 cold tier that is down never blocks or breaks a save (issue 11).
+"""An S3 cold tier that is down never blocks or breaks a save (issue 11): the shared
+scenarios of :class:`tierstore.testing.ColdTierContract`, on moto behind the S3 fault proxy.
 
-The cold tier sits behind a fault proxy that is healthy, refuses connections, stalls
-(accepts, reads, never answers) or denies writes. In every mode a save commits on the hot
-tier and loads back from it bit-exact, the migration's failure is recorded where training
-can see it, and once the fault is lifted ``migrate_pending`` finishes the migration: the
-checkpoint then loads from the cold tier alone. Nothing is lost.
-
-Saves run on a thread joined with a generous timeout: a hang detector, not a timing
-assertion (before the fix, a stalled S3 held ``dcp.save`` for 92 s).
+While stalled, the tier's client timeouts are short, so a stalled request fails in a second
+and the migration fails while the stall lasts (``stall_fails_fast``). The proxy itself is
+tested here: a mode that silently forwarded would make the contract pass for the wrong reason.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
-import torch
-import torch.distributed.checkpoint as dcp
 from s3_fault_proxy import MODES, FaultProxy
 
-from tierstore import TieredReader, TieredWriter
-from tierstore.format import layout
-from tierstore.manager import CheckpointManager
-from tierstore.retry import RetryPolicy
-from tierstore.testing import in_background, returns_within
-from tierstore.tiers.catalog import list_checkpoints
-from tierstore.tiers.migrator import Job, MigrationConfig, MigrationState, Migrator
-from tierstore.tiers.status import migrate_pending
-from tierstore.tiers.tier import Tier
-from tierstore.tiers.workers import active_migrators
+from tierstore.testing import COLD_MODES, ColdTierContract, ProxiedCold, in_background
 
-T = TypeVar("T")
-HANG = 60.0  # seconds: far beyond any hot save here; only a save blocked on S3 gets there
-FAULTS = tuple(m for m in MODES if m != "healthy")
-ONE_TRY = RetryPolicy(attempts=1, deadline=5.0, initial=0.01, maximum=0.05)
-FAST_MIGRATION = MigrationConfig(retry=ONE_TRY, commit_timeout=5.0, poll_interval=0.05)
+HANG = 60.0  # seconds: how long a stalled request may take to let go once the stall ends
 
 
-def state_for(step: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(step)
-    return {"w": torch.randn(128, 256, generator=gen), "b": torch.arange(step, step + 1000)}
-
-
-def blank() -> dict[str, torch.Tensor]:
-    return {"w": torch.zeros(128, 256), "b": torch.zeros(1000, dtype=torch.int64)}
-
-
-def returns(fn: Callable[[], T], what: str) -> T:
-    """``fn()``, run on a thread; fails the test if it has not returned after ``HANG`` s."""
-    return returns_within(fn, HANG, what)
-
-
-class ColdTier:
+class S3ProxiedCold(ProxiedCold):
     """The test's S3 cold tier: reached through ``proxy``, inspected directly on moto."""
 
-    def __init__(self, tmp_path: Path, proxy: FaultProxy, endpoint: str, bucket: str) -> None:
-        self.hot = str(tmp_path / "hot")  # fresh per test: migrators are cached by (hot, cold)
-        self.url = f"s3://{bucket}/run"
+    def __init__(self, hot: str, proxy: FaultProxy, endpoint: str, bucket: str) -> None:
+        super().__init__(hot, f"s3://{bucket}/run")
         self.proxy = proxy
         self._endpoint = endpoint
+
+    def set_mode(self, mode: str) -> None:
+        self.proxy.mode = mode
 
     def options(self, *, through_proxy: bool = True) -> dict[str, Any]:
         # Short client timeouts while stalled, so that a stalled request (not the save: it
@@ -71,165 +40,35 @@ class ColdTier:
             "key": "testing",
             "secret": "testing",
             "region": "us-west-2",
-            "retry": ONE_TRY,
+            "retry": self.retry,
             "s3fs_options": {"config_kwargs": {"connect_timeout": timeout, "read_timeout": timeout}},
         }
 
-    def direct(self) -> Tier:
-        return Tier("cold", self.url, self.options(through_proxy=False))
+    def requests(self) -> list[Any]:
+        return list(self.proxy.seen())
 
-    def migrators(self) -> list[Migrator]:
-        return [m for m in active_migrators() if m.hot.url == self.hot]
+    def throttle_uploads(self) -> None:
+        self.proxy.add("slowdown", method="PUT", times=10_000)  # every upload: 503 SlowDown
+        self.proxy.add("slowdown", method="POST", times=10_000)
 
-    def drain(self) -> None:
-        for migrator in self.migrators():
-            assert migrator.wait(HANG), "the background migrator did not finish its jobs"
-
-
-@pytest.fixture
-def cold(
-    tmp_path: Path, s3_endpoint: str, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[ColdTier]:
-    # A failing migration must not hold the test process at exit (atexit drain).
-    monkeypatch.setenv("TIERSTORE_EXIT_WAIT", "0")
-    proxy = FaultProxy(s3_endpoint)
-    tier = ColdTier(tmp_path, proxy, s3_endpoint, s3_bucket)
-    try:
-        yield tier
-    finally:
-        proxy.close()  # drops stalled requests; from now on connections are refused
-        for migrator in tier.migrators():
-            migrator.wait(HANG)
+    def close(self) -> None:
+        self.proxy.close()
 
 
-def load_hot(hot: str, step: int) -> dict[str, torch.Tensor]:
-    target = blank()
-    dcp.load(target, storage_reader=TieredReader(hot, step=step))
-    return target
+class TestS3ColdDown(ColdTierContract):
+    stall_fails_fast = True
 
-
-def load_cold_alone(cold: ColdTier, step: int) -> dict[str, torch.Tensor]:
-    target = blank()
-    dcp.load(
-        target,
-        storage_reader=TieredReader(
-            None, cold.url, step=step, cold_options=cold.options(through_proxy=False)
-        ),
-    )
-    return target
-
-
-def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert got.keys() == want.keys()
-    for key in want:
-        assert torch.equal(got[key], want[key]), key
-
-
-def assert_committed_hot(cold: ColdTier, steps: list[int], *, kept: list[int] | None = None) -> None:
-    """``steps`` are committed on hot and load bit-exact from it; ``kept``: those that must
-    still be there (hot pruning may already have removed the others, once migrated)."""
-    on_hot = [c.step for c in list_checkpoints(cold.hot)]
-    assert set(kept if kept is not None else steps) <= set(on_hot) <= set(steps), on_hot
-    for step in on_hot:
-        assert step is not None
-        assert_same(load_hot(cold.hot, step), state_for(step))
-
-
-def assert_migration(cold: ColdTier, mode: str, steps: list[int]) -> None:
-    """Healthy: migrated. Down: failed, visibly; then lifted, migrate_pending finishes it."""
-    cold.drain()
-    statuses = [s for m in cold.migrators() for s in m.status()]
-    names = {layout.default_name(step) for step in steps}
-    assert {s.name for s in statuses} == names
-    direct = cold.direct()
-    if mode == "healthy":
-        assert all(s.state is MigrationState.COMMITTED for s in statuses), statuses
-    else:
-        assert all(s.state is MigrationState.FAILED and s.error for s in statuses), statuses
-        assert all(direct.find_manifest(name) is None for name in names)
-        cold.proxy.mode = "healthy"
-        finished = returns(
-            lambda: migrate_pending(cold.hot, cold.url, cold_options=cold.options()), "migrate_pending"
-        )
-        assert sorted(s.name for s in finished) == sorted(names)
-        assert all(s.state is MigrationState.COMMITTED for s in finished), finished
-    for step in steps:
-        assert direct.find_manifest(layout.default_name(step)) is not None
-        assert_same(load_cold_alone(cold, step), state_for(step))
-
-
-def writer(cold: ColdTier, step: int) -> TieredWriter:
-    return TieredWriter(cold.hot, cold.url, step=step, cold_options=cold.options(), migration=FAST_MIGRATION)
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_save_commits_on_hot_whatever_the_cold_tier_does(cold: ColdTier, mode: str) -> None:
-    cold.proxy.mode = mode
-    returns(lambda: dcp.save(state_for(1), storage_writer=writer(cold, 1)), "dcp.save")
-    assert Tier("hot", cold.hot).find_manifest(layout.default_name(1)) is not None
-    assert_committed_hot(cold, [1])
-    assert_migration(cold, mode, [1])
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_async_save_commits_on_hot_whatever_the_cold_tier_does(cold: ColdTier, mode: str) -> None:
-    cold.proxy.mode = mode
-    returns(
-        lambda: dcp.async_save(state_for(2), storage_writer=writer(cold, 2)).result(),
-        "dcp.async_save(...).result()",
-    )
-    assert_committed_hot(cold, [2])
-    assert_migration(cold, mode, [2])
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_manager_saves_every_step_and_reports_the_cold_tier(cold: ColdTier, mode: str) -> None:
-    cold.proxy.mode = mode
-    manager = returns(
-        lambda: CheckpointManager(
-            cold.hot, cold.url, save_every=1, cold_options=cold.options(), migration=FAST_MIGRATION
-        ),
-        "CheckpointManager()",
-    )
-
-    def train() -> None:
-        for step in (1, 2, 3):
-            manager.save(step, state_for(step))
-        manager.wait(migrations=False)
-
-    returns(train, "CheckpointManager.save x3 + wait(migrations=False)")
-    # The hot policy keeps the last 2; a checkpoint the cold tier never confirmed is kept
-    # too, so with the cold tier down all three stay.
-    assert_committed_hot(cold, [1, 2, 3], kept=[2, 3] if mode == "healthy" else [1, 2, 3])
-    cold.drain()
-    health = manager.health()  # where training looks: the failures are there, not silent
-    assert (health.saves_ok, health.saves_failed, health.last_saved_step) == (3, 0, 3), health
-    assert health.last_error is None and health.migrations_pending == 0, health
-    if mode == "healthy":
-        assert health.ok and not health.migrations_failed, health
-    else:
-        assert not health.ok, health
-        assert sorted(s.step or 0 for s in health.migrations_failed) == [1, 2, 3], health
-        assert all(s.error for s in health.migrations_failed), health
-    assert_migration(cold, mode, [1, 2, 3])
-    returns(manager.close, "CheckpointManager.close()")
-
-
-@pytest.mark.parametrize("mode", ("stall", "refuse"))
-def test_building_writer_and_manager_never_touches_the_cold_tier(cold: ColdTier, mode: str) -> None:
-    cold.proxy.mode = mode
-    built = returns(lambda: writer(cold, 1), "TieredWriter()")
-    assert built.cold is not None
-    returns(
-        lambda: CheckpointManager(cold.hot, cold.url, cold_options=cold.options(), migration=FAST_MIGRATION),
-        "CheckpointManager()",
-    )
-    assert cold.proxy.seen() == []  # not a single request reached the cold tier
+    @pytest.fixture
+    def proxied_cold(self, tmp_path: Path, s3_endpoint: str, s3_bucket: str) -> Iterator[S3ProxiedCold]:
+        cold = S3ProxiedCold(str(tmp_path / "hot"), FaultProxy(s3_endpoint), s3_endpoint, s3_bucket)
+        yield cold
+        cold.close()
 
 
 def test_fault_proxy_modes_do_what_they_say(s3_endpoint: str, s3_bucket: str) -> None:
     """The proxy itself: without this, a mode that silently forwarded would make the tests
     above pass for the wrong reason."""
+    assert MODES == COLD_MODES  # the contract's modes are the proxy's
     boto3 = pytest.importorskip("boto3")
     from botocore.config import Config
     from botocore.exceptions import ClientError, EndpointConnectionError, ReadTimeoutError
@@ -279,44 +118,3 @@ def test_fault_proxy_modes_do_what_they_say(s3_endpoint: str, s3_bucket: str) ->
         assert not waiter.is_alive() and "error" in box, box
     finally:
         proxy.close()
-
-
-# -- issue 12: a second migrator never undoes the first ---------------------------------------
-
-
-def _upload_as_a_racing_migrator(
-    migrator: Migrator, job: Any, entry: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Upload ``entry`` as a second migrator that looked before the first one wrote (so it
-    found no verified copy) would."""
-    import tierstore.tiers.migrator as migrator_mod
-
-    with monkeypatch.context() as patch:
-        patch.setattr(migrator_mod, "verified_copy", lambda *a, **k: None)
-        migrator._upload_file(job, entry, {})
-
-
-def test_a_throttled_second_migrator_never_deletes_a_committed_object(
-    cold: ColdTier, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import tierstore.tiers.migrator as migrator_mod
-
-    dcp.save(state_for(1), storage_writer=TieredWriter(cold.hot, step=1))
-    done = migrate_pending(
-        cold.hot, cold.url, cold_options=cold.options(through_proxy=False), config=FAST_MIGRATION
-    )
-    assert done[0].state is MigrationState.COMMITTED
-    manifest = Tier("hot", cold.hot).find_manifest("step-0000000001")
-    assert manifest is not None
-    cold.proxy.add("slowdown", method="PUT", times=10_000)  # every upload: 503 SlowDown
-    cold.proxy.add("slowdown", method="POST", times=10_000)
-    second = Migrator(Tier("hot", cold.hot), Tier("cold", cold.url, cold.options()), FAST_MIGRATION)
-    try:
-        for entry in manifest.files:
-            job = Job(manifest.name, manifest.attempt, manifest.step, entry.rank, (entry,), 0.0)
-            # Before: each retry deleted the key first, so the committed object was gone.
-            with pytest.raises(migrator_mod._Failed):
-                _upload_as_a_racing_migrator(second, job, entry, monkeypatch)
-    finally:
-        second.close()
-    assert_same(load_cold_alone(cold, 1), state_for(1))
