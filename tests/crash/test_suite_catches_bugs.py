@@ -21,12 +21,15 @@ wrapping one public method, never by copying product code:
 from __future__ import annotations
 
 import inspect
+import re
+import traceback
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
+from hypothesis.errors import FlakyFailure
 from hypothesis.stateful import INVARIANT_MARKER, rule, run_state_machine_as_test
 from machine import CrashConsistency
 from stats import STATS
@@ -78,15 +81,27 @@ def deleting_before_every_write(
 
 def expect_caught(machine: Any, match: str, config: settings) -> None:
     """Run ``machine``: one of its invariant checks must fail, not a rule or the harness
-    (and the failure counts as an expected catch, not a violation of the product)."""
+    (and the failure counts as an expected catch, not a violation of the product).
+
+    A crash point is drawn as a number and mapped onto the fault points the traced run
+    passed, and how many a run passes can vary with timing (a migrator polling for marks
+    under load). So a catch may not replay: hypothesis then raises ``FlakyFailure`` around
+    the invariant's ``AssertionError``, and that is a catch as well.
+    """
     invariants = {name for name, fn in inspect.getmembers(machine) if getattr(fn, INVARIANT_MARKER, None)}
     violations_before = STATS.violations
-    with pytest.raises(AssertionError, match=match) as caught:
+    with pytest.raises((AssertionError, FlakyFailure)) as caught:
         run_state_machine_as_test(machine, settings=config)
-    failed_in = {entry.name for entry in caught.traceback}
     STATS.violations = violations_before
     STATS.messages.clear()
-    assert failed_in & invariants, f"failed outside the invariants {sorted(invariants)}: {caught.value}"
+    error: BaseException = caught.value
+    if isinstance(error, FlakyFailure):
+        first = [e for e in error.exceptions if isinstance(e, AssertionError)]
+        assert first, f"the flaky failure holds no AssertionError: {error.exceptions!r}"
+        error = first[0]
+    assert re.search(match, str(error)), f"caught {error!r}, not /{match}/"
+    failed_in = {frame.name for frame in traceback.extract_tb(error.__traceback__)}
+    assert failed_in & invariants, f"failed outside the invariants {sorted(invariants)}: {error}"
 
 
 def test_state_machine_catches_manifest_published_before_data(monkeypatch) -> None:
@@ -96,7 +111,7 @@ def test_state_machine_catches_manifest_published_before_data(monkeypatch) -> No
         CrashConsistency,
         "does not load|vanished",
         settings(
-            max_examples=80,
+            max_examples=600,  # caught by example 32-160 alone; the points a run passes vary with load
             stateful_step_count=8,
             phases=[Phase.generate],
             derandomize=True,
@@ -114,6 +129,7 @@ class TwoMigrators(MultiActor):
     worlds = (1,)
 
     save_alone = interleave = damage_an_upload_mark = migrate_once_the_faults_stop = None  # type: ignore[assignment]
+    replace_an_uploaded_object = None  # type: ignore[assignment]
 
 
 def test_multi_actor_machine_catches_a_retry_deleting_a_committed_object(

@@ -2,7 +2,7 @@
 
 Kept apart from :mod:`tierstore.cli` (the commands) (what each command does) so that ``tierstore --help``
 reads as one document here, and docs/operations.md ("Command reference") is checked against
-it by tests/test_cli_usability.py.
+it by tests/cli/test_cli_usability.py.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ _DCP = "torch.distributed.checkpoint.metadata"
 #: Every global DCP metadata may name: its dataclasses and enum, the storage info our writer
 #: (``RawItem``, or ``_StorageInfo`` in the dcp encoding) and FileSystemWriter record, and
 #: plain constructors. Checked on real saves of every dtype,
-#: FSDP2/DTensor state with optimizer, and BYTE_IO items (tests/test_safe_pickle.py).
+#: FSDP2/DTensor state with optimizer, and BYTE_IO items (tests/format/test_safe_pickle.py).
 ALLOWED: frozenset[tuple[str, str]] = frozenset(
     {
         (_DCP, "Metadata"),
