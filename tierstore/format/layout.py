@@ -17,7 +17,7 @@ A store root (one per tier) looks like::
     uploads/<name>/<attempt>/rank-<rank>.failed.json   a rank's failed upload (cold tier only)
     leases/<name>/<lease>.json                  "in use by a load" marks
     runs/<run>/<beat>.json                      hot tier: "a job is saving here" (run locks,
-                                                tierstore.lifecycle.runlock; gc leaves them)
+                                                tierstore.tiers.runlock; gc leaves them)
     migrated/<name>/<attempt>/<store-id>.json   hot tier: "committed in the cold tier whose
                                                 identity is <store-id>" (survives a cold prune)
     quarantine/<name>/<attempt>.json            a checkpoint a verified load proved damaged,
@@ -41,7 +41,7 @@ power of ten, so ``r012/`` holds ranks 12000-12999 at 1,000 per directory): file
 down on directories of hundreds of thousands of entries. The manifest records the relative
 path as always, so nothing that reads a checkpoint needs to know.
 
-Parts of a two-level manifest (:mod:`tierstore.commit.manifest_format`) live with the
+Parts of a two-level manifest (:mod:`tierstore.format.manifest_format`) live with the
 attempt's files, so they are data of the attempt to gc and prune: kept while the attempt's
 manifest names them, deleted with it.
 
