@@ -256,7 +256,7 @@ def verify_resume(
     if record_dir is not None:
         Path(record_dir).mkdir(parents=True, exist_ok=True)
         Path(record_dir, f"rank-{rank}.json").write_text(json.dumps(live))
-    spec = _fresh_spec(spec_name, chosen, store, node_local, timeout)
+    spec = _fresh_spec(spec_name, chosen, store, store.node_local, timeout)
     addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
     with tempfile.TemporaryDirectory(prefix="tierstore-verify-") as tmp:
         local_rank = int(os.environ.get("LOCAL_RANK", rank))  # the same device as this rank
