@@ -77,10 +77,9 @@ soak: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/python -m pip install -q mypy ruff import-linter
-	$(BIN)/ruff check tierstore tests backends examples benchmarks scripts conftest.py
-	$(BIN)/ruff format --check tierstore tests backends examples benchmarks scripts conftest.py
+	$(BIN)/ruff check tierstore tests backends examples benchmarks conftest.py
+	$(BIN)/ruff format --check tierstore tests backends examples benchmarks conftest.py
 	$(BIN)/lint-imports
-	$(BIN)/python scripts/import_cycles.py --lazy
 	$(BIN)/mypy
 	$(BIN)/mypy --strict --ignore-missing-imports backends/s3/tierstore_s3 backends/gcs/tierstore_gcs
 
