@@ -195,6 +195,14 @@ class TestFsspecFileContract(BackendContract):
 
         return open_backend(f"fsspec+file://{tmp_path}/root")
 
+    @pytest.mark.xfail(
+        strict=True,
+        reason="documented (tierstore/storage/fsspec_backend.py): fsspec's exclusive create on "
+        "a local filesystem shows a reader the object while it is being written",
+    )
+    def test_a_small_read_meets_a_delete_as_not_found(self, backend) -> None:
+        super().test_a_small_read_meets_a_delete_as_not_found(backend)
+
 
 def test_memory_store_is_shared_by_name_and_survives_backends() -> None:
     from tierstore.storage.memory import MemoryBackend

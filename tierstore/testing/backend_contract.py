@@ -8,6 +8,7 @@ from __future__ import annotations
 import array
 import os
 import threading
+import time
 import tracemalloc
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -132,6 +133,43 @@ class BackendContract:
         partial = [s for s in seen if not isinstance(s, int)]
         assert partial == [], f"{len(partial)} reads saw no whole version, e.g. {partial[:5]}"
         assert backend.read_bytes("cr/k") == versions[2]
+
+    def test_a_small_read_meets_a_delete_as_not_found(self, backend: Backend) -> None:
+        """``read_bytes`` (marks, manifests, leases) reads one version whole: while another
+        actor deletes and re-publishes the key, a read gives a whole version or
+        :class:`ObjectNotFound`, never a read error. Callers act on "not found" (a mark or
+        manifest removed since it was listed); a migrator that met a stat-then-read race
+        here failed a migration another migrator had just committed."""
+        versions = [bytes([65 + s]) * (700 * (s + 1)) for s in range(3)]
+        backend.publish("sr/k", versions[0])
+        done = threading.Event()
+        churned = [0]
+
+        def churn() -> None:
+            while not done.is_set():
+                backend.delete("sr/k")
+                churned[0] += 1
+                backend.publish("sr/k", versions[churned[0] % 3])
+
+        seen: list[Any] = []
+        churner = threading.Thread(target=churn)
+        churner.start()
+        deadline = time.monotonic() + 60
+        try:  # read on until the key was replaced often enough to meet the reads
+            while (len(seen) < 150 or churned[0] < 30) and time.monotonic() < deadline:
+                time.sleep(0)  # let the churner run between reads (the GIL)
+                try:
+                    data = backend.read_bytes("sr/k", limit=1 << 20)
+                except ObjectNotFound:
+                    seen.append("gone")
+                    continue
+                seen.append(versions.index(data) if data in versions else f"{len(data)} bytes")
+        finally:
+            done.set()
+            churner.join()
+        odd = [s for s in seen if s != "gone" and not isinstance(s, int)]
+        assert odd == [], f"{len(odd)} reads saw no whole version, e.g. {odd[:5]}"
+        assert churned[0] >= 30, "the key was hardly replaced: the test proved nothing"
 
     def test_read_after_write_is_visible_everywhere(self, backend: Backend) -> None:
         with backend.open_write("raw/one") as out:

@@ -22,6 +22,7 @@ from tierstore.errors import (
     ChecksumMismatch,
     ConfigError,
     ObjectNotFound,
+    ObjectTooLarge,
     PublishConflict,
     StorageError,
     TierstoreError,
@@ -253,7 +254,22 @@ class GCSBackend(Backend):
             )
         )
 
-    def _get_range_once(self, key: str, offset: int, length: int) -> bytes:
+    def read_bytes(self, key: str, *, limit: int | None = None) -> bytes:
+        """One GET, of the first ``limit`` + 1 bytes with a limit: one version read whole,
+        with no metadata request before it. A stat, then a GET pinned to the generation it
+        saw, let a delete in between turn "no such object" (what a caller acts on: a mark
+        or manifest removed since it was listed) into a read error; one GET reads either
+        the object as it is or nothing."""
+        self._name(key)
+        wanted = None if limit is None else limit + 1
+        data = self._retrying("read", key, lambda: self._get_range_once(key, 0, wanted))
+        if limit is not None and len(data) > limit:
+            raise ObjectTooLarge(f"object larger than {limit} bytes", key=key, tier=self.label)
+        return data
+
+    def _get_range_once(self, key: str, offset: int, length: int | None) -> bytes:
+        """``length`` bytes from ``offset`` (``None``: the whole object, no range asked)."""
+        headers = {} if length is None else {"Range": f"bytes={offset}-{offset + length - 1}"}
         response = self._request(
             "read",
             key,
@@ -261,11 +277,13 @@ class GCSBackend(Backend):
             self._object_url(self._name(key)),
             ok=(200, 206, 416),
             params={"alt": "media"},
-            headers={"Range": f"bytes={offset}-{offset + length - 1}"},
+            headers=headers,
         )
         if response.status == 416:  # the range starts past the end of the object
             return b""
         body = bytes(response.body)
+        if length is None:
+            return body
         if response.status == 200:  # the whole object: a server that ignored the range
             return body[offset : offset + length]
         sent = response.headers.get("Content-Range", "")  # "bytes <first>-<last>/<size>"

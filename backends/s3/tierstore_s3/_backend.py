@@ -24,6 +24,7 @@ from fsspec.asyn import sync
 from tierstore.errors import (
     ConfigError,
     ObjectNotFound,
+    ObjectTooLarge,
     PublishConflict,
     StorageError,
     TransientStorageError,
@@ -247,7 +248,21 @@ class S3Backend(Backend):
         )
         return io.BytesIO(data)
 
-    def _get_range(self, key: str, full: str, offset: int, length: int) -> bytes:
+    def read_bytes(self, key: str, *, limit: int | None = None) -> bytes:
+        """One GetObject, of the first ``limit`` + 1 bytes with a limit: one version read
+        whole, with no HeadObject before it. A head, then a GET pinned to the ETag it saw,
+        let a delete in between turn "no such object" (what a caller acts on: a mark or
+        manifest removed since it was listed) into a read error; one GET reads either the
+        object as it is or nothing."""
+        full = self.full_key(key)
+        wanted = None if limit is None else limit + 1
+        data = self.retrying("read", key, lambda: self._get_range(key, full, 0, wanted))
+        if limit is not None and len(data) > limit:
+            raise ObjectTooLarge(f"object larger than {limit} bytes", key=key, tier=self.label)
+        return data
+
+    def _get_range(self, key: str, full: str, offset: int, length: int | None) -> bytes:
+        """``length`` bytes from ``offset`` (``None``: the whole object, no range asked)."""
         try:
             return bytes(sync(self._fs.loop, self._fetch_range, key, full, offset, length))
         except Exception as err:
@@ -258,12 +273,15 @@ class S3Backend(Backend):
                 raise
             raise failure from err
 
-    async def _fetch_range(self, key: str, full: str, offset: int, length: int) -> bytes:
-        answer = await self._fs._call_s3(
-            "get_object", Bucket=self.bucket, Key=full, Range=f"bytes={offset}-{offset + length - 1}"
-        )
+    async def _fetch_range(self, key: str, full: str, offset: int, length: int | None) -> bytes:
+        ranged = {} if length is None else {"Range": f"bytes={offset}-{offset + length - 1}"}
+        answer = await self._fs._call_s3("get_object", Bucket=self.bucket, Key=full, **ranged)
         async with answer["Body"] as body:
             data: bytes = await body.read()
+        if length is None and answer.get("ContentLength") not in (None, len(data)):
+            raise TransientStorageError(
+                f"read: got {len(data)} of {answer['ContentLength']} bytes", key=key, tier=self.label
+            )
         # "bytes <first>-<last>/<size>": the server's word on how many bytes it meant to send
         sent = str(answer.get("ContentRange") or "")
         first, _, last = sent.partition(" ")[2].partition("/")[0].partition("-")
