@@ -49,6 +49,10 @@ Op = Callable[[str, str, int], Any]  # (hot, cold, rank) -> result
 
 
 class CrashConsistency(RuleBasedStateMachine):
+    # A fault point to crash at whenever the victim's trace passes it, instead of the point
+    # drawn (the draw is still made, so examples keep their shape). None: every crash drawn.
+    aim: str | None = None
+
     def __init__(self) -> None:
         super().__init__()
         self.root = Path(tempfile.mkdtemp(prefix="tierstore-crash-"))
@@ -102,6 +106,8 @@ class CrashConsistency(RuleBasedStateMachine):
         # operation (small draws, which hypothesis favours, alone would mostly hit the first).
         pick = data.draw(st.one_of(st.none(), st.integers(0, 1 << 31)), label="crash at point")
         crash = None if pick is None or not passed else 1 + pick % passed
+        if self.aim is not None and self.aim in traced.points[victim]:
+            crash = 1 + traced.points[victim].index(self.aim)
         outcome = forking.run(
             lambda rank: op(self.hot, self.cold, rank), world=world, crash_at=crash, victim=victim
         )
