@@ -17,17 +17,8 @@ from io import BufferedIOBase
 from urllib.parse import urlparse
 
 from benchmarks.infra.servers import serve_until_stdin_closes
+from tierstore.testing.server_modes import HOP_BY_HOP
 
-_HOP_BY_HOP = {
-    "connection",
-    "keep-alive",
-    "expect",
-    "transfer-encoding",
-    "proxy-connection",
-    "te",
-    "trailer",
-    "upgrade",
-}
 _CHUNK = 1 << 20
 
 
@@ -60,7 +51,7 @@ def make_handler(upstream: tuple[str, int], delay: float) -> type[BaseHTTPReques
 
         def _serve(self) -> None:
             body = self._body()
-            headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
+            headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP}
             if body or self.command in ("PUT", "POST"):
                 headers["Content-Length"] = str(len(body))
             time.sleep(delay)  # the added latency of this request
@@ -90,7 +81,7 @@ def make_handler(upstream: tuple[str, int], delay: float) -> type[BaseHTTPReques
                 data = answer.read()  # chunked or close-delimited: buffer it
             self.send_response(answer.status, answer.reason)
             for name, value in answer.getheaders():
-                if name.lower() not in _HOP_BY_HOP and name.lower() != "content-length":
+                if name.lower() not in HOP_BY_HOP and name.lower() != "content-length":
                     self.send_header(name, value)
             if self.command == "HEAD":
                 if length is not None:

@@ -14,15 +14,9 @@ Every request is logged as ``(method, path, action)`` for the tests to inspect, 
 ``Authorization`` header seen is kept (tests check credentials were really sent).
 
 A whole-server ``mode`` (``proxy.mode = "stall"``, switchable at any time) stands for a
-storage service that is down, and takes precedence over the rules:
-
-* ``healthy``: rules apply, everything else is forwarded;
-* ``refuse``: nothing listens on the port (connections are refused); the port stays held
-  by a bound, non-listening socket so that ``healthy`` can listen on it again, and open
-  keep-alive connections are dropped;
-* ``stall``: requests are read and never answered, until the mode changes or the proxy
-  stops; the connection is then dropped unanswered, so no client thread stays stuck;
-* ``deny_writes``: POST, PUT, PATCH and DELETE get GCS's 403 JSON error, reads are forwarded.
+storage service that is down, and takes precedence over the rules: ``healthy`` (rules
+apply), ``refuse``, ``stall`` and ``deny_writes`` (writes get GCS's 403 JSON error), as
+:mod:`tierstore.testing.server_modes` defines them for every backend's proxy.
 """
 
 from __future__ import annotations
@@ -32,14 +26,16 @@ import json
 import socket
 import threading
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import urlparse
 
+from tierstore.testing.server_modes import MODES, ServerModes
+
+__all__ = ["MODES", "FaultProxy", "Rule"]
+
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host"}
 _WRONG_CRC = "AAAAAA=="  # CRC32C 0, which no non-empty test payload has
-MODES = ("healthy", "refuse", "stall", "deny_writes")
-_WRITES = ("POST", "PUT", "PATCH", "DELETE")
 # What GCS answers a caller without storage.objects.create (or .delete) permission.
 _DENIED = {
     "error": {
@@ -71,7 +67,9 @@ class Rule:
         return (self.method in (None, method)) and self.match in path
 
 
-class FaultProxy:
+class FaultProxy(ServerModes):
+    poll_interval = 0.02
+
     def __init__(self, target: str) -> None:
         parsed = urlparse(target)
         self.target = target.rstrip("/")
@@ -80,90 +78,22 @@ class FaultProxy:
         self.authorizations: set[str] = set()  # Authorization headers seen
         self._rules: list[Rule] = []
         self._lock = threading.Lock()
-        self._mode = "healthy"
-        self._mode_lock = threading.Lock()
-        self._released = threading.Event()  # set: stalled requests let go
-        self._connections: set[socket.socket] = set()
-        self._hold: socket.socket | None = None  # keeps the port while refusing
-        self._server: ThreadingHTTPServer | None = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(self))
-        self._server.daemon_threads = True
-        self._port = int(self._server.server_address[1])
-        self.url = f"http://127.0.0.1:{self._port}"
+        super().__init__()
 
     def start(self) -> FaultProxy:
-        assert self._server is not None
-        threading.Thread(target=self._server.serve_forever, args=(0.02,), daemon=True).start()
+        """Serving already (kept so that fixtures read ``FaultProxy(url).start()``)."""
         return self
 
     def stop(self) -> None:
         """Stop serving; stalled requests and open connections are dropped."""
-        with self._mode_lock:
-            self._released.set()
-            self._close_server()
-            if self._hold is not None:
-                self._hold.close()
-                self._hold = None
-            self._drop_connections()
+        self.close()
 
-    @property
-    def mode(self) -> str:
-        return self._mode
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        return _handler_for(self)
 
-    @mode.setter
-    def mode(self, mode: str) -> None:
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}; one of {MODES}")
-        with self._mode_lock:
-            previous, self._mode = self._mode, mode
-            if previous == mode:
-                return
-            self._released.set()  # stalled requests leave with the stall
-            self._released = threading.Event()
-            if mode == "refuse":
-                self._close_server()
-                # Bound but not listening: a connect is answered RST (refused), and no one
-                # else can take the port before ``healthy`` listens on it again.
-                self._hold = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                self._hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                self._hold.bind(("127.0.0.1", self._port))
-                self._drop_connections()
-            elif previous == "refuse":
-                if self._hold is not None:
-                    self._hold.close()
-                    self._hold = None
-                self._server = ThreadingHTTPServer(("127.0.0.1", self._port), _handler_for(self))
-                self._server.daemon_threads = True
-                self.start()
-
-    def _close_server(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-
-    def _drop_connections(self) -> None:
+    def _record(self, method: str, path: str, fault: str) -> None:
         with self._lock:
-            connections = list(self._connections)
-        for conn in connections:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass  # already gone
-
-    def stall(self) -> None:
-        """Hold a request unanswered until the stall ends (mode change or stop)."""
-        self._released.wait()
-
-    def down(self, method: str, path: str) -> str | None:
-        """The whole-server fault this request meets, logged as its action."""
-        mode = self._mode
-        fault = None
-        if mode in ("refuse", "stall") or (mode == "deny_writes" and method in _WRITES):
-            fault = mode
-        if fault is not None:
-            with self._lock:
-                self.log.append((method, path, fault))
-        return fault
+            self.log.append((method, path, fault))
 
     def inject(
         self, action: int | str, *, method: str | None = None, match: str = "", skip: int = 0, times: int = 1
@@ -244,20 +174,18 @@ def _handler_for(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
 
         def setup(self) -> None:
             super().setup()
-            with proxy._lock:
-                proxy._connections.add(self.connection)
+            proxy._track(self.connection)
 
         def finish(self) -> None:
-            with proxy._lock:
-                proxy._connections.discard(self.connection)
+            proxy._untrack(self.connection)
             super().finish()
 
         def _proxy(self) -> None:
             length = int(self.headers.get("Content-Length") or 0)
             body = self.rfile.read(length) if length else b""
-            fault = proxy.down(self.command, self.path)
+            fault = proxy._down(self.command, self.path)
             if fault == "stall":
-                proxy.stall()
+                proxy._stall()
             if fault in ("refuse", "stall"):  # a stall ends unanswered, as on a restart
                 self.close_connection = True
                 try:

@@ -20,15 +20,9 @@ matching requests:
 ``before`` runs when a rule fires, before its action (e.g. to let a rival write first).
 
 A whole-server ``mode`` (``proxy.mode = "stall"``, switchable at any time) stands for a
-cold tier that is down, and takes precedence over the rules:
-
-* ``healthy``: rules apply, everything else is forwarded;
-* ``refuse``: nothing listens on the port (connections are refused); the port stays held
-  by a bound, non-listening socket so that ``healthy`` can listen on it again, and open
-  keep-alive connections are dropped;
-* ``stall``: requests are read and never answered, until the mode changes or the proxy
-  closes; the connection is then dropped unanswered, so no client thread stays stuck;
-* ``deny_writes``: PUT, POST and DELETE get 403 AccessDenied, reads are forwarded.
+cold tier that is down, and takes precedence over the rules: ``healthy`` (rules apply),
+``refuse``, ``stall`` and ``deny_writes`` (writes get 403 AccessDenied), as
+:mod:`tierstore.testing.server_modes` defines them for every backend's proxy.
 
 ``python s3_fault_proxy.py UPSTREAM [MODE]`` serves in its own process (the benchmarks
 use it so): it prints its URL and runs until its standard input closes.
@@ -44,13 +38,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from urllib.parse import urlparse
+
+from tierstore.testing.server_modes import HOP_BY_HOP, MODES, ServerModes
 
 __all__ = ["FaultProxy", "Rule", "MODES"]
 
-MODES = ("healthy", "refuse", "stall", "deny_writes")
-_WRITES = ("PUT", "POST", "DELETE")
 
 _ERRORS = {
     "slowdown": (503, "SlowDown", "Please reduce your request rate."),
@@ -59,16 +53,6 @@ _ERRORS = {
     "timeout": (400, "RequestTimeout", "Your socket connection to the server was not read."),
     "bad_digest": (400, "BadDigest", "The CRC32C you specified did not match the calculated."),
     "deny": (403, "AccessDenied", "Access Denied"),
-}
-_HOP_BY_HOP = {
-    "connection",
-    "keep-alive",
-    "expect",
-    "transfer-encoding",
-    "proxy-connection",
-    "te",
-    "trailer",
-    "upgrade",
 }
 
 
@@ -109,74 +93,19 @@ class _State:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-class FaultProxy:
+class FaultProxy(ServerModes):
     """Forwards to ``upstream`` (moto) on ``self.url``; see the module docstring."""
 
     def __init__(self, upstream: str, mode: str = "healthy") -> None:
         parsed = urlparse(upstream)
         self._upstream = (parsed.hostname or "127.0.0.1", parsed.port or 80)
         self._state = _State()
-        self._mode = "healthy"
-        self._mode_lock = threading.Lock()
-        self._released = threading.Event()  # set: stalled requests let go
-        self._connections: set[socket.socket] = set()
-        self._hold: socket.socket | None = None  # keeps the port while refusing
-        self._server: ThreadingHTTPServer | None = None
-        self._address = ("127.0.0.1", 0)
-        self._serve()
-        self.url = f"http://{self._address[0]}:{self._address[1]}"
+        super().__init__()
         self.mode = mode
 
-    @property
-    def mode(self) -> str:
-        return self._mode
-
-    @mode.setter
-    def mode(self, mode: str) -> None:
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}; one of {MODES}")
-        with self._mode_lock:
-            previous, self._mode = self._mode, mode
-            if previous == mode:
-                return
-            self._released.set()  # stalled requests leave with the stall
-            self._released = threading.Event()
-            if mode == "refuse":
-                self._refuse()
-            elif previous == "refuse":
-                self._serve()
-
-    def _serve(self) -> None:
-        if self._hold is not None:
-            self._hold.close()
-            self._hold = None
-        # ThreadingHTTPServer binds with SO_REUSEADDR: the port just released is taken again.
-        self._server = ThreadingHTTPServer(self._address, self._handler())
-        self._server.daemon_threads = True
-        self._address = self._server.server_address[:2]  # type: ignore[assignment]
-        threading.Thread(target=self._server.serve_forever, args=(0.05,), daemon=True).start()
-
-    def _refuse(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-        # Bound but not listening: a connect is answered RST (refused), and no one else
-        # can take the port before ``healthy`` listens on it again.
-        hold = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        hold.bind(self._address)
-        self._hold = hold
-        self._drop_connections()
-
-    def _drop_connections(self) -> None:
+    def _record(self, method: str, path: str, fault: str) -> None:
         with self._state.lock:
-            connections = list(self._connections)
-        for conn in connections:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass  # already gone
+            self._state.seen.append(Seen(method, path, fault))
 
     def add(
         self,
@@ -210,34 +139,6 @@ class FaultProxy:
             self._state.seen.clear()
             self._state.peak.clear()
 
-    def close(self) -> None:
-        """Stop serving; stalled requests and open connections are dropped."""
-        with self._mode_lock:
-            self._released.set()
-            if self._server is not None:
-                self._server.shutdown()
-                self._server.server_close()
-                self._server = None
-            if self._hold is not None:
-                self._hold.close()
-                self._hold = None
-            self._drop_connections()
-
-    def _stall(self) -> None:
-        """Hold a request unanswered until the stall ends (mode change or close)."""
-        self._released.wait()
-
-    def _down(self, method: str, path: str) -> str | None:
-        """The whole-server fault this request meets, recorded as its action."""
-        mode = self._mode
-        fault = None
-        if mode in ("refuse", "stall") or (mode == "deny_writes" and method in _WRITES):
-            fault = mode
-        if fault is not None:
-            with self._state.lock:
-                self._state.seen.append(Seen(method, path, fault))
-        return fault
-
     def _match(self, method: str, path: str) -> tuple[Rule | None, Seen]:
         with self._state.lock:
             found = next((r for r in self._state.rules if r.matches(method, path)), None)
@@ -247,7 +148,7 @@ class FaultProxy:
             self._state.seen.append(seen)
             return found, seen
 
-    def _track(self, kind: str, step: int) -> None:
+    def _count(self, kind: str, step: int) -> None:
         with self._state.lock:
             now = self._state.in_flight.get(kind, 0) + step
             self._state.in_flight[kind] = now
@@ -264,12 +165,10 @@ class FaultProxy:
 
             def setup(self) -> None:
                 super().setup()
-                with proxy._state.lock:
-                    proxy._connections.add(self.connection)
+                proxy._track(self.connection)
 
             def finish(self) -> None:
-                with proxy._state.lock:
-                    proxy._connections.discard(self.connection)
+                proxy._untrack(self.connection)
                 super().finish()
 
             def _serve(self) -> None:
@@ -315,7 +214,7 @@ class FaultProxy:
                 self.close_connection = True
 
             def _forward(self, rule: Rule | None, seen: Seen, body: bytes) -> None:
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP_BY_HOP}
                 action, path = seen.action, self.path
                 if action == "wrong_checksum":
                     headers = {k: v for k, v in headers.items() if k.lower() != "x-amz-checksum-crc32c"}
@@ -327,13 +226,13 @@ class FaultProxy:
                     headers = {k: v for k, v in headers.items() if k.lower() != "content-length"}
                     headers["Content-Length"] = str(len(body))
                 kind = "part" if "partNumber=" in self.path else self.command
-                proxy._track(kind, 1)
+                proxy._count(kind, 1)
                 try:
                     if rule is not None and rule.delay:
                         time.sleep(rule.delay)
                     status, reason, answer_headers, data = self._upstream(path, headers, body)
                 finally:
-                    proxy._track(kind, -1)
+                    proxy._count(kind, -1)
                 seen.status = status
                 if action == "lose_answer":
                     self._reset()
@@ -356,7 +255,7 @@ class FaultProxy:
                 self.send_response(status, reason)
                 for name, value in headers:
                     lower = name.lower()
-                    if lower in _HOP_BY_HOP or lower in ("date", "server"):
+                    if lower in HOP_BY_HOP or lower in ("date", "server"):
                         continue
                     if lower == "content-length" and self.command != "HEAD":
                         continue
