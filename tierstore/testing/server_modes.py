@@ -14,9 +14,10 @@ they share, so "refuse" and "stall" mean the same thing for every backend:
 * ``deny_writes``: writes (POST, PUT, PATCH, DELETE) meet the backend's permission error,
   reads are forwarded.
 
-A subclass gives the request handler (:meth:`_handler`), which calls :meth:`_down` for the
-fault a request meets, :meth:`_stall` to hold it, and :meth:`_track` / :meth:`_untrack` for
-its connection; :meth:`_record` is told each fault met.
+A subclass gives the request handler (:meth:`_handler`), a :class:`ModesHandler` whose
+:meth:`~ModesHandler._meet_mode` applies the mode before the backend's own rules and
+whose :meth:`~ModesHandler._deny` answers a denied write;
+:meth:`_record` is told each fault met.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-__all__ = ["HOP_BY_HOP", "MODES", "WRITES", "ServerModes"]
+__all__ = ["HOP_BY_HOP", "MODES", "WRITES", "ModesHandler", "ServerModes"]
 
 MODES = ("healthy", "refuse", "stall", "deny_writes")
 WRITES = ("POST", "PUT", "PATCH", "DELETE")
@@ -152,3 +153,48 @@ class ServerModes:
         if fault is not None:
             self._record(method, path, fault)
         return fault
+
+
+class ModesHandler(BaseHTTPRequestHandler):
+    """A request handler of a :class:`ServerModes` proxy (``proxy``, set by the subclass)."""
+
+    protocol_version = "HTTP/1.1"  # keep-alive, and 100-continue as botocore expects
+    proxy: ServerModes
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass  # one line per request on stderr otherwise
+
+    def setup(self) -> None:
+        super().setup()
+        self.proxy._track(self.connection)
+
+    def finish(self) -> None:
+        self.proxy._untrack(self.connection)
+        super().finish()
+
+    def _body(self) -> bytes:
+        length = int(self.headers.get("Content-Length") or 0)
+        return self.rfile.read(length) if length else b""
+
+    def _meet_mode(self) -> bool:
+        """Whether the whole-server mode ended this request: ``refuse`` and ``stall`` (once
+        the stall ends) drop the connection unanswered, as a restarted server does;
+        ``deny_writes`` answers a write with the backend's permission error (:meth:`_deny`)."""
+        fault = self.proxy._down(self.command, self.path)
+        if fault == "stall":
+            self.proxy._stall()
+        if fault in ("refuse", "stall"):
+            self._drop()
+        elif fault == "deny_writes":
+            self._deny()
+        return fault is not None
+
+    def _deny(self) -> None:
+        raise NotImplementedError("a backend's proxy answers in its own protocol")
+
+    def _drop(self) -> None:
+        self.close_connection = True
+        try:
+            self.connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass

@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import http.client
 import json
-import socket
 import threading
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import urlparse
 
-from tierstore.testing.server_modes import MODES, ServerModes
+from tierstore.testing.server_modes import MODES, ModesHandler, ServerModes
 
 __all__ = ["MODES", "FaultProxy", "Rule"]
 
@@ -166,37 +165,10 @@ def _corrupt_crc(data: bytes) -> bytes:
 
 
 def _handler_for(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, format: str, *args: Any) -> None:  # quiet
-            pass
-
-        def setup(self) -> None:
-            super().setup()
-            proxy._track(self.connection)
-
-        def finish(self) -> None:
-            proxy._untrack(self.connection)
-            super().finish()
-
+    class Handler(ModesHandler):
         def _proxy(self) -> None:
-            length = int(self.headers.get("Content-Length") or 0)
-            body = self.rfile.read(length) if length else b""
-            fault = proxy._down(self.command, self.path)
-            if fault == "stall":
-                proxy._stall()
-            if fault in ("refuse", "stall"):  # a stall ends unanswered, as on a restart
-                self.close_connection = True
-                try:
-                    self.connection.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                return
-            if fault == "deny_writes":
-                self._answer(
-                    403, [("Content-Type", "application/json; charset=UTF-8")], json.dumps(_DENIED).encode()
-                )
+            body = self._body()
+            if self._meet_mode():
                 return
             action = proxy.decide(self.command, self.path)
             if "Authorization" in self.headers:
@@ -224,6 +196,11 @@ def _handler_for(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
                 data = _corrupt_crc(data)
             self._answer(status, out, data)
 
+        def _deny(self) -> None:
+            self._answer(
+                403, [("Content-Type", "application/json; charset=UTF-8")], json.dumps(_DENIED).encode()
+            )
+
         def _answer(self, status: int, headers: list[tuple[str, str]], data: bytes) -> None:
             self.send_response(status)
             for name, value in headers:
@@ -234,4 +211,5 @@ def _handler_for(proxy: FaultProxy) -> type[BaseHTTPRequestHandler]:
 
         do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = _proxy
 
+    Handler.proxy = proxy
     return Handler

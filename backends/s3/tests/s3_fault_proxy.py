@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler
 from urllib.parse import urlparse
 
-from tierstore.testing.server_modes import HOP_BY_HOP, MODES, ServerModes
+from tierstore.testing.server_modes import HOP_BY_HOP, MODES, ModesHandler, ServerModes
 
 __all__ = ["FaultProxy", "Rule", "MODES"]
 
@@ -157,31 +157,10 @@ class FaultProxy(ServerModes):
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         proxy = self
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"  # keep-alive, and 100-continue as botocore expects
-
-            def log_message(self, format: str, *args: object) -> None:
-                pass  # silence: one line per request on stderr otherwise
-
-            def setup(self) -> None:
-                super().setup()
-                proxy._track(self.connection)
-
-            def finish(self) -> None:
-                proxy._untrack(self.connection)
-                super().finish()
-
+        class Handler(ModesHandler):
             def _serve(self) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
-                body = self.rfile.read(length) if length else b""
-                fault = proxy._down(self.command, self.path)
-                if fault == "stall":
-                    proxy._stall()
-                if fault in ("refuse", "stall"):
-                    self._reset()  # a stall ends unanswered, as when the server is restarted
-                    return
-                if fault == "deny_writes":
-                    self._answer_error(*_ERRORS["deny"])
+                body = self._body()
+                if self._meet_mode():
                     return
                 rule, seen = proxy._match(self.command, self.path)
                 if rule is not None and rule.before is not None:
@@ -206,6 +185,12 @@ class FaultProxy(ServerModes):
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(xml)
+
+            def _deny(self) -> None:
+                self._answer_error(*_ERRORS["deny"])
+
+            def _drop(self) -> None:
+                self._reset()  # a stall ends unanswered, as when the server is restarted
 
             def _reset(self) -> None:
                 # SO_LINGER 0: close() sends RST, as a dropped connection looks to clients.
@@ -266,6 +251,7 @@ class FaultProxy(ServerModes):
                 if self.command != "HEAD":
                     self.wfile.write(data)
 
+        Handler.proxy = proxy
         return Handler
 
 
