@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tierstore import TieredWriter, list_checkpoints
+from tierstore import Store, TieredWriter, list_checkpoints
 
 pytest.importorskip("tierstore_s3", reason="the S3 backend is installed by make test")
 
@@ -71,4 +71,4 @@ def test_migrating_1gib_keeps_memory_bounded(
         f"{result['growth'] / MiB:.1f} MiB (bound {bound / MiB:.0f} MiB)"
     )
     assert result["growth"] < bound, f"grew {result['growth'] / MiB:.1f} MiB"
-    assert [c.tiers for c in list_checkpoints(hot, cold)] == [("hot", "cold")]
+    assert [c.tiers for c in list_checkpoints(Store.of(hot, cold))] == [("hot", "cold")]
