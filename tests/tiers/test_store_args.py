@@ -214,7 +214,9 @@ def test_node_local_is_the_stores_and_the_old_keyword_still_says_it(op: Op, node
     assert expected != op.new(Store(hot, cold), **extra)  # node_local changes what the operation does
     assert legacy(op, hot=hot, cold=cold, node_local=True, **extra)[0] == expected
     assert legacy(op, store=Store(hot, cold), node_local=True, **extra)[0] == expected
-    assert legacy(op, store=Store(hot, cold, node_local=True), node_local=False, **extra)[0] == expected
+    result, warning = legacy(op, store=Store(hot, cold, node_local=True), node_local=False, **extra)
+    assert result == expected  # False was the old default: the store says
+    assert "Store.of(store)" in str(warning.message)
 
 
 def test_the_warning_says_what_to_write(saved: tuple[str, str]) -> None:

@@ -96,7 +96,7 @@ def _message(name: str, lead: list[str], positional: bool, used: list[str], old:
     parts = ["hot" if old.keys() - {"node_local"} else "store"]
     parts += ["cold"] if "cold" in old else []
     parts += [f"{k}=..." for k in ("hot_options", "cold_options") if k in old]
-    parts += [f"node_local={old['node_local']!r}"] if "node_local" in old else []
+    parts += ["node_local=True"] if old.get("node_local") else []  # False: as the store says
     of = f"Store.of({', '.join(parts)})"
     call = ", ".join([*lead, of if positional else f"store={of}", "..."])
     return (
