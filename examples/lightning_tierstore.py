@@ -24,7 +24,7 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import fully_shard
 
-from tierstore import list_checkpoints
+from tierstore import Store, list_checkpoints
 from tierstore.integrations.lightning import TierstoreCheckpoint
 
 
@@ -80,7 +80,7 @@ def report(trainer: L.Trainer, args: argparse.Namespace, what: str) -> None:
         return
     print(f"{what}: trained to step {trainer.global_step}")
     hot, cold = str(args.workdir / "hot"), args.cold or str(args.workdir / "cold")
-    for tier, found in (("hot", list_checkpoints(hot)), ("cold", list_checkpoints(None, cold))):
+    for tier, found in (("hot", list_checkpoints(hot)), ("cold", list_checkpoints(Store(cold=cold)))):
         kept = ", ".join(f"step {c.step} (train_loss {c.metrics['train_loss']:.4f})" for c in found)
         print(f"  {tier}: {kept}")
 

@@ -42,6 +42,7 @@ from tierstore import (
     Probe,
     ResumableLoader,
     ResumableSampler,
+    Store,
     TrainingState,
     list_checkpoints,
     optimal_interval,
@@ -272,7 +273,7 @@ def report(args: argparse.Namespace, reference: Path, interrupted: Path) -> bool
             print("\n" + e["summary"])
     print("\ncheckpoints (retention keeps the last 2 in hot, the last 3 in cold):")
     where = {"hot": args.hot, "cold": args.cold}
-    for info in list_checkpoints(args.hot, args.cold):
+    for info in list_checkpoints(Store.of(args.hot, args.cold)):
         paths = "  ".join(f"{t}: {where[t]}" for t in info.tiers)
         print(f"  {info.name}  step {info.step:>3}  {info.size / 2**20:5.1f} MiB  {paths}")
     return identical

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from tierstore import TieredReader, TieredWriter
+from tierstore import Store, TieredReader, TieredWriter
 from tierstore.tiers.status import wait_for_migrations
 
 warnings.filterwarnings("ignore")
@@ -333,7 +333,10 @@ def manager_node_local_resume(spec: dict[str, Any]) -> None:
     )
     again.close(timeout=60)
     dist.barrier()  # the coordinator's close returns once it has committed: then look
-    result = {"first": first, "cold": [c.step for c in list_checkpoints(None, str(blocked / "cold"))]}
+    result = {
+        "first": first,
+        "cold": [c.step for c in list_checkpoints(Store(cold=str(blocked / "cold")))],
+    }
     (out / f"node-local-resume-rank{rank}.json").write_text(json.dumps(result))
 
 

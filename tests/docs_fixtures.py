@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tierstore import Store
+
 ROOT = Path(__file__).resolve().parent.parent
 
 _FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>`{3,}|~{3,})\s*(?P<info>[^`\s]*)")
@@ -258,7 +260,7 @@ def _check_checkpoint(step: int, *, cold: bool) -> Callable[[dict[str, Any], Ctx
 
         assert [c.step for c in list_checkpoints(ctx.hot)] == [step]
         if cold:
-            assert [c.step for c in list_checkpoints(None, ctx.cold)] == [step]
+            assert [c.step for c in list_checkpoints(Store(cold=ctx.cold))] == [step]
 
     return check
 
@@ -317,7 +319,7 @@ SETUPS: dict[tuple[str, int], tuple[str, Setup | None, Check | None]] = {
         _check_checkpoint(7, cold=False),
     ),
     ("docs/migration.md", 1): (
-        "from tierstore import migrate_pending",
+        "from tierstore import Store, migrate_pending",
         lambda ctx: _committed(ctx, cold=False),
         _check_migrated,
     ),
@@ -327,11 +329,11 @@ SETUPS: dict[tuple[str, int], tuple[str, Setup | None, Check | None]] = {
         None,
     ),
     ("docs/migration.md", 3): (
-        "from tierstore import migration_status, wait_for_migrations",
+        "from tierstore import Store, migration_status, wait_for_migrations",
         lambda ctx: _committed(ctx, cold=True),
         None,
     ),
-    ("docs/migration.md", 5): ("from tierstore import restore", _node_replaced, _check_restored),
+    ("docs/migration.md", 5): ("from tierstore import Store, restore", _node_replaced, _check_restored),
     ("docs/operations.md", 2): ("import torch", None, _check_best),
     ("docs/plugins.md", 0): ("import pytest", _plugin, _check_plugin),
     ("docs/training-state.md", 0): (

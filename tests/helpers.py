@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tierstore import TieredReader, TieredWriter, list_checkpoints
+from tierstore import Store, TieredReader, TieredWriter, list_checkpoints
 from tierstore.format import layout
 from tierstore.format.manifest import Manifest
 from tierstore.tiers.tier import Tier
@@ -129,7 +129,7 @@ def saved(hot: str, step: int, cold: str | None = None, **options: Any) -> Manif
 
 def assert_every_listed_checkpoint_loads(hot: str | None, cold: str | None = None) -> None:
     """Each tier's copy of every listed checkpoint loads on its own: nothing listed lacks data."""
-    for info in list_checkpoints(hot, cold):
+    for info in list_checkpoints(Store.of(hot, cold)):
         for tier in info.tiers:
             alone = (hot, None) if tier == "hot" else (None, cold)
             assert matches(load(*alone, step=info.step, lease=False)[0], info.step), (info, tier)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tierstore import list_checkpoints
+from tierstore import Store, list_checkpoints
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,4 +52,4 @@ def test_train_example_is_killed_resumes_and_reproduces_the_uninterrupted_curve(
     hot, cold = workdir / "hot", workdir / "cold"
     assert f"hot: {hot}" in out and f"cold: {cold}" in out
     assert [c.step for c in list_checkpoints(str(hot))] == [8, 12]  # hot keeps the last 2
-    assert [c.step for c in list_checkpoints(None, str(cold))] == [4, 8, 12]
+    assert [c.step for c in list_checkpoints(Store(cold=str(cold)))] == [4, 8, 12]

@@ -72,7 +72,7 @@ def steps(cold: Cold | Tier | str, hot: str | None = None) -> list[int]:
     if isinstance(cold, Cold):
         return [
             c.step
-            for c in list_checkpoints(None, cold.url, cold_options=cold.direct_options)
+            for c in list_checkpoints(Store(cold=cold.url, cold_options=cold.direct_options))
             if c.step is not None
         ]
     return [c.step for c in list_checkpoints(hot if hot else str(cold)) if c.step is not None]
@@ -129,7 +129,7 @@ def test_the_end_of_a_run_delivers_its_last_checkpoint(any_cold: Cold, tmp_path:
     assert steps(cold)[-1] == 3
     assert all(
         s.state.value == "committed"
-        for s in migration_status(hot, cold.url, cold_options=cold.direct_options)
+        for s in migration_status(Store.of(hot, cold.url, cold_options=cold.direct_options))
     )
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from benchmarks.infra.launch import module_main
 from benchmarks.infra.measure import MiB, Record, cpu_seconds, now, peak_growth, reset_peak_rss
 from benchmarks.infra.servers import S3Target, remove_prefix
+from tierstore import Store
 
 warnings.filterwarnings("ignore")
 
@@ -53,9 +54,7 @@ def migrate_tiered(spec: dict[str, Any], target: S3Target, name: str, inflight: 
     cpu = cpu_seconds()
     start = now()
     results = migrate_pending(
-        spec["hot"],
-        cold,
-        cold_options=options,
+        Store.of(spec["hot"], cold, cold_options=options),
         names=[name],
         config=MigrationConfig(chunk_size=spec["chunk_size"]),
     )

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from helpers import save
 
-from tierstore import list_checkpoints
+from tierstore import Store, list_checkpoints
 from tierstore.cli import COMMANDS
 from tierstore.cli.parser import build_parser
 from tierstore.format import layout
@@ -212,14 +212,14 @@ def test_ctrl_c_mid_migrate_then_the_rerun_finishes(tmp_path: Path) -> None:
     assert line.startswith("tierstore migrate: interrupted: uploaded ")
     assert "run the same `tierstore migrate` again to finish" in line
     # The throttle holds each further checkpoint 4 s at 1 MiB/s: step 3 cannot be committed yet.
-    assert [c.step for c in list_checkpoints(None, cold)] != [1, 2, 3]
+    assert [c.step for c in list_checkpoints(Store(cold=cold))] != [1, 2, 3]
 
     again = cli("migrate", "--hot", hot, "--cold", cold, "--json")
     assert again.returncode == 0 and again.stderr == "", again.stderr  # --json: no progress at all
     assert {r["name"] for r in json.loads(again.stdout)} <= set(names)
     assert all(r["state"] == "committed" for r in json.loads(again.stdout))
     assert all(Path(cold, layout.manifest_key(n)).is_file() for n in names)
-    assert [c.step for c in list_checkpoints(None, cold)] == [1, 2, 3]
+    assert [c.step for c in list_checkpoints(Store(cold=cold))] == [1, 2, 3]
     verify = cli("verify", "--hot", hot, "--cold", cold)
     assert verify.returncode == 0 and "12 ok, 0 damaged" in verify.stdout
 

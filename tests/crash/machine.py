@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from stats import STATS
 
-from tierstore import TieredWriter, list_checkpoints
+from tierstore import Store, TieredWriter, list_checkpoints
 from tierstore.format import layout
 from tierstore.lifecycle.gc import collect_garbage, find_garbage
 from tierstore.lifecycle.prune import pending_in_cold, plan_prune, prune
@@ -84,7 +84,7 @@ class CrashConsistency(RuleBasedStateMachine):
 
     def _listed(self, role: str) -> dict[str, Any]:
         hot, cold = (self.hot, None) if role == "hot" else (None, self.cold)
-        return {c.name: c for c in list_checkpoints(hot, cold)}
+        return {c.name: c for c in list_checkpoints(Store.of(hot, cold))}
 
     def _run(self, data: st.DataObject, op: Op, world: int = 1) -> forking.Outcome:
         """Trace ``op`` on a copy of the store, pick a crash point among those it passed,
@@ -155,7 +155,10 @@ class CrashConsistency(RuleBasedStateMachine):
     @rule(data=st.data())
     def migrate(self, data: st.DataObject) -> None:
         def op(hot: str, cold: str, rank: int) -> list[tuple[str, str, str | None]]:
-            return [(s.name, s.state.value, s.error) for s in migrate_pending(hot, cold, config=model.FAST)]
+            return [
+                (s.name, s.state.value, s.error)
+                for s in migrate_pending(Store.of(hot, cold), config=model.FAST)
+            ]
 
         outcome = self._run(data, op)
         if outcome.killed:
@@ -164,7 +167,7 @@ class CrashConsistency(RuleBasedStateMachine):
         for name, state, error in outcome.results[0]:
             if state != "committed":  # only a source the test damaged may fail to migrate
                 assert ("hot", name) in self.touched, (name, state, error)
-        for status in migration_status(self.hot, self.cold):
+        for status in migration_status(Store.of(self.hot, self.cold)):
             if not self._damaged("hot", status.name):
                 assert status.state is MigrationState.COMMITTED, status
 
@@ -188,7 +191,7 @@ class CrashConsistency(RuleBasedStateMachine):
         self.may_vanish["cold"] |= doomed_cold
 
         def op(hot_url: str, cold_url: str, rank: int) -> None:
-            prune(hot_url, cold_url, hot_policy=hot_policy, cold_policy=cold_policy)
+            prune(Store.of(hot_url, cold_url), hot_policy=hot_policy, cold_policy=cold_policy)
 
         outcome = self._run(data, op)
         if outcome.killed:
@@ -257,11 +260,11 @@ class CrashConsistency(RuleBasedStateMachine):
         back = forking.run(
             lambda rank: [
                 (s.name, s.state.value, s.error)
-                for s in migrate_pending(self.hot, self.cold, config=model.FAST)
+                for s in migrate_pending(Store.of(self.hot, self.cold), config=model.FAST)
             ]
         )
         assert back.ok, back.errors
-        for status in migration_status(self.hot, self.cold):
+        for status in migration_status(Store.of(self.hot, self.cold)):
             if not self._damaged("hot", status.name):
                 assert status.state is MigrationState.COMMITTED, (status, back.results)
 
@@ -301,14 +304,14 @@ class CrashConsistency(RuleBasedStateMachine):
         """What an operator runs after crashes: collect garbage, finish migrations."""
 
         def op(hot: str, cold: str, rank: int) -> None:
-            collect_garbage(hot, cold, grace=0, dry_run=False)
-            migrate_pending(hot, cold, config=model.FAST)
+            collect_garbage(Store.of(hot, cold), grace=0, dry_run=False)
+            migrate_pending(Store.of(hot, cold), config=model.FAST)
 
         outcome = self._run(data, op)
         if outcome.killed:
             return
         assert outcome.ok, outcome.errors
-        assert find_garbage(self.hot, self.cold, grace=0) == []
+        assert find_garbage(Store.of(self.hot, self.cold), grace=0) == []
 
     # -- invariants ----------------------------------------------------------------------
 

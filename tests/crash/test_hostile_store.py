@@ -44,6 +44,7 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 from stats import STATS
 
+from tierstore import Store as TierStore
 from tierstore import TieredWriter, cli, list_checkpoints
 from tierstore.errors import CheckpointNotFound, ObjectNotFound, PublishConflict, TierstoreError
 from tierstore.format import layout
@@ -136,7 +137,7 @@ def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     hot, cold = base / "hot", base / "cold"
     for step in (1, 2):
         dcp.save(model.state_for(step), storage_writer=TieredWriter(str(hot), step=step))
-    migrate_pending(str(hot), str(cold), names=[NAMES[0]], config=model.FAST)
+    migrate_pending(TierStore.of(str(hot), str(cold)), names=[NAMES[0]], config=model.FAST)
     (base / "template").mkdir()
     for tier, root in (("hot", hot), ("cold", cold)):
         for name in NAMES:
@@ -416,7 +417,7 @@ MUTATIONS: dict[str, Mutation] = {
 
 
 def op_list(s: Store) -> None:
-    list_checkpoints(str(s.hot), str(s.cold))
+    list_checkpoints(TierStore.of(str(s.hot), str(s.cold)))
 
 
 class WrongBytes(AssertionError):
@@ -431,12 +432,12 @@ def op_load(s: Store) -> None:
 
 
 def op_prune(s: Store) -> None:
-    reports = prune(str(s.hot), str(s.cold), hot_policy=keep_last(1), cold_policy=keep_last(1))
+    reports = prune(TierStore.of(str(s.hot), str(s.cold)), hot_policy=keep_last(1), cold_policy=keep_last(1))
     PROBLEMS[:] = [e for r in reports for e in r.errors]
 
 
 def op_gc(s: Store) -> None:
-    report = collect_garbage(str(s.hot), str(s.cold), grace=0, dry_run=False)
+    report = collect_garbage(TierStore.of(str(s.hot), str(s.cold)), grace=0, dry_run=False)
     PROBLEMS[:] = [str(p) for p in report.failures]
 
 
@@ -446,15 +447,15 @@ PROBLEMS: list[str] = []
 
 
 def op_migrate(s: Store) -> None:
-    migrate_pending(str(s.hot), str(s.cold), config=model.FAST)
+    migrate_pending(TierStore.of(str(s.hot), str(s.cold)), config=model.FAST)
 
 
 def op_restore(s: Store) -> None:
-    restore(str(s.restored), str(s.cold), config=model.FAST)
+    restore(TierStore.of(str(s.restored), str(s.cold)), config=model.FAST)
 
 
 def op_status(s: Store) -> None:
-    migration_status(str(s.hot), str(s.cold))
+    migration_status(TierStore.of(str(s.hot), str(s.cold)))
 
 
 def op_verify(s: Store) -> None:
@@ -528,7 +529,7 @@ def check_unharmed(store: Store, op: str, raised: BaseException | None) -> None:
     if op in ("prune", "gc"):
         assert PROBLEMS == [], f"{op} could not finish: {PROBLEMS[:3]}"
     if op == "migrate":
-        states = {s.name: s.state for s in migration_status(str(store.hot), str(store.cold))}
+        states = {s.name: s.state for s in migration_status(TierStore.of(str(store.hot), str(store.cold)))}
         assert set(states.values()) == {MigrationState.COMMITTED}, f"migration wedged: {states}"
 
 

@@ -247,7 +247,9 @@ class MultiActor(RuleBasedStateMachine):
             def migrate(rank: int) -> list[tuple[str, str, str | None]]:
                 return [
                     (st_.name, st_.state.value, st_.error)
-                    for st_ in migrate_pending(s.hot, s.cold, cold_options=s.options, config=CONFIG)
+                    for st_ in migrate_pending(
+                        TierStore.of(s.hot, s.cold, cold_options=s.options), config=CONFIG
+                    )
                 ]
 
             return Step("migrate", migrate)
@@ -273,7 +275,7 @@ class MultiActor(RuleBasedStateMachine):
         if kind == "load":
 
             def load(rank: int) -> tuple[str, bool] | None:
-                if not list_checkpoints(s.hot, s.cold, cold_options=s.options):
+                if not list_checkpoints(TierStore.of(s.hot, s.cold, cold_options=s.options)):
                     return None
                 target = model.blank()
                 reader = TieredReader(s.hot, s.cold, cold_options=s.options, lease=True)
@@ -287,7 +289,7 @@ class MultiActor(RuleBasedStateMachine):
         grace = 3600.0 if a_in_flight in ("save", "migrate") else 0.0
 
         def gc(rank: int) -> None:
-            collect_garbage(s.hot, s.cold, grace=grace, dry_run=False, cold_options=s.options)
+            collect_garbage(TierStore.of(s.hot, s.cold, cold_options=s.options), grace=grace, dry_run=False)
 
         return Step("gc", gc)
 
@@ -461,14 +463,14 @@ class MultiActor(RuleBasedStateMachine):
         outcome = forking.run(
             lambda rank: [
                 (x.name, x.state.value, x.error)
-                for x in migrate_pending(s.hot, s.cold, cold_options=s.options, config=CONFIG)
+                for x in migrate_pending(TierStore.of(s.hot, s.cold, cold_options=s.options), config=CONFIG)
             ]
         )
         STATS.steps += 1
         assert outcome.ok, outcome.errors
         stuck = [x for x in outcome.results[0] if x[1] != "committed"]
         assert not stuck, f"migration blocked on a healthy store: {stuck}"
-        statuses = migration_status(s.hot, s.cold, cold_options=s.direct)
+        statuses = migration_status(TierStore.of(s.hot, s.cold, cold_options=s.direct))
         assert all(x.state is MigrationState.COMMITTED for x in statuses), statuses
 
     # -- what each actor promised ------------------------------------------------------------

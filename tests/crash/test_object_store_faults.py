@@ -25,6 +25,8 @@ pytest.importorskip("tierstore_s3", reason="the S3 backend is installed by make 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "backends" / "s3" / "tests"))
 from s3_fault_proxy import FaultProxy
 
+from tierstore import Store
+
 MiB = 1 << 20
 FAST_RETRY = RetryPolicy(attempts=8, deadline=60, initial=0.01, maximum=0.05)
 CONFIG = MigrationConfig(concurrency=2, poll_interval=0.01, commit_timeout=30, retry=FAST_RETRY)
@@ -83,7 +85,7 @@ def assert_cold_copy_is_whole(proxied_tiers: dict[str, Any], step: int) -> None:
     )
     want = state_for(step)
     assert torch.equal(target["big"], want["big"]) and target["extra"] == {"step": step}
-    checks = verify_store(None, proxied_tiers["cold"], cold_options=proxied_tiers["cold_options"])
+    checks = verify_store(Store(cold=proxied_tiers["cold"], cold_options=proxied_tiers["cold_options"]))
     assert checks and all(c.ok for c in checks), [c for c in checks if not c.ok]
 
 
@@ -115,7 +117,7 @@ def test_lost_answer_to_the_cold_commit_is_resolved(proxied_tiers: dict[str, Any
     assert [
         c.tiers
         for c in list_checkpoints(
-            proxied_tiers["hot"], proxied_tiers["cold"], cold_options=proxied_tiers["cold_options"]
+            Store.of(proxied_tiers["hot"], proxied_tiers["cold"], cold_options=proxied_tiers["cold_options"])
         )
     ] == [("hot", "cold")]
     assert_cold_copy_is_whole(proxied_tiers, 1)

@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 from gates import Gate
 from stats import STATS
 
-from tierstore import TieredWriter, list_checkpoints
+from tierstore import Store, TieredWriter, list_checkpoints
 from tierstore.format import layout
 from tierstore.lifecycle.gc import collect_garbage
 from tierstore.lifecycle.prune import prune
@@ -86,15 +86,15 @@ def test_prune_racing_a_migration_keeps_the_pending_checkpoint(tmp_path: Path) -
     migration = held(
         gate,
         "transfer.after_chunk",  # step 1's first file half copied
-        lambda: migrate_pending(hot, cold, config=model.FAST),
+        lambda: migrate_pending(Store.of(hot, cold), config=model.FAST),
     )
-    report = prune(hot, cold, hot_policy=keep_last(1), cold_policy=keep_last(5))[0]
+    report = prune(Store.of(hot, cold), hot_policy=keep_last(1), cold_policy=keep_last(5))[0]
     STATS.faults += 1
     assert report.deleted == ()  # step 1 is still pending in cold: protected
     gate.release("transfer.after_chunk")
     outcome = migration.wait()
     assert outcome.ok, outcome.errors
-    assert {s.state.value for s in migration_status(hot, cold)} == {"committed"}
+    assert {s.state.value for s in migration_status(Store.of(hot, cold))} == {"committed"}
     for step in (1, 2):
         target, _ = model.load(None, cold, layout.default_name(step))
         assert model.matches(target, step)

@@ -14,7 +14,7 @@ import pytest
 import torch.distributed.checkpoint as dcp
 from simulated_ranks import holds_saved, load_state, save_ranks
 
-from tierstore import TieredReader, list_checkpoints
+from tierstore import Store, TieredReader, list_checkpoints
 from tierstore.errors import ConfigError
 from tierstore.format import layout
 from tierstore.format.manifest import Manifest
@@ -93,13 +93,13 @@ def test_a_wide_save_spreads_its_shards_and_everything_else_works_unchanged(
             ".metadata",
             *(ref.path for ref in manifest.parts),
         }
-    [info] = list_checkpoints(hot, cold)
+    [info] = list_checkpoints(Store.of(hot, cold))
     assert info.tiers == ("hot", "cold") and info.num_files == 12 * threads + 1
     for tiers in ((hot, None), (None, cold)):
         state = load_state(12)
         dcp.load(state, storage_reader=TieredReader(*tiers, step=1))
         assert holds_saved(state, 12)
-    assert find_garbage(hot, cold, grace=0) == []  # parts and spread shards are no garbage
+    assert find_garbage(Store.of(hot, cold), grace=0) == []  # parts and spread shards are no garbage
 
 
 def test_a_narrow_save_keeps_one_directory(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ import crc32c
 import pytest
 from helpers import DATA_FILE, committed, file_path, flip, load_error, save
 
+from tierstore import Store
 from tierstore.errors import ChecksumMismatch
 from tierstore.format import layout
 from tierstore.format.manifest import Manifest, _checksum
@@ -117,7 +118,7 @@ def test_dcp_load_reports_it(damaged) -> None:
 
 def test_scrub_reports_it(damaged) -> None:
     cold, manifest, message = damaged
-    checks = {c.file: c for c in verify_store(None, cold)}
+    checks = {c.file: c for c in verify_store(Store(cold=cold))}
     assert checks[".metadata"].ok
     assert not checks[DATA_FILE].ok and checks[DATA_FILE].problem == message
 
@@ -126,7 +127,7 @@ def test_restore_refuses_to_copy_it(damaged, tmp_path: Path) -> None:
     cold, manifest, message = damaged
     hot = str(tmp_path / "fresh-hot")
     with pytest.raises(ChecksumMismatch) as info:
-        restore(hot, cold)
+        restore(Store.of(hot, cold))
     assert str(info.value) == message
     assert not Path(hot, layout.file_key(manifest.name, manifest.attempt, DATA_FILE)).exists()
     assert Tier("hot", hot).find_manifest(manifest.name) is None

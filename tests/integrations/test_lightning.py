@@ -23,7 +23,7 @@ pytest.importorskip("lightning")
 
 import torch
 
-from tierstore import list_checkpoints
+from tierstore import Store, list_checkpoints
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent))  # tests/: launch.py, when run as a rank
@@ -180,7 +180,7 @@ def test_killed_run_resumes_from_last_and_matches_an_uninterrupted_run(tmp_path:
     # save_top_k=1 without monitor keeps the newest; the trainer's end waited for migration.
     newest = epochs * STEPS_PER_EPOCH
     assert [c.step for c in list_checkpoints(hot)] == [newest]
-    assert [c.step for c in list_checkpoints(None, cold)] == [newest]
+    assert [c.step for c in list_checkpoints(Store(cold=cold))] == [newest]
 
 
 def test_save_top_k_by_a_metric_keeps_the_best_and_last_and_resumes_a_chosen_step(tmp_path: Path) -> None:
@@ -195,7 +195,7 @@ def test_save_top_k_by_a_metric_keeps_the_best_and_last_and_resumes_a_chosen_ste
     assert job.ok, job.describe()
     # The 2 lowest scores (steps 4 and 6); step 2 was saved, then pruned; step 8 was not in
     # the top 2, so not saved (Lightning saves "last" only at a step it saved).
-    for found in (list_checkpoints(hot), list_checkpoints(None, cold)):
+    for found in (list_checkpoints(hot), list_checkpoints(Store(cold=cold))):
         assert [c.step for c in found] == [4, 6]
         assert [c.metrics for c in found] == [{"score": pytest.approx(s)} for s in (0.1, 0.3)]
     job, out = _run(
@@ -333,7 +333,7 @@ def test_example_fits_resumes_from_last_and_keeps_the_two_best(tmp_path: Path) -
     assert "Restored all states from the checkpoint at" in proc.stdout + proc.stderr
     hot = list_checkpoints(str(tmp_path / "hot"))
     assert len(hot) == 2 and hot[-1].step == 12 and all("train_loss" in c.metrics for c in hot)
-    assert [c.step for c in list_checkpoints(None, str(tmp_path / "cold"))] == [c.step for c in hot]
+    assert [c.step for c in list_checkpoints(Store(cold=str(tmp_path / "cold")))] == [c.step for c in hot]
 
 
 if __name__ == "__main__":

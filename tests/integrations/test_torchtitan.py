@@ -23,7 +23,7 @@ pytest.importorskip("torchtitan.components.checkpointer")
 
 from launch import run_job
 
-from tierstore import list_checkpoints
+from tierstore import Store, list_checkpoints
 from tierstore.errors import ConfigError
 from tierstore.tiers.status import migrate_pending
 
@@ -68,8 +68,8 @@ def test_killed_run_resumes_from_cold_and_matches_the_uninterrupted_run(tmp_path
     assert committed in ([2], [2, 4])
     # What the kill left pending any migrator finishes (`tierstore migrate`); then the
     # node-local hot tier is gone with the node, and the resume must come from the cold tier.
-    assert all(s.state.value == "committed" for s in migrate_pending(str(hot), str(cold)))
-    assert [c.step for c in list_checkpoints(None, str(cold))] == committed
+    assert all(s.state.value == "committed" for s in migrate_pending(Store.of(str(hot), str(cold))))
+    assert [c.step for c in list_checkpoints(Store(cold=str(cold)))] == committed
     shutil.rmtree(hot)
     resumed = run(tmp_path / "run")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -82,7 +82,10 @@ def test_killed_run_resumes_from_cold_and_matches_the_uninterrupted_run(tmp_path
     # purges after every save but the last, so what it keeps depends on when that ran.
     assert [c.step for c in list_checkpoints(str(hot))][-2:] == [6, 8]
     # The process waited at exit for its migrations: cold holds every save of both runs.
-    assert [c.step for c in list_checkpoints(None, str(cold))] == [*committed, *range(start + 2, 9, 2)]
+    assert [c.step for c in list_checkpoints(Store(cold=str(cold)))] == [
+        *committed,
+        *range(start + 2, 9, 2),
+    ]
 
 
 @pytest.mark.dist
@@ -121,14 +124,15 @@ def test_the_last_save_reaches_an_s3_cold_tier_before_the_run_ends(
     cold_steps = [
         c.step
         for c in list_checkpoints(
-            None,
-            cold,
-            cold_options={
-                "endpoint_url": s3_env["AWS_ENDPOINT_URL"],
-                "key": "testing",
-                "secret": "testing",
-                "region": "us-west-2",
-            },
+            Store(
+                cold=cold,
+                cold_options={
+                    "endpoint_url": s3_env["AWS_ENDPOINT_URL"],
+                    "key": "testing",
+                    "secret": "testing",
+                    "region": "us-west-2",
+                },
+            )
         )
     ]
     assert cold_steps == [2, 4, 6, 8]  # the last one included, with no exit hook's help

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from helpers import saved
 
-from tierstore import list_checkpoints
+from tierstore import Store, list_checkpoints
 from tierstore.format import layout
 from tierstore.lifecycle.gc import collect_garbage, find_garbage
 from tierstore.lifecycle.prune import prune
@@ -121,10 +121,10 @@ def test_damaged_upload_marks_are_cleared_once_old(tmp_path: Path) -> None:
         put(cold, prefix + "rank-x.json", b"{}"),  # no mark has such a key
     ]
     identity = put(cold, "tierstore-store.json", json.dumps({"store_id": uuid.uuid4().hex}).encode())
-    assert find_garbage(hot, cold, grace=3600) == []  # young: perhaps still being written
+    assert find_garbage(Store.of(hot, cold), grace=3600) == []  # young: perhaps still being written
     for path in (good, identity, *damaged):
         os.utime(path, (OLD, OLD))
-    report = collect_garbage(hot, cold, grace=3600, dry_run=False)
+    report = collect_garbage(Store.of(hot, cold), grace=3600, dry_run=False)
     assert sorted(g.key for g in report.garbage) == sorted(str(p.relative_to(cold)) for p in damaged)
     assert {g.reason for g in report.garbage} == {"damaged upload mark"}
     assert good.exists() and identity.exists() and report.failures == ()

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tierstore import CheckpointManager, TieredReader, TieredWriter, keep_last, list_checkpoints, prune
+from tierstore import CheckpointManager, Store, TieredReader, TieredWriter, keep_last, list_checkpoints, prune
 from tierstore.errors import ConfigError, InvalidManifest
 from tierstore.format import layout
 from tierstore.format import manifest_format as fmt
@@ -185,7 +185,7 @@ def test_metrics_travel_to_the_cold_tier(tmp_path: Path) -> None:
     writer = TieredWriter(hot, cold, step=3, metrics={"val_loss": 0.3})
     dcp.save(state(3), storage_writer=writer)
     assert writer.migrator is not None and writer.migrator.wait(60)
-    [info] = list_checkpoints(None, cold)
+    [info] = list_checkpoints(Store(cold=cold))
     assert info.tiers == ("cold",) and info.metrics == {"val_loss": 0.3}
 
 

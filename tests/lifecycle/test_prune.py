@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from helpers import assert_every_listed_checkpoint_loads, load, matches, save
 
-from tierstore import TieredReader, list_checkpoints
+from tierstore import Store, TieredReader, list_checkpoints
 from tierstore.format import layout
 from tierstore.lifecycle.gc import collect_garbage, find_garbage
 from tierstore.lifecycle.prune import prune, prune_tier
@@ -54,10 +54,10 @@ def test_dry_run_touches_nothing(tmp_path: Path) -> None:
 def test_hot_checkpoint_pending_cold_is_never_pruned(tmp_path: Path) -> None:
     hot, cold = str(tmp_path / "hot"), str(tmp_path / "cold")
     save(hot, 1, cold, migration=FAST)
-    wait_for_migrations(hot, cold, timeout=30)
+    wait_for_migrations(Store.of(hot, cold), timeout=30)
     for step in (2, 3):
         save(hot, step, migration=FAST)  # no cold tier given: these are pending in cold
-    [hot_report, _] = prune(hot, cold, hot_policy=keep_last(1), cold_policy=keep_last(5))
+    [hot_report, _] = prune(Store.of(hot, cold), hot_policy=keep_last(1), cold_policy=keep_last(5))
     assert hot_report.deleted == (layout.default_name(1),)  # safe in cold already
     assert set(hot_report.protected) == {layout.default_name(2)}
     assert [c.step for c in list_checkpoints(hot)] == [2, 3]
@@ -144,10 +144,10 @@ def test_prune_tier_on_cold_and_newest_survives(tmp_path: Path) -> None:
     hot, cold = str(tmp_path / "hot"), str(tmp_path / "cold")
     for step in (1, 2, 3):
         save(hot, step, cold, migration=FAST)
-    wait_for_migrations(hot, cold, timeout=30)
+    wait_for_migrations(Store.of(hot, cold), timeout=30)
     report = prune_tier(Tier("cold", cold), keep_last(1))
     assert set(report.deleted) == {layout.default_name(1), layout.default_name(2)}
-    assert [(c.step, c.tiers) for c in list_checkpoints(hot, cold)] == [
+    assert [(c.step, c.tiers) for c in list_checkpoints(Store.of(hot, cold))] == [
         (1, ("hot",)),
         (2, ("hot",)),
         (3, ("hot", "cold")),
@@ -161,15 +161,15 @@ def test_checkpoint_pruned_from_cold_is_not_pending_again(tmp_path: Path) -> Non
     hot, cold = str(tmp_path / "hot"), str(tmp_path / "cold")
     for step in (1, 2, 3):
         save(hot, step, cold, migration=FAST)
-    wait_for_migrations(hot, cold, timeout=30)
-    prune(None, cold, cold_policy=keep_last(1))
-    assert [(c.step, c.tiers) for c in list_checkpoints(hot, cold)] == [
+    wait_for_migrations(Store.of(hot, cold), timeout=30)
+    prune(Store(cold=cold), cold_policy=keep_last(1))
+    assert [(c.step, c.tiers) for c in list_checkpoints(Store.of(hot, cold))] == [
         (1, ("hot",)),
         (2, ("hot",)),
         (3, ("hot", "cold")),
     ]
-    assert migrate_pending(hot, cold) == []  # nothing to re-upload
-    [hot_report, _] = prune(hot, cold, hot_policy=keep_last(1), cold_policy=keep_last(1))
+    assert migrate_pending(Store.of(hot, cold)) == []  # nothing to re-upload
+    [hot_report, _] = prune(Store.of(hot, cold), hot_policy=keep_last(1), cold_policy=keep_last(1))
     assert set(hot_report.deleted) == {layout.default_name(1), layout.default_name(2)}
     assert [c.step for c in list_checkpoints(hot)] == [3]
-    assert find_garbage(hot, cold, grace=0) == []  # their "migrated" marks went with them
+    assert find_garbage(Store.of(hot, cold), grace=0) == []  # their "migrated" marks went with them

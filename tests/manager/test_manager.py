@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from launch import run_job
 
-from tierstore import list_checkpoints
+from tierstore import Store, list_checkpoints
 
 pytestmark = pytest.mark.dist
 
@@ -30,7 +30,7 @@ def test_manager_saves_every_5_keeps_policy_sets_and_resumes(tmp_path: Path) -> 
     assert job.ok, job.describe()
     assert sorted(int(s) for s in json.loads((out / "stalls.json").read_text())) == [5, 10, 15, 20]
     assert [c.step for c in list_checkpoints(hot)] == [15, 20]  # keep_last(2)
-    assert [c.step for c in list_checkpoints(None, cold)] == [10, 15, 20]  # last 2 | every 10
+    assert [c.step for c in list_checkpoints(Store(cold=cold))] == [10, 15, 20]  # last 2 | every 10
     # Nothing else is left behind in either tier: pruned data is gone, marks cleaned up.
     for root, keep in ((hot, {15, 20}), (cold, {10, 15, 20})):
         dirs = {p.name for p in Path(root, "checkpoints").iterdir()}

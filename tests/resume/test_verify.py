@@ -197,12 +197,12 @@ def test_verify_resume_in_one_process_without_torch_distributed(tmp_path: Path) 
     (tmp_path / "single_probe.py").write_text(PROBE_MODULE)
     spec = f"{tmp_path / 'single_probe.py'}:probe"
     with pytest.raises(CheckpointNotFound):
-        verify_resume(spec, {}, hot=str(tmp_path / "empty"))
+        verify_resume(spec, {}, store=str(tmp_path / "empty"))
     state = load_probe(spec)().build()
     model, optim = state["train"].model, state["train"].optimizer
     model(torch.ones(3, 4)).sum().backward()
     optim.step()
     dcp.save(state, storage_writer=TieredWriter(str(tmp_path / "hot"), step=1))
-    report = verify_resume(spec, state, hot=str(tmp_path / "hot"), timeout=120)
+    report = verify_resume(spec, state, store=str(tmp_path / "hot"), timeout=120)
     assert report.ok, report.summary()
     assert report.world_size == 1 and report.loss_before == report.loss_after

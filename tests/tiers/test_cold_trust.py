@@ -24,7 +24,7 @@ import pytest
 import torch.distributed.checkpoint as dcp
 from helpers import load, matches, save, state_for
 
-from tierstore import TieredWriter, list_checkpoints
+from tierstore import Store, TieredWriter, list_checkpoints
 from tierstore.errors import BackendNotFound
 from tierstore.format import layout
 from tierstore.format.manifest import FileEntry
@@ -47,7 +47,7 @@ FAST = MigrationConfig(
 
 
 def states(hot: str, cold: str) -> dict[int | None, str]:
-    return {s.step: s.state.value for s in migration_status(hot, cold)}
+    return {s.step: s.state.value for s in migration_status(Store.of(hot, cold))}
 
 
 @pytest.fixture
@@ -64,10 +64,10 @@ def test_repointed_hot_tier_is_pending_for_the_new_cold_tier(tiers: tuple[str, s
     # Before: the hot tier's marks said "migrated" whatever the cold tier: status said
     # committed, migrate had nothing to do, and prune deleted what cold B never held.
     assert states(hot, cold_b) == {1: "pending", 2: "pending"}
-    reports = prune(hot, cold_b, hot_policy=keep_last(1), cold_policy=keep_last(5))
+    reports = prune(Store.of(hot, cold_b), hot_policy=keep_last(1), cold_policy=keep_last(5))
     assert reports[0].deleted == ()
     assert "step-0000000001" in reports[0].protected
-    done = migrate_pending(hot, cold_b, config=FAST)
+    done = migrate_pending(Store.of(hot, cold_b), config=FAST)
     assert [s.state for s in done] == [MigrationState.COMMITTED] * 2
     assert states(hot, cold_b) == {1: "committed", 2: "committed"}
     assert matches(load(None, cold_b, step=1)[0], 1)
@@ -81,9 +81,9 @@ def test_a_checkpoint_pruned_from_cold_by_policy_may_leave_hot(tiers: tuple[str,
     hot, cold = tiers
     for step in (1, 2, 3):
         save(hot, step, cold, migration=FAST, migrated=True)
-    prune(None, cold, cold_policy=keep_last(1))  # cold keeps only step 3
+    prune(Store(cold=cold), cold_policy=keep_last(1))  # cold keeps only step 3
     assert states(hot, cold) == {1: "committed", 2: "committed", 3: "committed"}
-    reports = prune(hot, cold, hot_policy=keep_last(1), cold_policy=keep_last(1))
+    reports = prune(Store.of(hot, cold), hot_policy=keep_last(1), cold_policy=keep_last(1))
     assert set(reports[0].deleted) == {"step-0000000001", "step-0000000002"}
 
 
@@ -93,11 +93,11 @@ def test_prune_keeps_the_hot_copy_when_the_cold_manifest_is_torn(tiers: tuple[st
         save(hot, step, cold, migration=FAST, migrated=True)
     torn = Path(cold) / layout.manifest_key("step-0000000001")
     torn.write_bytes(torn.read_bytes()[:40])
-    reports = prune(hot, cold, hot_policy=keep_last(1), cold_policy=keep_last(5))
+    reports = prune(Store.of(hot, cold), hot_policy=keep_last(1), cold_policy=keep_last(5))
     assert reports[0].deleted == ()
     assert any("step-0000000001" in w and "invalid" in w for w in reports[0].warnings)
     assert matches(load(hot, None, step=1)[0], 1)  # the only good copy is still there
-    status = {s.step: s for s in migration_status(hot, cold)}
+    status = {s.step: s for s in migration_status(Store.of(hot, cold))}
     assert status[1].state is MigrationState.FAILED and "invalid" in (status[1].error or "")
 
 
@@ -109,7 +109,7 @@ def test_prune_keeps_every_hot_copy_when_the_cold_tier_cannot_be_read(
         save(hot, step, cold, migration=FAST, migrated=True)
     identity = Path(cold) / layout.STORE_ID_KEY
     identity.write_text("{not json")  # nothing can be proved about this cold tier now
-    reports = prune(hot, cold, hot_policy=keep_last(1), cold_policy=keep_last(5))
+    reports = prune(Store.of(hot, cold), hot_policy=keep_last(1), cold_policy=keep_last(5))
     assert reports[0].deleted == ()
     assert any("cannot be read" in w for w in reports[0].warnings)
 
@@ -122,7 +122,7 @@ def test_second_migrator_that_is_throttled_never_deletes_a_committed_object(
     save(hot, 1, migration=FAST)
     manifest = Tier("hot", hot).find_manifest("step-0000000001")
     assert manifest is not None
-    assert migrate_pending(hot, cold, config=FAST)[0].state is MigrationState.COMMITTED
+    assert migrate_pending(Store.of(hot, cold), config=FAST)[0].state is MigrationState.COMMITTED
     # A second migrator of the same checkpoint looked before the first one wrote (no
     # verified copy yet), then got throttled on every write. Before: each retry deleted the
     # key first, removing the object the first migrator had verified and committed.
@@ -181,7 +181,7 @@ def test_cold_commit_refuses_when_a_named_object_is_gone(
     assert job.state is MigrationState.FAILED and victim.path in (job.error or "")
     assert Tier("cold", cold).find_manifest(manifest.name) is None  # never vouched for a hole
     # `tierstore migrate` uploads it again (the rank's mark is there, the file is not).
-    assert migrate_pending(hot, cold, config=FAST)[0].state is MigrationState.COMMITTED
+    assert migrate_pending(Store.of(hot, cold), config=FAST)[0].state is MigrationState.COMMITTED
     assert matches(load(None, cold, step=1)[0], 1)
 
 
@@ -213,7 +213,7 @@ def test_damaged_upload_mark_does_not_wedge_migration(tiers: tuple[str, str], da
     mark.write_text(body)
     # Before: PublishConflict on every run, forever (412 on S3).
     for _ in range(2):
-        status = migrate_pending(hot, cold, config=FAST)
+        status = migrate_pending(Store.of(hot, cold), config=FAST)
         if status and status[0].state is MigrationState.COMMITTED:
             break
     assert states(hot, cold) == {1: "committed"}
@@ -228,11 +228,11 @@ def test_a_different_committed_cold_attempt_is_a_reported_conflict(
     other_hot = str(tmp_path / "other-hot")
     # same name, another attempt; the cold tier keeps the first
     save(other_hot, 1, cold, migration=FAST, migrated=True)
-    status = {s.step: s for s in migration_status(other_hot, cold)}
+    status = {s.step: s for s in migration_status(Store.of(other_hot, cold))}
     assert status[1].state is MigrationState.FAILED
     assert "another attempt" in (status[1].error or "")
     assert matches(load(hot, None, step=1)[0], 1)
-    reports = prune(other_hot, cold, hot_policy=keep_last(0), cold_policy=keep_last(5))
+    reports = prune(Store.of(other_hot, cold), hot_policy=keep_last(0), cold_policy=keep_last(5))
     assert reports[0].deleted == ()  # the only copy of that attempt stays
     run = subprocess.run(
         [sys.executable, "-m", "tierstore", "status", "--hot", other_hot, "--cold", cold],
@@ -304,7 +304,7 @@ def test_a_migrator_finds_its_checkpoint_committed_by_another(tiers: tuple[str, 
         manifest.name, manifest.attempt, manifest.step, 0, manifest.files_of_rank(0), 0.0, manifest=manifest
     )
     trainer._upload_rank(job)  # uploaded and marked; now held before waiting for the marks
-    assert migrate_pending(hot, cold, config=FAST)[0].state is MigrationState.COMMITTED
+    assert migrate_pending(Store.of(hot, cold), config=FAST)[0].state is MigrationState.COMMITTED
     assert not list((Path(cold) / layout.UPLOAD_DIR).rglob("*.json"))  # marks cleared
     trainer._commit(manifest)  # before: _Failed "no upload mark from ranks [0]" after 5 s
     trainer.close()
@@ -337,10 +337,10 @@ def test_a_cold_tier_wiped_and_recreated_under_the_same_url_holds_nothing(tiers:
         reports = manager.prune()
         # The old marks (another identity) never let steps 1 and 2 go from hot: only a commit
         # in the new cold tier does (the manager migrates them there again, as pending).
-        in_new_cold = {c.name for c in list_checkpoints(None, cold)}
+        in_new_cold = {c.name for c in list_checkpoints(Store(cold=cold))}
         assert set(reports[0].deleted) <= in_new_cold, (reports[0].deleted, in_new_cold)
         manager.close()
     # Step 1 lived only in the wiped tier (hot had let it go against the old one); step 2,
     # still hot, reached the new one.
-    assert {c.step for c in list_checkpoints(None, cold)} == {2, 3}
+    assert {c.step for c in list_checkpoints(Store(cold=cold))} == {2, 3}
     assert matches(load(hot, cold, step=2)[0], 2)

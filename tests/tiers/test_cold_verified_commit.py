@@ -71,19 +71,21 @@ def test_tierstore_migrate_never_commits_an_object_replaced_after_its_upload(
     manifest = saved(hot, 1)
     # A first `tierstore migrate` uploads and marks every file, then dies before its commit.
     faults.arm("migrator.before_cold_publish", "raise")
-    failed = migrate_pending(hot, cold.url, cold_options=cold.options, config=FAST)
+    failed = migrate_pending(Store.of(hot, cold.url, cold_options=cold.options), config=FAST)
     faults.disarm()
     assert failed[0].state is MigrationState.FAILED
     data = next(f for f in manifest.files if f.path != ".metadata")
     replace_same_size(cold, manifest, data)
     # The next one must not take the mark's word for bytes that changed since.
-    done = migrate_pending(hot, cold.url, cold_options=cold.options, config=FAST)
+    done = migrate_pending(Store.of(hot, cold.url, cold_options=cold.options), config=FAST)
     assert done[0].state is MigrationState.COMMITTED, done
     assert all(has_verified_copy(cold.tier, manifest.name, manifest.attempt, f) for f in manifest.files)
     # So the hot copy may go, and the checkpoint still loads, from the cold tier alone.
     saved(hot, 2)
-    migrate_pending(hot, cold.url, cold_options=cold.options, config=FAST)
-    prune(hot, cold.url, cold_options=cold.options, hot_policy=keep_last(1), cold_policy=keep_last(5))
+    migrate_pending(Store.of(hot, cold.url, cold_options=cold.options), config=FAST)
+    prune(
+        Store.of(hot, cold.url, cold_options=cold.options), hot_policy=keep_last(1), cold_policy=keep_last(5)
+    )
     assert Tier("hot", hot).find_manifest(manifest.name) is None
     assert loads_from_cold_alone(cold, 1)
 
@@ -116,7 +118,7 @@ def test_the_commit_refuses_an_object_replaced_between_its_mark_and_the_commit(
         cold_policy=keep_last(5),
     )
     assert hot.find_manifest(manifest.name) is not None
-    done = migrate_pending(hot.url, cold.url, cold_options=cold.options, config=FAST)
+    done = migrate_pending(Store.of(hot.url, cold.url, cold_options=cold.options), config=FAST)
     assert done[0].state is MigrationState.COMMITTED
     assert all(has_verified_copy(cold.tier, manifest.name, manifest.attempt, f) for f in manifest.files)
 
@@ -156,7 +158,7 @@ def test_a_copy_replaced_while_it_is_read_back_is_not_verified(
 
     hot_root, cold_root = str(tmp_path / "hot"), str(tmp_path / "cold")
     manifest = saved(hot_root, 1)
-    assert migrate_pending(hot_root, cold_root, config=FAST)[0].state is MigrationState.COMMITTED
+    assert migrate_pending(Store.of(hot_root, cold_root), config=FAST)[0].state is MigrationState.COMMITTED
     cold_tier = Tier("cold", cold_root)
     entry = next(f for f in manifest.files if f.path != ".metadata")
     real = transfer.verify_file

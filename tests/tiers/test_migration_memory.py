@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tierstore import TieredWriter, list_checkpoints
+from tierstore import Store, TieredWriter, list_checkpoints
 
 pytest.importorskip("tierstore_s3", reason="the S3 backend is installed by make test")
 
@@ -24,7 +24,7 @@ PART, PARTS_IN_FLIGHT = 16 * MiB, 4
 
 MIGRATE = """
 import json, sys
-from tierstore import MigrationConfig, migrate_pending
+from tierstore import MigrationConfig, Store, migrate_pending
 from tierstore.storage.registry import open_backend
 
 hot, cold, part, inflight = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
@@ -38,7 +38,7 @@ def status(field):
 
 open("/proc/self/clear_refs", "w").write("5")  # reset the peak-RSS mark to now
 before = status("VmRSS:")
-[result] = migrate_pending(hot, cold, cold_options=options,
+[result] = migrate_pending(Store(hot, cold, cold_options=options),
                            config=MigrationConfig(concurrency=1, chunk_size=8 << 20))
 print(json.dumps({"state": result.state.value, "error": result.error,
                   "growth": status("VmHWM:") - before, "bytes": result.bytes_total}))
@@ -72,4 +72,4 @@ def test_migrating_a_large_checkpoint_keeps_memory_bounded(
         f"{result['growth'] / MiB:.1f} MiB (bound {bound / MiB:.0f} MiB)"
     )
     assert result["growth"] < bound, f"grew {result['growth'] / MiB:.1f} MiB"
-    assert [c.tiers for c in list_checkpoints(hot, cold)] == [("hot", "cold")]
+    assert [c.tiers for c in list_checkpoints(Store.of(hot, cold))] == [("hot", "cold")]

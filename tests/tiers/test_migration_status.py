@@ -7,6 +7,7 @@ from pathlib import Path
 
 from helpers import save
 
+from tierstore import Store
 from tierstore.tiers.migrator import MigrationConfig, MigrationState
 from tierstore.tiers.status import migrate_pending, migration_status, wait_for_migrations
 
@@ -20,7 +21,7 @@ def roots(tmp_path: Path) -> tuple[str, str]:
 def test_wait_gives_back_what_is_still_pending_when_the_timeout_runs_out(tmp_path: Path) -> None:
     hot, cold = roots(tmp_path)
     save(hot, 1)  # hot only: no migrator will ever move it
-    [status] = wait_for_migrations(hot, cold, timeout=0.2, poll=0.05)
+    [status] = wait_for_migrations(Store.of(hot, cold), timeout=0.2, poll=0.05)
     assert status.state is MigrationState.PENDING and status.lag_bytes == status.bytes_total > 0
 
 
@@ -28,22 +29,22 @@ def test_wait_returns_once_every_checkpoint_is_committed(tmp_path: Path) -> None
     hot, cold = roots(tmp_path)
     for step in (1, 2):
         save(hot, step, cold, migration=QUICK)
-    final = wait_for_migrations(hot, cold, timeout=60, poll=0.01)
+    final = wait_for_migrations(Store.of(hot, cold), timeout=60, poll=0.01)
     assert [(s.step, s.state) for s in final] == [
         (1, MigrationState.COMMITTED),
         (2, MigrationState.COMMITTED),
     ]
-    assert migration_status(hot, cold) == final
+    assert migration_status(Store.of(hot, cold)) == final
 
 
 def test_migrate_pending_reports_progress_up_to_the_total(tmp_path: Path) -> None:
     hot, cold = roots(tmp_path)
     save(hot, 1)
     seen: list[tuple[str, int, int]] = []
-    [result] = migrate_pending(hot, cold, config=QUICK, progress=lambda *a: seen.append(a))
+    [result] = migrate_pending(Store.of(hot, cold), config=QUICK, progress=lambda *a: seen.append(a))
     assert result.state is MigrationState.COMMITTED and result.rank is None
     assert result.bytes_done == result.bytes_total > 0
     assert {name for name, _, _ in seen} == {"step-0000000001"}
     done = [d for _, d, _ in seen]
     assert done == sorted(done) and seen[-1][1:] == (result.bytes_total, result.bytes_total)
-    assert [s.state for s in migration_status(hot, cold)] == [MigrationState.COMMITTED]
+    assert [s.state for s in migration_status(Store.of(hot, cold))] == [MigrationState.COMMITTED]

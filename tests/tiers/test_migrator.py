@@ -17,7 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from helpers import file_path, flip, load, load_error, matches, save
 
-from tierstore import TieredReader, list_checkpoints
+from tierstore import Store, TieredReader, list_checkpoints
 from tierstore.format import layout
 from tierstore.format.manifest import FileEntry, Manifest
 from tierstore.retry import RetryPolicy
@@ -56,7 +56,7 @@ def test_save_migrates_and_cold_alone_loads(tiers) -> None:
     states = {s.name: s for s in migrator.status()}
     assert [states[layout.default_name(s)].state for s in (1, 2, 3)] == [MigrationState.COMMITTED] * 3
     assert all(s.lag_bytes == 0 and s.lag_seconds >= 0 for s in states.values())
-    assert [(c.step, c.tiers) for c in list_checkpoints(hot, cold)] == [
+    assert [(c.step, c.tiers) for c in list_checkpoints(Store.of(hot, cold))] == [
         (s, ("hot", "cold")) for s in (1, 2, 3)
     ]
     hot_m = Tier("hot", hot).find_manifest(layout.default_name(3))
@@ -69,7 +69,7 @@ def test_save_migrates_and_cold_alone_loads(tiers) -> None:
 def test_flipped_hot_byte_falls_back_to_cold_and_warns(tiers, caplog) -> None:
     hot, cold = tiers
     manifest = save(hot, 5, cold, migration=FAST).manifest
-    assert wait_for_migrations(hot, cold, timeout=30)[0].state is MigrationState.COMMITTED
+    assert wait_for_migrations(Store.of(hot, cold), timeout=30)[0].state is MigrationState.COMMITTED
     flip(file_path(hot, manifest, "__0_0.distcp"))
     with caplog.at_level(logging.WARNING, logger="tierstore"):
         target, _ = load(hot, cold)
@@ -89,7 +89,7 @@ def test_transient_failures_are_retried_until_committed(tiers, flaky_cold) -> No
     [status] = writer.migrator.status()
     assert status.state is MigrationState.COMMITTED, status
     assert flaky.FAILURES[root]["open_write"] == 0 and flaky.FAILURES[root]["publish"] == 0
-    assert [c.tiers for c in list_checkpoints(hot, flaky_cold)] == [("hot", "cold")]
+    assert [c.tiers for c in list_checkpoints(Store.of(hot, flaky_cold))] == [("hot", "cold")]
 
 
 def test_permanent_failure_is_reported_and_training_saves_keep_working(
@@ -111,10 +111,10 @@ def test_permanent_failure_is_reported_and_training_saves_keep_working(
     assert second.migrator.wait(30)
     by_name = {s.name: s.state for s in second.migrator.status()}
     assert by_name[layout.default_name(2)] is MigrationState.COMMITTED
-    assert [c.step for c in list_checkpoints(None, cold, cold_options=opts)] == [2]
+    assert [c.step for c in list_checkpoints(Store(cold=cold, cold_options=opts))] == [2]
     assert matches(load(hot, None, step=1)[0], 1)  # hot copy intact
     # The tiers' own view shows the failure too (the failure mark was published).
-    statuses = {s.name: s for s in migration_status(hot, cold, cold_options=opts)}
+    statuses = {s.name: s for s in migration_status(Store.of(hot, cold, cold_options=opts))}
     assert statuses[layout.default_name(1)].state is MigrationState.FAILED
     assert "403" in statuses[layout.default_name(1)].error
 
@@ -149,7 +149,7 @@ def test_commit_gives_up_waiting_for_a_missing_rank(tiers) -> None:
     [status] = migrator.status()
     assert status.state is MigrationState.FAILED and status.failed_rank == 1
     assert "no upload mark from ranks [1]" in status.error
-    assert list_checkpoints(None, cold) == []  # never a partial cold checkpoint
+    assert list_checkpoints(Store(cold=cold)) == []  # never a partial cold checkpoint
     # The polls back off from poll_interval, doubling (MigrationConfig.mark_polling).
     assert slept[:3] == pytest.approx([0.01, 0.02, 0.04])
 
@@ -195,8 +195,8 @@ def test_sigkill_mid_migration_then_cli_completes(tiers, point: str) -> None:
     )
     assert proc.returncode == -9, proc.stderr[-2000:]
     assert [c.step for c in list_checkpoints(hot)] == [1]
-    assert list_checkpoints(None, cold) == []  # no partial cold checkpoint is ever listed
-    [pending] = migration_status(hot, cold)
+    assert list_checkpoints(Store(cold=cold)) == []  # no partial cold checkpoint is ever listed
+    [pending] = migration_status(Store.of(hot, cold))
     assert pending.state in (MigrationState.PENDING, MigrationState.UPLOADING)
     cli = subprocess.run(
         [sys.executable, "-m", "tierstore", "migrate", "--hot", hot, "--cold", cold],
@@ -231,7 +231,7 @@ def test_rerun_skips_what_is_already_uploaded_and_verified(tiers, flaky_cold) ->
     )
     assert proc.returncode == -9
     flaky.CALLS[root].clear()
-    [result] = migrate_pending(hot, flaky_cold, config=FAST)
+    [result] = migrate_pending(Store.of(hot, flaky_cold), config=FAST)
     assert result.state is MigrationState.COMMITTED
     assert flaky.CALLS[root]["open_write"] == 0  # every file was already there and intact
     assert flaky.CALLS[root]["publish"] == 1  # only the cold manifest

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from helpers import file_path, load, matches, save
 
-from tierstore import list_checkpoints
+from tierstore import Store, list_checkpoints
 from tierstore.format import layout
 from tierstore.retry import RetryPolicy
 from tierstore.tiers.migrator import MigrationConfig
@@ -34,21 +34,21 @@ def test_restore_after_losing_the_hot_tier(tiers) -> None:
     hot, cold = tiers
     for step in (1, 2):
         save(hot, step, cold, migration=FAST)
-    wait_for_migrations(hot, cold, timeout=30)
+    wait_for_migrations(Store.of(hot, cold), timeout=30)
     shutil.rmtree(hot)
-    manifest = restore(hot, cold)
+    manifest = restore(Store.of(hot, cold))
     assert manifest.step == 2 and [c.step for c in list_checkpoints(hot)] == [2]
     target, reader = load(hot, None)  # hot alone now
     assert matches(target, 2) and reader.manifest == manifest
-    assert restore(hot, cold) == manifest  # again: a no-op
+    assert restore(Store.of(hot, cold)) == manifest  # again: a no-op
 
 
 def test_restore_replaces_a_damaged_hot_file(tiers) -> None:
     hot, cold = tiers
     manifest = save(hot, 1, cold, migration=FAST).manifest
-    wait_for_migrations(hot, cold, timeout=30)
+    wait_for_migrations(Store.of(hot, cold), timeout=30)
     os.remove(Path(hot, layout.manifest_key(manifest.name)))
     path = file_path(hot, manifest, "__0_0.distcp")
     path.write_bytes(path.read_bytes()[:100])  # a half-restored file
-    restore(hot, cold)
+    restore(Store.of(hot, cold))
     assert matches(load(hot, None)[0], 1)

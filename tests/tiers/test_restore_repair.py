@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from helpers import file_path, flip, load, matches, saved
 
+from tierstore import Store
 from tierstore.errors import ChecksumMismatch
 from tierstore.format import layout
 from tierstore.format.manifest import Manifest
@@ -45,15 +46,15 @@ def test_restore_repairs_a_committed_hot_copy(mirrored, damage: str) -> None:
     hot, cold, manifest = mirrored
     file, harm, problem = DAMAGES[damage]
     harm(file_path(hot, manifest, file))
-    assert restore(hot, cold) == manifest
+    assert restore(Store.of(hot, cold)) == manifest
     assert file_path(hot, manifest, file).read_bytes() == file_path(cold, manifest, file).read_bytes()
     assert hot_alone_loads(hot)
 
     harm(file_path(hot, manifest, file))
-    report = restore_checkpoint(hot, cold)
+    report = restore_checkpoint(Store.of(hot, cold))
     assert [(r.path, problem in r.problem) for r in report.repaired] == [(file, True)]
     assert report.copied == (file,) and not report.manifest_repaired
-    again = restore_checkpoint(hot, cold)  # intact now: nothing copied
+    again = restore_checkpoint(Store.of(hot, cold))  # intact now: nothing copied
     assert again.copied == () and again.repaired == ()
 
 
@@ -62,7 +63,7 @@ def test_restore_replaces_a_torn_hot_manifest(mirrored) -> None:
     key = Path(hot, layout.manifest_key(manifest.name))
     key.write_bytes(key.read_bytes()[:50])
     flip(file_path(hot, manifest, "__0_0.distcp"))
-    restore(hot, cold)
+    restore(Store.of(hot, cold))
     assert Tier("hot", hot).find_manifest(manifest.name) == manifest
     assert hot_alone_loads(hot)
 
@@ -74,7 +75,7 @@ def test_a_damaged_cold_copy_never_replaces_the_hot_file(mirrored) -> None:
     damaged = shard.read_bytes()
     file_path(cold, manifest, "__0_0.distcp").write_bytes(b"x" + damaged[1:])  # bad there too
     with pytest.raises(ChecksumMismatch, match=r"CRC32C mismatch: .* tier 'cold "):
-        restore(hot, cold)
+        restore(Store.of(hot, cold))
     assert shard.read_bytes() == damaged  # no delete before a verified copy
 
 

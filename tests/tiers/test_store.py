@@ -30,7 +30,7 @@ def test_store_is_accepted_wherever_urls_are(tmp_path: Path) -> None:
         dcp.save(state_for(step), storage_writer=TieredWriter(store, step=step))
     listed = list_checkpoints(store)
     assert [c.step for c in listed] == [1, 2, 3]
-    assert listed == list_checkpoints(hot, cold)  # the same store, named by URLs
+    assert listed == list_checkpoints(Store.of(hot, cold))  # the same store, built again from its URLs
     state = blank()
     reader = TieredReader(store, step=2)
     dcp.load(state, storage_reader=reader)
@@ -55,7 +55,7 @@ def test_store_and_urls_together_are_refused(tmp_path: Path) -> None:
     store = Store(str(tmp_path / "hot"))
     assert Store.of(store) is store
     with pytest.raises(ConfigError, match="either a Store or tier URLs"):
-        list_checkpoints(store, str(tmp_path / "cold"))
+        Store.of(store, str(tmp_path / "cold"))
     with pytest.raises(ConfigError, match="either a Store or tier URLs"):
         TieredWriter(store, hot_options={"x": 1})
     with pytest.raises(ConfigError, match="at least one tier"):

@@ -41,7 +41,6 @@ from collections import defaultdict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
 
 from tierstore.errors import TierstoreError
 from tierstore.format import layout
@@ -51,6 +50,7 @@ from tierstore.storage import faults
 from tierstore.storage.backend import ObjectInfo
 from tierstore.tiers import marks
 from tierstore.tiers.leases import expired_leases, live_leases
+from tierstore.tiers.store_arg import takes_store
 from tierstore.tiers.tier import Store, Tier, TierURL
 
 __all__ = ["Garbage", "Problem", "GCReport", "find_garbage", "collect_garbage", "DEFAULT_GRACE"]
@@ -247,35 +247,28 @@ def _delete(tier: Tier, keys: list[str], scan: _Scan) -> None:
                     scan.fail(tier, key, err)
 
 
+@takes_store()
 def find_garbage(
-    hot: TierURL | Store | None,
-    cold: TierURL | None = None,
-    *,
-    grace: float = DEFAULT_GRACE,
-    hot_options: dict[str, Any] | None = None,
-    cold_options: dict[str, Any] | None = None,
-    now: float | None = None,
+    store: Store | TierURL, *, grace: float = DEFAULT_GRACE, now: float | None = None
 ) -> list[Garbage]:
     """Everything :func:`collect_garbage` would delete (nothing is touched)."""
     now = time.time() if now is None else now
-    tiers = Store.of(hot, cold, hot_options=hot_options, cold_options=cold_options).tiers
+    tiers = Store.of(store).tiers
     return _scan(tiers, now, grace)[0].garbage
 
 
+@takes_store()
 def collect_garbage(
-    hot: TierURL | Store | None,
-    cold: TierURL | None = None,
+    store: Store | TierURL,
     *,
     grace: float = DEFAULT_GRACE,
     dry_run: bool = True,
-    hot_options: dict[str, Any] | None = None,
-    cold_options: dict[str, Any] | None = None,
     now: float | None = None,
 ) -> GCReport:
     """Find garbage in every tier and, unless ``dry_run``, delete it (see the module docstring
     for what is kept and what the report lists)."""
     now = time.time() if now is None else now
-    tiers = Store.of(hot, cold, hot_options=hot_options, cold_options=cold_options).tiers
+    tiers = Store.of(store).tiers
     scan, damaged = _scan(tiers, now, grace)
     by_label = {t.label: t for t in tiers}
     aborted: list[str] = []

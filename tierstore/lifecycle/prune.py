@@ -49,7 +49,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
 from tierstore.errors import ObjectNotFound, TierstoreError
 from tierstore.format import layout
@@ -59,6 +58,7 @@ from tierstore.storage import faults
 from tierstore.storage.backend import ObjectInfo
 from tierstore.tiers import marks
 from tierstore.tiers.leases import live_leases
+from tierstore.tiers.store_arg import takes_store
 from tierstore.tiers.tier import Store, Tier, TierURL
 
 __all__ = [
@@ -408,29 +408,26 @@ def pending_in_cold(hot: Tier, cold: Tier) -> set[str]:
     return set(check_cold_copies(hot, cold).protect)
 
 
+@takes_store(node_local=True)
 def prune(
-    hot: TierURL | Store | None,
-    cold: TierURL | None = None,
+    store: Store | TierURL,
     *,
     hot_policy: Policy = DEFAULT_HOT,
     cold_policy: Policy = DEFAULT_COLD,
-    hot_options: dict[str, Any] | None = None,
-    cold_options: dict[str, Any] | None = None,
     dry_run: bool = False,
     now: float | None = None,
-    node_local: bool = False,
     prune_cold: bool = True,
 ) -> list[PruneReport]:
     """Prune every tier of a store by its policy; hot checkpoints not provably in cold are
     kept. A tier that cannot be pruned at all is reported in its report's ``errors``.
 
-    ``node_local``: ``hot`` is this node's own hot root (:func:`prune_node_local`).
+    A node-local store's hot tier is this node's own hot root (:func:`prune_node_local`).
     ``prune_cold=False`` leaves the cold tier alone (a job prunes it from one rank only).
     """
-    store = Store.of(hot, cold, hot_options=hot_options, cold_options=cold_options)
+    store = Store.of(store)
     hot_tier, cold_tier = store.hot, store.cold
     jobs: list[tuple[Tier, Callable[[], PruneReport]]] = []
-    if hot_tier is not None and node_local and cold_tier is not None:
+    if hot_tier is not None and cold_tier is not None and store.node_local:
         jobs.append(
             (hot_tier, lambda: prune_node_local(hot_tier, cold_tier, hot_policy, dry_run=dry_run, now=now))
         )

@@ -39,7 +39,7 @@ from tierstore.errors import (
 from tierstore.format import layout
 from tierstore.format.manifest import MAX_MANIFEST_BYTES, Manifest
 from tierstore.lifecycle.prune import delete_data
-from tierstore.tiers.tier import Store, Tier
+from tierstore.tiers.tier import Store, Tier, TierURL
 
 __all__ = ["Quarantined", "quarantine", "list_quarantined", "delete_quarantined", "restore_quarantined"]
 
@@ -116,11 +116,11 @@ def _read(tier: Tier, key: str) -> Quarantined | None:
     )
 
 
-def list_quarantined(store: Store) -> list[Quarantined]:
+def list_quarantined(store: Store | TierURL) -> list[Quarantined]:
     """Every quarantined attempt in every tier of ``store``, oldest step first. One listing
     per tier and a read per record; an unreadable record is listed with that reason."""
     found = []
-    for tier in store.tiers:
+    for tier in Store.of(store).tiers:
         for info in tier.backend.list(layout.quarantine_prefix()):
             record = _read(tier, info.key)
             if record is not None:
@@ -128,7 +128,8 @@ def list_quarantined(store: Store) -> list[Quarantined]:
     return sorted(found, key=lambda q: (q.step is None, q.step or 0, q.name, q.attempt, q.tier))
 
 
-def _matching(store: Store, name: str, attempt: str | None) -> list[tuple[Tier, Quarantined]]:
+def _matching(store: Store | TierURL, name: str, attempt: str | None) -> list[tuple[Tier, Quarantined]]:
+    store = Store.of(store)
     by_label = {tier.label: tier for tier in store.tiers}
     chosen = [
         (by_label[q.tier], q)
@@ -145,7 +146,7 @@ def _matching(store: Store, name: str, attempt: str | None) -> list[tuple[Tier, 
 
 
 def delete_quarantined(
-    store: Store, name: str, attempt: str | None = None, *, dry_run: bool = False
+    store: Store | TierURL, name: str, attempt: str | None = None, *, dry_run: bool = False
 ) -> list[Quarantined]:
     """Remove the quarantined checkpoint ``name`` (one ``attempt``, or all of that name):
     its data, then its record. What an unreadable record names is left to ``gc`` (nothing
@@ -163,7 +164,7 @@ def delete_quarantined(
     return [q for _, q in chosen]
 
 
-def restore_quarantined(store: Store, name: str, attempt: str | None = None) -> list[Quarantined]:
+def restore_quarantined(store: Store | TierURL, name: str, attempt: str | None = None) -> list[Quarantined]:
     """Publish a quarantined checkpoint again (its recorded manifest, exclusively) and drop
     its record: for damage that proved not to be real (a tier that was briefly wrong). A
     name committed again since is never overwritten: :class:`CheckpointExists`."""

@@ -22,6 +22,7 @@ from tierstore.format.manifest import FileEntry, Manifest, checkpoint_order
 from tierstore.format.verified import CHUNK, open_verified, verify_file
 from tierstore.progress import counting
 from tierstore.storage.checksum import crc32c_update
+from tierstore.tiers.store_arg import takes_store
 from tierstore.tiers.tier import Store, Tier, TierURL
 
 __all__ = ["FileCheck", "verify_store"]
@@ -40,13 +41,11 @@ class FileCheck:
     size: int = 0
 
 
+@takes_store()
 def verify_store(
-    hot: TierURL | Store | None,
-    cold: TierURL | None = None,
+    store: Store | TierURL,
     *,
     names: Iterable[str] | None = None,
-    hot_options: dict[str, Any] | None = None,
-    cold_options: dict[str, Any] | None = None,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> list[FileCheck]:
     """Read back every file of every (or the named) committed checkpoint in every tier.
@@ -56,7 +55,7 @@ def verify_store(
     """
     wanted = set(names) if names is not None else None
     results: list[FileCheck] = []
-    for tier in Store.of(hot, cold, hot_options=hot_options, cold_options=cold_options).tiers:
+    for tier in Store.of(store).tiers:
         manifests, invalid = tier.scan_manifests()
         for err in invalid:
             if wanted is None or err.checkpoint in wanted:

@@ -21,6 +21,7 @@ from tierstore.lifecycle.quarantine import quarantine
 from tierstore.manager.base import Base
 from tierstore.resume.state import ResumePlanner, is_per_rank_key
 from tierstore.tiers.catalog import list_checkpoints
+from tierstore.tiers.tier import Store
 
 if TYPE_CHECKING:
     from tierstore.resume.check import ResumeReport
@@ -190,10 +191,9 @@ class Loading(Base):
         return verify_resume(
             probe,
             state,
-            hot=self.store,
+            store=Store.of(self.store, node_local=self.node_local),
             name=name,
             step=step,
-            node_local=self.node_local,
             group=self.group,
             rtol=rtol,
             atol=atol,

@@ -21,6 +21,7 @@ from tierstore.tiers.delivery import (
 from tierstore.tiers.migrator import (
     files_by_rank,
 )
+from tierstore.tiers.tier import Store
 from tierstore.tiers.workers import migrator_for
 
 __all__ = ["Maintenance"]
@@ -110,10 +111,9 @@ class Maintenance(Base):
     def prune(self) -> list[PruneReport]:
         """Apply the retention policies now (the coordinator does this after each commit)."""
         reports = prune(
-            self.store,
+            Store.of(self.store, node_local=self.node_local),
             hot_policy=self.hot_policy,
             cold_policy=self.cold_policy,
-            node_local=self.node_local,
             prune_cold=not self.node_local or self.rank == 0,
         )
         errors = [e for r in reports for e in r.errors]

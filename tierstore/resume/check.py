@@ -51,6 +51,7 @@ from tierstore.errors import ConfigError, TierstoreError
 from tierstore.resume.probes import Probe, ProbeFactory, load_probe, probe_spec
 from tierstore.resume.report import Mismatch, ResumeReport, assemble, compare, rank_outcome
 from tierstore.tiers.catalog import resolve
+from tierstore.tiers.store_arg import takes_store
 from tierstore.tiers.tier import Store, TierURL
 
 __all__ = [
@@ -154,10 +155,10 @@ def _fresh_spec(probe: str, name: str, store: Store, node_local: bool, timeout: 
 # -- from the command line: a checkpoint, no live process ------------------------------------
 
 
+@takes_store()
 def verify_checkpoint(
     probe: str,
-    hot: TierURL | Store | None,
-    cold: TierURL | None = None,
+    store: Store | TierURL,
     *,
     name: str | None = None,
     step: int | None = None,
@@ -165,8 +166,6 @@ def verify_checkpoint(
     record: str | os.PathLike[str] | None = None,
     rtol: float = 0.0,
     atol: float = 0.0,
-    hot_options: Mapping[str, Any] | None = None,
-    cold_options: Mapping[str, Any] | None = None,
     timeout: float = 600.0,
 ) -> ResumeReport:
     """Load a checkpoint into ``nproc`` fresh local processes and check it against ``record``.
@@ -181,7 +180,7 @@ def verify_checkpoint(
         live = _read_record(Path(record))
         name = name or (live[0] or {}).get("checkpoint")
         nproc = nproc or len(live)
-    store = Store.of(hot, cold, hot_options=hot_options, cold_options=cold_options)
+    store = Store.of(store)
     manifest, _ = resolve(store.tiers, step=step, name=name)
     nproc = nproc or manifest.world_size
     if record is None:
@@ -207,17 +206,14 @@ def _read_record(directory: Path) -> list[dict[str, Any] | None]:
 # -- from the training run: every rank, right after a save -----------------------------------
 
 
+@takes_store(node_local=True)
 def verify_resume(
     probe: str | ProbeFactory,
     state: dict[str, Any],
     *,
-    hot: TierURL | Store | None,
-    cold: TierURL | None = None,
+    store: Store | TierURL,
     name: str | None = None,
     step: int | None = None,
-    hot_options: Mapping[str, Any] | None = None,
-    cold_options: Mapping[str, Any] | None = None,
-    node_local: bool = False,
     group: Any = None,
     rtol: float = 0.0,
     atol: float = 0.0,
@@ -233,9 +229,7 @@ def verify_resume(
     """
     from tierstore.resume import probe as _probe
 
-    store = Store.of(
-        hot, cold, hot_options=hot_options, cold_options=cold_options, node_local=node_local or None
-    )
+    store = Store.of(store)
     spec_name = probe_spec(probe)
     factory = probe if callable(probe) else load_probe(probe)
     start = time.monotonic()

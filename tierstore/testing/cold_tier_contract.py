@@ -26,7 +26,7 @@ from tierstore.tiers.catalog import list_checkpoints
 from tierstore.tiers.jobs import Job, JobFailed, MigrationConfig, MigrationState
 from tierstore.tiers.migrator import Migrator
 from tierstore.tiers.status import migrate_pending
-from tierstore.tiers.tier import Tier
+from tierstore.tiers.tier import Store, Tier
 from tierstore.tiers.workers import active_migrators
 
 __all__ = ["COLD_MODES", "ColdTierContract", "ProxiedCold"]
@@ -198,7 +198,8 @@ class ColdTierContract:
                 assert all(direct.find_manifest(name) is None for name in names)
             cold.set_mode("healthy")
             finished = _returns(
-                lambda: migrate_pending(cold.hot, cold.url, cold_options=cold.options()), "migrate_pending"
+                lambda: migrate_pending(Store.of(cold.hot, cold.url, cold_options=cold.options())),
+                "migrate_pending",
             )
             assert sorted(s.name for s in finished) == sorted(s.name for s in failed)
             assert all(s.state is MigrationState.COMMITTED for s in finished), finished
@@ -294,7 +295,8 @@ class ColdTierContract:
         cold = proxied_cold
         dcp_save(_state_for(1), storage_writer=TieredWriter(cold.hot, step=1))
         done = migrate_pending(
-            cold.hot, cold.url, cold_options=cold.options(through_proxy=False), config=_FAST_MIGRATION
+            Store.of(cold.hot, cold.url, cold_options=cold.options(through_proxy=False)),
+            config=_FAST_MIGRATION,
         )
         assert done[0].state is MigrationState.COMMITTED
         manifest = Tier("hot", cold.hot).find_manifest(layout.default_name(1))

@@ -7,13 +7,13 @@ invariant 1): nothing here looks at data files, DCP's ``.metadata`` or directory
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from tierstore.errors import CheckpointNotFound, InvalidManifest, TierstoreError
 from tierstore.format import layout
 from tierstore.format.manifest import Manifest, checkpoint_order
+from tierstore.tiers.store_arg import takes_store
 from tierstore.tiers.tier import Store, Tier, TierURL
 
 __all__ = ["CheckpointInfo", "list_checkpoints", "latest_checkpoint", "resolve"]
@@ -86,30 +86,17 @@ def _collect(tiers: Sequence[Tier]) -> list[tuple[Manifest, list[Tier]]]:
     return sorted(merged.values(), key=lambda item: checkpoint_order(item[0]))
 
 
-def list_checkpoints(
-    hot: TierURL | Store | None,
-    cold: TierURL | None = None,
-    *,
-    hot_options: Mapping[str, Any] | None = None,
-    cold_options: Mapping[str, Any] | None = None,
-) -> list[CheckpointInfo]:
-    """Committed checkpoints in any tier, sorted by step (then creation time).
-
-    ``hot`` is the hot tier's URL or a :class:`~tierstore.Store` (see :meth:`Store.of`).
-    """
-    store = Store.of(hot, cold, hot_options=hot_options, cold_options=cold_options)
-    return [CheckpointInfo.of(m, (t.role for t in holders)) for m, holders in _collect(store.tiers)]
+@takes_store()
+def list_checkpoints(store: Store | TierURL) -> list[CheckpointInfo]:
+    """Committed checkpoints in any tier of ``store``, sorted by step (then creation time)."""
+    tiers = Store.of(store).tiers
+    return [CheckpointInfo.of(m, (t.role for t in holders)) for m, holders in _collect(tiers)]
 
 
-def latest_checkpoint(
-    hot: TierURL | Store | None,
-    cold: TierURL | None = None,
-    *,
-    hot_options: Mapping[str, Any] | None = None,
-    cold_options: Mapping[str, Any] | None = None,
-) -> CheckpointInfo | None:
+@takes_store()
+def latest_checkpoint(store: Store | TierURL) -> CheckpointInfo | None:
     """The newest committed checkpoint in any tier, or ``None`` for an empty store."""
-    found = list_checkpoints(hot, cold, hot_options=hot_options, cold_options=cold_options)
+    found = list_checkpoints(store)
     return found[-1] if found else None
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from tierstore.errors import (
     CheckpointExists,
@@ -30,6 +29,7 @@ from tierstore.format.manifest import FileEntry, Manifest
 from tierstore.progress import counting
 from tierstore.tiers.catalog import resolve
 from tierstore.tiers.migrator import MigrationConfig
+from tierstore.tiers.store_arg import takes_store
 from tierstore.tiers.tier import Store, Tier, TierURL
 from tierstore.tiers.transfer import check_copy, copy_file
 
@@ -54,39 +54,26 @@ class RestoreReport:
     manifest_repaired: bool = False  # the hot manifest was damaged and has been replaced
 
 
+@takes_store()
 def restore(
-    hot: TierURL | Store,
-    cold: TierURL | None = None,
+    store: Store | TierURL,
     *,
     step: int | None = None,
     name: str | None = None,
-    hot_options: dict[str, Any] | None = None,
-    cold_options: dict[str, Any] | None = None,
     config: MigrationConfig | None = None,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> Manifest:
     """Restore (or repair) the newest (or the given) cold checkpoint in the hot tier; return
     its manifest. :func:`restore_checkpoint` also says what was copied and repaired."""
-    return restore_checkpoint(
-        hot,
-        cold,
-        step=step,
-        name=name,
-        hot_options=hot_options,
-        cold_options=cold_options,
-        config=config,
-        progress=progress,
-    ).manifest
+    return restore_checkpoint(store, step=step, name=name, config=config, progress=progress).manifest
 
 
+@takes_store()
 def restore_checkpoint(
-    hot: TierURL | Store,
-    cold: TierURL | None = None,
+    store: Store | TierURL,
     *,
     step: int | None = None,
     name: str | None = None,
-    hot_options: dict[str, Any] | None = None,
-    cold_options: dict[str, Any] | None = None,
     config: MigrationConfig | None = None,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> RestoreReport:
@@ -94,8 +81,7 @@ def restore_checkpoint(
     hot tier holds of it (module docstring); raise :class:`CheckpointExists` if the hot tier
     commits another attempt under that name."""
     config = config or MigrationConfig()
-    store = Store.of(hot, cold, hot_options=hot_options, cold_options=cold_options)
-    hot_tier, cold_tier = store.migration_pair()
+    hot_tier, cold_tier = Store.of(store).migration_pair()
     manifest, _ = resolve([cold_tier], step=step, name=name)
     present, torn = _hot_manifest(hot_tier, manifest.name)
     if present is not None and present.attempt != manifest.attempt:

@@ -17,33 +17,26 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
-from typing import Any
 
 from tierstore.errors import InvalidManifest
 from tierstore.format.manifest import Manifest, checkpoint_order
 from tierstore.retry import polling
 from tierstore.tiers import marks
 from tierstore.tiers.migrator import MigrationConfig, MigrationState, MigrationStatus, Migrator
+from tierstore.tiers.store_arg import takes_store
 from tierstore.tiers.tier import Store, Tier, TierURL
 from tierstore.tiers.workers import drain
 
 __all__ = ["migration_status", "migrate_pending", "wait_for_migrations"]
 
 
-def migration_status(
-    hot: TierURL | Store,
-    cold: TierURL | None = None,
-    *,
-    hot_options: dict[str, Any] | None = None,
-    cold_options: dict[str, Any] | None = None,
-) -> list[MigrationStatus]:
+@takes_store()
+def migration_status(store: Store | TierURL) -> list[MigrationStatus]:
     """Every hot-committed checkpoint's migration state as the tiers record it (any process).
 
     Raises the storage error if the cold tier cannot be read at all.
     """
-    hot_tier, cold_tier = Store.of(
-        hot, cold, hot_options=hot_options, cold_options=cold_options
-    ).migration_pair()
+    hot_tier, cold_tier = Store.of(store).migration_pair()
     cold_id = marks.store_id(cold_tier)
     in_cold = _cold_manifests(cold_tier)
     return [
@@ -129,12 +122,10 @@ def _tier_status(
     return replace(base, state=state, bytes_done=done)
 
 
+@takes_store()
 def migrate_pending(
-    hot: TierURL | Store,
-    cold: TierURL | None = None,
+    store: Store | TierURL,
     *,
-    hot_options: dict[str, Any] | None = None,
-    cold_options: dict[str, Any] | None = None,
     names: Iterable[str] | None = None,
     config: MigrationConfig | None = None,
     progress: Callable[[str, int, int], None] | None = None,
@@ -145,9 +136,7 @@ def migrate_pending(
     each checkpoint's final status; a checkpoint's failure is reported there, not raised.
     A tier that cannot be read at all (the cold tier down) raises its storage error.
     """
-    hot_tier, cold_tier = Store.of(
-        hot, cold, hot_options=hot_options, cold_options=cold_options
-    ).migration_pair()
+    hot_tier, cold_tier = Store.of(store).migration_pair()
     migrator = Migrator(hot_tier, cold_tier, config)
     wanted = set(names) if names is not None else None
     results = []
@@ -166,14 +155,9 @@ def migrate_pending(
     return results
 
 
+@takes_store()
 def wait_for_migrations(
-    hot: TierURL | Store,
-    cold: TierURL | None = None,
-    *,
-    timeout: float | None = None,
-    poll: float = 1.0,
-    hot_options: dict[str, Any] | None = None,
-    cold_options: dict[str, Any] | None = None,
+    store: Store | TierURL, *, timeout: float | None = None, poll: float = 1.0
 ) -> list[MigrationStatus]:
     """Wait until no hot-committed checkpoint is still pending or uploading (any process).
 
@@ -183,7 +167,7 @@ def wait_for_migrations(
     deadline = None if timeout is None else time.monotonic() + timeout
     drain(timeout)
     left = None if deadline is None else max(0.0, deadline - time.monotonic())
-    store = Store.of(hot, cold, hot_options=hot_options, cold_options=cold_options)
+    store = Store.of(store)
     return polling(poll, left).poll(lambda: migration_status(store), until=_settled)
 
 

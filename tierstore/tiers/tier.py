@@ -2,9 +2,11 @@
 
 A :class:`Store` is the one value every store-wide call takes, as fsspec calls take an
 ``fs``: build it once from URLs and options, and pass it to :func:`~tierstore.list_checkpoints`,
-:func:`~tierstore.prune`, :class:`~tierstore.TieredWriter` and the rest. Each of those still
-accepts the URLs themselves (``hot``, ``cold``, ``hot_options``, ``cold_options``) and builds
-the store with :meth:`Store.of`.
+:func:`~tierstore.prune`, :class:`~tierstore.TieredWriter` and the rest; an operation also takes
+a URL, a store of that one tier. Only the three constructors (``TieredWriter``,
+``TieredReader``, ``CheckpointManager``) still take the URLs and options themselves and build
+the store with :meth:`Store.of`; the operations' old forms are
+:func:`tierstore.tiers.store_arg.takes_store`'s, for one release.
 """
 
 from __future__ import annotations
