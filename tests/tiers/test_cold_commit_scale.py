@@ -163,16 +163,7 @@ def write_attempt(hot: Tier, world: int = W, per_rank: int = F, **options: Any) 
 
 
 def rank_job(manifest: Manifest, rank: int, *, fresh: bool = True, commit: bool = False) -> Job:
-    return Job(
-        manifest.name,
-        manifest.attempt,
-        manifest.step,
-        rank,
-        manifest.files_of_rank(rank),
-        manifest.created,
-        manifest=manifest if commit else None,
-        fresh=fresh,
-    )
+    return Job.of(manifest, rank, commits=commit, fresh=fresh)
 
 
 def upload_ranks(migrator: Migrator, manifest: Manifest, ranks: Iterable[int]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Mapping
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 from tierstore.lifecycle.gc import DEFAULT_GRACE
 from tierstore.lifecycle.retention import keep_best
@@ -160,33 +161,25 @@ def _best(text: str) -> keep_best:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+# The retention flags, one per policy and tier: (rule, type, metavar, help with {tier}).
+_KEEP_FLAGS: tuple[tuple[str, Any, str, str], ...] = (
+    ("last", int, "N", "keep the newest N checkpoints in the {tier} tier"),
+    ("every", int, "K", "keep every checkpoint whose step is a multiple of K in the {tier} tier"),
+    ("within", float, "SECONDS", "keep the {tier} tier's checkpoints saved in the last SECONDS"),
+    (
+        "best",
+        _best,
+        "METRIC:K[:min|max]",
+        "keep the {tier} tier's K best checkpoints by a metric their saves recorded (lowest "
+        "with min, the default; highest with max)",
+    ),
+)
+
+
 def _prune_args(p: argparse.ArgumentParser) -> None:
     for tier in ("hot", "cold"):
-        p.add_argument(
-            f"--{tier}-keep-last",
-            type=int,
-            metavar="N",
-            help=f"keep the newest N checkpoints in the {tier} tier",
-        )
-        p.add_argument(
-            f"--{tier}-keep-every",
-            type=int,
-            metavar="K",
-            help=f"keep every checkpoint whose step is a multiple of K in the {tier} tier",
-        )
-        p.add_argument(
-            f"--{tier}-keep-within",
-            type=float,
-            metavar="SECONDS",
-            help=f"keep the {tier} tier's checkpoints saved in the last SECONDS",
-        )
-        p.add_argument(
-            f"--{tier}-keep-best",
-            type=_best,
-            metavar="METRIC:K[:min|max]",
-            help=f"keep the {tier} tier's K best checkpoints by a metric their saves "
-            "recorded (lowest with min, the default; highest with max)",
-        )
+        for rule, kind, metavar, text in _KEEP_FLAGS:
+            p.add_argument(f"--{tier}-keep-{rule}", type=kind, metavar=metavar, help=text.format(tier=tier))
     p.add_argument("--yes", action="store_true", help="really prune (default: a dry run)")
 
 

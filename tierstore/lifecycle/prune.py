@@ -48,7 +48,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from tierstore.errors import ObjectNotFound, TierstoreError
 from tierstore.format import layout
@@ -93,6 +93,32 @@ class PruneReport:
     pending: tuple[str, ...] = ()  # hot checkpoints never committed in the cold tier
 
 
+@dataclass
+class _Tally:
+    """What one prune of one tier has done so far, for its :class:`PruneReport`."""
+
+    kept: set[str]
+    protected: set[str]
+    notes: list[str] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
+    deferred: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    freed: int = 0
+
+    def report(self, tier: Tier, dry_run: bool) -> PruneReport:
+        return PruneReport(
+            tier=tier.label,
+            kept=tuple(sorted(self.kept)),
+            deleted=tuple(self.deleted),
+            deferred=tuple(self.deferred),
+            protected=tuple(sorted(self.protected)),
+            bytes_freed=self.freed,
+            dry_run=dry_run,
+            warnings=tuple(self.notes),
+            errors=tuple(self.errors),
+        )
+
+
 def plan_prune(
     manifests: Iterable[Manifest], policy: Policy, *, protect: Iterable[str] = (), now: float
 ) -> tuple[list[Manifest], set[str], set[str]]:
@@ -133,20 +159,19 @@ def prune_tier(
     listing = list(tier.manifests() if manifests is None else manifests)
     faults.point("prune.after_listing")
     doomed, kept, protected = plan_prune(listing, policy, protect=protect, now=now)
-    deleted, deferred, errors, freed = [], [], [], 0
-    notes = list(warnings)
+    tally = _Tally(kept, protected, notes=list(warnings))
     for manifest in doomed:
         try:
             why = still_safe(manifest) if still_safe is not None else None
             if why is not None:
                 log.warning("kept %s in %s: %s", manifest.name, tier.label, why)
-                notes.append(f"{manifest.name}: {why}")
+                tally.notes.append(f"{manifest.name}: {why}")
                 kept.add(manifest.name)
                 protected.add(manifest.name)
                 continue
             if dry_run:
-                deleted.append(manifest.name)
-                freed += manifest.total_size
+                tally.deleted.append(manifest.name)
+                tally.freed += manifest.total_size
                 continue
             faults.point("prune.before_unpublish")
             if not tier.unpublish(manifest):  # un-publish first, and only what was listed
@@ -163,30 +188,20 @@ def prune_tier(
                     manifest.name,
                     tier.label,
                 )
-                deferred.append(manifest.name)
+                tally.deferred.append(manifest.name)
                 continue
             faults.point("prune.after_lease_check")
-            freed += delete_data(tier, manifest)
+            tally.freed += delete_data(tier, manifest)
         except TierstoreError as err:
             log.error(
                 "could not prune %s from %s (going on with the others): %s", manifest.name, tier.label, err
             )
-            errors.append(f"{manifest.name}: {err}")
+            tally.errors.append(f"{manifest.name}: {err}")
             continue
-        deleted.append(manifest.name)
-    if (deleted or deferred) and not dry_run:
-        log.info("pruned %s from %s (kept %s)", deleted + deferred, tier.label, sorted(kept))
-    return PruneReport(
-        tier=tier.label,
-        kept=tuple(sorted(kept)),
-        deleted=tuple(deleted),
-        deferred=tuple(deferred),
-        protected=tuple(sorted(protected)),
-        bytes_freed=freed,
-        dry_run=dry_run,
-        warnings=tuple(notes),
-        errors=tuple(errors),
-    )
+        tally.deleted.append(manifest.name)
+    if (tally.deleted or tally.deferred) and not dry_run:
+        log.info("pruned %s from %s (kept %s)", tally.deleted + tally.deferred, tier.label, sorted(kept))
+    return tally.report(tier, dry_run)
 
 
 def prune_hot(
@@ -261,7 +276,7 @@ def prune_node_local(
     committed = cold.manifests()
     faults.point("prune.after_listing")
     doomed, kept, protected = plan_prune(committed, policy, now=now)
-    deleted, deferred, errors, freed = [], [], [], 0
+    tally = _Tally(kept, protected)
     for manifest in doomed:
         try:
             local = _held_here(hot, manifest)
@@ -271,15 +286,15 @@ def prune_node_local(
             if not local and here is None:
                 continue
             if dry_run:
-                deleted.append(manifest.name)
-                freed += sum(info.size for info in local)
+                tally.deleted.append(manifest.name)
+                tally.freed += sum(info.size for info in local)
                 continue
             faults.point("prune.before_unpublish")
             if here is not None and not hot.unpublish(here):  # un-publish first
                 continue
             faults.point("prune.after_unpublish")
             if live_leases(hot, manifest.name):
-                deferred.append(manifest.name)
+                tally.deferred.append(manifest.name)
                 continue
             faults.point("prune.after_lease_check")
             delete_batched(hot, [info.key for info in local])
@@ -291,20 +306,11 @@ def prune_node_local(
                 hot.label,
                 err,
             )
-            errors.append(f"{manifest.name}: {err}")
+            tally.errors.append(f"{manifest.name}: {err}")
             continue
-        deleted.append(manifest.name)
-        freed += sum(info.size for info in local)
-    return PruneReport(
-        tier=hot.label,
-        kept=tuple(sorted(kept)),
-        deleted=tuple(deleted),
-        deferred=tuple(deferred),
-        protected=tuple(sorted(protected)),
-        bytes_freed=freed,
-        dry_run=dry_run,
-        errors=tuple(errors),
-    )
+        tally.deleted.append(manifest.name)
+        tally.freed += sum(info.size for info in local)
+    return tally.report(hot, dry_run)
 
 
 def _held_here(hot: Tier, manifest: Manifest) -> list[ObjectInfo]:

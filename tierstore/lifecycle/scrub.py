@@ -102,19 +102,10 @@ def _check_metadata(
     except TierstoreError as err:
         return _failed(tier, manifest, entry, str(err)), {}
     except pickle.UnpicklingError as err:
-        return _failed(
-            tier,
-            manifest,
-            entry,
-            str(
-                IntegrityError(
-                    f"DCP metadata cannot be loaded safely: {err}",
-                    checkpoint=manifest.name,
-                    file=entry.path,
-                    tier=tier.label,
-                )
-            ),
-        ), {}
+        problem = _problem(
+            IntegrityError, f"DCP metadata cannot be loaded safely: {err}", tier, manifest, entry
+        )
+        return _failed(tier, manifest, entry, problem), {}
     items: _Items = {}
     for index, info in metadata.storage_data.items():
         items.setdefault(info.relative_path, []).append((index.fqn, info))
@@ -122,18 +113,9 @@ def _check_metadata(
         found.sort(key=lambda item: (item[1].offset, item[1].length))
     unlisted = sorted(set(items) - listed)
     if unlisted:
+        message = f"DCP metadata stores items in files the manifest does not list: {unlisted}"
         return _failed(
-            tier,
-            manifest,
-            entry,
-            str(
-                InvalidManifest(
-                    f"DCP metadata stores items in files the manifest does not list: {unlisted}",
-                    checkpoint=manifest.name,
-                    file=entry.path,
-                    tier=tier.label,
-                )
-            ),
+            tier, manifest, entry, _problem(InvalidManifest, message, tier, manifest, entry)
         ), items
     return FileCheck(tier.label, manifest.name, entry.path, True, None, entry.size), items
 
@@ -169,6 +151,13 @@ def _check_file(
 
 def _failed(tier: Tier, manifest: Manifest, entry: FileEntry, problem: str) -> FileCheck:
     return FileCheck(tier.label, manifest.name, entry.path, False, problem, entry.size)
+
+
+def _problem(
+    kind: type[TierstoreError], message: str, tier: Tier, manifest: Manifest, entry: FileEntry
+) -> str:
+    """``message`` as error ``kind`` words it, naming the checkpoint, file and tier."""
+    return str(kind(message, checkpoint=manifest.name, file=entry.path, tier=tier.label))
 
 
 def _item_problem(items: Sequence[tuple[str, Any]], size: int) -> str | None:

@@ -110,6 +110,30 @@ class Job:
     stopped: bool = False  # set by Migrator.stop: it ends at its next chunk, or never starts
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
+    @classmethod
+    def of(
+        cls,
+        manifest: Manifest,
+        rank: int,
+        files: tuple[FileEntry, ...] | None = None,
+        *,
+        commits: bool = False,
+        fresh: bool = False,
+    ) -> Job:
+        """Rank ``rank``'s job of ``manifest`` (``files``: its files, looked up if not given),
+        the cold commit too if it ``commits``."""
+        files = manifest.files_of_rank(rank) if files is None else files
+        return cls(
+            manifest.name,
+            manifest.attempt,
+            manifest.step,
+            rank,
+            files,
+            manifest.created,
+            manifest=manifest if commits else None,
+            fresh=fresh,
+        )
+
     def add_bytes(self, n: int) -> None:
         if self.stopped:
             raise JobStopped(f"migration of {self.name} stopped")

@@ -138,18 +138,7 @@ class Migrator(ColdCommit):
     def submit_commit(self, manifest: Manifest, rank: int, *, fresh: bool = False) -> None:
         """Coordinator: upload own files, wait for every rank's mark, publish cold manifest
         (``fresh``: as for :meth:`submit_rank`; the commit's own checks stay whole)."""
-        self._enqueue(
-            Job(
-                manifest.name,
-                manifest.attempt,
-                manifest.step,
-                rank,
-                manifest.files_of_rank(rank),
-                manifest.created,
-                manifest=manifest,
-                fresh=fresh,
-            )
-        )
+        self._enqueue(Job.of(manifest, rank, commits=True, fresh=fresh))
 
     def submit_checkpoint(self, manifest: Manifest) -> None:
         """Migrate every rank's files of ``manifest`` from this hot tier and commit it, in the
@@ -159,17 +148,7 @@ class Migrator(ColdCommit):
         by_rank = sorted(files_by_rank(manifest).items())
         for index, (rank, files) in enumerate(by_rank):
             last = index == len(by_rank) - 1
-            self._enqueue(
-                Job(
-                    manifest.name,
-                    manifest.attempt,
-                    manifest.step,
-                    rank,
-                    files,
-                    manifest.created,
-                    manifest=manifest if last else None,
-                )
-            )
+            self._enqueue(Job.of(manifest, rank, files, commits=last))
 
     def busy(self, name: str, attempt: str) -> bool:
         """Whether a job of this attempt is queued or running here."""
