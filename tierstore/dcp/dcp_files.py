@@ -20,7 +20,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import IO, Any, cast
+from typing import IO, Any, Protocol, cast
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -166,13 +166,31 @@ def deliver(
         raise stream.corrupt(
             f"item {req.storage_index.fqn!r} cannot be loaded safely: {type(err).__name__}: {err}"
         ) from err
-    target = planner.resolve_tensor(req).detach()
-    if target.size() != tensor.size():
-        raise stream.corrupt(
+    commit_chunk(planner, req, planner.resolve_tensor(req).detach(), tensor, stream.corrupt)
+
+
+class CommitsTensors(Protocol):
+    """What :func:`commit_chunk` needs of a planner (DCP's, or the raw reader's locked one)."""
+
+    def commit_tensor(self, req: ReadItem, tensor: torch.Tensor) -> None: ...
+
+
+def commit_chunk(
+    planner: CommitsTensors,
+    req: ReadItem,
+    target: torch.Tensor,
+    chunk: torch.Tensor,
+    corrupt: Callable[[str], Exception],
+) -> None:
+    """Copy a stored ``chunk`` into the ``target`` the planner resolved for ``req`` and commit
+    it; a chunk of another shape is damage the checksums could not see (``corrupt`` words
+    the error, naming the file)."""
+    if target.size() != chunk.size():
+        raise corrupt(
             f"stored chunk of {req.storage_index.fqn!r} has shape "
-            f"{tuple(tensor.size())}, expected {tuple(target.size())}"
+            f"{tuple(chunk.size())}, expected {tuple(target.size())}"
         )
-    target.copy_(tensor)
+    target.copy_(chunk)
     planner.commit_tensor(req, target)
 
 

@@ -29,6 +29,7 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
+from tierstore.dcp.dcp_files import commit_chunk
 from tierstore.errors import ChecksumMismatch, IntegrityError, UnsafeType
 from tierstore.format import encoding
 from tierstore.format.encoding import RawItem
@@ -345,13 +346,7 @@ def _deliver(reader: _Reader, want: Want, planner: Planner) -> None:
         chunk = stored
         for dim, (offset, length) in enumerate(zip(req.storage_offsets, req.lengths)):
             chunk = chunk.narrow(dim, offset - first_row if dim == 0 else offset, length)
-        if target.size() != chunk.size():
-            raise reader.corrupt(
-                f"stored chunk of {req.storage_index.fqn!r} has shape "
-                f"{tuple(chunk.size())}, expected {tuple(target.size())}"
-            )
-        target.copy_(chunk)
-        planner.commit_tensor(req, target)
+        commit_chunk(planner, req, target, chunk, reader.corrupt)
 
 
 def _rows(reader: _Reader, want: Want, req: ReadItem) -> tuple[int, int]:
