@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import IO
 
 import pytest
@@ -44,19 +44,29 @@ def s3_env(s3_endpoint: str) -> dict[str, str]:
     return {"AWS_ENDPOINT_URL": s3_endpoint, **S3_CREDENTIALS}
 
 
-@pytest.fixture
-def s3_bucket(s3_endpoint: str) -> str:
+@pytest.fixture(scope="session")
+def make_s3_bucket() -> Callable[[str], str]:
+    """``make_s3_bucket(endpoint)``: a fresh, uniquely named bucket on that moto server."""
     boto3 = pytest.importorskip("boto3")
-    name = f"test-{uuid.uuid4().hex[:12]}"
-    client = boto3.client(
-        "s3",
-        endpoint_url=s3_endpoint,
-        region_name="us-west-2",
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-    )
-    client.create_bucket(Bucket=name, CreateBucketConfiguration={"LocationConstraint": "us-west-2"})
-    return name
+
+    def make(endpoint: str) -> str:
+        name = f"test-{uuid.uuid4().hex[:12]}"
+        client = boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            region_name="us-west-2",
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+        )
+        client.create_bucket(Bucket=name, CreateBucketConfiguration={"LocationConstraint": "us-west-2"})
+        return name
+
+    return make
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint: str, make_s3_bucket: Callable[[str], str]) -> str:
+    return make_s3_bucket(s3_endpoint)
 
 
 def _drain(stream: IO[bytes]) -> None:

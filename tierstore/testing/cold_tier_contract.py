@@ -21,6 +21,7 @@ from tierstore.format import layout
 from tierstore.manager import CheckpointManager
 from tierstore.retry import RetryPolicy
 from tierstore.testing.backend_contract import returns_within
+from tierstore.testing.server_modes import ServerModes
 from tierstore.tiers import migrator as migrator_module
 from tierstore.tiers.catalog import list_checkpoints
 from tierstore.tiers.jobs import Job, JobFailed, MigrationConfig, MigrationState
@@ -45,19 +46,23 @@ class ProxiedCold:
     """A cold tier behind a fault proxy, for :class:`ColdTierContract`.
 
     ``hot`` is a fresh local directory per test (migrators are cached by hot and cold tier);
-    ``url`` is the cold tier's. A backend's suite implements the rest: ``set_mode`` (one of
-    :data:`COLD_MODES`), ``options`` (through the proxy, or straight to the server),
-    ``requests`` (what reached the proxy), ``throttle_uploads`` and ``close``.
+    ``url`` is the cold tier's; ``proxy`` switches between :data:`COLD_MODES`
+    (:class:`~tierstore.testing.server_modes.ServerModes`) in front of the server at
+    ``endpoint``. A backend's suite implements the rest: ``options`` (through the proxy,
+    or straight to the server), ``requests`` (what reached the proxy) and
+    ``throttle_uploads``.
     """
 
     retry = _ONE_TRY  # the policy ``options`` should give the tier: one try, short backoffs
 
-    def __init__(self, hot: str, url: str) -> None:
+    def __init__(self, hot: str, url: str, proxy: ServerModes, endpoint: str) -> None:
         self.hot = hot
         self.url = url
+        self.proxy = proxy
+        self.endpoint = endpoint
 
     def set_mode(self, mode: str) -> None:
-        raise NotImplementedError
+        self.proxy.mode = mode
 
     def options(self, *, through_proxy: bool = True) -> dict[str, Any]:
         raise NotImplementedError
@@ -72,7 +77,7 @@ class ProxiedCold:
 
     def close(self) -> None:
         """Stop the proxy: stalled requests are dropped, connections refused. Idempotent."""
-        raise NotImplementedError
+        self.proxy.close()
 
     def direct(self) -> Tier:
         return Tier("cold", self.url, self.options(through_proxy=False))

@@ -28,17 +28,14 @@ HANG = 60.0  # seconds: how long a stalled request may take to let go once the s
 class GCSProxiedCold(ProxiedCold):
     """The test's GCS cold tier: reached through ``proxy``, inspected directly."""
 
-    def __init__(self, hot: str, proxy: FaultProxy, endpoint: str, bucket: str) -> None:
-        super().__init__(hot, f"gs://{bucket}/run")
-        self.proxy = proxy
-        self._endpoint = endpoint
+    proxy: FaultProxy
 
-    def set_mode(self, mode: str) -> None:
-        self.proxy.mode = mode
+    def __init__(self, hot: str, proxy: FaultProxy, endpoint: str, bucket: str) -> None:
+        super().__init__(hot, f"gs://{bucket}/run", proxy, endpoint)
 
     def options(self, *, through_proxy: bool = True) -> dict[str, Any]:
         return {
-            "endpoint_url": self.proxy.url if through_proxy else self._endpoint,
+            "endpoint_url": self.proxy.url if through_proxy else self.endpoint,
             "token": "anon",
             "project": "test",
             "retry": self.retry,
@@ -50,9 +47,6 @@ class GCSProxiedCold(ProxiedCold):
     def throttle_uploads(self) -> None:
         self.proxy.inject(429, method="POST", times=10_000)  # every upload: 429
         self.proxy.inject(429, method="PUT", times=10_000)
-
-    def close(self) -> None:
-        self.proxy.stop()
 
 
 class TestGCSColdDown(ColdTierContract):

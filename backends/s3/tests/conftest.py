@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from s3_fault_proxy import FaultProxy
-from s3_test_support import FAST_RETRY, PART, moto_in_own_process
+from s3_test_support import backend_options, moto_in_own_process
 
 from tierstore_s3 import S3Backend
 
@@ -37,16 +37,7 @@ def make_backend(s3_endpoint: str, s3_bucket: str) -> Iterator[Callable[..., S3B
     made: list[S3Backend] = []
 
     def make(prefix: str = "run", *, endpoint: str | None = None, **options: Any) -> S3Backend:
-        settings: dict[str, Any] = dict(
-            endpoint_url=endpoint or s3_endpoint,
-            key="testing",
-            secret="testing",
-            region="us-west-2",
-            part_size=PART,
-            max_concurrency=2,
-            retry=FAST_RETRY,
-        )
-        settings.update(options)
+        settings = {**backend_options(endpoint or s3_endpoint), **options}
         backend = S3Backend(f"s3://{s3_bucket}/{prefix}", **settings)
         made.append(backend)
         return backend

@@ -8,15 +8,13 @@ import subprocess
 import sys
 import time
 import urllib.request
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-
-import boto3
+from typing import Any
 
 from tierstore.retry import RetryPolicy
 
-__all__ = ["MiB", "PART", "FAST_RETRY", "create_bucket", "moto_in_own_process"]
+__all__ = ["MiB", "PART", "FAST_RETRY", "backend_options", "moto_in_own_process"]
 
 MiB = 1 << 20
 PART = 5 * MiB  # S3's smallest part: multipart paths run on small objects
@@ -24,17 +22,17 @@ PART = 5 * MiB  # S3's smallest part: multipart paths run on small objects
 FAST_RETRY = RetryPolicy(attempts=6, deadline=30.0, initial=0.005, maximum=0.05)
 
 
-def create_bucket(endpoint: str) -> str:
-    name = f"test-{uuid.uuid4().hex[:12]}"
-    client = boto3.client(
-        "s3",
+def backend_options(endpoint: str) -> dict[str, Any]:
+    """What every test's S3 backend is built with, on the moto server at ``endpoint``."""
+    return dict(
         endpoint_url=endpoint,
-        region_name="us-west-2",
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
+        key="testing",
+        secret="testing",
+        region="us-west-2",
+        part_size=PART,
+        max_concurrency=2,
+        retry=FAST_RETRY,
     )
-    client.create_bucket(Bucket=name, CreateBucketConfiguration={"LocationConstraint": "us-west-2"})
-    return name
 
 
 def _free_port() -> int:

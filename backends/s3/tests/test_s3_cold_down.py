@@ -23,20 +23,17 @@ HANG = 60.0  # seconds: how long a stalled request may take to let go once the s
 class S3ProxiedCold(ProxiedCold):
     """The test's S3 cold tier: reached through ``proxy``, inspected directly on moto."""
 
-    def __init__(self, hot: str, proxy: FaultProxy, endpoint: str, bucket: str) -> None:
-        super().__init__(hot, f"s3://{bucket}/run")
-        self.proxy = proxy
-        self._endpoint = endpoint
+    proxy: FaultProxy
 
-    def set_mode(self, mode: str) -> None:
-        self.proxy.mode = mode
+    def __init__(self, hot: str, proxy: FaultProxy, endpoint: str, bucket: str) -> None:
+        super().__init__(hot, f"s3://{bucket}/run", proxy, endpoint)
 
     def options(self, *, through_proxy: bool = True) -> dict[str, Any]:
         # Short client timeouts while stalled, so that a stalled request (not the save: it
         # never waits on S3) fails in a second and the test's migrator moves on.
         timeout = 1 if self.proxy.mode == "stall" else 30
         return {
-            "endpoint_url": self.proxy.url if through_proxy else self._endpoint,
+            "endpoint_url": self.proxy.url if through_proxy else self.endpoint,
             "key": "testing",
             "secret": "testing",
             "region": "us-west-2",
@@ -50,9 +47,6 @@ class S3ProxiedCold(ProxiedCold):
     def throttle_uploads(self) -> None:
         self.proxy.add("slowdown", method="PUT", times=10_000)  # every upload: 503 SlowDown
         self.proxy.add("slowdown", method="POST", times=10_000)
-
-    def close(self) -> None:
-        self.proxy.close()
 
 
 class TestS3ColdDown(ColdTierContract):

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
-from s3_test_support import FAST_RETRY, PART, MiB, create_bucket
+from s3_test_support import MiB, backend_options
 
 from tierstore.testing import BackendContract
 from tierstore_s3 import S3Backend
@@ -19,19 +19,12 @@ class TestS3Contract(BackendContract):
     stream_memory_limit = 20 * MiB
 
     @pytest.fixture
-    def backend(self, s3_endpoint_own_process: str) -> Iterator[S3Backend]:
+    def backend(
+        self, s3_endpoint_own_process: str, make_s3_bucket: Callable[[str], str]
+    ) -> Iterator[S3Backend]:
         # moto runs in its own process here: the streaming test's tracemalloc would
         # otherwise count the server's copies of the object as the client's.
-        bucket = create_bucket(s3_endpoint_own_process)
-        backend = S3Backend(
-            f"s3://{bucket}/contract/run",
-            endpoint_url=s3_endpoint_own_process,
-            key="testing",
-            secret="testing",
-            region="us-west-2",
-            part_size=PART,
-            max_concurrency=2,
-            retry=FAST_RETRY,
-        )
+        bucket = make_s3_bucket(s3_endpoint_own_process)
+        backend = S3Backend(f"s3://{bucket}/contract/run", **backend_options(s3_endpoint_own_process))
         yield backend
         backend.close()
