@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar, cast, overload
 
 from tierstore.errors import ConfigError, InvalidManifest
 from tierstore.format import layout
@@ -77,6 +77,27 @@ def checkpoint_order(checkpoint: Checkpoint) -> tuple[int, float, str]:
     them); then by creation time, then by name so that the order is total.
     """
     return (-1 if checkpoint.step is None else checkpoint.step, checkpoint.created, checkpoint.name)
+
+
+T = TypeVar("T")
+
+
+class _OfRoot(Generic[T]):
+    """A field of the manifest's root, read through the manifest (``manifest.step``)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._field = name
+
+    @overload
+    def __get__(self, manifest: None, owner: type) -> _OfRoot[T]: ...
+
+    @overload
+    def __get__(self, manifest: Manifest, owner: type) -> T: ...
+
+    def __get__(self, manifest: Manifest | None, owner: type) -> T | _OfRoot[T]:
+        if manifest is None:
+            return self
+        return cast(T, getattr(manifest.root, self._field))
 
 
 class Manifest:
@@ -178,51 +199,19 @@ class Manifest:
     def __hash__(self) -> int:
         return hash(self.root)
 
-    # -- what a root knows -------------------------------------------------------------
+    # -- what a root knows (read through it) --------------------------------------------
 
-    @property
-    def name(self) -> str:
-        return self.root.name
-
-    @property
-    def step(self) -> int | None:
-        return self.root.step
-
-    @property
-    def attempt(self) -> str:
-        return self.root.attempt
-
-    @property
-    def world_size(self) -> int:
-        return self.root.world_size
-
-    @property
-    def created(self) -> float:
-        return self.root.created
-
-    @property
-    def metadata_file(self) -> str:
-        return self.root.metadata_file
-
-    @property
-    def producer(self) -> str:
-        return self.root.producer
-
-    @property
-    def encoding(self) -> str:
-        return self.root.encoding
-
-    @property
-    def version(self) -> int:
-        return self.root.version
-
-    @property
-    def total_size(self) -> int:
-        return self.root.total_size
-
-    @property
-    def num_files(self) -> int:
-        return self.root.num_files
+    name: _OfRoot[str] = _OfRoot()
+    step: _OfRoot[int | None] = _OfRoot()
+    attempt: _OfRoot[str] = _OfRoot()
+    world_size: _OfRoot[int] = _OfRoot()
+    created: _OfRoot[float] = _OfRoot()
+    metadata_file: _OfRoot[str] = _OfRoot()
+    producer: _OfRoot[str] = _OfRoot()
+    encoding: _OfRoot[str] = _OfRoot()
+    version: _OfRoot[int] = _OfRoot()
+    total_size: _OfRoot[int] = _OfRoot()
+    num_files: _OfRoot[int] = _OfRoot()
 
     @property
     def metrics(self) -> dict[str, float]:
