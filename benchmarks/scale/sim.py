@@ -162,8 +162,14 @@ def simulate(config: SimConfig) -> SimRun:
 
 def _writer(store: Store, config: SimConfig, name: str, step: int) -> TieredWriter:
     extra: dict[str, Any] = {}
-    if config.part_ranks is not None and accepts(TieredWriter, "manifest_part_ranks"):
-        extra["manifest_part_ranks"] = config.part_ranks
+    if config.part_ranks is not None:
+        try:  # the options object, else the keyword older trees took, else not landed
+            from tierstore.options import WriterOptions
+
+            extra["options"] = WriterOptions(manifest_part_ranks=config.part_ranks)
+        except ImportError:
+            if accepts(TieredWriter, "manifest_part_ranks"):
+                extra["manifest_part_ranks"] = config.part_ranks
     return TieredWriter(store, name=name, step=step, thread_count=FILES_PER_RANK, **extra)
 
 

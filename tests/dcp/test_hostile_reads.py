@@ -36,7 +36,15 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from tierstore import CheckpointManager, IntegrityError, TieredReader, TieredWriter, errors
+from tierstore import (
+    CheckpointManager,
+    IntegrityError,
+    StagingOptions,
+    TieredReader,
+    TieredWriter,
+    WriterOptions,
+    errors,
+)
 from tierstore.cli import main
 from tierstore.dcp.reader import is_damage
 from tierstore.format import layout
@@ -192,7 +200,7 @@ def test_chunks_must_tile_their_tensor(size: tuple[int, ...], chunks: Any, cover
 
 
 def _two_level(hot: str, step: int):  # type: ignore[no-untyped-def]
-    manifest, _ = save_ranks(2, hot, step=step, manifest_part_ranks=1)
+    manifest, _ = save_ranks(2, hot, step=step, options=WriterOptions(manifest_part_ranks=1))
     assert manifest.parts, "expected a two-level manifest"
     return manifest
 
@@ -286,7 +294,7 @@ class Settings:
 
 
 def _resume(hot_dir: str, states: list[dict[str, Any]], target: dict[str, Any]) -> int | None:
-    with CheckpointManager(hot_dir, hot_min_free=None, async_save=False) as manager:
+    with CheckpointManager(hot_dir, hot_min_free=None, staging=StagingOptions(async_save=False)) as manager:
         for step, state in enumerate(states, 1):
             manager.save(step, state, force=True)
         manager.wait()
@@ -349,7 +357,8 @@ def test_a_refused_type_is_the_same_error_from_a_plain_reader(hot_dir: str) -> N
 
 def test_dcp_encoded_refusal_is_an_unsafe_type_too(hot_dir: str) -> None:
     dcp.save(
-        {"w": torch.ones(3), "cfg": Settings(1)}, storage_writer=TieredWriter(hot_dir, step=1, encoding="dcp")
+        {"w": torch.ones(3), "cfg": Settings(1)},
+        storage_writer=TieredWriter(hot_dir, step=1, options=WriterOptions(encoding="dcp")),
     )
     err = _refused_load(hot_dir)
     assert isinstance(err, errors.UnsafeType) and "Settings" in str(err), f"{type(err).__name__}: {err}"

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 
-from tierstore import ConfigError, IntegrityError, TieredReader, TieredWriter, list_checkpoints
+from tierstore import ConfigError, IntegrityError, TieredReader, TieredWriter, WriterOptions, list_checkpoints
 from tierstore.dcp import raw_read
 from tierstore.errors import ChecksumMismatch
 from tierstore.format import encoding, layout
@@ -203,7 +203,7 @@ def test_the_manifest_records_the_encoding(hot_dir: str, tmp_path: Path) -> None
     raw = save(hot_dir, 1).manifest
     assert raw is not None and raw.encoding == "raw"
     assert json.loads(Path(hot_dir, layout.manifest_key(raw.name)).read_bytes())["encoding"] == "raw"
-    plain = save(str(tmp_path / "plain"), 1, encoding="dcp").manifest
+    plain = save(str(tmp_path / "plain"), 1, options=WriterOptions(encoding="dcp")).manifest
     assert plain is not None and plain.encoding == "dcp"
     # Absent for dcp: manifests stay exactly what older tierstore versions wrote and read.
     assert "encoding" not in json.loads(Path(tmp_path, "plain", layout.manifest_key(plain.name)).read_bytes())
@@ -213,7 +213,7 @@ def test_the_manifest_records_the_encoding(hot_dir: str, tmp_path: Path) -> None
 
 def test_an_unknown_encoding_is_refused(hot_dir: str) -> None:
     with pytest.raises(ValueError, match="encoding"):
-        TieredWriter(hot_dir, step=1, encoding="zip")
+        TieredWriter(hot_dir, step=1, options=WriterOptions(encoding="zip"))
 
 
 def _big(step: int) -> dict[str, Any]:
@@ -336,7 +336,10 @@ def test_a_tensor_with_no_raw_encoding_fails_the_save_naming_it(tmp_path: Path) 
         dcp.save({"q": quantized}, storage_writer=TieredWriter(str(tmp_path), step=1))
     error = unwrap(caught.value)
     assert isinstance(error, ConfigError) and "'q'" in str(error) and "encoding='dcp'" in str(error)
-    dcp.save({"q": quantized}, storage_writer=TieredWriter(str(tmp_path), step=2, encoding="dcp"))
+    dcp.save(
+        {"q": quantized},
+        storage_writer=TieredWriter(str(tmp_path), step=2, options=WriterOptions(encoding="dcp")),
+    )
     assert [c.step for c in list_checkpoints(str(tmp_path))] == [2]
 
 

@@ -12,6 +12,7 @@ from helpers import blank, matches, state_for
 from tierstore import (
     CheckpointManager,
     ConfigError,
+    StagingOptions,
     Store,
     TieredReader,
     TieredWriter,
@@ -44,7 +45,7 @@ def test_store_is_accepted_wherever_urls_are(tmp_path: Path) -> None:
 
 def test_the_manager_takes_a_store(tmp_path: Path) -> None:
     store = Store(str(tmp_path / "hot"))
-    with CheckpointManager(store, save_every=1, async_save=False) as manager:
+    with CheckpointManager(store, save_every=1, staging=StagingOptions(async_save=False)) as manager:
         manager.save(4, state_for(4))
         assert manager.steps() == [4]
         state = blank()
