@@ -22,7 +22,16 @@ from torch.distributed.checkpoint._extension import StreamTransformExtension
 from torch.distributed.checkpoint.filesystem import SerializationFormat
 
 import tierstore
-from tierstore import CheckpointManager, ConfigError, StagingOptions, TieredWriter, WriterOptions, keep_all
+from tierstore import (
+    CheckpointManager,
+    ConfigError,
+    ReaderOptions,
+    StagingOptions,
+    TieredReader,
+    TieredWriter,
+    WriterOptions,
+    keep_all,
+)
 from tierstore.format import layout
 from tierstore.format.manifest import Manifest
 
@@ -92,6 +101,9 @@ BAD: list[tuple[Callable[[], object], str]] = [
     (lambda: WriterOptions(extensions=[object()]), r"StreamTransformExtension objects .* got object"),  # type: ignore[list-item]
     (lambda: WriterOptions(extensions="zstd"), r"WriterOptions\.extensions must be a sequence"),  # type: ignore[arg-type]
     (lambda: WriterOptions(encoding="raw", extensions=[Identity()]), r"extensions need encoding='dcp'"),
+    (lambda: ReaderOptions(thread_count=0), r"ReaderOptions\.thread_count must be a positive int, got 0"),
+    (lambda: ReaderOptions(lease="no"), r"ReaderOptions\.lease must be True or False, got 'no'"),  # type: ignore[arg-type]
+    (lambda: ReaderOptions(resolve_once=None), r"ReaderOptions\.resolve_once must be True or False"),  # type: ignore[arg-type]
     (lambda: StagingOptions(mode="fork"), r"StagingOptions\.mode must be 'thread' or 'process', got 'fork'"),  # type: ignore[arg-type]
     (lambda: StagingOptions(buffers="pinned"), r"StagingOptions\.buffers must be 'reuse' or 'fresh'"),  # type: ignore[arg-type]
     (lambda: StagingOptions(async_save="yes"), r"StagingOptions\.async_save must be True or False"),  # type: ignore[arg-type]
@@ -120,6 +132,12 @@ def test_an_unknown_option_is_a_type_error_when_built(tmp_path: Path) -> None:
         StagingOptions(fork=True)  # type: ignore[call-arg]
     with pytest.raises(TypeError, match="TieredWriter.* unexpected keyword argument 'thread_cont'"):
         TieredWriter(hot, step=1, thread_cont=2)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="TieredReader.* unexpected keyword argument 'leese'"):
+        TieredReader(hot, leese=False)  # type: ignore[call-arg]
+    with pytest.raises(
+        ConfigError, match=r"TieredReader\(options=\) takes a ReaderOptions, got WriterOptions"
+    ):
+        TieredReader(hot, options=WriterOptions())  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="CheckpointManager.* unexpected keyword argument 'async_mod'"):
         CheckpointManager(hot, async_mod="thread")  # type: ignore[call-arg]
     with pytest.raises(
@@ -166,7 +184,8 @@ def test_options_are_frozen_values_that_travel_with_a_pickled_writer(tmp_path: P
 
 
 def test_the_options_are_exported_and_import_no_torch() -> None:
-    assert {"WriterOptions", "StagingOptions", "MigrationConfig"} <= set(tierstore.__all__)
+    assert {"WriterOptions", "ReaderOptions", "StagingOptions", "MigrationConfig"} <= set(tierstore.__all__)
+    assert tierstore.ReaderOptions is ReaderOptions
     assert tierstore.WriterOptions is WriterOptions and tierstore.StagingOptions is StagingOptions
     code = "import sys, tierstore.options; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -232,6 +251,31 @@ def test_the_old_writer_keywords_save_as_the_options_do_and_warn_once(tmp_path: 
         (writer.manifest_part_ranks, writer.max_files_per_dir) == (current.manifest_part_ranks, 5) == (3, 5)
     )
     assert loads_as_plain_dcp(old, writer, 1) and loads_as_plain_dcp(new, current, 1)
+
+
+def test_the_old_reader_keywords_load_as_the_options_do_and_warn_once(tmp_path: Path) -> None:
+    hot = str(tmp_path / "hot")
+    dcp.save(state_for(1), storage_writer=TieredWriter(hot, step=1))
+    with deprecations() as warned:
+        reader = TieredReader(hot, lease=False, thread_count=2, resolve_once=False)
+    assert sorted(m.split(":")[0] for m in warned) == [
+        f"tierstore.TieredReader is deprecated with {name}="
+        for name in ("lease", "resolve_once", "thread_count")
+    ]
+    assert reader.options == ReaderOptions(thread_count=2, lease=False)
+    assert (reader.thread_count, reader.lease, reader.resolve_once) == (2, False, False)
+    with deprecations() as warned:
+        state = blank()
+        dcp.load(state, storage_reader=reader)
+    assert warned == [] and reader.manifest is not None and reader.manifest.step == 1
+    assert_same(state, state_for(1))
+    current = TieredReader(hot, options=ReaderOptions(thread_count=2, lease=False))
+    assert (current.thread_count, current.lease, current.resolve_once) == (2, False, False)
+    with (
+        pytest.warns(DeprecationWarning),
+        pytest.raises(ConfigError, match=r"got lease=False and options=ReaderOptions\(lease=False\)"),
+    ):
+        TieredReader(hot, lease=False, options=ReaderOptions(lease=False))
 
 
 def test_a_deprecation_points_at_the_caller(tmp_path: Path) -> None:

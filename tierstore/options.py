@@ -7,6 +7,7 @@ the first save (which may be hours into a run). Orbax's ``CheckpointManager`` is
 a handful of parameters plus nested option dataclasses.
 
 - :class:`WriterOptions`: how :class:`~tierstore.TieredWriter` writes a checkpoint.
+- :class:`ReaderOptions`: how :class:`~tierstore.TieredReader` reads one.
 - :class:`StagingOptions`: how :class:`~tierstore.CheckpointManager` takes the state off the
   training loop (DCP's ``async_save``, its mode and the staging buffers).
 - :class:`~tierstore.MigrationConfig` (:mod:`tierstore.tiers.jobs`): how a process migrates.
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "WriterOptions",
+    "ReaderOptions",
     "StagingOptions",
     "Encoding",
     "StagingMode",
@@ -40,7 +42,7 @@ __all__ = [
 Encoding = Literal["raw", "dcp"]
 StagingMode = Literal["thread", "process"]
 StagingBuffers = Literal["reuse", "fresh"]
-_Options = TypeVar("_Options", "WriterOptions", "StagingOptions")
+_Options = TypeVar("_Options", "WriterOptions", "ReaderOptions", "StagingOptions")
 
 
 def check_bool(owner: str, name: str, value: object) -> None:
@@ -133,6 +135,32 @@ def _check_extensions(extensions: Sequence[Any]) -> None:
                 "WriterOptions.extensions (FileSystemWriter's _extensions) takes DCP "
                 f"StreamTransformExtension objects (such as ZStandard()), got {type(ext).__name__}"
             )
+
+
+@dataclass(frozen=True)
+class ReaderOptions:
+    """How :class:`~tierstore.TieredReader` reads a checkpoint (``TieredReader(options=)``).
+
+    Args:
+        thread_count: read threads per rank for raw-encoded files: files in parallel, and a
+            large file split by items (each part its own ranged requests).
+        lease: announce the load with a lease in each tier read (:mod:`tierstore.tiers.leases`)
+            so a concurrent prune leaves its files alone. Without write access to a tier
+            (read-only credentials) the load goes on unleased there, with one warning.
+        resolve_once: under a process group of more than one rank, the coordinator alone
+            lists the catalog, picks and leases the checkpoint, and every other rank reads
+            that checkpoint's manifest by name. It needs every rank of the group to call
+            ``dcp.load`` (see ``TieredReader``); ``CheckpointManager`` turns it on.
+    """
+
+    thread_count: int = 1
+    lease: bool = True
+    resolve_once: bool = False
+
+    def __post_init__(self) -> None:
+        check_positive("ReaderOptions", "thread_count", self.thread_count)
+        check_bool("ReaderOptions", "lease", self.lease)
+        check_bool("ReaderOptions", "resolve_once", self.resolve_once)
 
 
 @dataclass(frozen=True)

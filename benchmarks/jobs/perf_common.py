@@ -98,6 +98,15 @@ def writer_encoding(encoding: str) -> dict[str, Any]:
     return {"options": options.WriterOptions(encoding=encoding)}
 
 
+def reader_options(**options: Any) -> dict[str, Any]:
+    """The ``TieredReader`` keywords for ``options`` (``thread_count``, ``lease``), in this
+    tree's form: its ``ReaderOptions``, or the keywords older trees took."""
+    module = options_module()
+    if module is None or not hasattr(module, "ReaderOptions"):
+        return options
+    return {"options": module.ReaderOptions(**options)}
+
+
 def features() -> dict[str, str | None]:
     """Issue 14's features by name: ``None`` if this tree has it, else why not."""
     probes: dict[str, tuple[str, str, Callable[[Any], bool]]] = {
@@ -106,7 +115,11 @@ def features() -> dict[str, str | None]:
             "TieredWriter",
             lambda c: accepts(c, "encoding") or options_module() is not None,  # WriterOptions'
         ),
-        "reader_threads": ("tierstore.dcp.reader", "TieredReader", lambda c: accepts(c, "thread_count")),
+        "reader_threads": (
+            "tierstore.dcp.reader",
+            "TieredReader",
+            lambda c: accepts(c, "thread_count") or hasattr(options_module(), "ReaderOptions"),
+        ),
         "staging": ("tierstore.manager", "CheckpointManager", lambda c: accepts(c, "staging")),
         # LocalBackend takes **options: its source names the option once it is there.
         "direct_io": (

@@ -51,6 +51,7 @@ from benchmarks.jobs.perf_common import (
     make_state,
     nbytes,
     read_through,
+    reader_options,
     unavailable,
     writer_encoding,
 )
@@ -187,7 +188,7 @@ def reader_for(variant: str, sources: dict[str, Path], found: dict[str, str | No
             if threads > 1
             else (lambda: TieredReader(str(sources["raw"]), name="ckpt"))
         )
-    return lambda: TieredReader(str(sources["raw"]), name="ckpt", thread_count=threads)
+    return lambda: TieredReader(str(sources["raw"]), name="ckpt", **reader_options(thread_count=threads))
 
 
 def source_of(variant: str, sources: dict[str, Path]) -> Path:

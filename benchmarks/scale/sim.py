@@ -160,6 +160,15 @@ def simulate(config: SimConfig) -> SimRun:
     return run
 
 
+def _reader(**options: Any) -> dict[str, Any]:
+    """``TieredReader`` keywords for ``options``: its ``ReaderOptions`` where the tree has them."""
+    try:
+        from tierstore.options import ReaderOptions
+    except ImportError:  # older trees took them as keywords
+        return options
+    return {"options": ReaderOptions(**options)}
+
+
 def _writer(store: Store, config: SimConfig, name: str, step: int) -> TieredWriter:
     extra: dict[str, Any] = {}
     if config.part_ranks is not None:
@@ -273,7 +282,7 @@ def _load(tiers: Tiers, run: SimRun) -> None:
     for rank in ranks:
         with counter.step("load", rank):
             # The coordinator resolves and leases; the others get the name it would broadcast.
-            reader = TieredReader(tiers.store(), name=None if rank == 0 else name, lease=rank == 0)
+            reader = TieredReader(tiers.store(), name=None if rank == 0 else name, **_reader(lease=rank == 0))
             metadata = metadata_of[rank] = reader.read_metadata()
             reader.set_up_storage_reader(metadata, rank == 0)
             targets[rank] = workload.empty_like_state(rank)

@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.metadata import (
 from tierstore import (
     CheckpointManager,
     IntegrityError,
+    ReaderOptions,
     StagingOptions,
     TieredReader,
     TieredWriter,
@@ -101,7 +102,7 @@ def _half_chunk(meta: Metadata) -> None:
 def test_chunks_that_leave_part_of_a_tensor_uncovered_are_refused(hot_dir: str, named: bool) -> None:
     saved(hot_dir, 1)
     forge_metadata(hot_dir, _half_chunk)
-    err = load_error(hot_dir, name=NAME if named else None, lease=False)
+    err = load_error(hot_dir, name=NAME if named else None, options=ReaderOptions(lease=False))
     assert isinstance(err, IntegrityError), f"{type(err).__name__}: {err}"
     assert err.checkpoint == NAME and err.file == ".metadata" and err.tier == f"hot {hot_dir}", err
     assert "'w'" in str(err) and "cover" in str(err), err
@@ -111,7 +112,7 @@ def test_a_raw_item_of_another_dtype_than_its_tensor_is_refused(hot_dir: str) ->
     saved(hot_dir, 1)
     # Same item size, length and block checksums: only the tensor's metadata says float32.
     forge_raw_item(hot_dir, "w", lambda item: dataclasses.replace(item, dtype="int32"))
-    err = load_error(hot_dir, name=NAME, lease=False)
+    err = load_error(hot_dir, name=NAME, options=ReaderOptions(lease=False))
     assert isinstance(err, IntegrityError), f"{type(err).__name__}: {err}"
     assert err.checkpoint == NAME and "'w'" in str(err) and "int32" in str(err), err
     assert not _checks(hot_dir)[".metadata"].ok
@@ -122,7 +123,7 @@ def test_an_alias_of_another_items_bytes_is_refused_by_a_partial_load(hot_dir: s
     y = _raw(hot_dir, "y")
     forge_raw_item(hot_dir, "x", lambda item: y)  # x's entry now names y's bytes, checksums and all
     with pytest.raises(BaseException) as info:
-        _load_only_x(hot_dir, name=NAME, lease=False)
+        _load_only_x(hot_dir, name=NAME, options=ReaderOptions(lease=False))
     err = unwrap(info.value)
     assert isinstance(err, IntegrityError), f"{type(err).__name__}: {err}"
     assert err.checkpoint == NAME and err.tier == f"hot {hot_dir}", err
@@ -230,7 +231,7 @@ def test_a_reader_without_a_name_skips_a_damaged_two_level_checkpoint(
     newest = _two_level(hot_dir, 2)
     DAMAGE[damage](hot_dir, newest)
     state = load_state(2, step=1)
-    reader = TieredReader(hot_dir, lease=False)
+    reader = TieredReader(hot_dir, options=ReaderOptions(lease=False))
     with caplog.at_level(logging.WARNING, logger="tierstore"):
         dcp.load(state, storage_reader=reader)
     assert reader.manifest is not None and reader.manifest.step == 1 and holds_saved(state, 2, step=1)
@@ -238,7 +239,10 @@ def test_a_reader_without_a_name_skips_a_damaged_two_level_checkpoint(
     assert len(warned) == 1 and newest.name in warned[0], warned
     # Named, it raises, naming the checkpoint.
     with pytest.raises(CheckpointException) as info:
-        dcp.load(load_state(2, step=2), storage_reader=TieredReader(hot_dir, name=newest.name, lease=False))
+        dcp.load(
+            load_state(2, step=2),
+            storage_reader=TieredReader(hot_dir, name=newest.name, options=ReaderOptions(lease=False)),
+        )
     err = unwrap(info.value)
     assert is_damage(err) and err.checkpoint == newest.name, f"{type(err).__name__}: {err}"
 
@@ -344,7 +348,10 @@ def test_a_custom_class_is_refused_naming_it_never_stepping_back(
 
 def _refused_load(hot_dir: str) -> BaseException:
     with pytest.raises(CheckpointException) as info:
-        dcp.load({"w": torch.zeros(3), "cfg": None}, storage_reader=TieredReader(hot_dir, lease=False))
+        dcp.load(
+            {"w": torch.zeros(3), "cfg": None},
+            storage_reader=TieredReader(hot_dir, options=ReaderOptions(lease=False)),
+        )
     return unwrap(info.value)
 
 

@@ -12,6 +12,7 @@ from helpers import blank, matches, state_for
 from tierstore import (
     CheckpointManager,
     ConfigError,
+    ReaderOptions,
     StagingOptions,
     Store,
     TieredReader,
@@ -83,7 +84,7 @@ def test_store_pickles_without_backends_and_hides_credentials(tmp_path: Path) ->
 def test_writer_and_reader_built_from_a_store_pickle(tmp_path: Path) -> None:
     store = Store(str(tmp_path / "hot"))
     dcp.save(state_for(1), storage_writer=TieredWriter(store, step=1))
-    reader = pickle.loads(pickle.dumps(TieredReader(store, thread_count=2)))
+    reader = pickle.loads(pickle.dumps(TieredReader(store, options=ReaderOptions(thread_count=2))))
     state = blank()
     dcp.load(state, storage_reader=reader)
     assert matches(state, 1)

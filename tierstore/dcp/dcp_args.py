@@ -39,11 +39,19 @@ from torch.distributed.checkpoint.filesystem import SerializationFormat
 
 from tierstore.errors import ConfigError
 from tierstore.format import layout
-from tierstore.options import Encoding, WriterOptions, deprecated, fold
+from tierstore.options import Encoding, ReaderOptions, WriterOptions, deprecated, fold
 from tierstore.storage.registry import split_scheme
 from tierstore.tiers.tier import Store, TierURL
 
-__all__ = ["FileSystemWriterArgs", "writer_options", "check_dcp_args", "hot_or_path", "checkpoint_name"]
+__all__ = [
+    "LegacyReaderArgs",
+    "reader_options",
+    "FileSystemWriterArgs",
+    "writer_options",
+    "check_dcp_args",
+    "hot_or_path",
+    "checkpoint_name",
+]
 
 
 def hot_or_path(hot: TierURL | Store | None, path: TierURL | None, owner: str) -> TierURL | Store | None:
@@ -126,6 +134,31 @@ def writer_options(
     }
     folded = fold(owner, param, options, WriterOptions, given)
     return folded, bool(args.get("overwrite", False))
+
+
+class LegacyReaderArgs(TypedDict, total=False):
+    """The keywords :class:`~tierstore.TieredReader` took before :class:`ReaderOptions`,
+    accepted for one release with a ``DeprecationWarning``."""
+
+    thread_count: int
+    lease: bool
+    resolve_once: bool
+
+
+_READER_LEGACY = ("thread_count", "lease", "resolve_once")
+
+
+def reader_options(
+    options: ReaderOptions | None, legacy: Mapping[str, Any], owner: str = "TieredReader"
+) -> ReaderOptions:
+    """``options`` with the old keywords in ``legacy`` folded in (each warned about once)."""
+    unknown = sorted(set(legacy) - set(_READER_LEGACY))
+    if unknown:
+        raise TypeError(f"{owner}() got an unexpected keyword argument {unknown[0]!r}")
+    for name in legacy:
+        deprecated(owner, name, f"options=ReaderOptions({name}=...)", stacklevel=3)
+    given = {name: (name, value) for name, value in legacy.items()}
+    return fold(owner, "options", options, ReaderOptions, given)
 
 
 def check_dcp_args(
