@@ -220,14 +220,14 @@ def manager_load(spec: dict[str, Any]) -> None:
 def manager_fallback(spec: dict[str, Any]) -> None:
     """Save steps 1 and 2 with a CheckpointManager, flip a byte inside rank 1's shard of
     step 2, then ``load_latest`` on every rank: all must fall back to step 1 together."""
-    from tierstore import CheckpointManager
+    from tierstore import CheckpointManager, StagingOptions
     from tierstore.format import layout
     from tierstore.tiers.tier import Tier
 
     world, rank = dist.get_world_size(), dist.get_rank()
     model, optim = build(0, world)
     out = Path(spec["out"])
-    with CheckpointManager(**tiers(spec), async_save=False) as mgr:
+    with CheckpointManager(**tiers(spec), staging=StagingOptions(async_save=False)) as mgr:
         for step in (1, 2):
             train(model, optim, 1, step)
             msd, osd = get_state_dict(model, optim)

@@ -307,8 +307,8 @@ SETUPS: dict[tuple[str, int], tuple[str, Setup | None, Check | None]] = {
         _check_checkpoint(500, cold=True),
     ),
     ("README.md", 1): ("import torch.distributed as dist", _tensors, _check_checkpoint(1200, cold=False)),
-    ("docs/index.md", 1): ("from tierstore import Store, TieredWriter, list_checkpoints, prune", None, None),
-    ("docs/index.md", 4): (
+    ("docs/index.md", 2): ("from tierstore import Store, TieredWriter, list_checkpoints, prune", None, None),
+    ("docs/index.md", 5): (
         'ckpt_group = dist.new_group(backend="gloo")',
         _tensors,
         _check_checkpoint(7, cold=False),

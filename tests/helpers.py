@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tierstore import Store, TieredReader, TieredWriter, list_checkpoints
+from tierstore import ReaderOptions, Store, TieredReader, TieredWriter, list_checkpoints
 from tierstore.format import layout
 from tierstore.format.manifest import Manifest
 from tierstore.tiers.tier import Tier
@@ -132,7 +132,10 @@ def assert_every_listed_checkpoint_loads(hot: str | None, cold: str | None = Non
     for info in list_checkpoints(Store.of(hot, cold)):
         for tier in info.tiers:
             alone = (hot, None) if tier == "hot" else (None, cold)
-            assert matches(load(*alone, step=info.step, lease=False)[0], info.step), (info, tier)
+            assert matches(load(*alone, step=info.step, options=ReaderOptions(lease=False))[0], info.step), (
+                info,
+                tier,
+            )
 
 
 def shard_per_block(model: torch.nn.Module, world: int) -> None:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from helpers import committed, file_path, save, state_for
 
-from tierstore import TieredReader, TieredWriter
+from tierstore import StagingOptions, TieredReader, TieredWriter
 from tierstore.cli import main
 from tierstore.dcp.failures import save_failed
 from tierstore.errors import CheckpointExists, ConfigError, SaveFailed, TierstoreError
@@ -75,7 +75,7 @@ def test_a_hostile_run_lock_is_ignored_at_start(tmp_path: Path, fields: dict[str
     plant_run_lock(hot, **fields)
     tier = Tier("hot", str(hot))
     assert runlock.live_runs(tier) == []  # ignored, never an exception
-    manager = CheckpointManager(str(hot), async_save=False)
+    manager = CheckpointManager(str(hot), staging=StagingOptions(async_save=False))
     manager.close()
 
 
@@ -189,7 +189,7 @@ def test_a_mistyped_url_is_refused_naming_what_was_meant(
 ) -> None:
     hot = str(tmp_path / "hot")
     for build in (
-        lambda: CheckpointManager(hot, url, async_save=False),
+        lambda: CheckpointManager(hot, url, staging=StagingOptions(async_save=False)),
         lambda: TieredWriter(hot, url, step=1),
         lambda: TieredReader(hot, url),
         lambda: TieredWriter(url, step=1),
@@ -273,7 +273,9 @@ def test_save_failed_keeps_step_and_errors_through_pickle() -> None:
 
 
 def test_a_real_failed_save_pickles_with_its_step_and_errors(tmp_path: Path) -> None:
-    manager = CheckpointManager(str(tmp_path / "hot"), async_save=False, hot_policy=None)
+    manager = CheckpointManager(
+        str(tmp_path / "hot"), staging=StagingOptions(async_save=False), hot_policy=None
+    )
     assert manager.save(1, {"w": torch.zeros(4)})
     with pytest.raises(SaveFailed) as raised:
         manager.save(1, {"w": torch.zeros(4)}, force=True)
@@ -436,12 +438,16 @@ def test_a_node_local_runs_pending_checkpoints_are_finished_by_the_next_run(tmp_
     assert all(r["cold"] == [1, 2] for r in results), results
 
 
-def test_a_writer_option_with_a_typo_is_refused_when_the_manager_is_built(tmp_path: Path) -> None:
-    from tierstore import CheckpointManager
+def test_a_bad_writer_option_is_refused_when_the_manager_is_built(tmp_path: Path) -> None:
+    from tierstore import CheckpointManager, WriterOptions
     from tierstore.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="thread_cont"):
-        CheckpointManager(str(tmp_path / "hot"), writer_options={"thread_cont": 2})
+    with pytest.raises(TypeError, match="thread_cont"):
+        WriterOptions(thread_cont=2)  # type: ignore[call-arg]
+    with pytest.raises(ConfigError, match="TIERSTORE_MAX_FILES_PER_DIR"):
+        with pytest.MonkeyPatch.context() as env:  # what only a TieredWriter reads
+            env.setenv("TIERSTORE_MAX_FILES_PER_DIR", "many")
+            CheckpointManager(str(tmp_path / "hot"), writer=WriterOptions(thread_count=2))
     assert not (tmp_path / "hot" / "checkpoints").exists()
 
 

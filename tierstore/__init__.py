@@ -44,6 +44,7 @@ from tierstore.lifecycle.retention import (
     keep_steps,
     keep_within,
 )
+from tierstore.options import ReaderOptions, StagingOptions, WriterOptions
 from tierstore.resume.cadence import TimeCadence, optimal_interval
 from tierstore.resume.check import Probe, verify_resume
 from tierstore.resume.data import ResumableLoader, ResumableSampler
@@ -123,6 +124,9 @@ __all__ = [
     "TieredWriter",
     "TieredReader",
     "CheckpointManager",
+    "WriterOptions",
+    "ReaderOptions",
+    "StagingOptions",
     "Store",
     "list_checkpoints",
     "CheckpointInfo",

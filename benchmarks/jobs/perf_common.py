@@ -81,11 +81,45 @@ def accepts(func: Any, name: str) -> bool:
     return name in inspect.signature(func).parameters
 
 
+def options_module() -> Any | None:
+    """``tierstore.options`` (``WriterOptions``, ``StagingOptions``) in a tree that has it, else
+    ``None``: older trees take the same settings as keywords of the constructors."""
+    try:
+        return importlib.import_module("tierstore.options")
+    except ImportError:
+        return None
+
+
+def writer_encoding(encoding: str) -> dict[str, Any]:
+    """The ``TieredWriter`` keywords that choose ``encoding``, in this tree's form."""
+    options = options_module()
+    if options is None:
+        return {"encoding": encoding}
+    return {"options": options.WriterOptions(encoding=encoding)}
+
+
+def reader_options(**options: Any) -> dict[str, Any]:
+    """The ``TieredReader`` keywords for ``options`` (``thread_count``, ``lease``), in this
+    tree's form: its ``ReaderOptions``, or the keywords older trees took."""
+    module = options_module()
+    if module is None or not hasattr(module, "ReaderOptions"):
+        return options
+    return {"options": module.ReaderOptions(**options)}
+
+
 def features() -> dict[str, str | None]:
     """Issue 14's features by name: ``None`` if this tree has it, else why not."""
     probes: dict[str, tuple[str, str, Callable[[Any], bool]]] = {
-        "encoding": ("tierstore.dcp.writer", "TieredWriter", lambda c: accepts(c, "encoding")),
-        "reader_threads": ("tierstore.dcp.reader", "TieredReader", lambda c: accepts(c, "thread_count")),
+        "encoding": (
+            "tierstore.dcp.writer",
+            "TieredWriter",
+            lambda c: accepts(c, "encoding") or options_module() is not None,  # WriterOptions'
+        ),
+        "reader_threads": (
+            "tierstore.dcp.reader",
+            "TieredReader",
+            lambda c: accepts(c, "thread_count") or hasattr(options_module(), "ReaderOptions"),
+        ),
         "staging": ("tierstore.manager", "CheckpointManager", lambda c: accepts(c, "staging")),
         # LocalBackend takes **options: its source names the option once it is there.
         "direct_io": (

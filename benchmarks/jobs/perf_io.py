@@ -51,7 +51,9 @@ from benchmarks.jobs.perf_common import (
     make_state,
     nbytes,
     read_through,
+    reader_options,
     unavailable,
+    writer_encoding,
 )
 from benchmarks.jobs.writers import write_raw
 
@@ -65,14 +67,14 @@ def writer_args(variant: str, found: dict[str, str | None]) -> dict[str, Any] | 
     """TieredWriter arguments of a save variant, or why this tree cannot run it."""
     if variant == "tiered_dcp":
         # Before the raw encoding landed, the dcp encoding was the only one (and the default).
-        return {"encoding": "dcp"} if found["encoding"] is None else {}
+        return writer_encoding("dcp") if found["encoding"] is None else {}
     if found["encoding"] is not None:
         return str(found["encoding"])
     if variant == "tiered_raw_direct":
         if found["direct_io"] is not None:
             return str(found["direct_io"])
-        return {"encoding": "raw", "hot_options": {"direct_io": True}}
-    return {"encoding": "raw"}
+        return {**writer_encoding("raw"), "hot_options": {"direct_io": True}}
+    return writer_encoding("raw")
 
 
 class NullWriter(StorageWriter):
@@ -186,7 +188,7 @@ def reader_for(variant: str, sources: dict[str, Path], found: dict[str, str | No
             if threads > 1
             else (lambda: TieredReader(str(sources["raw"]), name="ckpt"))
         )
-    return lambda: TieredReader(str(sources["raw"]), name="ckpt", thread_count=threads)
+    return lambda: TieredReader(str(sources["raw"]), name="ckpt", **reader_options(thread_count=threads))
 
 
 def source_of(variant: str, sources: dict[str, Path]) -> Path:

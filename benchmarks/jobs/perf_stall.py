@@ -7,10 +7,11 @@ process runs; the perf suite runs each in a process of its own, so no system's b
 threads or helper processes count in another's CPU (several in one process are interleaved:
 save *i* of each, in an order rotated with *i*):
 
-- ``CheckpointManager`` with ``staging="reuse"`` (its default: ``save()`` returns once the
-  state is copied into buffers kept from save to save), the same with
-  ``overlap_staging=True`` (``save()`` returns as the copy starts), and with
-  ``staging="fresh"`` (new buffers on every save, DCP's default);
+- ``CheckpointManager`` with ``StagingOptions(buffers="reuse")`` (its default: ``save()``
+  returns once the state is copied into buffers kept from save to save), the same with
+  ``overlap=True`` (``save()`` returns as the copy starts), and with ``buffers="fresh"``
+  (new buffers on every save, DCP's default); trees before ``StagingOptions`` take
+  ``staging="reuse"``, ``overlap_staging=True``, ``staging="fresh"``;
 - a synchronous ``dcp.save`` through ``TieredWriter`` (the baseline of the stall target);
 - DCP's own ``async_save`` + ``FileSystemWriter`` with its best staging on a CPU-only
   machine (``DefaultStager`` with asynchronous staging, no pinned or shared memory), and
@@ -44,7 +45,16 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from benchmarks.infra.launch import module_main
 from benchmarks.infra.measure import Record, await_async_save, now
-from benchmarks.jobs.perf_common import TMPFS, accepts, features, fsync_tree, make_state, measure, nbytes
+from benchmarks.jobs.perf_common import (
+    TMPFS,
+    accepts,
+    features,
+    fsync_tree,
+    make_state,
+    measure,
+    nbytes,
+    options_module,
+)
 
 warnings.filterwarnings("ignore")
 SETTLE = 0.2  # seconds between saves (untimed)
@@ -65,12 +75,22 @@ class System:
         pass
 
 
+def staging(buffers: str | None = None, overlap: bool = False) -> dict[str, Any]:
+    """The ``CheckpointManager`` keywords for this staging, in this tree's form: its
+    ``StagingOptions``, or the keywords older trees took (``staging="reuse"``, ...)."""
+    options = options_module()
+    if options is not None:
+        return {"staging": options.StagingOptions(buffers=buffers or "reuse", overlap=overlap)}
+    return {**({"staging": buffers} if buffers else {}), **({"overlap_staging": True} if overlap else {})}
+
+
 class Ours(System):
     def __init__(self, root: Path, state: dict[str, Any], **options: Any) -> None:
         from tierstore import CheckpointManager
 
         super().__init__(root, state)
-        self.overlap = bool(options.get("overlap_staging"))
+        given = options.get("staging")
+        self.overlap = bool(options.get("overlap_staging") or getattr(given, "overlap", False))
         self.manager = CheckpointManager(str(root), save_every=None, **options)
 
     def save(self, i: int) -> Record:
@@ -172,9 +192,9 @@ def systems(found: dict[str, str | None]) -> dict[str, Callable[[Path, dict[str,
     from tierstore import CheckpointManager
 
     out: dict[str, Callable[[Path, dict[str, Any]], System] | str] = {
-        "ours_reuse": lambda r, s: Ours(r, s, staging="reuse"),
-        "ours_overlap": lambda r, s: Ours(r, s, staging="reuse", overlap_staging=True),
-        "ours_fresh": lambda r, s: Ours(r, s, staging="fresh"),
+        "ours_reuse": lambda r, s: Ours(r, s, **staging("reuse")),
+        "ours_overlap": lambda r, s: Ours(r, s, **staging("reuse", overlap=True)),
+        "ours_fresh": lambda r, s: Ours(r, s, **staging("fresh")),
         "sync_tiered": SyncTiered,
         "dcp_async": DcpAsync,
         "dcp_async_cached": lambda r, s: DcpAsync(r, s, cached=True),
@@ -183,7 +203,7 @@ def systems(found: dict[str, str | None]) -> dict[str, Callable[[Path, dict[str,
     if found["staging"] is not None:
         out["ours_reuse"] = out["ours_overlap"] = str(found["staging"])
         out["ours_fresh"] = lambda r, s: Ours(r, s)  # before issue 14: fresh buffers every save
-    elif not accepts(CheckpointManager, "overlap_staging"):
+    elif options_module() is None and not accepts(CheckpointManager, "overlap_staging"):
         out["ours_overlap"] = "CheckpointManager takes no overlap_staging="
     try:
         import torch_checkpointing  # noqa: F401

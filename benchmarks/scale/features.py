@@ -26,14 +26,25 @@ def _accepts(module: str, name: str, param: str) -> bool:
     return param in inspect.signature(target).parameters
 
 
+def _options_have(field: str) -> bool:
+    """Whether this tree's ``tierstore.options`` (absent before the options objects) names ``field``."""
+    try:
+        return field in _source("tierstore.options")
+    except ImportError:
+        return False
+
+
 _PROBES: dict[str, tuple[str, Callable[[], bool]]] = {
     "range reads": (
         "TieredReader.bytes_read",
         lambda: "bytes_read" in _source("tierstore.dcp.reader", "TieredReader"),
     ),
     "two-level manifest": (
-        "TieredWriter(manifest_part_ranks=)",
-        lambda: _accepts("tierstore.dcp.writer", "TieredWriter", "manifest_part_ranks"),
+        "TieredWriter(manifest_part_ranks=) or WriterOptions(manifest_part_ranks=)",
+        lambda: (
+            _accepts("tierstore.dcp.writer", "TieredWriter", "manifest_part_ranks")
+            or _options_have("manifest_part_ranks")
+        ),
     ),
     "batched mark deletes": (
         "marks use Backend.delete_many",

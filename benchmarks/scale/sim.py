@@ -160,10 +160,25 @@ def simulate(config: SimConfig) -> SimRun:
     return run
 
 
+def _reader(**options: Any) -> dict[str, Any]:
+    """``TieredReader`` keywords for ``options``: its ``ReaderOptions`` where the tree has them."""
+    try:
+        from tierstore.options import ReaderOptions
+    except ImportError:  # older trees took them as keywords
+        return options
+    return {"options": ReaderOptions(**options)}
+
+
 def _writer(store: Store, config: SimConfig, name: str, step: int) -> TieredWriter:
     extra: dict[str, Any] = {}
-    if config.part_ranks is not None and accepts(TieredWriter, "manifest_part_ranks"):
-        extra["manifest_part_ranks"] = config.part_ranks
+    if config.part_ranks is not None:
+        try:  # the options object, else the keyword older trees took, else not landed
+            from tierstore.options import WriterOptions
+
+            extra["options"] = WriterOptions(manifest_part_ranks=config.part_ranks)
+        except ImportError:
+            if accepts(TieredWriter, "manifest_part_ranks"):
+                extra["manifest_part_ranks"] = config.part_ranks
     return TieredWriter(store, name=name, step=step, thread_count=FILES_PER_RANK, **extra)
 
 
@@ -267,7 +282,7 @@ def _load(tiers: Tiers, run: SimRun) -> None:
     for rank in ranks:
         with counter.step("load", rank):
             # The coordinator resolves and leases; the others get the name it would broadcast.
-            reader = TieredReader(tiers.store(), name=None if rank == 0 else name, lease=rank == 0)
+            reader = TieredReader(tiers.store(), name=None if rank == 0 else name, **_reader(lease=rank == 0))
             metadata = metadata_of[rank] = reader.read_metadata()
             reader.set_up_storage_reader(metadata, rank == 0)
             targets[rank] = workload.empty_like_state(rank)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from helpers import committed, file_path, flip, load, matches, save
 
-from tierstore import list_checkpoints
+from tierstore import ReaderOptions, list_checkpoints
 from tierstore.format import layout
 
 pytest.importorskip("tierstore_s3", reason="the S3 backend is installed by make test")
@@ -106,7 +106,7 @@ def test_every_command(tiers: tuple[str, str]) -> None:
     assert ok_json("restore", "--step", "2", tiers=tiers)["name"] == names[1]
     assert [c.step for c in list_checkpoints(hot)] == [1, 2, 3]
     for step in (1, 2):  # restored means the hot copy alone loads the saved bytes
-        assert matches(load(hot, shape=SHAPE, step=step, lease=False)[0], step, SHAPE)
+        assert matches(load(hot, shape=SHAPE, step=step, options=ReaderOptions(lease=False))[0], step, SHAPE)
 
     # gc: the hot copy of step 3 is missing a file; make an old dead attempt as debris
     dead = Path(hot, layout.attempt_prefix("step-0000000007", "20260101T000000Z-0badf00d"))

@@ -9,7 +9,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from helpers import unwrap  # noqa: F401  (re-exported for the crash tests)
 
-from tierstore import TieredReader, TieredWriter
+from tierstore import ReaderOptions, TieredReader, TieredWriter
 from tierstore.errors import IntegrityError, StorageError
 from tierstore.retry import RetryPolicy
 from tierstore.tiers.migrator import MigrationConfig
@@ -49,7 +49,7 @@ def matches(state: dict[str, Any], step: int) -> bool:
 def load(
     hot: str | None, cold: str | None, name: str | None = None, *, lease: bool = False
 ) -> tuple[dict[str, Any], TieredReader]:
-    target, reader = blank(), TieredReader(hot, cold, name=name, lease=lease)
+    target, reader = blank(), TieredReader(hot, cold, name=name, options=ReaderOptions(lease=lease))
     dcp.load(target, storage_reader=reader)
     return target, reader
 

@@ -11,7 +11,7 @@ import pytest
 import torch.distributed.checkpoint as dcp
 from stats import STATS
 
-from tierstore import TieredWriter, list_checkpoints
+from tierstore import TieredWriter, WriterOptions, list_checkpoints
 from tierstore.errors import NoSpaceLeft
 from tierstore.format import layout
 from tierstore.lifecycle.gc import collect_garbage, find_garbage
@@ -101,7 +101,8 @@ def test_enospc_inside_torch_save_is_reported_as_no_space(tmp_path: Path, encodi
     faults.arm("local.write", "enospc")
     with pytest.raises(BaseException) as info:
         dcp.save(
-            {"big": model.torch.zeros(1 << 18)}, storage_writer=TieredWriter(hot, step=1, encoding=encoding)
+            {"big": model.torch.zeros(1 << 18)},
+            storage_writer=TieredWriter(hot, step=1, options=WriterOptions(encoding=encoding)),
         )
     faults.disarm()
     err = model.unwrap(info.value)

@@ -56,7 +56,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 from stats import STATS
 
-from tierstore import TieredReader, TieredWriter, list_checkpoints
+from tierstore import ReaderOptions, TieredReader, TieredWriter, list_checkpoints
 from tierstore.format import layout
 from tierstore.format.manifest import Manifest
 from tierstore.lifecycle.gc import collect_garbage
@@ -278,7 +278,9 @@ class MultiActor(RuleBasedStateMachine):
                 if not list_checkpoints(TierStore.of(s.hot, s.cold, cold_options=s.options)):
                     return None
                 target = model.blank()
-                reader = TieredReader(s.hot, s.cold, cold_options=s.options, lease=True)
+                reader = TieredReader(
+                    s.hot, s.cold, cold_options=s.options, options=ReaderOptions(lease=True)
+                )
                 dcp.load(target, storage_reader=reader)
                 assert reader.manifest is not None
                 return reader.manifest.name, model.matches(target, reader.manifest.step)
@@ -526,9 +528,11 @@ class MultiActor(RuleBasedStateMachine):
                     continue  # loaded already: its files are re-checked every step above
                 target = model.blank()
                 reader = (
-                    TieredReader(s.hot, None, name=name, lease=False)
+                    TieredReader(s.hot, None, name=name, options=ReaderOptions(lease=False))
                     if role == "hot"
-                    else TieredReader(None, s.cold, name=name, cold_options=s.direct, lease=False)
+                    else TieredReader(
+                        None, s.cold, name=name, cold_options=s.direct, options=ReaderOptions(lease=False)
+                    )
                 )
                 try:
                     dcp.load(target, storage_reader=reader)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from stats import STATS
 
-from tierstore import TieredReader, TieredWriter, list_checkpoints
+from tierstore import ReaderOptions, TieredReader, TieredWriter, list_checkpoints
 from tierstore.format import layout
 from tierstore.lifecycle.scrub import verify_store
 from tierstore.retry import RetryPolicy
@@ -80,7 +80,11 @@ def assert_cold_copy_is_whole(proxied_tiers: dict[str, Any], step: int) -> None:
     dcp.load(
         target,
         storage_reader=TieredReader(
-            None, proxied_tiers["cold"], step=step, cold_options=proxied_tiers["cold_options"], lease=False
+            None,
+            proxied_tiers["cold"],
+            step=step,
+            cold_options=proxied_tiers["cold_options"],
+            options=ReaderOptions(lease=False),
         ),
     )
     want = state_for(step)

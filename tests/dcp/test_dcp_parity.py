@@ -157,7 +157,7 @@ def test_the_overwrite_refusal_uses_dcps_words_then_ours(tmp_path: Path) -> None
         (dict(serialization_format=SerializationFormat.SAFETENSORS), "HuggingFaceStorageWriter"),
         (dict(serialization_format="msgpack"), "TORCH_SAVE and SAFETENSORS"),
         (dict(per_thread_copy_ahead=-1), "byte count"),
-        (dict(encoding="raw", _extensions=[object()]), "StreamTransformExtension"),
+        (dict(_extensions=[object()]), "StreamTransformExtension"),
         (dict(hot="/tmp/a"), "both hot and path"),
     ],
 )

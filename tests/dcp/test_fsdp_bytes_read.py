@@ -42,7 +42,7 @@ def _job(spec: dict[str, Any]) -> None:
     from torch.distributed.checkpoint.planner import LoadPlan
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from tierstore import TieredReader, TieredWriter
+    from tierstore import ReaderOptions, TieredReader, TieredWriter
 
     class Recording(DefaultLoadPlanner):
         needed = 0
@@ -68,7 +68,7 @@ def _job(spec: dict[str, Any]) -> None:
     model, optim = build(7)
     msd, osd = get_state_dict(model, optim)
     state = {"model": msd, "optim": osd}
-    reader, planner = TieredReader(spec["hot"], lease=False), Recording()
+    reader, planner = TieredReader(spec["hot"], options=ReaderOptions(lease=False)), Recording()
     dcp.load(state, storage_reader=reader, planner=planner)
     set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
     manifest = reader.manifest

@@ -36,7 +36,16 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from tierstore import CheckpointManager, IntegrityError, TieredReader, TieredWriter, errors
+from tierstore import (
+    CheckpointManager,
+    IntegrityError,
+    ReaderOptions,
+    StagingOptions,
+    TieredReader,
+    TieredWriter,
+    WriterOptions,
+    errors,
+)
 from tierstore.cli import main
 from tierstore.dcp.reader import is_damage
 from tierstore.format import layout
@@ -93,7 +102,7 @@ def _half_chunk(meta: Metadata) -> None:
 def test_chunks_that_leave_part_of_a_tensor_uncovered_are_refused(hot_dir: str, named: bool) -> None:
     saved(hot_dir, 1)
     forge_metadata(hot_dir, _half_chunk)
-    err = load_error(hot_dir, name=NAME if named else None, lease=False)
+    err = load_error(hot_dir, name=NAME if named else None, options=ReaderOptions(lease=False))
     assert isinstance(err, IntegrityError), f"{type(err).__name__}: {err}"
     assert err.checkpoint == NAME and err.file == ".metadata" and err.tier == f"hot {hot_dir}", err
     assert "'w'" in str(err) and "cover" in str(err), err
@@ -103,7 +112,7 @@ def test_a_raw_item_of_another_dtype_than_its_tensor_is_refused(hot_dir: str) ->
     saved(hot_dir, 1)
     # Same item size, length and block checksums: only the tensor's metadata says float32.
     forge_raw_item(hot_dir, "w", lambda item: dataclasses.replace(item, dtype="int32"))
-    err = load_error(hot_dir, name=NAME, lease=False)
+    err = load_error(hot_dir, name=NAME, options=ReaderOptions(lease=False))
     assert isinstance(err, IntegrityError), f"{type(err).__name__}: {err}"
     assert err.checkpoint == NAME and "'w'" in str(err) and "int32" in str(err), err
     assert not _checks(hot_dir)[".metadata"].ok
@@ -114,7 +123,7 @@ def test_an_alias_of_another_items_bytes_is_refused_by_a_partial_load(hot_dir: s
     y = _raw(hot_dir, "y")
     forge_raw_item(hot_dir, "x", lambda item: y)  # x's entry now names y's bytes, checksums and all
     with pytest.raises(BaseException) as info:
-        _load_only_x(hot_dir, name=NAME, lease=False)
+        _load_only_x(hot_dir, name=NAME, options=ReaderOptions(lease=False))
     err = unwrap(info.value)
     assert isinstance(err, IntegrityError), f"{type(err).__name__}: {err}"
     assert err.checkpoint == NAME and err.tier == f"hot {hot_dir}", err
@@ -192,7 +201,7 @@ def test_chunks_must_tile_their_tensor(size: tuple[int, ...], chunks: Any, cover
 
 
 def _two_level(hot: str, step: int):  # type: ignore[no-untyped-def]
-    manifest, _ = save_ranks(2, hot, step=step, manifest_part_ranks=1)
+    manifest, _ = save_ranks(2, hot, step=step, options=WriterOptions(manifest_part_ranks=1))
     assert manifest.parts, "expected a two-level manifest"
     return manifest
 
@@ -222,7 +231,7 @@ def test_a_reader_without_a_name_skips_a_damaged_two_level_checkpoint(
     newest = _two_level(hot_dir, 2)
     DAMAGE[damage](hot_dir, newest)
     state = load_state(2, step=1)
-    reader = TieredReader(hot_dir, lease=False)
+    reader = TieredReader(hot_dir, options=ReaderOptions(lease=False))
     with caplog.at_level(logging.WARNING, logger="tierstore"):
         dcp.load(state, storage_reader=reader)
     assert reader.manifest is not None and reader.manifest.step == 1 and holds_saved(state, 2, step=1)
@@ -230,7 +239,10 @@ def test_a_reader_without_a_name_skips_a_damaged_two_level_checkpoint(
     assert len(warned) == 1 and newest.name in warned[0], warned
     # Named, it raises, naming the checkpoint.
     with pytest.raises(CheckpointException) as info:
-        dcp.load(load_state(2, step=2), storage_reader=TieredReader(hot_dir, name=newest.name, lease=False))
+        dcp.load(
+            load_state(2, step=2),
+            storage_reader=TieredReader(hot_dir, name=newest.name, options=ReaderOptions(lease=False)),
+        )
     err = unwrap(info.value)
     assert is_damage(err) and err.checkpoint == newest.name, f"{type(err).__name__}: {err}"
 
@@ -286,7 +298,7 @@ class Settings:
 
 
 def _resume(hot_dir: str, states: list[dict[str, Any]], target: dict[str, Any]) -> int | None:
-    with CheckpointManager(hot_dir, hot_min_free=None, async_save=False) as manager:
+    with CheckpointManager(hot_dir, hot_min_free=None, staging=StagingOptions(async_save=False)) as manager:
         for step, state in enumerate(states, 1):
             manager.save(step, state, force=True)
         manager.wait()
@@ -336,7 +348,10 @@ def test_a_custom_class_is_refused_naming_it_never_stepping_back(
 
 def _refused_load(hot_dir: str) -> BaseException:
     with pytest.raises(CheckpointException) as info:
-        dcp.load({"w": torch.zeros(3), "cfg": None}, storage_reader=TieredReader(hot_dir, lease=False))
+        dcp.load(
+            {"w": torch.zeros(3), "cfg": None},
+            storage_reader=TieredReader(hot_dir, options=ReaderOptions(lease=False)),
+        )
     return unwrap(info.value)
 
 
@@ -349,7 +364,8 @@ def test_a_refused_type_is_the_same_error_from_a_plain_reader(hot_dir: str) -> N
 
 def test_dcp_encoded_refusal_is_an_unsafe_type_too(hot_dir: str) -> None:
     dcp.save(
-        {"w": torch.ones(3), "cfg": Settings(1)}, storage_writer=TieredWriter(hot_dir, step=1, encoding="dcp")
+        {"w": torch.ones(3), "cfg": Settings(1)},
+        storage_writer=TieredWriter(hot_dir, step=1, options=WriterOptions(encoding="dcp")),
     )
     err = _refused_load(hot_dir)
     assert isinstance(err, errors.UnsafeType) and "Settings" in str(err), f"{type(err).__name__}: {err}"

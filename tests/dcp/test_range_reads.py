@@ -23,7 +23,7 @@ from helpers import committed, file_path, flip, forge_raw_item, unwrap
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 
-from tierstore import IntegrityError, TieredReader, TieredWriter
+from tierstore import IntegrityError, ReaderOptions, TieredReader, TieredWriter
 from tierstore.dcp import raw_read
 from tierstore.format import encoding, layout
 from tierstore.format.manifest import Manifest
@@ -174,7 +174,7 @@ def _load_window(
 ) -> tuple[torch.Tensor, TieredReader, _Window]:
     """Load rows ``WINDOW`` of "b" alone."""
     target = {"b": torch.zeros(ROWS, COLS)}
-    reader, planner = TieredReader(hot, cold, lease=False, **options), _Window()
+    reader, planner = TieredReader(hot, cold, options=ReaderOptions(lease=False), **options), _Window()
     dcp.load(target, storage_reader=reader, planner=planner)
     return target["b"], reader, planner
 
@@ -244,7 +244,7 @@ def test_a_whole_load_reads_each_byte_once(
     cold = f"s3://{s3_bucket}/run"
     manifest = _save(str(tmp_path / "hot"), cold)
     target = {k: torch.zeros(ROWS, COLS) for k in ("a", "b", "c")}
-    reader = TieredReader(None, f"counted://{cold}", lease=False, thread_count=threads)
+    reader = TieredReader(None, f"counted://{cold}", options=ReaderOptions(lease=False, thread_count=threads))
     dcp.load(target, storage_reader=reader)
     assert all(torch.equal(target[k], v) for k, v in _state().items())
     entry = manifest.file(DATA)

@@ -66,7 +66,7 @@ def _rank_main(spec: dict[str, Any]) -> None:
     from helpers import blank, matches, unwrap
     from launch import leave_cleanly
 
-    from tierstore import CheckpointManager, TieredReader
+    from tierstore import CheckpointManager, ReaderOptions, StagingOptions, TieredReader
     from tierstore.storage import registry
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -84,7 +84,7 @@ def _rank_main(spec: dict[str, Any]) -> None:
 
     try:
         if spec["mode"] == "manager":
-            manager = CheckpointManager(hot, async_save=False)
+            manager = CheckpointManager(hot, staging=StagingOptions(async_save=False))
             result["step"] = manager.load_latest(state)
             manager.close()
         elif spec["mode"] == "solo":  # rank 0 loads alone, the group initialized all the same
@@ -96,7 +96,7 @@ def _rank_main(spec: dict[str, Any]) -> None:
                 state, result["step"] = blank(), 2  # nothing loaded; matches() below is moot
             dist.barrier()
         else:
-            reader = SlowFollower(hot, resolve_once=spec["mode"] == "reader")
+            reader = SlowFollower(hot, options=ReaderOptions(resolve_once=spec["mode"] == "reader"))
             dcp.load(state, storage_reader=reader)
             result["step"] = reader.manifest.step if reader.manifest else None
         result["matches"] = matches(state, result["step"])

@@ -15,7 +15,7 @@ from helpers import blank, file_path, flip, matches, saved, unwrap
 from launch import run_job
 from torch.distributed.checkpoint.api import CheckpointException
 
-from tierstore import CheckpointManager, TieredReader
+from tierstore import CheckpointManager, ReaderOptions, TieredReader
 from tierstore.errors import CheckpointNotFound, ChecksumMismatch, InvalidManifest
 from tierstore.format import layout
 
@@ -35,7 +35,7 @@ def test_reader_without_name_skips_a_damaged_newest(hot_dir: str, damage: str, c
     newest = saved(hot_dir, 2)
     DAMAGES[damage](hot_dir, newest)
     target = blank()
-    reader = TieredReader(hot_dir, lease=False)
+    reader = TieredReader(hot_dir, options=ReaderOptions(lease=False))
     with caplog.at_level(logging.WARNING, logger="tierstore"):
         dcp.load(target, storage_reader=reader)
     assert reader.manifest is not None and reader.manifest.step == 1
@@ -51,7 +51,10 @@ def test_reader_with_a_name_never_falls_back(hot_dir: str) -> None:
     newest = saved(hot_dir, 2)
     flip(file_path(hot_dir, newest, ".metadata"))
     with pytest.raises(CheckpointException) as info:
-        dcp.load(blank(), storage_reader=TieredReader(hot_dir, name=newest.name, lease=False))
+        dcp.load(
+            blank(),
+            storage_reader=TieredReader(hot_dir, name=newest.name, options=ReaderOptions(lease=False)),
+        )
     err = unwrap(info.value)
     assert isinstance(err, ChecksumMismatch) and err.file == ".metadata"
 
@@ -60,7 +63,7 @@ def test_every_checkpoint_damaged_raises_the_newest_error(hot_dir: str) -> None:
     for step in (1, 2):
         file_path(hot_dir, saved(hot_dir, step), "__0_0.distcp").unlink()
     with pytest.raises(CheckpointException) as info:
-        dcp.load(blank(), storage_reader=TieredReader(hot_dir, lease=False))
+        dcp.load(blank(), storage_reader=TieredReader(hot_dir, options=ReaderOptions(lease=False)))
     assert layout.default_name(2) in str(unwrap(info.value))
 
 
@@ -72,14 +75,17 @@ def test_invalid_manifest_in_one_tier_does_not_hide_the_valid_one(tmp_path: Path
     key.write_bytes(key.read_bytes()[:40])  # torn in hot only
     for name in (manifest.name, None):
         target = blank()
-        reader = TieredReader(hot, cold, name=name, lease=False)
+        reader = TieredReader(hot, cold, name=name, options=ReaderOptions(lease=False))
         with caplog.at_level(logging.WARNING, logger="tierstore"):
             dcp.load(target, storage_reader=reader)
         assert matches(target, 1) and set(reader.sources.values()) == {"cold"}
     assert "invalid manifest" in caplog.text and "cold" in caplog.text
     Path(cold, layout.manifest_key(manifest.name)).write_bytes(b"{")  # now invalid everywhere
     with pytest.raises(CheckpointException) as info:
-        dcp.load(blank(), storage_reader=TieredReader(hot, cold, name=manifest.name, lease=False))
+        dcp.load(
+            blank(),
+            storage_reader=TieredReader(hot, cold, name=manifest.name, options=ReaderOptions(lease=False)),
+        )
     assert isinstance(unwrap(info.value), InvalidManifest)
 
 
@@ -91,7 +97,7 @@ def test_a_damaged_copy_in_one_tier_falls_back_to_the_other_not_to_an_older_one(
     file_path(hot, newest, "__0_0.distcp").unlink()
     flip(file_path(hot, newest, ".metadata"))
     target = blank()
-    reader = TieredReader(hot, cold, lease=False)
+    reader = TieredReader(hot, cold, options=ReaderOptions(lease=False))
     dcp.load(target, storage_reader=reader)
     assert reader.manifest is not None and reader.manifest.step == 2 and matches(target, 2)
     assert reader.sources["__0_0.distcp"] == "cold"

@@ -14,7 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from helpers import assert_same, blank, file_path, flip, load, load_error, save, state_for, unwrap
 
-from tierstore import TieredReader, TieredWriter, list_checkpoints
+from tierstore import TieredReader, TieredWriter, WriterOptions, list_checkpoints
 from tierstore.errors import (
     CheckpointExists,
     CheckpointNotFound,
@@ -103,7 +103,7 @@ def test_writer_pickles_without_its_backend(hot_dir: str) -> None:
 
 def test_attempt_directory_is_plain_dcp(hot_dir: str) -> None:
     # The documented way to plain DCP: encoding="dcp" (the raw default needs TieredReader).
-    manifest = save(hot_dir, 4, encoding="dcp").manifest
+    manifest = save(hot_dir, 4, options=WriterOptions(encoding="dcp")).manifest
     assert manifest.encoding == "dcp"
     target = blank()
     attempt_dir = Path(hot_dir, layout.attempt_prefix(manifest.name, manifest.attempt))
@@ -323,7 +323,7 @@ def test_zip_crc32_is_skipped_while_writing_and_restored_after(
 
     monkeypatch.setattr(torch, "save", spy)
     assert torch.serialization.get_crc32_options() is True
-    manifest = save(hot_dir, 9, encoding=encoding).manifest
+    manifest = save(hot_dir, 9, options=WriterOptions(encoding=encoding)).manifest
     assert seen and not any(seen)
     assert torch.serialization.get_crc32_options() is True
     monkeypatch.undo()

@@ -14,7 +14,7 @@ import pytest
 import torch.distributed.checkpoint as dcp
 from simulated_ranks import holds_saved, load_state, save_ranks
 
-from tierstore import Store, TieredReader, list_checkpoints
+from tierstore import Store, TieredReader, WriterOptions, list_checkpoints
 from tierstore.errors import ConfigError
 from tierstore.format import layout
 from tierstore.format.manifest import Manifest
@@ -75,9 +75,8 @@ def test_a_wide_save_spreads_its_shards_and_everything_else_works_unchanged(
         12,
         hot,
         cold,
-        max_files_per_dir=limit,
-        thread_count=threads,
-        manifest_part_ranks=part_ranks,
+        thread_count=threads,  # FileSystemWriter's argument, beside the options
+        options=WriterOptions(max_files_per_dir=limit, manifest_part_ranks=part_ranks),
         migration=FAST,
     )
     assert writers[0].migrator is not None and writers[0].migrator.wait(30)
@@ -103,13 +102,13 @@ def test_a_wide_save_spreads_its_shards_and_everything_else_works_unchanged(
 
 
 def test_a_narrow_save_keeps_one_directory(tmp_path: Path) -> None:
-    manifest, _ = save_ranks(4, str(tmp_path / "hot"), max_files_per_dir=10)
+    manifest, _ = save_ranks(4, str(tmp_path / "hot"), options=WriterOptions(max_files_per_dir=10))
     assert sorted(f.path for f in manifest.files) == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)]
 
 
 def test_a_spread_dcp_attempt_is_still_plain_dcp(tmp_path: Path) -> None:
     hot = str(tmp_path / "hot")
-    manifest, _ = save_ranks(6, hot, max_files_per_dir=4, encoding="dcp")
+    manifest, _ = save_ranks(6, hot, options=WriterOptions(max_files_per_dir=4, encoding="dcp"))
     assert manifest.file("r000/__0_0.distcp") is not None
     state = load_state(6)
     dcp.load(state, storage_reader=dcp.FileSystemReader(_attempt_dir(hot, manifest)))
@@ -122,10 +121,10 @@ def test_the_threshold_comes_from_the_argument_or_the_environment(
     monkeypatch.setenv("TIERSTORE_MAX_FILES_PER_DIR", "2")
     manifest, _ = save_ranks(3, str(tmp_path / "a"))
     assert manifest.file("r002/__2_0.distcp") is not None
-    manifest, _ = save_ranks(3, str(tmp_path / "b"), max_files_per_dir=3)
+    manifest, _ = save_ranks(3, str(tmp_path / "b"), options=WriterOptions(max_files_per_dir=3))
     assert manifest.file("__2_0.distcp") is not None
     with pytest.raises(ConfigError, match="max_files_per_dir"):
-        save_ranks(1, str(tmp_path / "c"), max_files_per_dir=0)
+        save_ranks(1, str(tmp_path / "c"), options=WriterOptions(max_files_per_dir=0))
 
 
 # -- object-store key prefixes ----------------------------------------------------------------

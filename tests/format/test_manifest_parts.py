@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from helpers import unwrap
 from simulated_ranks import holds_saved, load_state, save_ranks
 
-from tierstore import TieredReader, list_checkpoints
+from tierstore import TieredReader, WriterOptions, list_checkpoints
 from tierstore.errors import ConfigError, IntegrityError, InvalidManifest
 from tierstore.format import layout
 from tierstore.format import manifest_format as fmt
@@ -263,8 +263,8 @@ def _data_files(hot: Path) -> list[Path]:
     "limit, value, options",
     [
         ("MAX_MANIFEST_BYTES", 1500, {}),  # flat: 4 ranks
-        ("MAX_PARTS", 1, {"manifest_part_ranks": 2}),
-        ("MAX_PART_BYTES", 300, {"manifest_part_ranks": 2}),
+        ("MAX_PARTS", 1, {"options": WriterOptions(manifest_part_ranks=2)}),
+        ("MAX_PART_BYTES", 300, {"options": WriterOptions(manifest_part_ranks=2)}),
     ],
 )
 def test_a_save_over_a_manifest_limit_fails_before_writing_any_data(
@@ -284,7 +284,7 @@ def test_part_ranks_come_from_the_argument_or_the_environment(
     monkeypatch.setenv("TIERSTORE_MANIFEST_PART_RANKS", "3")
     manifest, _ = save_ranks(6, str(tmp_path / "a"))
     assert [(p.first_rank, p.last_rank) for p in manifest.parts] == [(0, 2), (3, 5)]
-    manifest, _ = save_ranks(6, str(tmp_path / "b"), manifest_part_ranks=6)
+    manifest, _ = save_ranks(6, str(tmp_path / "b"), options=WriterOptions(manifest_part_ranks=6))
     assert manifest.version == 1
     monkeypatch.setenv("TIERSTORE_MANIFEST_PART_RANKS", "lots")
     with pytest.raises(ConfigError, match="TIERSTORE_MANIFEST_PART_RANKS"):
@@ -346,7 +346,9 @@ def cold_store(request: pytest.FixtureRequest, tmp_path: Path) -> Store:
 
 
 def test_a_save_of_six_ranks_in_parts_loads_migrates_and_lists(cold_store: Store) -> None:
-    manifest, writers = save_ranks(6, cold_store, manifest_part_ranks=2, migration=FAST)
+    manifest, writers = save_ranks(
+        6, cold_store, options=WriterOptions(manifest_part_ranks=2), migration=FAST
+    )
     assert writers[0].migrator is not None and writers[0].migrator.wait(30)
     assert manifest.version == 2 and len(manifest.parts) == 3
     for tier in cold_store.tiers:
@@ -370,7 +372,7 @@ def test_a_save_of_six_ranks_in_parts_loads_migrates_and_lists(cold_store: Store
 def test_listing_and_finding_read_roots_only_and_a_rank_reads_one_part(tmp_path: Path) -> None:
     hot = str(tmp_path / "hot")
     for step in (1, 2):
-        save_ranks(6, hot, step=step, manifest_part_ranks=2)
+        save_ranks(6, hot, step=step, options=WriterOptions(manifest_part_ranks=2))
     tier = Tier("hot", hot)
     spy = counted(tier)
     found = tier.manifests()
@@ -388,7 +390,7 @@ def test_listing_and_finding_read_roots_only_and_a_rank_reads_one_part(tmp_path:
 
 def test_repeated_listings_reread_nothing_and_a_recommitted_name_is_never_stale(tmp_path: Path) -> None:
     hot = str(tmp_path / "hot")
-    first, _ = save_ranks(6, hot, manifest_part_ranks=2)
+    first, _ = save_ranks(6, hot, options=WriterOptions(manifest_part_ranks=2))
     tier = Tier("hot", hot)
     spy = counted(tier)
     [listed] = tier.manifests()
@@ -399,7 +401,7 @@ def test_repeated_listings_reread_nothing_and_a_recommitted_name_is_never_stale(
     # The name is deleted and committed again by a new attempt of other content.
     (Path(hot) / layout.manifest_key(first.name)).unlink()
     shutil.rmtree(Path(hot) / layout.checkpoint_prefix(first.name))
-    second, _ = save_ranks(4, hot, manifest_part_ranks=2)
+    second, _ = save_ranks(4, hot, options=WriterOptions(manifest_part_ranks=2))
     assert second.attempt != first.attempt
     [fresh] = tier.manifests()
     assert fresh.attempt == second.attempt and fresh.world_size == 4 and fresh == second
@@ -424,8 +426,8 @@ def _damage(hot: Path, manifest: Manifest, how: str, other: Manifest) -> Path:
 @pytest.mark.parametrize("how", ["flipped", "swapped", "missing"])
 def test_a_damaged_part_is_named_and_its_checkpoint_is_not_loaded(tmp_path: Path, how: str) -> None:
     hot = tmp_path / "hot"
-    older, _ = save_ranks(6, str(hot), step=1, manifest_part_ranks=2)
-    newer, _ = save_ranks(6, str(hot), step=2, manifest_part_ranks=2)
+    older, _ = save_ranks(6, str(hot), step=1, options=WriterOptions(manifest_part_ranks=2))
+    newer, _ = save_ranks(6, str(hot), step=2, options=WriterOptions(manifest_part_ranks=2))
     part = _damage(hot, newer, how, older)
     tier = Tier("hot", str(hot))
     manifest = tier.find_manifest(newer.name)
@@ -445,8 +447,8 @@ def test_a_damaged_part_is_named_and_its_checkpoint_is_not_loaded(tmp_path: Path
 
 def test_picking_the_latest_checks_its_files_by_one_listing_without_reading_a_part(tmp_path: Path) -> None:
     hot = str(tmp_path / "hot")
-    save_ranks(6, hot, step=1, manifest_part_ranks=2)
-    newest, _ = save_ranks(6, hot, step=2, manifest_part_ranks=2)
+    save_ranks(6, hot, step=1, options=WriterOptions(manifest_part_ranks=2))
+    newest, _ = save_ranks(6, hot, step=2, options=WriterOptions(manifest_part_ranks=2))
     tier = Tier("hot", hot)
     spy = counted(tier)
     parts = {tier.file_key(newest.name, newest.attempt, ref.path) for ref in newest.parts}

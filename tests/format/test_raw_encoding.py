@@ -21,7 +21,15 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan
 
-from tierstore import ConfigError, IntegrityError, TieredReader, TieredWriter, list_checkpoints
+from tierstore import (
+    ConfigError,
+    IntegrityError,
+    ReaderOptions,
+    TieredReader,
+    TieredWriter,
+    WriterOptions,
+    list_checkpoints,
+)
 from tierstore.dcp import raw_read
 from tierstore.errors import ChecksumMismatch
 from tierstore.format import encoding, layout
@@ -84,7 +92,7 @@ def test_every_dtype_round_trips(hot_dir: str, threads: int, monkeypatch) -> Non
     state = _every_dtype()
     dcp.save(state, storage_writer=TieredWriter(hot_dir, step=1, thread_count=threads))
     target = _zeros_like(state)
-    reader = TieredReader(hot_dir, thread_count=threads)
+    reader = TieredReader(hot_dir, options=ReaderOptions(thread_count=threads))
     dcp.load(target, storage_reader=reader)
     assert target["extra"] == state["extra"]
     for key, value in state.items():
@@ -102,7 +110,11 @@ def test_a_tier_without_file_descriptors_reads_by_seeking(monkeypatch, threads: 
     state = state_for(1, (301, 33))
     dcp.save(state, storage_writer=TieredWriter(url, step=1))
     target = blank((301, 33))
-    dcp.load(target, storage_reader=TieredReader(url, thread_count=threads), planner=_Halves(1))
+    dcp.load(
+        target,
+        storage_reader=TieredReader(url, options=ReaderOptions(thread_count=threads)),
+        planner=_Halves(1),
+    )
     assert torch.equal(target["w"], state["w"]) and target["extra"] == state["extra"]
 
 
@@ -203,7 +215,7 @@ def test_the_manifest_records_the_encoding(hot_dir: str, tmp_path: Path) -> None
     raw = save(hot_dir, 1).manifest
     assert raw is not None and raw.encoding == "raw"
     assert json.loads(Path(hot_dir, layout.manifest_key(raw.name)).read_bytes())["encoding"] == "raw"
-    plain = save(str(tmp_path / "plain"), 1, encoding="dcp").manifest
+    plain = save(str(tmp_path / "plain"), 1, options=WriterOptions(encoding="dcp")).manifest
     assert plain is not None and plain.encoding == "dcp"
     # Absent for dcp: manifests stay exactly what older tierstore versions wrote and read.
     assert "encoding" not in json.loads(Path(tmp_path, "plain", layout.manifest_key(plain.name)).read_bytes())
@@ -213,7 +225,7 @@ def test_the_manifest_records_the_encoding(hot_dir: str, tmp_path: Path) -> None
 
 def test_an_unknown_encoding_is_refused(hot_dir: str) -> None:
     with pytest.raises(ValueError, match="encoding"):
-        TieredWriter(hot_dir, step=1, encoding="zip")
+        TieredWriter(hot_dir, step=1, options=WriterOptions(encoding="zip"))
 
 
 def _big(step: int) -> dict[str, Any]:
@@ -245,7 +257,7 @@ def test_a_flipped_byte_in_a_large_item_falls_back_to_cold(
     meta, path = _save_big(hot, cold)
     flip(path, _middle_of(meta, "big"))
     target = {"big": torch.zeros(3 << 20), "small": torch.zeros(5, dtype=torch.long), "extra": {"step": 0}}
-    reader = TieredReader(hot, cold, thread_count=threads)
+    reader = TieredReader(hot, cold, options=ReaderOptions(thread_count=threads))
     with caplog.at_level(logging.WARNING, logger="tierstore"):
         dcp.load(target, storage_reader=reader)
     assert torch.equal(target["big"], _big(1)["big"]) and reader.sources[path.name] == "cold"
@@ -293,7 +305,7 @@ def test_damage_in_padding_is_caught_by_a_whole_file_load(hot_dir: str, monkeypa
     flip(file_path(hot_dir, manifest), first.offset + first.length)  # the padding after it
     for threads in (1, 3):
         with pytest.raises(BaseException) as info:
-            load(hot_dir, thread_count=threads)
+            load(hot_dir, options=ReaderOptions(thread_count=threads))
         err = unwrap(info.value)
         assert isinstance(err, ChecksumMismatch) and err.file == "__0_0.distcp", err
 
@@ -336,7 +348,10 @@ def test_a_tensor_with_no_raw_encoding_fails_the_save_naming_it(tmp_path: Path) 
         dcp.save({"q": quantized}, storage_writer=TieredWriter(str(tmp_path), step=1))
     error = unwrap(caught.value)
     assert isinstance(error, ConfigError) and "'q'" in str(error) and "encoding='dcp'" in str(error)
-    dcp.save({"q": quantized}, storage_writer=TieredWriter(str(tmp_path), step=2, encoding="dcp"))
+    dcp.save(
+        {"q": quantized},
+        storage_writer=TieredWriter(str(tmp_path), step=2, options=WriterOptions(encoding="dcp")),
+    )
     assert [c.step for c in list_checkpoints(str(tmp_path))] == [2]
 
 

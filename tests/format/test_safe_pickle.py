@@ -25,7 +25,7 @@ from helpers import unwrap
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tierstore import IntegrityError, TieredReader, TieredWriter
+from tierstore import IntegrityError, TieredReader, TieredWriter, WriterOptions
 from tierstore.format import layout
 from tierstore.format import safe_pickle as _safe_pickle
 from tierstore.format.manifest import _checksum
@@ -265,7 +265,9 @@ def test_hostile_byte_io_item_runs_nothing(tmp_path: Path, encoding: str) -> Non
     # DCP's DefaultLoadPlanner torch.loads BYTE_IO items with weights_only=False: a forged
     # item must be refused before the planner sees it.
     root, marker = tmp_path / "hot", tmp_path / "owned"
-    dcp.save(_state(), storage_writer=TieredWriter(str(root), step=1, encoding=encoding))
+    dcp.save(
+        _state(), storage_writer=TieredWriter(str(root), step=1, options=WriterOptions(encoding=encoding))
+    )
     name = layout.default_name(1)
     attempt = json.loads((root / layout.manifest_key(name)).read_text())["attempt"]
 

@@ -17,7 +17,7 @@ import crc32c
 import pytest
 from helpers import DATA_FILE, committed, file_path, flip, load_error, save
 
-from tierstore import Store
+from tierstore import ReaderOptions, Store
 from tierstore.errors import ChecksumMismatch
 from tierstore.format import layout
 from tierstore.format.manifest import Manifest, _checksum
@@ -112,7 +112,7 @@ def test_the_verified_read_itself_on_the_local_backend(damaged) -> None:
 
 def test_dcp_load_reports_it(damaged) -> None:
     cold, manifest, message = damaged
-    err = load_error(None, cold, name=manifest.name, lease=False)
+    err = load_error(None, cold, name=manifest.name, options=ReaderOptions(lease=False))
     assert isinstance(err, ChecksumMismatch) and str(err) == message
 
 

@@ -20,7 +20,16 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from tierstore import CheckpointManager, Store, TieredReader, TieredWriter, keep_last, list_checkpoints, prune
+from tierstore import (
+    CheckpointManager,
+    StagingOptions,
+    Store,
+    TieredReader,
+    TieredWriter,
+    keep_last,
+    list_checkpoints,
+    prune,
+)
 from tierstore.errors import ConfigError, InvalidManifest
 from tierstore.format import layout
 from tierstore.format import manifest_format as fmt
@@ -285,18 +294,19 @@ def test_forged_root_metrics_are_refused(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "mode",
-    [{"async_save": False}, {"async_save": True}, {"async_save": True, "overlap_staging": True}],
+    [StagingOptions(async_save=False), StagingOptions(), StagingOptions(overlap=True)],
     ids=["sync", "async", "overlap"],
 )
 def test_the_manager_records_each_saves_metrics_and_keeps_the_best(
-    tmp_path: Path, mode: dict[str, Any]
+    tmp_path: Path, mode: StagingOptions
 ) -> None:
     hot = str(tmp_path / "hot")
-    manager = CheckpointManager(hot, save_every=1, hot_policy=keep_last(1) | keep_best("val_loss", 2), **mode)
+    policy = keep_last(1) | keep_best("val_loss", 2)
+    manager = CheckpointManager(hot, save_every=1, hot_policy=policy, staging=mode)
     for step, (loss, acc) in RUN.items():
         # Async saves overlap the next one: each must commit its own save's metrics.
         manager.save(step, state(step), metrics={"val_loss": loss, "acc": acc})
-        if mode.get("overlap_staging"):
+        if mode.overlap:
             manager.wait_staged()
     manager.save(6, state(6))  # no metrics: kept only as the newest
     manager.close()

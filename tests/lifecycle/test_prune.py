@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from helpers import assert_every_listed_checkpoint_loads, load, matches, save
 
-from tierstore import Store, TieredReader, list_checkpoints
+from tierstore import ReaderOptions, Store, TieredReader, list_checkpoints
 from tierstore.format import layout
 from tierstore.lifecycle.gc import collect_garbage, find_garbage
 from tierstore.lifecycle.prune import prune, prune_tier
@@ -25,7 +25,7 @@ FAST = MigrationConfig(poll_interval=0.01)
 
 
 def loads_bit_exact(hot: str | None, cold: str | None, step: int) -> bool:
-    return matches(load(hot, cold, step=step, lease=False)[0], step)
+    return matches(load(hot, cold, step=step, options=ReaderOptions(lease=False))[0], step)
 
 
 def test_prune_keeps_policy_set_and_newest(tmp_path: Path) -> None:

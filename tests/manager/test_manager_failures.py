@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierstore import CheckpointManager, list_checkpoints
+from tierstore import CheckpointManager, StagingOptions, list_checkpoints
 from tierstore.errors import BackendNotFound, CheckpointExists, MigrationFailed, NoSpaceLeft, SaveFailed
 from tierstore.retry import RetryPolicy
 from tierstore.storage import faults
@@ -41,7 +41,9 @@ def _no_faults() -> None:
 
 @pytest.mark.parametrize("async_save", [True, False])
 def test_a_failed_save_is_raised_by_the_next_save_once(tmp_path: Path, async_save: bool) -> None:
-    manager = CheckpointManager(str(tmp_path / "hot"), save_every=1, async_save=async_save, hot_policy=None)
+    manager = CheckpointManager(
+        str(tmp_path / "hot"), save_every=1, staging=StagingOptions(async_save=async_save), hot_policy=None
+    )
     assert manager.save(1, state())
     if async_save:
         # A name that already exists: the background save fails; nothing says so yet.

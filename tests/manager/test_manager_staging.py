@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from tierstore import CheckpointManager, list_checkpoints
+from tierstore import CheckpointManager, StagingOptions, WriterOptions, list_checkpoints
 from tierstore.errors import ConfigError, SaveFailed
 from tierstore.lifecycle.retention import keep_all
 
@@ -66,10 +66,10 @@ def assert_holds(manager: CheckpointManager, step: int, shape: tuple[int, ...] =
 
 def save_and_scribble(manager: CheckpointManager, state: dict[str, Any], step: int) -> None:
     """Save ``step``'s values, then change them the moment it is allowed: when save()
-    returns, or with ``overlap_staging`` when wait_staged() does."""
+    returns, or with ``StagingOptions(overlap=True)`` when wait_staged() does."""
     fill(state, step)
     assert manager.save(step, state)
-    if manager.overlap_staging:
+    if manager.staging.overlap:
         manager.wait_staged()
     fill(state, -1.0)
 
@@ -127,7 +127,7 @@ def test_a_structure_change_rebuilds_only_what_changed_and_saves_correctly(tmp_p
 
 
 def test_fresh_staging_saves_the_same_and_keeps_no_buffers(tmp_path: Path) -> None:
-    manager, state = manager_for(tmp_path, staging="fresh"), new_state()
+    manager, state = manager_for(tmp_path, staging=StagingOptions(buffers="fresh")), new_state()
     for step in (1, 2):
         save_and_scribble(manager, state, step)
     manager.close()
@@ -137,7 +137,7 @@ def test_fresh_staging_saves_the_same_and_keeps_no_buffers(tmp_path: Path) -> No
 
 
 def test_overlapped_staging_is_safe_once_wait_staged_returns(tmp_path: Path) -> None:
-    manager, state = manager_for(tmp_path, overlap_staging=True), new_state()
+    manager, state = manager_for(tmp_path, staging=StagingOptions(overlap=True)), new_state()
     for step in (1, 2):
         save_and_scribble(manager, state, step)
     fill(state, 3)
@@ -152,7 +152,7 @@ def test_overlapped_staging_is_safe_once_wait_staged_returns(tmp_path: Path) -> 
 def test_a_failed_copy_is_raised_as_save_failed_and_the_next_save_goes_ahead(
     tmp_path: Path, overlap: bool
 ) -> None:
-    manager, state = manager_for(tmp_path, overlap_staging=overlap), new_state()
+    manager, state = manager_for(tmp_path, staging=StagingOptions(overlap=overlap)), new_state()
     save_and_scribble(manager, state, 1)
     state["bad"] = FailingCopy()
     with pytest.raises(SaveFailed, match="step 2 failed.*cannot stage this") as caught:
@@ -169,12 +169,15 @@ def test_a_failed_copy_is_raised_as_save_failed_and_the_next_save_goes_ahead(
 
 
 def test_staging_options_are_checked(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="staging must be"):
-        manager_for(tmp_path, staging="pinned")
-    with pytest.raises(ConfigError, match="overlap_staging needs"):
-        manager_for(tmp_path, staging="fresh", overlap_staging=True)
-    with pytest.raises(ConfigError, match="overlap_staging needs"):
-        manager_for(tmp_path, async_save=False, overlap_staging=True)
+    with pytest.raises(ConfigError, match="buffers must be"):
+        StagingOptions(buffers="pinned")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="overlap needs"):
+        StagingOptions(buffers="fresh", overlap=True)
+    with pytest.raises(ConfigError, match="overlap needs"):
+        StagingOptions(async_save=False, overlap=True)
+    with pytest.raises(ConfigError, match="takes a StagingOptions"):
+        manager_for(tmp_path, staging=WriterOptions())
+    assert not (tmp_path / "hot").exists()
 
 
 @pytest.mark.dist
@@ -196,7 +199,11 @@ def _process_job(spec: dict[str, Any]) -> None:
 
     dist.init_process_group("gloo")
     manager = CheckpointManager(
-        spec["hot"], save_every=1, hot_policy=keep_all(), hot_min_free=None, async_mode="process"
+        spec["hot"],
+        save_every=1,
+        hot_policy=keep_all(),
+        hot_min_free=None,
+        staging=StagingOptions(mode="process"),
     )
     state = new_state()
     for step in (1, 2, 3):
@@ -235,7 +242,7 @@ class Gate:
 
 
 def test_overlapped_save_returns_before_the_copy_is_taken(tmp_path: Path) -> None:
-    manager, state = manager_for(tmp_path, overlap_staging=True), new_state()
+    manager, state = manager_for(tmp_path, staging=StagingOptions(overlap=True)), new_state()
     gate = state["gate"] = Gate()
     fill(state, 1)
     assert manager.save(1, state)
@@ -255,7 +262,7 @@ def test_an_error_on_the_managers_save_thread_fails_the_save_instead_of_hanging(
     def broken(*args: Any) -> None:
         raise RuntimeError("lost on the save thread")
 
-    manager, state = manager_for(tmp_path, overlap_staging=True), new_state()
+    manager, state = manager_for(tmp_path, staging=StagingOptions(overlap=True)), new_state()
     monkeypatch.setattr(manager_module, "_chain", broken)
     assert manager.save(1, state)
     with pytest.raises(SaveFailed, match="lost on the save thread"):

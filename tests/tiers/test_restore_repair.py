@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from helpers import file_path, flip, load, matches, saved
 
-from tierstore import Store
+from tierstore import ReaderOptions, Store
 from tierstore.errors import ChecksumMismatch
 from tierstore.format import layout
 from tierstore.format.manifest import Manifest
@@ -29,7 +29,7 @@ def mirrored(tmp_path: Path) -> tuple[str, str, Manifest]:
 
 
 def hot_alone_loads(hot: str) -> bool:
-    return matches(load(hot, lease=False)[0], 1)
+    return matches(load(hot, options=ReaderOptions(lease=False))[0], 1)
 
 
 DAMAGES = {

@@ -12,6 +12,8 @@ from helpers import blank, matches, state_for
 from tierstore import (
     CheckpointManager,
     ConfigError,
+    ReaderOptions,
+    StagingOptions,
     Store,
     TieredReader,
     TieredWriter,
@@ -44,7 +46,7 @@ def test_store_is_accepted_wherever_urls_are(tmp_path: Path) -> None:
 
 def test_the_manager_takes_a_store(tmp_path: Path) -> None:
     store = Store(str(tmp_path / "hot"))
-    with CheckpointManager(store, save_every=1, async_save=False) as manager:
+    with CheckpointManager(store, save_every=1, staging=StagingOptions(async_save=False)) as manager:
         manager.save(4, state_for(4))
         assert manager.steps() == [4]
         state = blank()
@@ -82,7 +84,7 @@ def test_store_pickles_without_backends_and_hides_credentials(tmp_path: Path) ->
 def test_writer_and_reader_built_from_a_store_pickle(tmp_path: Path) -> None:
     store = Store(str(tmp_path / "hot"))
     dcp.save(state_for(1), storage_writer=TieredWriter(store, step=1))
-    reader = pickle.loads(pickle.dumps(TieredReader(store, thread_count=2)))
+    reader = pickle.loads(pickle.dumps(TieredReader(store, options=ReaderOptions(thread_count=2))))
     state = blank()
     dcp.load(state, storage_reader=reader)
     assert matches(state, 1)

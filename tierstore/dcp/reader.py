@@ -35,7 +35,7 @@ import threading
 import uuid
 from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Unpack
 
 from torch.distributed.checkpoint._extension import ExtensionRegistry
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _StorageReaderTransforms
@@ -67,6 +67,7 @@ from tierstore.format.encoding import RawItem
 from tierstore.format.manifest import FileEntry, Manifest
 from tierstore.format.safe_pickle import load_metadata
 from tierstore.format.verified import open_verified, verify_file
+from tierstore.options import ReaderOptions
 from tierstore.storage import faults
 from tierstore.tiers import leases
 from tierstore.tiers.catalog import resolve
@@ -112,23 +113,22 @@ class TieredReader(StorageReader):
             node's files and the cold manifest is the global commit: pick checkpoints by cold
             manifest, read each file from the local hot tier when it is there and intact,
             else from cold.
-        lease: announce the load with a lease in each tier read (see :mod:`tierstore.tiers.leases`)
-            so a concurrent prune leaves the files alone. Without write access to a tier
-            (read-only credentials) the load goes on unleased there, with one warning.
-        thread_count: read threads per rank for raw-encoded files: files in parallel, and a
-            large file split by items (each part its own ranged requests).
-        resolve_once: under a process group of more than one rank, the coordinator alone
-            lists the catalog, picks and leases the checkpoint (one lease per job), and every
-            other rank reads that checkpoint's manifest by name (one request per tier).
-            :class:`~tierstore.manager.CheckpointManager` turns it on. Off by default for a
-            reader handed to ``dcp.load`` directly, because it needs every rank of the group
-            to call ``dcp.load`` (a collective inside the load): a load made by some ranks only
-            (``dcp.load(no_dist=True)`` on one rank under an initialized group) would wait for
-            ranks that never come. Turn it on for a job-wide resume of thousands of ranks.
+        options: how it reads (:class:`~tierstore.ReaderOptions`: read threads, leases, and
+            ``resolve_once``). With ``resolve_once``, under a process group of more than one
+            rank, the coordinator alone lists the catalog, picks and leases the checkpoint (one
+            lease per job), and every other rank reads that checkpoint's manifest by name (one
+            request per tier). :class:`~tierstore.manager.CheckpointManager` turns it on. Off
+            by default for a reader handed to ``dcp.load`` directly, because it needs every
+            rank of the group to call ``dcp.load`` (a collective inside the load): a load made
+            by some ranks only (``dcp.load(no_dist=True)`` on one rank under an initialized
+            group) would wait for ranks that never come. Turn it on for a job-wide resume of
+            thousands of ranks.
         process_group: the process group given to ``dcp.load`` (default: the default group).
         _extension_registry: DCP's registry of stream transforms (``FileSystemReader``'s
             argument), for checkpoints saved with ``_extensions``; DCP's default knows
             ``ZStandard``.
+        **legacy: ``thread_count``, ``lease`` and ``resolve_once``, which ``options`` replaced,
+            accepted for one release with a ``DeprecationWarning``.
 
     After a load, ``reader.manifest`` is the checkpoint that was read, ``reader.sources``
     maps each file this rank read to the tier (``"hot"``/``"cold"``) that served it, and
@@ -149,16 +149,14 @@ class TieredReader(StorageReader):
         hot_options: Mapping[str, Any] | None = None,
         cold_options: Mapping[str, Any] | None = None,
         node_local: bool = False,
-        lease: bool = True,
-        thread_count: int = 1,
-        resolve_once: bool = False,
+        options: ReaderOptions | None = None,
         process_group: Any = None,
         _extension_registry: ExtensionRegistry | None = None,
+        **legacy: Unpack[dcp_args.LegacyReaderArgs],
     ) -> None:
         super().__init__()
-        if thread_count < 1:
-            raise ConfigError(f"thread_count must be >= 1, got {thread_count!r}")
-        self.thread_count = thread_count
+        self.options = dcp_args.reader_options(options, legacy)
+        self.thread_count = self.options.thread_count
         self.store = Store.of(
             dcp_args.hot_or_path(hot, path, "TieredReader"),
             cold,
@@ -170,9 +168,9 @@ class TieredReader(StorageReader):
         self._transforms = _StorageReaderTransforms(_extension_registry)
         self._bad_id: ConfigError | None = None
         self.node_local = self.store.node_local
-        self.lease = lease
+        self.lease = self.options.lease
         self._leases: list[leases.Lease] = []
-        self.resolve_once, self._group = resolve_once, process_group
+        self.resolve_once, self._group = self.options.resolve_once, process_group
         self._shared = False  # this load was resolved once for the whole job
         self.step = step
         self.name = layout.check_name(name) if name is not None else None

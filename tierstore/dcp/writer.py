@@ -24,7 +24,7 @@ The cold tier's own "never overwrite a committed checkpoint" check happens at th
 commit, in the migrator, where a different committed attempt is a reported conflict.
 
 Data files are raw-encoded by default (:mod:`tierstore.format.encoding`: each tensor's bytes
-as they are, block checksums in the metadata); ``encoding="dcp"`` writes what
+as they are, block checksums in the metadata); ``WriterOptions(encoding="dcp")`` writes what
 ``FileSystemWriter`` writes (one ``torch.save`` per item), which plain DCP readers load.
 
 Why one module of about 490 lines: it is one ``StorageWriter``, DCP's call order above with
@@ -40,13 +40,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Unpack
 
 from torch.distributed.checkpoint._extension import StreamTransformExtension
-from torch.distributed.checkpoint.filesystem import (
-    SerializationFormat,
-    _StorageInfo,
-)
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
@@ -60,6 +57,7 @@ from tierstore.format import encoding as raw
 from tierstore.format import layout
 from tierstore.format import manifest_format as fmt
 from tierstore.format.manifest import FileEntry, Manifest
+from tierstore.options import WriterOptions
 from tierstore.storage import faults
 from tierstore.tiers.migrator import MigrationConfig, Migrator
 from tierstore.tiers.tier import Store, Tier, TierURL
@@ -72,7 +70,8 @@ MAX_FILES_PER_DIR = 4096  # hot directories larger than this slow down create, l
 
 
 def _setting(value: int | None, env: str, default: int, what: str) -> int:
-    """An explicit argument, else the environment variable ``env``, else ``default``."""
+    """An explicit option, else the environment variable ``env``, else ``default``: read when
+    the writer is built, so a bad value fails there, not at the save."""
     if value is None:
         raw_value = os.environ.get(env, "").strip()
         try:
@@ -133,24 +132,18 @@ class TieredWriter(StorageWriter):
         name: checkpoint name; a ``checkpoint_id`` given to ``dcp.save`` overrides it: a
             name, or a directory directly under a tier's root (``<hot>/<name>``).
         hot_options / cold_options: options for the tiers' backends (credentials, etc.).
-        thread_count: write threads per rank, as in ``FileSystemWriter``.
-        single_file_per_rank: one file per thread per rank (default), or one per item.
-        migration: how this process migrates to the cold tier (the first writer's wins).
         node_local: each rank's hot root is its node's own disk (see TieredReader); only
             changes the free-space check, which is then per rank instead of for the total.
-        encoding: ``"raw"`` (default): tensors' bytes as they are, read by TieredReader
-            only; ``"dcp"`` (the default with ``_extensions``): ``FileSystemWriter``'s format,
-            also loadable by plain DCP (``FileSystemReader`` on the attempt directory). See
-            docs/format.md.
-        sync_files, per_thread_copy_ahead, cache_staged_state_dict, overwrite, _extensions,
-            serialization_format: ``FileSystemWriter``'s, accepted with DCP's meaning or
-            refused with what to do instead (:mod:`tierstore.dcp.dcp_args`).
-        manifest_part_ranks: ranks per part of a two-level manifest; a checkpoint of no
-            more ranks keeps the flat manifest (default 1024, or the environment variable
-            ``TIERSTORE_MANIFEST_PART_RANKS``). See docs/format.md.
-        max_files_per_dir: when the attempt directory would hold more shard files, they go
-            to ``r<k>/`` subdirectories by rank (default 4096, or
-            ``TIERSTORE_MAX_FILES_PER_DIR``).
+        migration: how this process migrates to the cold tier (the first writer's wins).
+        metrics: numbers recorded in the manifest (``CheckpointInfo.metrics``, ``keep_best``).
+        options: how the checkpoint is written (:class:`~tierstore.WriterOptions`: threads,
+            encoding, manifest parts, files per directory).
+        **filesystem_writer_args: ``FileSystemWriter``'s arguments (``thread_count``,
+            ``single_file_per_rank``, ``sync_files``, ``per_thread_copy_ahead``,
+            ``cache_staged_state_dict``, ``overwrite``, ``_extensions``,
+            ``serialization_format``), accepted with DCP's meaning (the first two and
+            ``_extensions`` folded into ``options``) or refused with what to do instead
+            (:mod:`tierstore.dcp.dcp_args`). Any other keyword is a ``TypeError``.
 
     A save whose manifest would break a limit (docs/format.md) fails before writing anything.
 
@@ -167,37 +160,18 @@ class TieredWriter(StorageWriter):
         name: str | None = None,
         hot_options: Mapping[str, Any] | None = None,
         cold_options: Mapping[str, Any] | None = None,
-        thread_count: int = 1,
-        single_file_per_rank: bool = True,
-        migration: MigrationConfig | None = None,
         node_local: bool = False,
-        encoding: str | None = None,
-        manifest_part_ranks: int | None = None,
-        max_files_per_dir: int | None = None,
+        migration: MigrationConfig | None = None,
         metrics: Mapping[str, float] | None = None,
-        sync_files: bool = True,
-        per_thread_copy_ahead: int = 10_000_000,
-        cache_staged_state_dict: bool = False,
-        overwrite: bool = False,
-        _extensions: Sequence[StreamTransformExtension] | None = None,
-        serialization_format: SerializationFormat | str | None = None,
+        options: WriterOptions | None = None,
+        **filesystem_writer_args: Unpack[dcp_args.FileSystemWriterArgs],
     ) -> None:
         super().__init__()
-        dcp = dcp_args.writer_args(
-            encoding=encoding,
-            sync_files=sync_files,
-            per_thread_copy_ahead=per_thread_copy_ahead,
-            cache_staged_state_dict=cache_staged_state_dict,
-            overwrite=overwrite,
-            extensions=_extensions,
-            serialization_format=serialization_format,
-        )
+        self.options, self.overwrite = dcp_args.writer_options(options, filesystem_writer_args)
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
             raise ConfigError(f"step must be a non-negative int, got {step!r}")
         if step is not None and step > fmt.MAX_STEP:  # else refused at the commit, all data written
             raise ConfigError(f"step {step} is above the largest a manifest records, {fmt.MAX_STEP} (2**62)")
-        if thread_count < 1:
-            raise ConfigError(f"thread_count must be >= 1, got {thread_count!r}")
         self.step = step
         self.name = layout.check_name(name) if name is not None else None
         self.store = store_to_save(
@@ -208,19 +182,24 @@ class TieredWriter(StorageWriter):
             owner="TieredWriter",
         )
         self.tiers = self.store.tiers
-        self.thread_count = thread_count
-        self.single_file_per_rank = single_file_per_rank
+        self.thread_count = self.options.thread_count
+        self.single_file_per_rank = self.options.single_file_per_rank
         self.migration = migration
         self.node_local = node_local
-        self.encoding = dcp.encoding
-        self.overwrite = dcp.overwrite
-        self.extensions = dcp.extensions
+        self.encoding: str = self.options.resolved_encoding
+        self.extensions = tuple(self.options.extensions)
         self.metrics = fmt.check_metrics(metrics, source="metrics", error=ConfigError) if metrics else {}
         self.manifest_part_ranks = _setting(
-            manifest_part_ranks, "TIERSTORE_MANIFEST_PART_RANKS", fmt.PART_RANKS, "manifest_part_ranks"
+            self.options.manifest_part_ranks,
+            "TIERSTORE_MANIFEST_PART_RANKS",
+            fmt.PART_RANKS,
+            "manifest_part_ranks",
         )
         self.max_files_per_dir = _setting(
-            max_files_per_dir, "TIERSTORE_MAX_FILES_PER_DIR", MAX_FILES_PER_DIR, "max_files_per_dir"
+            self.options.max_files_per_dir,
+            "TIERSTORE_MAX_FILES_PER_DIR",
+            MAX_FILES_PER_DIR,
+            "max_files_per_dir",
         )
         self.manifest: Manifest | None = None  # set on the coordinator once committed
         self._rank = 0

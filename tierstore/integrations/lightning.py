@@ -91,7 +91,8 @@ class TierstoreCheckpoint(ModelCheckpoint):
         hot_policy / cold_policy: retention per tier; by default both keep what
             ``ModelCheckpoint`` would (:func:`policy_for`).
         manager_options: further :class:`~tierstore.CheckpointManager` arguments
-            (``async_save``, ``migration``, ``hot_options``, ``writer_options``, ...).
+            (``staging=StagingOptions(...)``, ``writer=WriterOptions(...)``, ``migration``,
+            ``hot_options``, ...).
         **checkpoint_options: ``ModelCheckpoint``'s arguments (``monitor``, ``mode``,
             ``save_top_k``, ``save_last``, ``every_n_train_steps``, ``every_n_epochs``, ...).
     """

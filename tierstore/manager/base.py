@@ -14,6 +14,7 @@ from tierstore.errors import SaveFailed
 from tierstore.lifecycle.prune import PruneReport
 from tierstore.lifecycle.retention import Policy
 from tierstore.lifecycle.rounds import BackgroundRounds
+from tierstore.options import StagingOptions, WriterOptions
 from tierstore.staging import ReusedStaging
 from tierstore.tiers import runlock
 from tierstore.tiers.migrator import (
@@ -38,14 +39,12 @@ class Base:
     cold_policy: Policy
     save_every: int | Callable[[int], bool] | None
     hot_min_free: int | str | None
-    async_save: bool
-    async_mode: str
     node_local: bool
     migration: MigrationConfig | None
     close_timeout: float
-    writer_options: dict[str, Any]
-    staging: str
-    overlap_staging: bool
+    writer: WriterOptions
+    _overwrite: bool  # DCP's overwrite, from the old writer_options: only its message says it
+    staging: StagingOptions
     distributed: bool
     rank: int
     group: Any

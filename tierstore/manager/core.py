@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Unpack
 
 import torch.distributed as dist
 
@@ -18,11 +18,14 @@ from tierstore.dcp.writer import store_to_save
 from tierstore.errors import ConfigError, SaveFailed
 from tierstore.lifecycle.retention import DEFAULT_COLD, DEFAULT_HOT, Policy
 from tierstore.lifecycle.rounds import BackgroundRounds
+from tierstore.manager import legacy as legacy_args
 from tierstore.manager.ending import Ending
 from tierstore.manager.health import Health
+from tierstore.manager.legacy import LegacyManagerArgs
 from tierstore.manager.loading import Loading
 from tierstore.manager.maintenance import Maintenance
 from tierstore.manager.saving import Saving
+from tierstore.options import StagingOptions, WriterOptions
 from tierstore.staging import ReusedStaging
 from tierstore.tiers import runlock
 from tierstore.tiers.migrator import (
@@ -51,23 +54,24 @@ class CheckpointManager(Saving, Maintenance, Loading, Ending):
             last 3; add milestones with ``keep_last(3) | keep_every(1000)``).
         save_every: an int (every N steps), a callable ``step -> bool`` (e.g. a
             :class:`tierstore.resume.cadence.TimeCadence`), or ``None`` to save whenever asked.
-        async_save: save with ``dcp.async_save`` (default) or ``dcp.save``.
-        async_mode: ``"thread"`` or ``"process"`` (DCP's checkpointer types).
+        hot_options / cold_options: options for the tiers' backends.
         node_local: the hot tier is per node (see ``TieredReader``).
+        migration: how this process migrates to the cold tier (:class:`~tierstore.MigrationConfig`).
         hot_min_free: before each save, if the hot tier has less free space than this many
             bytes (``"auto"``: 1.1x the newest checkpoint), prune down to what the invariants
             force (the newest, and checkpoints not yet in cold) and warn.
         process_group: group for checkpoint collectives; by default a new gloo group.
-        writer_options: extra ``TieredWriter`` arguments (``thread_count``, ...).
-        staging: ``"reuse"`` (default) copies the state into buffers kept from save to save;
-            ``"fresh"`` is DCP's default, new buffers on every save (for comparison).
-        overlap_staging: ``save()`` returns as soon as the copy has started, not once it is
-            taken; the caller must not change the state until :meth:`wait_staged` returns
-            (the next ``save``, ``wait`` and ``close`` wait for it too). Needs async
-            ``"reuse"`` staging.
+        writer: how each save is written (:class:`~tierstore.WriterOptions`: threads,
+            encoding, ...).
+        staging: how the state is taken off the training loop
+            (:class:`~tierstore.StagingOptions`: ``dcp.async_save`` or ``dcp.save``, thread
+            or process, reused or fresh buffers, overlap).
         close_timeout: the most seconds :meth:`close` waits for migrations, pruning and
             checks in all (default 300); what is left then stays pending in the hot tier
             and :meth:`close` raises :class:`~tierstore.errors.MigrationFailed`.
+        **legacy: the keywords these options replaced (``async_save``, ``async_mode``,
+            ``overlap_staging``, ``writer_options``, and ``staging`` as a string), accepted
+            for one release with a ``DeprecationWarning`` (:mod:`tierstore.manager.legacy`).
 
     ``stalls`` maps each saved step to the seconds ``save()`` blocked the caller;
     ``staging_allocated`` maps it to the bytes of staging buffers that save allocated: the
@@ -82,28 +86,20 @@ class CheckpointManager(Saving, Maintenance, Loading, Ending):
         hot_policy: Policy | None = None,
         cold_policy: Policy | None = None,
         save_every: int | Cadence | None = None,
-        async_save: bool = True,
-        async_mode: str = "thread",
         hot_options: Mapping[str, Any] | None = None,
         cold_options: Mapping[str, Any] | None = None,
         node_local: bool = False,
         migration: MigrationConfig | None = None,
         hot_min_free: int | str | None = "auto",
         process_group: Any = None,
-        writer_options: Mapping[str, Any] | None = None,
-        staging: str = "reuse",
-        overlap_staging: bool = False,
+        writer: WriterOptions | None = None,
+        staging: StagingOptions | None = None,
         close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
+        **legacy: Unpack[LegacyManagerArgs],
     ) -> None:
-        if async_mode not in ("thread", "process"):
-            raise ConfigError(f"async_mode must be 'thread' or 'process', got {async_mode!r}")
-        if staging not in ("reuse", "fresh"):
-            raise ConfigError(f"staging must be 'reuse' or 'fresh', got {staging!r}")
-        if overlap_staging and not (async_save and staging == "reuse"):
-            raise ConfigError(
-                "overlap_staging needs async_save=True and staging='reuse' "
-                "(other saves copy the state before save() returns)"
-            )
+        legacy_args.check_names(legacy)
+        self.staging = legacy_args.staging_options(staging, legacy)
+        self.writer, self._overwrite = legacy_args.writer_options(writer, legacy)
         if isinstance(save_every, int) and save_every <= 0:
             raise ConfigError(f"save_every must be positive, got {save_every}")
         if not (isinstance(close_timeout, (int, float)) and 0 <= close_timeout < float("inf")):
@@ -118,15 +114,12 @@ class CheckpointManager(Saving, Maintenance, Loading, Ending):
         self.hot_policy = hot_policy or DEFAULT_HOT
         self.cold_policy = cold_policy or DEFAULT_COLD
         self.save_every, self.hot_min_free = save_every, hot_min_free
-        self.async_save, self.async_mode = async_save, async_mode
         self.node_local, self.migration = node_local, migration
         self.close_timeout = float(close_timeout)
-        self.writer_options = dict(writer_options or {})
-        self._writer(0, {})  # a typo in writer_options fails here, not at the first save
-        self.staging, self.overlap_staging = staging, overlap_staging
+        self._writer(0, {})  # what only a TieredWriter checks (the environment's settings) fails here
         self._stager: ReusedStaging | None = None  # made by the first save, freed by close()
         self._staging: Future[None] | None = None  # the last save's copy of the state
-        self._thread: ThreadPoolExecutor | None = None  # starts saves with overlap_staging
+        self._thread: ThreadPoolExecutor | None = None  # starts saves with StagingOptions(overlap=True)
         self.distributed = _dist.initialized()
         self.rank = _dist.rank_world()[0]
         self._owns_group = process_group is None and self.distributed

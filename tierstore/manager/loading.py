@@ -19,6 +19,7 @@ from tierstore.errors import ConfigError, TierstoreError
 from tierstore.format.manifest import Manifest
 from tierstore.lifecycle.quarantine import quarantine
 from tierstore.manager.base import Base
+from tierstore.options import ReaderOptions
 from tierstore.resume.state import ResumePlanner, is_per_rank_key
 from tierstore.tiers.catalog import list_checkpoints
 from tierstore.tiers.tier import Store
@@ -92,7 +93,7 @@ class Loading(Base):
                 self.store,
                 name=chosen,
                 node_local=self.node_local,
-                resolve_once=True,
+                options=ReaderOptions(resolve_once=True),
                 process_group=self.group,
             )
             world = dist.get_world_size(self.group) if self.distributed else 1

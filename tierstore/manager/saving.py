@@ -45,7 +45,7 @@ class Saving(Base):
     ) -> bool:
         """Checkpoint ``state`` as ``step`` if the cadence wants it (or ``force``); ``True`` if saved.
 
-        Returns once the state is copied (unless ``overlap_staging``): training may change
+        Returns once the state is copied (unless ``StagingOptions(overlap=True)``): training may change
         it from then on. Raises :class:`~tierstore.errors.SaveFailed` if the previous
         (background) save failed; this save is then not started (call again to save). A
         synchronous save, or a copy of the state, that fails raises it at once.
@@ -62,7 +62,7 @@ class Saving(Base):
         start = time.perf_counter()
         self._finish_previous()  # block the next save only until the previous flush is done
         self._raise_failure()
-        if not self.async_save:
+        if not self.staging.async_save:
             self._relieve_disk_pressure()
             try:
                 dcp_save(state, storage_writer=writer, process_group=self.group)
@@ -71,7 +71,7 @@ class Saving(Base):
                 self._raise_failure()
                 raise
             self._committed(step, None)
-        elif self.overlap_staging:
+        elif self.staging.overlap:
             # Even starting an async save costs tens of ms in DCP (flattening the state,
             # planning); the manager's own thread pays that too, with the copy after it.
             staged: Future[None] = Future()
@@ -86,19 +86,15 @@ class Saving(Base):
         return True
 
     def _writer(self, step: int, metrics: Mapping[str, float]) -> TieredWriter:
-        try:
-            return TieredWriter(
-                self.store,
-                step=step,
-                migration=self.migration,
-                node_local=self.node_local,
-                metrics=metrics,
-                **self.writer_options,
-            )
-        except TypeError as err:  # an unknown keyword: say which options TieredWriter takes
-            raise ConfigError(
-                f"writer_options {sorted(self.writer_options)} are not all TieredWriter arguments: {err}"
-            ) from err
+        return TieredWriter(
+            self.store,
+            step=step,
+            migration=self.migration,
+            node_local=self.node_local,
+            metrics=metrics,
+            options=self.writer,
+            overwrite=self._overwrite,
+        )
 
     def _submitter(self) -> ThreadPoolExecutor:
         if self._thread is None:  # one thread: saves start in the order they were asked for
@@ -135,7 +131,8 @@ class Saving(Base):
     ) -> None:
         """Start DCP's async save; ``staged`` completes when the copy is taken (or failed),
         ``settled`` once the save is recorded as committed or failed."""
-        kind = AsyncCheckpointerType.PROCESS if self.async_mode == "process" else AsyncCheckpointerType.THREAD
+        process = self.staging.mode == "process"
+        kind = AsyncCheckpointerType.PROCESS if process else AsyncCheckpointerType.THREAD
         try:
             self._relieve_disk_pressure()
             response = dcp_async_save(
@@ -170,15 +167,15 @@ class Saving(Base):
         future.add_done_callback(settle)
 
     def _stager_for_save(self) -> ReusedStaging | None:
-        if self.staging == "fresh":
+        if self.staging.buffers == "fresh":
             return None  # DCP's default: a stager of its own per save, closed after it
         if self._stager is None:
-            self._stager = ReusedStaging(staging_options(self.async_mode))
+            self._stager = ReusedStaging(staging_options(self.staging.mode))
         return self._stager
 
     def wait_staged(self) -> None:
         """Block until the last save's copy of the state is taken: from then on the state may
-        change. ``save()`` calls this itself unless ``overlap_staging=True``.
+        change. ``save()`` calls this itself unless ``StagingOptions(overlap=True)``.
 
         Raises :class:`~tierstore.errors.SaveFailed` if taking the copy failed (that save
         then failed).

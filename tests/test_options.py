@@ -1,0 +1,394 @@
+"""The options objects (tierstore/options.py): every bad option is refused where it is built,
+the keywords they replaced still work for one release with one DeprecationWarning each,
+FileSystemWriter's arguments still work without one, and one option given both ways is an error."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pickle
+import subprocess
+import sys
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+import pytest
+import torch.distributed.checkpoint as dcp
+from helpers import assert_same, blank, load, state_for
+from torch.distributed.checkpoint._extension import StreamTransformExtension
+from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+import tierstore
+from tierstore import (
+    CheckpointManager,
+    ConfigError,
+    ReaderOptions,
+    StagingOptions,
+    TieredReader,
+    TieredWriter,
+    WriterOptions,
+    keep_all,
+)
+from tierstore.format import layout
+from tierstore.format.manifest import Manifest
+
+DEPRECATED = r"tierstore\.[A-Za-z_]+ is deprecated"
+
+
+class Identity(StreamTransformExtension):
+    """A DCP stream transform that changes nothing: enough to be one."""
+
+    @staticmethod
+    def registry_name() -> str:
+        return "test.identity"
+
+    @staticmethod
+    def from_descriptor(version: str) -> Identity:
+        return Identity()
+
+    def get_descriptor(self) -> str:
+        return f"{self.registry_name()}/1"
+
+    def transform_to(self, output: IO[bytes]) -> IO[bytes]:
+        return output
+
+    def transform_from(self, input: IO[bytes]) -> IO[bytes]:
+        return input
+
+
+@contextmanager
+def deprecations() -> Iterator[list[str]]:
+    """Collect tierstore's DeprecationWarnings (as messages) raised inside, every one."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        messages: list[str] = []
+        yield messages
+    messages.extend(
+        str(w.message)
+        for w in caught
+        if issubclass(w.category, DeprecationWarning) and "tierstore." in str(w.message)
+    )
+
+
+def committed(writer: TieredWriter) -> Manifest:
+    assert writer.manifest is not None, "the save did not commit"
+    return writer.manifest
+
+
+def loads_as_plain_dcp(hot: str, writer: TieredWriter, step: int) -> bool:
+    """Whether the checkpoint is dcp-encoded: DCP's own FileSystemReader loads its attempt."""
+    manifest = committed(writer)
+    state = blank()
+    attempt = Path(hot) / layout.attempt_prefix(manifest.name, manifest.attempt)
+    dcp.load(state, storage_reader=dcp.FileSystemReader(attempt))
+    assert_same(state, state_for(step))
+    return True
+
+
+# -- every bad option is refused where it is built, naming it -----------------------------------
+
+BAD: list[tuple[Callable[[], object], str]] = [
+    (lambda: WriterOptions(encoding="rawx"), r"WriterOptions\.encoding must be 'raw' or 'dcp', got 'rawx'"),  # type: ignore[arg-type]
+    (lambda: WriterOptions(thread_count=0), r"WriterOptions\.thread_count must be a positive int, got 0"),
+    (lambda: WriterOptions(thread_count=True), r"WriterOptions\.thread_count .* got True"),
+    (lambda: WriterOptions(thread_count="4"), r"WriterOptions\.thread_count .* got '4'"),  # type: ignore[arg-type]
+    (lambda: WriterOptions(single_file_per_rank="yes"), r"single_file_per_rank must be True or False"),  # type: ignore[arg-type]
+    (lambda: WriterOptions(manifest_part_ranks=0), r"WriterOptions\.manifest_part_ranks .* got 0"),
+    (lambda: WriterOptions(max_files_per_dir=-1), r"WriterOptions\.max_files_per_dir .* got -1"),
+    (lambda: WriterOptions(extensions=[object()]), r"StreamTransformExtension objects .* got object"),  # type: ignore[list-item]
+    (lambda: WriterOptions(extensions="zstd"), r"WriterOptions\.extensions must be a sequence"),  # type: ignore[arg-type]
+    (lambda: WriterOptions(encoding="raw", extensions=[Identity()]), r"extensions need encoding='dcp'"),
+    (lambda: ReaderOptions(thread_count=0), r"ReaderOptions\.thread_count must be a positive int, got 0"),
+    (lambda: ReaderOptions(lease="no"), r"ReaderOptions\.lease must be True or False, got 'no'"),  # type: ignore[arg-type]
+    (lambda: ReaderOptions(resolve_once=None), r"ReaderOptions\.resolve_once must be True or False"),  # type: ignore[arg-type]
+    (lambda: StagingOptions(mode="fork"), r"StagingOptions\.mode must be 'thread' or 'process', got 'fork'"),  # type: ignore[arg-type]
+    (lambda: StagingOptions(buffers="pinned"), r"StagingOptions\.buffers must be 'reuse' or 'fresh'"),  # type: ignore[arg-type]
+    (lambda: StagingOptions(async_save="yes"), r"StagingOptions\.async_save must be True or False"),  # type: ignore[arg-type]
+    (lambda: StagingOptions(overlap=1), r"StagingOptions\.overlap must be True or False, got 1"),  # type: ignore[arg-type]
+    (
+        lambda: StagingOptions(buffers="fresh", overlap=True),
+        r"overlap needs async_save=True and buffers='reuse'",
+    ),
+    (lambda: StagingOptions(async_save=False, overlap=True), r"overlap needs .*\(got async_save=False"),
+]
+
+
+@pytest.mark.parametrize("build, message", BAD, ids=[m.split(" ")[0] for _, m in BAD])
+def test_an_ill_typed_option_is_a_config_error_naming_it_when_built(
+    build: Callable[[], object], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        build()
+
+
+def test_an_unknown_option_is_a_type_error_when_built(tmp_path: Path) -> None:
+    hot = str(tmp_path / "hot")
+    with pytest.raises(TypeError, match="thread_cont"):
+        WriterOptions(thread_cont=2)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="fork"):
+        StagingOptions(fork=True)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="TieredWriter.* unexpected keyword argument 'thread_cont'"):
+        TieredWriter(hot, step=1, thread_cont=2)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="TieredReader.* unexpected keyword argument 'leese'"):
+        TieredReader(hot, leese=False)  # type: ignore[call-arg]
+    with pytest.raises(
+        ConfigError, match=r"TieredReader\(options=\) takes a ReaderOptions, got WriterOptions"
+    ):
+        TieredReader(hot, options=WriterOptions())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="CheckpointManager.* unexpected keyword argument 'async_mod'"):
+        CheckpointManager(hot, async_mod="thread")  # type: ignore[call-arg]
+    with pytest.raises(
+        ConfigError, match=r"CheckpointManager\(writer=\) takes a WriterOptions, got StagingOptions"
+    ):
+        CheckpointManager(hot, writer=StagingOptions())  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"CheckpointManager\(staging=\) takes a StagingOptions, got dict"):
+        CheckpointManager(hot, staging={"mode": "thread"})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"TieredWriter\(options=\) takes a WriterOptions"):
+        TieredWriter(hot, step=1, options={"thread_count": 2})  # type: ignore[arg-type]
+    assert not Path(hot).exists()  # all refused before anything was made
+
+
+def test_an_unset_limit_comes_from_the_environment_read_when_the_writer_is_built(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hot = str(tmp_path / "hot")
+    monkeypatch.setenv("TIERSTORE_MANIFEST_PART_RANKS", "3")
+    monkeypatch.setenv("TIERSTORE_MAX_FILES_PER_DIR", "7")
+    writer = TieredWriter(hot, step=1)
+    assert (writer.manifest_part_ranks, writer.max_files_per_dir) == (3, 7)
+    writer = TieredWriter(hot, step=1, options=WriterOptions(manifest_part_ranks=5, max_files_per_dir=9))
+    assert (writer.manifest_part_ranks, writer.max_files_per_dir) == (5, 9)  # the option wins
+    monkeypatch.setenv("TIERSTORE_MANIFEST_PART_RANKS", "lots")
+    with pytest.raises(ConfigError, match="TIERSTORE_MANIFEST_PART_RANKS='lots'"):
+        TieredWriter(hot, step=1)
+    with pytest.raises(ConfigError, match="TIERSTORE_MANIFEST_PART_RANKS='lots'"):
+        CheckpointManager(hot)  # the manager's own writer is built with it, not at the first save
+    assert not Path(hot).exists()
+
+
+def test_options_are_frozen_values_that_travel_with_a_pickled_writer(tmp_path: Path) -> None:
+    options = WriterOptions(thread_count=2, encoding="dcp", extensions=[Identity()])
+    assert isinstance(options.extensions, tuple) and options.resolved_encoding == "dcp"
+    assert hash(options) == hash(dataclasses.replace(options))
+    with pytest.raises(AttributeError):
+        options.thread_count = 3  # type: ignore[misc]
+    writer = pickle.loads(
+        pickle.dumps(TieredWriter(str(tmp_path), step=1, options=WriterOptions(thread_count=2)))
+    )
+    assert writer.options == WriterOptions(thread_count=2) and writer.thread_count == 2
+    assert WriterOptions().resolved_encoding == "raw"
+    assert WriterOptions(extensions=[Identity()]).resolved_encoding == "dcp"  # as FileSystemWriter's
+
+
+def test_the_options_are_exported_and_import_no_torch() -> None:
+    assert {"WriterOptions", "ReaderOptions", "StagingOptions", "MigrationConfig"} <= set(tierstore.__all__)
+    assert tierstore.ReaderOptions is ReaderOptions
+    assert tierstore.WriterOptions is WriterOptions and tierstore.StagingOptions is StagingOptions
+    code = "import sys, tierstore.options; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- FileSystemWriter's arguments: no warning, folded into the options --------------------------
+
+
+def test_filesystem_writer_arguments_work_without_a_warning(tmp_path: Path) -> None:
+    hot = str(tmp_path / "hot")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        writer = TieredWriter(
+            path=hot,
+            step=1,
+            thread_count=2,
+            single_file_per_rank=False,
+            sync_files=True,
+            per_thread_copy_ahead=0,
+            cache_staged_state_dict=False,
+            overwrite=True,
+            _extensions=None,
+            serialization_format=SerializationFormat.TORCH_SAVE,
+        )
+        dcp.save(state_for(1), storage_writer=writer)
+    assert writer.options == WriterOptions(thread_count=2, single_file_per_rank=False)
+    assert writer.overwrite is True
+    data = [f for f in committed(writer).files if f.path != layout.METADATA_FILE]
+    assert len(data) > 2  # one file per item, not one per thread: single_file_per_rank=False
+    assert_same(load(hot)[0], state_for(1))
+
+
+def test_filesystem_writer_extensions_are_folded_and_choose_the_dcp_encoding(tmp_path: Path) -> None:
+    hot, ext = str(tmp_path / "hot"), Identity()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        writer = TieredWriter(hot, step=1, _extensions=[ext], options=WriterOptions(thread_count=2))
+    assert writer.options == WriterOptions(thread_count=2, extensions=(ext,))
+    assert (writer.encoding, writer.extensions) == ("dcp", (ext,))
+
+
+# -- the old keywords: same behaviour, one warning each, for one release ------------------------
+
+
+def test_the_old_writer_keywords_save_as_the_options_do_and_warn_once(tmp_path: Path) -> None:
+    old, new = str(tmp_path / "old"), str(tmp_path / "new")
+    with deprecations() as warned:
+        writer = TieredWriter(old, step=1, encoding="dcp", manifest_part_ranks=3, max_files_per_dir=5)
+    assert sorted(warned) == sorted(
+        f"tierstore.TieredWriter is deprecated with {name}=: pass options=WriterOptions({name}=...) "
+        "(the argument goes in the next release)"
+        for name in ("encoding", "manifest_part_ranks", "max_files_per_dir")
+    )
+    assert writer.options == WriterOptions(encoding="dcp", manifest_part_ranks=3, max_files_per_dir=5)
+    with deprecations() as warned:
+        dcp.save(state_for(1), storage_writer=writer)
+    assert warned == []  # once, where it was built
+    options = WriterOptions(encoding="dcp", manifest_part_ranks=3, max_files_per_dir=5)
+    current = TieredWriter(new, step=1, options=options)
+    dcp.save(state_for(1), storage_writer=current)
+    assert committed(writer).encoding == committed(current).encoding == "dcp"
+    assert (
+        (writer.manifest_part_ranks, writer.max_files_per_dir) == (current.manifest_part_ranks, 5) == (3, 5)
+    )
+    assert loads_as_plain_dcp(old, writer, 1) and loads_as_plain_dcp(new, current, 1)
+
+
+def test_the_old_reader_keywords_load_as_the_options_do_and_warn_once(tmp_path: Path) -> None:
+    hot = str(tmp_path / "hot")
+    dcp.save(state_for(1), storage_writer=TieredWriter(hot, step=1))
+    with deprecations() as warned:
+        reader = TieredReader(hot, lease=False, thread_count=2, resolve_once=False)
+    assert sorted(m.split(":")[0] for m in warned) == [
+        f"tierstore.TieredReader is deprecated with {name}="
+        for name in ("lease", "resolve_once", "thread_count")
+    ]
+    assert reader.options == ReaderOptions(thread_count=2, lease=False)
+    assert (reader.thread_count, reader.lease, reader.resolve_once) == (2, False, False)
+    with deprecations() as warned:
+        state = blank()
+        dcp.load(state, storage_reader=reader)
+    assert warned == [] and reader.manifest is not None and reader.manifest.step == 1
+    assert_same(state, state_for(1))
+    current = TieredReader(hot, options=ReaderOptions(thread_count=2, lease=False))
+    assert (current.thread_count, current.lease, current.resolve_once) == (2, False, False)
+    with (
+        pytest.warns(DeprecationWarning),
+        pytest.raises(ConfigError, match=r"got lease=False and options=ReaderOptions\(lease=False\)"),
+    ):
+        TieredReader(hot, lease=False, options=ReaderOptions(lease=False))
+
+
+def test_a_deprecation_points_at_the_caller(tmp_path: Path) -> None:
+    with pytest.warns(DeprecationWarning, match=DEPRECATED) as caught:
+        TieredWriter(str(tmp_path), step=1, encoding="raw")
+    with pytest.warns(DeprecationWarning, match=DEPRECATED) as managed:
+        CheckpointManager(str(tmp_path), async_mode="thread").close()
+    assert {Path(w.filename).name for w in [*caught, *managed]} == {Path(__file__).name}
+
+
+def test_the_old_manager_keywords_save_as_the_options_do_and_warn_once(tmp_path: Path) -> None:
+    hot = str(tmp_path / "hot")
+    with deprecations() as warned:
+        manager = CheckpointManager(
+            hot,
+            save_every=1,
+            hot_policy=keep_all(),
+            hot_min_free=None,
+            async_save=True,
+            async_mode="thread",
+            staging="fresh",
+            writer_options={"encoding": "dcp", "thread_count": 2, "overwrite": True},
+        )
+    assert [m.split(":")[0] for m in warned] == [
+        f"tierstore.CheckpointManager is deprecated with {name}="
+        for name in ("staging", "async_save", "async_mode", "writer_options")
+    ]
+    assert manager.staging == StagingOptions(async_save=True, mode="thread", buffers="fresh")
+    assert manager.writer == WriterOptions(encoding="dcp", thread_count=2)
+    with deprecations() as warned:
+        for step in (1, 2):
+            manager.save(step, state_for(step))
+        manager.close()
+    assert warned == []  # not again at each save
+    assert manager.staging_allocated == {}  # fresh buffers: the reused ones were not made
+    assert [m.step for m in tierstore.list_checkpoints(hot)] == [1, 2]
+    manifest = json.loads(Path(hot, layout.manifest_key(layout.default_name(2))).read_bytes())
+    assert "encoding" not in manifest  # dcp-encoded, as the flat manifest writes it
+    assert_same(load(hot, step=2)[0], state_for(2))
+
+
+def test_the_old_overlap_and_sync_keywords_fold_into_staging_options(tmp_path: Path) -> None:
+    hot = str(tmp_path / "hot")
+    with pytest.warns(DeprecationWarning, match="overlap_staging=: pass staging=StagingOptions"):
+        manager = CheckpointManager(hot, hot_min_free=None, overlap_staging=True)
+    assert manager.staging == StagingOptions(overlap=True)
+    manager.save(1, state_for(1))
+    manager.wait_staged()
+    manager.close()
+    with pytest.warns(DeprecationWarning, match="async_save=: pass staging=StagingOptions"):
+        manager = CheckpointManager(hot, hot_min_free=None, async_save=False)
+    assert manager.staging == StagingOptions(async_save=False)
+    manager.save(2, state_for(2))
+    assert [m.step for m in tierstore.list_checkpoints(hot)] == [1, 2]  # committed when save() returned
+    manager.close()
+    assert [m.step for m in tierstore.list_checkpoints(hot)] == [1, 2]
+    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="overlap needs"):
+        CheckpointManager(hot, staging="fresh", overlap_staging=True)  # type: ignore[arg-type]
+
+
+def test_an_unknown_old_writer_option_is_still_a_config_error_naming_it(tmp_path: Path) -> None:
+    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="thread_cont"):
+        CheckpointManager(str(tmp_path / "hot"), writer_options={"thread_cont": 2})
+    assert not (tmp_path / "hot").exists()
+
+
+# -- one option given both ways ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "build, message",
+    [
+        (
+            lambda hot: TieredWriter(hot, step=1, thread_count=2, options=WriterOptions(thread_count=3)),
+            r"TieredWriter got thread_count=2 and options=WriterOptions\(thread_count=3\): give thread_count once",
+        ),
+        (
+            lambda hot: TieredWriter(
+                hot, step=1, _extensions=[Identity()], options=WriterOptions(extensions=[Identity()])
+            ),
+            r"got _extensions=.* and options=WriterOptions\(extensions=",
+        ),
+        (
+            lambda hot: TieredWriter(hot, step=1, encoding="dcp", options=WriterOptions(encoding="raw")),
+            r"got encoding='dcp' and options=WriterOptions\(encoding='raw'\)",
+        ),
+        (
+            lambda hot: CheckpointManager(hot, async_mode="process", staging=StagingOptions(mode="process")),
+            r"CheckpointManager got async_mode='process' and staging=StagingOptions\(mode='process'\)",
+        ),
+        (
+            lambda hot: CheckpointManager(
+                hot, writer_options={"thread_count": 2}, writer=WriterOptions(thread_count=4)
+            ),
+            r"got thread_count=2 and writer=WriterOptions\(thread_count=4\)",
+        ),
+    ],
+    ids=["fs-argument", "extensions", "old-writer-keyword", "old-manager-keyword", "writer_options"],
+)
+def test_one_option_given_both_ways_is_a_config_error(
+    tmp_path: Path, build: Callable[[str], Any], message: str
+) -> None:
+    hot = str(tmp_path / "hot")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # the old keywords' own, tested above
+        with pytest.raises(ConfigError, match=message):
+            build(hot)
+    assert not Path(hot).exists()
+
+
+def test_an_option_at_its_default_is_not_given_twice(tmp_path: Path) -> None:
+    # A frozen dataclass does not say which fields were passed: at its default, the argument wins.
+    writer = TieredWriter(
+        str(tmp_path), step=1, thread_count=2, options=WriterOptions(encoding="dcp", thread_count=1)
+    )
+    assert writer.options == WriterOptions(encoding="dcp", thread_count=2)

@@ -1,0 +1,237 @@
+"""The options objects of the constructors: typed, frozen, checked when built.
+
+A constructor takes tier names, the identity of what it works on (a step, a name) and a few
+of these; an unknown option is a ``TypeError`` and an ill-typed or out-of-range one a
+:class:`~tierstore.errors.ConfigError` naming it, both where the object is built, never at
+the first save (which may be hours into a run). Orbax's ``CheckpointManager`` is the model:
+a handful of parameters plus nested option dataclasses.
+
+- :class:`WriterOptions`: how :class:`~tierstore.TieredWriter` writes a checkpoint.
+- :class:`ReaderOptions`: how :class:`~tierstore.TieredReader` reads one.
+- :class:`StagingOptions`: how :class:`~tierstore.CheckpointManager` takes the state off the
+  training loop (DCP's ``async_save``, its mode and the staging buffers).
+- :class:`~tierstore.MigrationConfig` (:mod:`tierstore.tiers.jobs`): how a process migrates.
+
+The module imports no torch, so ``from tierstore import WriterOptions`` stays cheap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+from tierstore.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint._extension import StreamTransformExtension
+
+__all__ = [
+    "WriterOptions",
+    "ReaderOptions",
+    "StagingOptions",
+    "Encoding",
+    "StagingMode",
+    "StagingBuffers",
+    "fold",
+    "deprecated",
+]
+
+Encoding = Literal["raw", "dcp"]
+StagingMode = Literal["thread", "process"]
+StagingBuffers = Literal["reuse", "fresh"]
+_Options = TypeVar("_Options", "WriterOptions", "ReaderOptions", "StagingOptions")
+
+
+def check_bool(owner: str, name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{owner}.{name} must be True or False, got {value!r}")
+
+
+def check_positive(owner: str, name: str, value: object, *, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{owner}.{name} must be a positive int, got {value!r}")
+
+
+def check_choice(
+    owner: str, name: str, value: object, choices: Collection[str], *, optional: bool = False
+) -> None:
+    if optional and value is None:
+        return
+    if not isinstance(value, str) or value not in choices:
+        shown = " or ".join(repr(c) for c in choices)
+        raise ConfigError(f"{owner}.{name} must be {shown}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class WriterOptions:
+    """How :class:`~tierstore.TieredWriter` writes a checkpoint (``TieredWriter(options=)``,
+    ``CheckpointManager(writer=)``).
+
+    Args:
+        thread_count: write threads per rank, as in DCP's ``FileSystemWriter``.
+        single_file_per_rank: one file per thread per rank (default), or one per item.
+        encoding: ``"raw"``: tensors' bytes as they are, read by ``TieredReader`` only;
+            ``"dcp"``: ``FileSystemWriter``'s format, also loadable by plain DCP. ``None``
+            (default): ``"raw"``, or ``"dcp"`` when ``extensions`` are given. See docs/format.md.
+        extensions: DCP stream transforms (``ZStandard()``) applied to each stored item, as
+            ``FileSystemWriter(_extensions=)``; they need ``encoding="dcp"``.
+        manifest_part_ranks: ranks per part of a two-level manifest; a checkpoint of no more
+            ranks keeps the flat manifest. ``None``: the environment variable
+            ``TIERSTORE_MANIFEST_PART_RANKS``, else 1024 (read when the writer is built).
+        max_files_per_dir: when the attempt directory would hold more shard files, they go to
+            ``r<k>/`` subdirectories by rank. ``None``: ``TIERSTORE_MAX_FILES_PER_DIR``, else
+            4096.
+    """
+
+    thread_count: int = 1
+    single_file_per_rank: bool = True
+    encoding: Encoding | None = None
+    extensions: Sequence[StreamTransformExtension] = field(default=())
+    manifest_part_ranks: int | None = None
+    max_files_per_dir: int | None = None
+
+    def __post_init__(self) -> None:
+        owner = "WriterOptions"
+        check_positive(owner, "thread_count", self.thread_count)
+        check_bool(owner, "single_file_per_rank", self.single_file_per_rank)
+        check_choice(owner, "encoding", self.encoding, ("raw", "dcp"), optional=True)
+        check_positive(owner, "manifest_part_ranks", self.manifest_part_ranks, optional=True)
+        check_positive(owner, "max_files_per_dir", self.max_files_per_dir, optional=True)
+        if isinstance(self.extensions, (str, bytes)) or not isinstance(self.extensions, Sequence):
+            raise ConfigError(
+                f"{owner}.extensions must be a sequence of DCP extensions, got {self.extensions!r}"
+            )
+        # A tuple, so the options stay hashable and no caller's list changes them later.
+        object.__setattr__(self, "extensions", tuple(self.extensions))
+        if self.extensions:
+            _check_extensions(self.extensions)
+            if self.encoding == "raw":
+                raise ConfigError(
+                    f"{owner}.extensions need encoding='dcp' (got 'raw'): the raw encoding "
+                    "reads byte ranges of items in place, which a compressed stream has not; "
+                    "pass encoding='dcp', or drop the extensions"
+                )
+
+    @property
+    def resolved_encoding(self) -> Encoding:
+        """The encoding a save writes: ``encoding``, else what the extensions need."""
+        if self.encoding is not None:
+            return self.encoding
+        return "dcp" if self.extensions else "raw"
+
+
+def _check_extensions(extensions: Sequence[Any]) -> None:
+    # Imported here: only a writer given extensions needs torch for this check.
+    from torch.distributed.checkpoint._extension import StreamTransformExtension
+
+    for ext in extensions:
+        if not isinstance(ext, StreamTransformExtension):
+            raise ConfigError(
+                "WriterOptions.extensions (FileSystemWriter's _extensions) takes DCP "
+                f"StreamTransformExtension objects (such as ZStandard()), got {type(ext).__name__}"
+            )
+
+
+@dataclass(frozen=True)
+class ReaderOptions:
+    """How :class:`~tierstore.TieredReader` reads a checkpoint (``TieredReader(options=)``).
+
+    Args:
+        thread_count: read threads per rank for raw-encoded files: files in parallel, and a
+            large file split by items (each part its own ranged requests).
+        lease: announce the load with a lease in each tier read (:mod:`tierstore.tiers.leases`)
+            so a concurrent prune leaves its files alone. Without write access to a tier
+            (read-only credentials) the load goes on unleased there, with one warning.
+        resolve_once: under a process group of more than one rank, the coordinator alone
+            lists the catalog, picks and leases the checkpoint, and every other rank reads
+            that checkpoint's manifest by name. It needs every rank of the group to call
+            ``dcp.load`` (see ``TieredReader``); ``CheckpointManager`` turns it on.
+    """
+
+    thread_count: int = 1
+    lease: bool = True
+    resolve_once: bool = False
+
+    def __post_init__(self) -> None:
+        check_positive("ReaderOptions", "thread_count", self.thread_count)
+        check_bool("ReaderOptions", "lease", self.lease)
+        check_bool("ReaderOptions", "resolve_once", self.resolve_once)
+
+
+@dataclass(frozen=True)
+class StagingOptions:
+    """How :class:`~tierstore.CheckpointManager` takes the state off the training loop
+    (``CheckpointManager(staging=)``). Not DCP's ``StagingOptions``, which the manager builds
+    for its stager from these and the machine (:mod:`tierstore.staging`).
+
+    Args:
+        async_save: save with ``dcp.async_save`` (default) or ``dcp.save``.
+        mode: ``"thread"`` (default) or ``"process"``, DCP's async checkpointer types.
+        buffers: ``"reuse"`` (default) copies the state into buffers kept from save to save;
+            ``"fresh"`` is DCP's default, new buffers on every save (for comparison).
+        overlap: ``save()`` returns as soon as the copy has started, not once it is taken;
+            the caller must not change the state until ``wait_staged()`` returns (the next
+            ``save``, ``wait`` and ``close`` wait for it too). Needs ``async_save`` and
+            ``buffers="reuse"``.
+    """
+
+    async_save: bool = True
+    mode: StagingMode = "thread"
+    buffers: StagingBuffers = "reuse"
+    overlap: bool = False
+
+    def __post_init__(self) -> None:
+        owner = "StagingOptions"
+        check_bool(owner, "async_save", self.async_save)
+        check_choice(owner, "mode", self.mode, ("thread", "process"))
+        check_choice(owner, "buffers", self.buffers, ("reuse", "fresh"))
+        check_bool(owner, "overlap", self.overlap)
+        if self.overlap and not (self.async_save and self.buffers == "reuse"):
+            raise ConfigError(
+                "StagingOptions.overlap needs async_save=True and buffers='reuse' "
+                f"(got async_save={self.async_save!r}, buffers={self.buffers!r}): other saves "
+                "copy the state before save() returns"
+            )
+
+
+def fold(
+    owner: str,
+    param: str,
+    options: _Options | None,
+    cls: type[_Options],
+    given: Mapping[str, tuple[str, Any]],
+) -> _Options:
+    """``options`` (``cls()`` if ``None``) with the keyword arguments in ``given`` (field ->
+    the argument's name, its value) folded in, checked as ``cls`` checks its fields.
+
+    A field given both ways is a :class:`~tierstore.errors.ConfigError`; "given" in
+    ``options`` means other than its default, the only thing a frozen dataclass tells.
+    """
+    if options is not None and not isinstance(options, cls):
+        raise ConfigError(f"{owner}({param}=) takes a {cls.__name__}, got {type(options).__name__}")
+    defaults = cls()
+    for name, (argument, value) in given.items():
+        if options is not None and getattr(options, name) != getattr(defaults, name):
+            raise ConfigError(
+                f"{owner} got {argument}={value!r} and {param}={cls.__name__}({name}="
+                f"{getattr(options, name)!r}): give {name} once, in {param}"
+            )
+    base = options if options is not None else defaults
+    return dataclasses.replace(base, **{name: value for name, (_, value) in given.items()})
+
+
+def deprecated(owner: str, argument: str, instead: str, *, stacklevel: int) -> None:
+    """Warn that ``owner``'s keyword ``argument`` goes in the next release. The message
+    starts ``tierstore.<owner> is deprecated``, which the test suite turns into an error
+    (pyproject.toml), so tierstore's own code, tests and docs never use the old form."""
+    warnings.warn(
+        f"tierstore.{owner} is deprecated with {argument}=: pass {instead} "
+        "(the argument goes in the next release)",
+        DeprecationWarning,
+        stacklevel=stacklevel + 1,
+    )
