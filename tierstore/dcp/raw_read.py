@@ -15,6 +15,10 @@ For each stored item, the bytes DCP wants go straight into the destination tenso
 whole item or a dim-0 slice of it; otherwise into a reused buffer, then narrowed and copied;
 a partial block at an edge of the read is read whole into a small buffer to be verified. No
 ``torch.load``, no pickle.
+
+Why one module of about 400 lines: planning units, reading and verifying their ranges, and
+placing the bytes into the targets are one path that each load follows end to end; the
+shape check it shares with the DCP encoding's path is :func:`tierstore.dcp.dcp_files.commit_chunk`.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ Data files are raw-encoded by default (:mod:`tierstore.format.encoding`: each te
 as they are, block checksums in the metadata); ``WriterOptions(encoding="dcp")`` writes what
 ``FileSystemWriter`` writes (one ``torch.save`` per item), which plain DCP readers load.
 
-Why one module of about 490 lines: it is one ``StorageWriter``, DCP's call order above with
+Why one module of about 470 lines: it is one ``StorageWriter``, DCP's call order above with
 the checks each step makes; the dcp-encoded file layout is :mod:`tierstore.dcp.dcp_files`.
 """
 

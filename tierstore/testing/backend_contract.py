@@ -1,6 +1,10 @@
 """The backend contract as a pytest suite: :class:`BackendContract` (see :mod:`tierstore.testing`).
 
 Needs only the storage layer: a plugin's tests import it without torch or the rest of tierstore.
+
+Why one module of about 430 lines: it is one test class, the contract every backend runs,
+and a plugin author reads it as the list of what a backend promises; split, the promises
+would be spread over files that each say a part.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The Google Cloud Storage tier: ``gs://bucket[/prefix]`` over the GCS JSON API.
 
-Why one module of about 500 lines: it is the backend contract's every operation mapped to the
+Why one module of about 520 lines: it is the backend contract's every operation mapped to the
 GCS JSON API (generation preconditions, listed CRC32C, resumable uploads); the writer and the
 reader are their own modules.
 """

@@ -1,6 +1,6 @@
 """``S3Backend``: a tier in an S3 bucket (or any S3-compatible store) through s3fs.
 
-Why one module of about 450 lines: it is the backend contract's every operation mapped to S3
+Why one module of about 480 lines: it is the backend contract's every operation mapped to S3
 (conditional writes and deletes, versions as ETags, full-object CRC32C); the writer and the
 reader are their own modules.
 """
