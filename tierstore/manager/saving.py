@@ -3,9 +3,10 @@ through a ``TieredWriter``), staged into reused buffers, its failure recorded an
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -76,7 +77,9 @@ class Saving(Base):
             # planning); the manager's own thread pays that too, with the copy after it.
             staged: Future[None] = Future()
             self._staging, self._pending = staged, Future()
-            self._submitter().submit(self._start_guarded, step, state, writer, staged, self._pending)
+            settled = self._pending
+            start_save = functools.partial(self._start_async, step, state, writer, staged, settled)
+            self._submitter().submit(self._guarded, start_save, step, staged, settled)
         else:
             staged = Future()
             self._staging, self._pending = staged, Future()
@@ -101,19 +104,14 @@ class Saving(Base):
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="tierstore-save")
         return self._thread
 
-    def _start_guarded(
-        self,
-        step: int,
-        state: dict[str, Any],
-        writer: TieredWriter,
-        staged: Future[None],
-        settled: Future[None],
+    def _guarded(
+        self, start_save: Callable[[], None], step: int, staged: Future[None], settled: Future[None]
     ) -> None:
-        """:meth:`_start_async` on the manager's thread, where nothing would see an error it
-        raised: whatever it raises fails the save, so no waiter on ``staged`` or ``settled``
-        waits for ever."""
+        """``start_save()`` (:meth:`_start_async`) on the manager's thread, where nothing would
+        see an error it raised: whatever it raises fails the save, so no waiter on ``staged``
+        or ``settled`` waits for ever."""
         try:
-            self._start_async(step, state, writer, staged, settled)
+            start_save()
         except BaseException as err:
             if not settled.done():
                 self._failed(step, err)

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from tierstore.testing.backend_contract import BackendContract, in_background, returns_within
     from tierstore.testing.cold_tier_contract import COLD_MODES, ColdTierContract, ProxiedCold
+    from tierstore.testing.server_modes import ModesHandler, ServerModes, assert_stall_ends
 
 __all__ = [
     "BackendContract",
@@ -49,6 +50,9 @@ __all__ = [
     "COLD_MODES",
     "in_background",
     "returns_within",
+    "ServerModes",
+    "ModesHandler",
+    "assert_stall_ends",
 ]
 
 # Each name loads its own module on first use: the backend contract needs the storage layer
@@ -60,6 +64,9 @@ _WHERE = {
     "ColdTierContract": "cold_tier_contract",
     "ProxiedCold": "cold_tier_contract",
     "COLD_MODES": "cold_tier_contract",
+    "ServerModes": "server_modes",
+    "ModesHandler": "server_modes",
+    "assert_stall_ends": "server_modes",
 }
 
 

@@ -21,7 +21,7 @@ from tierstore.format import layout
 from tierstore.manager import CheckpointManager
 from tierstore.retry import RetryPolicy
 from tierstore.testing.backend_contract import returns_within
-from tierstore.testing.server_modes import ServerModes
+from tierstore.testing.server_modes import MODES, ServerModes
 from tierstore.tiers import migrator as migrator_module
 from tierstore.tiers.catalog import list_checkpoints
 from tierstore.tiers.jobs import Job, JobFailed, MigrationConfig, MigrationState
@@ -35,7 +35,7 @@ __all__ = ["COLD_MODES", "ColdTierContract", "ProxiedCold"]
 T = TypeVar("T")
 
 
-COLD_MODES = ("healthy", "refuse", "stall", "deny_writes")
+COLD_MODES = MODES  # what every backend's fault proxy can be switched to (server_modes)
 
 _HANG = 60.0  # seconds: far beyond any hot save here; only a save blocked on the cold tier gets there
 _ONE_TRY = RetryPolicy(attempts=1, deadline=5.0, initial=0.01, maximum=0.05)

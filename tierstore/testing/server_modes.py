@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-__all__ = ["HOP_BY_HOP", "MODES", "WRITES", "ModesHandler", "ServerModes"]
+__all__ = ["HOP_BY_HOP", "MODES", "WRITES", "ModesHandler", "ServerModes", "assert_stall_ends"]
 
 MODES = ("healthy", "refuse", "stall", "deny_writes")
 WRITES = ("POST", "PUT", "PATCH", "DELETE")
@@ -198,3 +199,20 @@ class ModesHandler(BaseHTTPRequestHandler):
             self.connection.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+
+
+def assert_stall_ends(
+    proxy: ServerModes, request: Callable[[], object], end: Callable[[], None], *, hang: float = 60.0
+) -> None:
+    """Check a proxy's own ``stall``: ``request`` (a client call through ``proxy``) is still
+    unanswered half a second in, and once ``end()`` (a mode change, or ``proxy.close``) it
+    ends in an error within ``hang`` seconds, never held for ever."""
+    from tierstore.testing.backend_contract import in_background
+
+    proxy.mode = "stall"
+    waiter, box = in_background(request)
+    waiter.join(0.5)
+    assert waiter.is_alive(), f"a stalled request was answered: {box}"
+    end()
+    waiter.join(hang)
+    assert not waiter.is_alive() and "error" in box, box

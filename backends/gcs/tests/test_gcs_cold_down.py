@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from gcs_fault_proxy import MODES, FaultProxy
 
-from tierstore.testing import COLD_MODES, ColdTierContract, ProxiedCold, in_background
+from tierstore.testing import COLD_MODES, ColdTierContract, ProxiedCold, assert_stall_ends
 
 HANG = 60.0  # seconds: how long a stalled request may take to let go once the stall ends
 
@@ -29,9 +29,6 @@ class GCSProxiedCold(ProxiedCold):
     """The test's GCS cold tier: reached through ``proxy``, inspected directly."""
 
     proxy: FaultProxy
-
-    def __init__(self, hot: str, proxy: FaultProxy, endpoint: str, bucket: str) -> None:
-        super().__init__(hot, f"gs://{bucket}/run", proxy, endpoint)
 
     def options(self, *, through_proxy: bool = True) -> dict[str, Any]:
         return {
@@ -55,7 +52,7 @@ class TestGCSColdDown(ColdTierContract):
     @pytest.fixture
     def proxied_cold(self, tmp_path: Path, gcs_endpoint: str, gcs_bucket: str) -> Iterator[GCSProxiedCold]:
         proxy = FaultProxy(gcs_endpoint).start()
-        cold = GCSProxiedCold(str(tmp_path / "hot"), proxy, gcs_endpoint, gcs_bucket)
+        cold = GCSProxiedCold(str(tmp_path / "hot"), f"gs://{gcs_bucket}/run", proxy, gcs_endpoint)
         yield cold
         cold.close()
 
@@ -91,18 +88,11 @@ def test_fault_proxy_modes_do_what_they_say(gcs_endpoint: str, gcs_bucket: str) 
         proxy.mode = "stall"
         with pytest.raises(TimeoutError):  # accepted, read, never answered
             ask("GET", read, timeout=0.5)
-        waiter, box = in_background(lambda: ask("GET", read))
-        waiter.join(0.5)
-        assert waiter.is_alive()  # still stalled
-        proxy.mode = "healthy"  # the stall ends: the stalled request is dropped unanswered
-        waiter.join(HANG)
-        assert not waiter.is_alive() and "error" in box, box
+        # The stall ends (healthy again, or the proxy stopped): stalled requests are dropped.
+        assert_stall_ends(
+            proxy, lambda: ask("GET", read), lambda: setattr(proxy, "mode", "healthy"), hang=HANG
+        )
         assert ask("GET", read) == (200, b"x")  # listening again, on the same port
-        proxy.mode = "stall"
-        waiter, box = in_background(lambda: ask("GET", read))
-        waiter.join(0.5)
-        proxy.stop()  # stopping lets stalled requests go too
-        waiter.join(HANG)
-        assert not waiter.is_alive() and "error" in box, box
+        assert_stall_ends(proxy, lambda: ask("GET", read), proxy.stop, hang=HANG)
     finally:
         proxy.stop()
