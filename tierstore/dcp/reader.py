@@ -35,7 +35,7 @@ import threading
 import uuid
 from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, BinaryIO, Unpack
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from torch.distributed.checkpoint._extension import ExtensionRegistry
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _StorageReaderTransforms
@@ -72,6 +72,9 @@ from tierstore.storage import faults
 from tierstore.tiers import leases
 from tierstore.tiers.catalog import resolve
 from tierstore.tiers.tier import Store, Tier, TierURL
+
+if TYPE_CHECKING:
+    from typing import Unpack  # Python 3.11; the annotations are never evaluated
 
 __all__ = ["TieredReader", "is_damage"]
 

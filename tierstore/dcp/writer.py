@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Unpack
+from typing import TYPE_CHECKING, Any
 
 from torch.distributed.checkpoint._extension import StreamTransformExtension
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -62,6 +62,9 @@ from tierstore.storage import faults
 from tierstore.tiers.migrator import MigrationConfig, Migrator
 from tierstore.tiers.tier import Store, Tier, TierURL
 from tierstore.tiers.workers import migrator_for
+
+if TYPE_CHECKING:
+    from typing import Unpack  # Python 3.11; the annotations are never evaluated
 
 __all__ = ["TieredWriter", "store_to_save"]
 

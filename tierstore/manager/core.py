@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Unpack
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -35,7 +35,7 @@ from tierstore.tiers.migrator import (
 from tierstore.tiers.tier import Store, TierURL
 
 if TYPE_CHECKING:
-    pass
+    from typing import Unpack  # Python 3.11; the annotations are never evaluated
 
 __all__ = ["CheckpointManager", "DEFAULT_CLOSE_TIMEOUT"]
 
