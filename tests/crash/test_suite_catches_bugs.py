@@ -81,6 +81,20 @@ def deleting_before_every_write(
     return buggy
 
 
+def generated(max_examples: int, steps: int, *, quiet: bool = False) -> settings:
+    """Fresh examples only, the same every run (derandomized, no database, no shrinking),
+    each of ``steps`` steps; ``quiet`` suppresses the health checks (slow S3 steps)."""
+    return settings(
+        max_examples=max_examples,
+        stateful_step_count=steps,
+        phases=[Phase.generate],
+        derandomize=True,
+        database=None,
+        deadline=None,
+        suppress_health_check=list(HealthCheck) if quiet else (),
+    )
+
+
 def expect_caught(machine: Any, match: str, config: settings) -> None:
     """Run ``machine``: one of its invariant checks must fail, not a rule or the harness
     (and the failure counts as an expected catch, not a violation of the product).
@@ -127,40 +141,24 @@ class AimedAtTheBugWindow(CrashConsistency):
     aim = BUG_WINDOW
 
 
-def test_state_machine_catches_manifest_published_before_data(monkeypatch) -> None:
+@pytest.mark.parametrize(
+    ("machine", "examples"),
+    [
+        pytest.param(AimedAtTheBugWindow, 20, id="aimed"),
+        pytest.param(
+            CrashConsistency,
+            600,  # caught by example 32-160 alone; the points a run passes vary with load
+            id="unaimed",
+            marks=pytest.mark.skipif(
+                PROFILE != "soak", reason="the unaimed search runs under `make soak` (minutes)"
+            ),
+        ),
+    ],
+)
+def test_state_machine_catches_manifest_published_before_data(monkeypatch, machine, examples) -> None:
     # Forked actors inherit the patched method.
     monkeypatch.setattr(Tier, "publish_manifest", publishing_manifest_before_metadata(Tier.publish_manifest))
-    expect_caught(
-        AimedAtTheBugWindow,
-        "does not load|vanished",
-        settings(
-            max_examples=20,
-            stateful_step_count=8,
-            phases=[Phase.generate],
-            derandomize=True,
-            database=None,
-            deadline=None,
-        ),
-    )
-
-
-@pytest.mark.skipif(
-    PROFILE != "soak", reason="the unaimed search runs under `make soak` (up to 600 examples, minutes)"
-)
-def test_state_machine_finds_the_manifest_before_data_window_unaimed(monkeypatch) -> None:
-    monkeypatch.setattr(Tier, "publish_manifest", publishing_manifest_before_metadata(Tier.publish_manifest))
-    expect_caught(
-        CrashConsistency,
-        "does not load|vanished",
-        settings(
-            max_examples=600,  # caught by example 32-160 alone; the points a run passes vary with load
-            stateful_step_count=8,
-            phases=[Phase.generate],
-            derandomize=True,
-            database=None,
-            deadline=None,
-        ),
-    )
+    expect_caught(machine, "does not load|vanished", generated(examples, 8))
 
 
 class TwoMigrators(MultiActor):
@@ -184,15 +182,7 @@ def test_multi_actor_machine_catches_a_retry_deleting_a_committed_object(
         expect_caught(
             TwoMigrators,
             "names missing or damaged|does not load",
-            settings(
-                max_examples=10,
-                stateful_step_count=5,
-                phases=[Phase.generate],
-                derandomize=True,
-                database=None,
-                deadline=None,
-                suppress_health_check=list(HealthCheck),
-            ),
+            generated(10, 5, quiet=True),
         )
 
 
@@ -231,15 +221,7 @@ def test_multi_actor_machine_catches_a_prune_that_plans_from_a_second_listing(mo
     expect_caught(
         PruneRacingSaves,
         "without ever being committed in cold|vanished",
-        settings(
-            max_examples=25,
-            stateful_step_count=4,
-            phases=[Phase.generate],
-            derandomize=True,
-            database=None,
-            deadline=None,
-            suppress_health_check=list(HealthCheck),
-        ),
+        generated(25, 4, quiet=True),
     )
 
 
@@ -273,15 +255,7 @@ def test_multi_actor_machine_catches_a_cold_commit_that_checks_sizes_only(monkey
     expect_caught(
         HostileUploads,
         "names missing or damaged|does not load",
-        settings(
-            max_examples=25,
-            stateful_step_count=6,
-            phases=[Phase.generate],
-            derandomize=True,
-            database=None,
-            deadline=None,
-            suppress_health_check=list(HealthCheck),
-        ),
+        generated(25, 6, quiet=True),
     )
 
 
