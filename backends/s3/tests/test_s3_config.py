@@ -232,14 +232,17 @@ def _open_connections_to(port: int) -> int:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="counts connections through /proc")
-def test_close_releases_connections_and_is_idempotent(
-    make_backend: MakeBackend, fault_proxy: FaultProxy
-) -> None:
-    port = int(fault_proxy.url.rsplit(":", 1)[1])  # a keep-alive server: connections stay open
-    backend = make_backend("closing", endpoint=fault_proxy.url)
-    backend.publish("x", b"x")
-    assert _open_connections_to(port) >= 1
-    backend.close()
-    assert _open_connections_to(port) == 0
-    backend.close()  # a second close is a no-op, not an error
-    assert _open_connections_to(port) == 0
+def test_close_releases_connections_and_is_idempotent(make_backend: MakeBackend, s3_endpoint: str) -> None:
+    # A proxy of its own: the session's proxy port also carries other tests' connections.
+    proxy = FaultProxy(s3_endpoint)
+    try:
+        port = int(proxy.url.rsplit(":", 1)[1])  # a keep-alive server: connections stay open
+        backend = make_backend("closing", endpoint=proxy.url)
+        backend.publish("x", b"x")
+        assert _open_connections_to(port) >= 1
+        backend.close()
+        assert _open_connections_to(port) == 0
+        backend.close()  # a second close is a no-op, not an error
+        assert _open_connections_to(port) == 0
+    finally:
+        proxy.close()

@@ -50,6 +50,7 @@ MAX_PART_SIZE = 5 * 1024 * MiB
 _NO_CLIENT_RETRIES = {"mode": "standard", "total_max_attempts": 1}
 _PUBLISH_TOKEN = "tierstore-publish"  # user metadata (x-amz-meta-*) set by publish
 DELETE_BATCH = 1000  # S3's limit of keys per DeleteObjects request
+CLOSE_TIMEOUT = 5.0  # seconds close() waits for the client to close its connections
 
 
 def _split_url(url: str) -> tuple[str, str]:
@@ -175,6 +176,7 @@ class S3Backend(Backend):
         self.max_concurrency = max_concurrency
         self.full_object_checksum = full_object_checksum
         self.retry = retry
+        self._closed = False
         try:
             self._fs = _make_fs(endpoint_url, key, secret, token, profile, region, dict(s3fs_options or {}))
         except ConfigError:
@@ -474,6 +476,19 @@ class S3Backend(Backend):
                 raise
 
     def close(self) -> None:
+        """Close the client and its connections before returning. s3fs's own close gives the
+        client 0.1 s, then closes the connector from this thread, which only schedules each
+        socket's close on the event loop: on a loaded machine a connection outlived
+        ``close()``. Waited here up to :data:`CLOSE_TIMEOUT` seconds; s3fs's path after that."""
         creator = getattr(self._fs, "_s3creator", None)
-        if creator is not None:
-            s3fs.S3FileSystem.close_session(self._fs.loop, creator)
+        if creator is None or self._closed:
+            return
+        self._closed = True
+        loop = self._fs.loop
+        if loop is not None and loop.is_running():
+            try:
+                sync(loop, creator.__aexit__, None, None, None, timeout=CLOSE_TIMEOUT)
+                return
+            except Exception as err:  # a timeout, or a client already broken
+                log.debug("closing the S3 client of %s: %s", self.label, err)
+        s3fs.S3FileSystem.close_session(loop, creator)
