@@ -249,6 +249,21 @@ def test_policy_keeps_what_model_checkpoint_keeps() -> None:
     assert kept("loss", 0, "min", "link") == [10]
 
 
+def test_a_manager_option_it_does_not_take_fails_when_the_callback_is_built(tmp_path: Path) -> None:
+    from tierstore import StagingOptions
+    from tierstore.integrations.lightning import TierstoreCheckpoint
+
+    hot = str(tmp_path / "hot")
+    with pytest.raises(TypeError, match="'stagin', which CheckpointManager does not take"):
+        TierstoreCheckpoint(hot, manager_options={"stagin": StagingOptions(async_save=False)})
+    with pytest.raises(TypeError, match="'hot_policy'.*the callback's own arguments"):
+        TierstoreCheckpoint(hot, manager_options={"hot_policy": None})
+    callback = TierstoreCheckpoint(
+        hot, manager_options={"staging": StagingOptions(async_save=False), "hot_options": {}}
+    )
+    assert callback.manager_options == {"staging": StagingOptions(async_save=False)}
+
+
 def test_refuses_strategies_that_hold_the_state_on_rank_0_only(tmp_path: Path) -> None:
     from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 

@@ -36,6 +36,7 @@ optimizers (under DDP after the model), from the same step.
 
 from __future__ import annotations
 
+import inspect
 import io
 import logging
 import math
@@ -58,6 +59,7 @@ from tierstore.dcp.writer import store_to_save
 from tierstore.errors import CheckpointNotFound, ConfigError, MigrationFailed, TierstoreError
 from tierstore.lifecycle.retention import Policy, keep_all, keep_best, keep_last
 from tierstore.manager import CheckpointManager
+from tierstore.manager.legacy import LegacyManagerArgs
 from tierstore.tiers.catalog import list_checkpoints
 from tierstore.tiers.tier import Store, TierURL
 
@@ -69,6 +71,21 @@ _STEP_PREFIX = "tierstore:step="
 _STEP_IN_NAME = re.compile(r"(?:^|[^A-Za-z0-9_])step=(\d+)")
 _REST = "lightning"  # Lightning's checkpoint dict less model and optimizers, one blob
 _OPTIMIZERS = "tierstore_optimizers"  # in that dict: how many optimizer states are in DCP
+
+
+def _check_manager_options(options: Mapping[str, Any]) -> None:
+    """Refuse, when the callback is built, a ``manager_options`` key that
+    :class:`~tierstore.CheckpointManager` does not take: the manager itself is built in
+    ``setup()``, once the trainer runs, and a typo must not wait for that."""
+    taken = set(inspect.signature(CheckpointManager).parameters) | set(LegacyManagerArgs.__annotations__)
+    taken -= {"hot", "cold", "hot_policy", "cold_policy", "legacy"}  # the callback's own
+    unknown = sorted(set(options) - taken)
+    if unknown:
+        raise TypeError(
+            f"TierstoreCheckpoint(manager_options=) got {unknown[0]!r}, which CheckpointManager "
+            f"does not take (it takes {', '.join(sorted(taken))}); hot_policy and cold_policy "
+            "are the callback's own arguments"
+        )
 
 
 def policy_for(monitor: str | None, save_top_k: int, mode: str, save_last: object) -> Policy:
@@ -92,7 +109,7 @@ class TierstoreCheckpoint(ModelCheckpoint):
             ``ModelCheckpoint`` would (:func:`policy_for`).
         manager_options: further :class:`~tierstore.CheckpointManager` arguments
             (``staging=StagingOptions(...)``, ``writer=WriterOptions(...)``, ``migration``,
-            ``hot_options``, ...).
+            ``hot_options``, ...); a key the manager does not take is a ``TypeError`` here.
         **checkpoint_options: ``ModelCheckpoint``'s arguments (``monitor``, ``mode``,
             ``save_top_k``, ``save_last``, ``every_n_train_steps``, ``every_n_epochs``, ...).
     """
@@ -116,6 +133,7 @@ class TierstoreCheckpoint(ModelCheckpoint):
             cold_options=options.pop("cold_options", None),
             owner="TierstoreCheckpoint",
         )
+        _check_manager_options(options)
         policy = policy_for(self.monitor, self.save_top_k, self.mode, self.save_last)
         self.hot_policy, self.cold_policy = hot_policy or policy, cold_policy or policy
         self.manager_options = options
