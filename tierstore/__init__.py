@@ -19,7 +19,6 @@ tools start without importing torch.
 from __future__ import annotations
 
 import importlib
-import warnings
 from typing import TYPE_CHECKING, Any
 
 from tierstore._version import __version__
@@ -104,11 +103,9 @@ def __getattr__(name: str) -> Any:
         return value
     if name in _DEPRECATED:
         module, instead = _DEPRECATED[name]
-        warnings.warn(
-            f"tierstore.{name} is deprecated: use {instead} (the old name goes in the next release)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        from tierstore.options import warn_deprecated
+
+        warn_deprecated(name, f": use {instead} (the old name goes in the next release)", stacklevel=2)
         return getattr(importlib.import_module(module), name)
     raise AttributeError(f"module 'tierstore' has no attribute {name!r}")
 

@@ -37,6 +37,7 @@ __all__ = [
     "StagingBuffers",
     "fold",
     "deprecated",
+    "warn_deprecated",
 ]
 
 Encoding = Literal["raw", "dcp"]
@@ -225,13 +226,18 @@ def fold(
     return dataclasses.replace(base, **{name: value for name, (_, value) in given.items()})
 
 
+def warn_deprecated(owner: str, message: str, *, stacklevel: int) -> None:
+    """The one form of tierstore's deprecation warnings, ``tierstore.<owner> is deprecated``
+    and then ``message`` (what to write instead), pointing ``stacklevel`` frames up from the
+    caller. pyproject.toml turns exactly this form into an error in the test suite, so
+    tierstore's own code, tests and docs never use an old form."""
+    warnings.warn(f"tierstore.{owner} is deprecated{message}", DeprecationWarning, stacklevel=stacklevel + 1)
+
+
 def deprecated(owner: str, argument: str, instead: str, *, stacklevel: int) -> None:
-    """Warn that ``owner``'s keyword ``argument`` goes in the next release. The message
-    starts ``tierstore.<owner> is deprecated``, which the test suite turns into an error
-    (pyproject.toml), so tierstore's own code, tests and docs never use the old form."""
-    warnings.warn(
-        f"tierstore.{owner} is deprecated with {argument}=: pass {instead} "
-        "(the argument goes in the next release)",
-        DeprecationWarning,
+    """Warn that ``owner``'s keyword ``argument`` goes in the next release."""
+    warn_deprecated(
+        owner,
+        f" with {argument}=: pass {instead} (the argument goes in the next release)",
         stacklevel=stacklevel + 1,
     )

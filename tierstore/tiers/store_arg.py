@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import functools
 import inspect
-import warnings
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar, cast
 
 from tierstore.errors import ConfigError
+from tierstore.options import warn_deprecated
 from tierstore.tiers.tier import Store
 
 __all__ = ["takes_store"]
@@ -55,9 +55,7 @@ def takes_store(*, node_local: bool = False) -> Callable[[Callable[P, R]], Calla
                 return op(*args, **kwargs)
             given = args[at] if positional and len(args) > at else kwargs.pop("store", _ABSENT)
             store = _legacy_store(op.__name__, given, old)
-            warnings.warn(
-                _message(op.__name__, lead, positional, used, old), DeprecationWarning, stacklevel=2
-            )
+            warn_deprecated(op.__name__, _message(op.__name__, lead, positional, used, old), stacklevel=2)
             if positional and len(args) > at:
                 args = (*args[:at], store, *args[at + 1 :])
             else:
@@ -100,6 +98,6 @@ def _message(name: str, lead: list[str], positional: bool, used: list[str], old:
     of = f"Store.of({', '.join(parts)})"
     call = ", ".join([*lead, of if positional else f"store={of}", "..."])
     return (
-        f"tierstore.{name} is deprecated with {', '.join(used)}: pass one Store, "
-        f"tierstore.{name}({call}) (the old form goes in the next release)"
+        f" with {', '.join(used)}: pass one Store, tierstore.{name}({call}) (the old form goes "
+        "in the next release)"
     )
