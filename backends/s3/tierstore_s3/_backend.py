@@ -329,14 +329,7 @@ class S3Backend(Backend):
 
     def stat(self, key: str) -> ObjectInfo:
         head = self.head(key)
-        modified = head.get("LastModified")
-        return ObjectInfo(
-            key=key,
-            size=int(head["ContentLength"]),
-            mtime=modified.timestamp() if modified is not None else None,
-            crc32c=_checksum.full_object_crc32c(head),
-            version=_checksum.etag(head),
-        )
+        return _info(key, int(head["ContentLength"]), head, crc32c=_checksum.full_object_crc32c(head))
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         if prefix and not prefix.endswith("/"):
@@ -362,13 +355,7 @@ class S3Backend(Backend):
             except UnsafePath:  # "dir/" markers and keys no tierstore key can name
                 log.debug("list of %s skips key %r", self.label, obj["Key"])
                 continue
-            modified = obj.get("LastModified")
-            yield ObjectInfo(
-                key=rel,
-                size=int(obj["Size"]),
-                mtime=modified.timestamp() if modified is not None else None,
-                version=_checksum.etag(obj),
-            )
+            yield _info(rel, int(obj["Size"]), obj)
 
     def delete(self, key: str) -> None:
         full = self.full_key(key)
@@ -492,3 +479,15 @@ class S3Backend(Backend):
             except Exception as err:  # a timeout, or a client already broken
                 log.debug("closing the S3 client of %s: %s", self.label, err)
         s3fs.S3FileSystem.close_session(loop, creator)
+
+
+def _info(key: str, size: int, described: Mapping[str, Any], *, crc32c: int | None = None) -> ObjectInfo:
+    """An object as a HEAD or a listing entry (``described``) tells of it."""
+    modified = described.get("LastModified")
+    return ObjectInfo(
+        key=key,
+        size=size,
+        mtime=modified.timestamp() if modified is not None else None,
+        crc32c=crc32c,
+        version=_checksum.etag(described),
+    )
