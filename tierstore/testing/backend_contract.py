@@ -352,6 +352,7 @@ class BackendContract:
             (len(data) - 4, 4),
             (len(data) - 2, 100),
             (len(data), 5),
+            (len(data) + 10, 5),  # past the end: nothing
         ):
             with backend.open_range("rg/obj", offset, length) as stream:
                 got = stream.read()
