@@ -36,6 +36,7 @@ from tierstore.lifecycle.gc import collect_garbage
 from tierstore.lifecycle.prune import prune
 from tierstore.lifecycle.quarantine import list_quarantined
 from tierstore.lifecycle.retention import (
+    Retention,
     keep_all,
     keep_best,
     keep_every,
@@ -70,29 +71,26 @@ _LAZY = {
 
 # Names the package exported before it kept one name per job: they still work, for one
 # release, with a DeprecationWarning saying where they live (or what does their job).
-_DEPRECATED = {
+_MOVED = {  # module -> the names that now live only there
+    "tierstore.tiers.restore": ("restore_checkpoint", "RestoreReport"),
+    "tierstore.resume.check": ("verify_checkpoint",),
+    "tierstore.manager": ("Health",),
+    "tierstore.format.manifest": ("Manifest", "FileEntry"),
+    "tierstore.tiers.migrator": ("MigrationState", "MigrationStatus"),
+    "tierstore.resume.cadence": ("CadencePlan",),
+    "tierstore.resume.report": ("ResumeReport",),
+    "tierstore.errors": (
+        "BackendNotFound",
+        "PublishConflict",
+        "UnsafeType",
+        "InvalidManifest",
+        "ChecksumMismatch",
+    ),
+}
+_DEPRECATED = {  # old name -> (its module, what to use instead)
     "latest_checkpoint": ("tierstore.tiers.catalog", "list_checkpoints(...)[-1]"),
     "find_garbage": ("tierstore.lifecycle.gc", "collect_garbage(..., dry_run=True).garbage"),
-    "restore_checkpoint": ("tierstore.tiers.restore", "tierstore.tiers.restore.restore_checkpoint"),
-    "verify_checkpoint": ("tierstore.resume.check", "tierstore.resume.check.verify_checkpoint"),
-    "Health": ("tierstore.manager", "tierstore.manager.Health"),
-    "Manifest": ("tierstore.format.manifest", "tierstore.format.manifest.Manifest"),
-    "FileEntry": ("tierstore.format.manifest", "tierstore.format.manifest.FileEntry"),
-    "MigrationState": ("tierstore.tiers.migrator", "tierstore.tiers.migrator.MigrationState"),
-    "MigrationStatus": ("tierstore.tiers.migrator", "tierstore.tiers.migrator.MigrationStatus"),
-    "RestoreReport": ("tierstore.tiers.restore", "tierstore.tiers.restore.RestoreReport"),
-    "CadencePlan": ("tierstore.resume.cadence", "tierstore.resume.cadence.CadencePlan"),
-    "ResumeReport": ("tierstore.resume.report", "tierstore.resume.report.ResumeReport"),
-    **{
-        name: ("tierstore.errors", f"tierstore.errors.{name}")
-        for name in (
-            "BackendNotFound",
-            "PublishConflict",
-            "UnsafeType",
-            "InvalidManifest",
-            "ChecksumMismatch",
-        )
-    },
+    **{name: (module, f"{module}.{name}") for module, names in _MOVED.items() for name in names},
 }
 
 
@@ -127,6 +125,7 @@ __all__ = [
     "Store",
     "list_checkpoints",
     "CheckpointInfo",
+    "Retention",
     "keep_last",
     "keep_every",
     "keep_steps",
