@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-from tierstore import Store, TieredReader, TieredWriter
+from tierstore import Retention, Store, TieredReader, TieredWriter
 from tierstore.tiers.status import wait_for_migrations
 
 warnings.filterwarnings("ignore")
@@ -185,8 +185,7 @@ def manager(spec: dict[str, Any]) -> None:
     mgr = CheckpointManager(
         **tiers(spec),
         save_every=spec["save_every"],
-        hot_policy=policy(spec["hot_policy"]),
-        cold_policy=policy(spec["cold_policy"]),
+        retention=Retention(hot=policy(spec["hot_policy"]), cold=policy(spec["cold_policy"])),
     )
     msd, osd = get_state_dict(model, optim)
     assert mgr.load_latest({"model": msd, "optim": osd, "extra": {"step": -1}}) is None
@@ -274,7 +273,7 @@ def manager_cold_down(spec: dict[str, Any]) -> None:
         spec["cold"],
         cold_options=options,
         node_local=True,
-        hot_min_free=None,
+        retention=Retention(hot_min_free=None),
         migration=MigrationConfig(retry=retry, commit_timeout=5),
     )
     model, optim = build(0, dist.get_world_size())
@@ -314,7 +313,11 @@ def manager_node_local_resume(spec: dict[str, Any]) -> None:
     model, optim = build(0, dist.get_world_size())
     blocked = Path(spec["blocker"])
     mgr = CheckpointManager(
-        tiers(spec)["hot"], str(blocked / "cold"), node_local=True, hot_min_free=None, migration=config
+        tiers(spec)["hot"],
+        str(blocked / "cold"),
+        node_local=True,
+        retention=Retention(hot_min_free=None),
+        migration=config,
     )
     for step in (1, 2):
         msd, osd = get_state_dict(model, optim)
@@ -329,7 +332,11 @@ def manager_node_local_resume(spec: dict[str, Any]) -> None:
         blocked.unlink()  # the cold tier is reachable again
     dist.barrier()
     again = CheckpointManager(
-        tiers(spec)["hot"], str(blocked / "cold"), node_local=True, hot_min_free=None, migration=config
+        tiers(spec)["hot"],
+        str(blocked / "cold"),
+        node_local=True,
+        retention=Retention(hot_min_free=None),
+        migration=config,
     )
     again.close(timeout=60)
     dist.barrier()  # the coordinator's close returns once it has committed: then look

@@ -302,7 +302,7 @@ Check = Callable[[dict[str, Any], Ctx], None]
 # The first line guards the index: a block added above another one fails loudly, not silently.
 SETUPS: dict[tuple[str, int], tuple[str, Setup | None, Check | None]] = {
     ("README.md", 0): (
-        "from tierstore import CheckpointManager, TrainingState, keep_every, keep_last",
+        "from tierstore import CheckpointManager, Retention, TrainingState, keep_every, keep_last",
         _training,
         _check_checkpoint(500, cold=True),
     ),

@@ -17,6 +17,7 @@ what exposed prune deleting checkpoints that never reached it) and fake-gcs-serv
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -36,6 +37,7 @@ from cold_tiers import Cold, cold_of
 
 from tierstore import (
     CheckpointManager,
+    Retention,
     TieredReader,
     TieredWriter,
     keep_all,
@@ -80,7 +82,8 @@ def steps(cold: Cold | Tier | str, hot: str | None = None) -> list[int]:
 
 def manager(hot: str, cold: Cold, **options: Any) -> CheckpointManager:
     options.setdefault("migration", FAST)
-    options.setdefault("hot_min_free", None)
+    given = options.get("retention", Retention())
+    options["retention"] = dataclasses.replace(given, hot_min_free=None)
     return CheckpointManager(hot, cold.url, cold_options=cold.options, **options)
 
 
@@ -98,7 +101,7 @@ TRAIN_STEP = 0.05  # seconds of "training" between saves: saves land during prun
 
 def test_a_burst_of_saves_keeps_every_policy_and_loses_no_milestone(any_cold: Cold, tmp_path: Path) -> None:
     cold, hot = any_cold, str(tmp_path / "hot")
-    run = manager(hot, cold, hot_policy=keep_last(2), cold_policy=keep_last(3) | keep_every(4))
+    run = manager(hot, cold, retention=Retention(hot=keep_last(2), cold=keep_last(3) | keep_every(4)))
     for step in range(1, 11):
         time.sleep(TRAIN_STEP)
         assert run.save(step, state(step))
@@ -111,7 +114,7 @@ def test_a_burst_of_saves_keeps_every_policy_and_loses_no_milestone(any_cold: Co
 
 def test_keep_last_one_hot_and_everything_cold(any_cold: Cold, tmp_path: Path) -> None:
     cold, hot = any_cold, str(tmp_path / "hot")
-    run = manager(hot, cold, hot_policy=keep_last(1), cold_policy=keep_all())
+    run = manager(hot, cold, retention=Retention(hot=keep_last(1), cold=keep_all()))
     for step in range(1, 13):
         time.sleep(TRAIN_STEP)
         run.save(step, state(step))
@@ -158,9 +161,8 @@ def test_cold_tier_down_close_returns_in_bounded_time_and_the_next_run_resumes(
         hot,
         url,
         cold_options=options,
-        hot_policy=keep_last(1),
+        retention=Retention(hot=keep_last(1), hot_min_free=None),
         migration=FAST,
-        hot_min_free=None,
         close_timeout=20,
     )
     for step in (1, 2, 3):
@@ -181,7 +183,7 @@ def test_cold_tier_down_close_returns_in_bounded_time_and_the_next_run_resumes(
     if cold.kind == "local":
         return  # the blocked path stays blocked; the object stores come back below
     # The cold tier is back: the next run's manager finishes what the last one left.
-    again = manager(hot, cold, hot_policy=keep_last(1))
+    again = manager(hot, cold, retention=Retention(hot=keep_last(1)))
     again.close()
     assert steps(cold) == [1, 2, 3]
     assert steps(None, hot) == [3]
@@ -189,10 +191,12 @@ def test_cold_tier_down_close_returns_in_bounded_time_and_the_next_run_resumes(
 
 COLD_DOWN_RUN = """
 import json, sys, time, torch
-from tierstore import CheckpointManager
+from tierstore import CheckpointManager, Retention
 from tierstore.errors import MigrationFailed
 spec = json.loads(sys.argv[1])
-run = CheckpointManager(spec["hot"], spec["url"], cold_options=spec["options"], hot_min_free=None)
+run = CheckpointManager(
+    spec["hot"], spec["url"], cold_options=spec["options"], retention=Retention(hot_min_free=None)
+)
 for step in (1, 2):
     run.save(step, {"w": torch.randn(256, 256)})
 started = time.monotonic()
@@ -248,7 +252,7 @@ def test_a_killed_runs_pending_checkpoints_are_migrated_by_the_next_run(
 
 def test_a_damaged_newest_checkpoint_is_quarantined_and_saved_again(any_cold: Cold, tmp_path: Path) -> None:
     cold, hot = any_cold, str(tmp_path / "hot")
-    run = manager(hot, cold, hot_policy=keep_last(2), cold_policy=keep_last(2))
+    run = manager(hot, cold, retention=Retention(hot=keep_last(2), cold=keep_last(2)))
     for step in (8, 9, 10):
         run.save(step, state(step))
     run.close()
@@ -263,7 +267,7 @@ def test_a_damaged_newest_checkpoint_is_quarantined_and_saved_again(any_cold: Co
         with tier.backend.open_write(key) as out:
             out.write(bytes(data))
     # The restarted job resumes from 9, trains step 10 again and saves it: no crash loop.
-    restarted = manager(hot, cold, hot_policy=keep_last(2), cold_policy=keep_last(2))
+    restarted = manager(hot, cold, retention=Retention(hot=keep_last(2), cold=keep_last(2)))
     target = blank()
     assert restarted.load_latest(target) == 9
     assert torch.equal(target["w"], state(9)["w"])
@@ -285,12 +289,12 @@ def test_a_damaged_newest_checkpoint_is_quarantined_and_saved_again(any_cold: Co
 
 def test_a_run_whose_hot_tier_is_gone_resumes_from_cold_and_goes_on(any_cold: Cold, tmp_path: Path) -> None:
     cold, hot = any_cold, str(tmp_path / "hot")
-    run = manager(hot, cold, hot_policy=keep_last(2), cold_policy=keep_last(3))
+    run = manager(hot, cold, retention=Retention(hot=keep_last(2), cold=keep_last(3)))
     for step in (1, 2, 3, 4):
         run.save(step, state(step))
     run.close()
     shutil.rmtree(hot)  # a new node: the hot tier is empty
-    again = manager(hot, cold, hot_policy=keep_last(2), cold_policy=keep_last(3))
+    again = manager(hot, cold, retention=Retention(hot=keep_last(2), cold=keep_last(3)))
     target = blank()
     assert again.load_latest(target) == 4 and torch.equal(target["w"], state(4)["w"])
     for step in (5, 6):
@@ -307,7 +311,7 @@ def slow_s3(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cold]:
 def test_a_stalled_cold_tier_never_blocks_a_save_and_close_is_bounded(slow_s3: Cold, tmp_path: Path) -> None:
     """The cold tier answers nothing (every request hangs): saves go on at hot speed."""
     cold, hot = slow_s3, str(tmp_path / "hot")
-    run = manager(hot, cold, hot_policy=keep_last(1), close_timeout=5)
+    run = manager(hot, cold, retention=Retention(hot=keep_last(1)), close_timeout=5)
     cold.down("stall")
     try:
         for step in (1, 2, 3):

@@ -26,11 +26,13 @@ from tierstore import (
     CheckpointManager,
     ConfigError,
     ReaderOptions,
+    Retention,
     StagingOptions,
     TieredReader,
     TieredWriter,
     WriterOptions,
     keep_all,
+    keep_last,
 )
 from tierstore.format import layout
 from tierstore.format.manifest import Manifest
@@ -113,6 +115,14 @@ BAD: list[tuple[Callable[[], object], str]] = [
         r"overlap needs async_save=True and buffers='reuse'",
     ),
     (lambda: StagingOptions(async_save=False, overlap=True), r"overlap needs .*\(got async_save=False"),
+    (lambda: Retention(hot=2), r"Retention\(hot=\) takes a policy .* got int"),  # type: ignore[arg-type]
+    (lambda: Retention(cold=None), r"Retention\(cold=\) takes a policy .* got NoneType"),  # type: ignore[arg-type]
+    (
+        lambda: Retention(hot_min_free="10G"),
+        r"Retention\(hot_min_free=\) takes a number of bytes .* got '10G'",
+    ),  # type: ignore[arg-type]
+    (lambda: Retention(hot_min_free=-1), r"Retention\(hot_min_free=\) .* got -1"),
+    (lambda: Retention(hot_min_free=1.5), r"Retention\(hot_min_free=\) .* got 1.5"),  # type: ignore[arg-type]
 ]
 
 
@@ -292,8 +302,7 @@ def test_the_old_manager_keywords_save_as_the_options_do_and_warn_once(tmp_path:
         manager = CheckpointManager(
             hot,
             save_every=1,
-            hot_policy=keep_all(),
-            hot_min_free=None,
+            retention=Retention(hot=keep_all(), hot_min_free=None),
             async_save=True,
             async_mode="thread",
             staging="fresh",
@@ -320,13 +329,13 @@ def test_the_old_manager_keywords_save_as_the_options_do_and_warn_once(tmp_path:
 def test_the_old_overlap_and_sync_keywords_fold_into_staging_options(tmp_path: Path) -> None:
     hot = str(tmp_path / "hot")
     with pytest.warns(DeprecationWarning, match="overlap_staging=: pass staging=StagingOptions"):
-        manager = CheckpointManager(hot, hot_min_free=None, overlap_staging=True)
+        manager = CheckpointManager(hot, retention=Retention(hot_min_free=None), overlap_staging=True)
     assert manager.staging == StagingOptions(overlap=True)
     manager.save(1, state_for(1))
     manager.wait_staged()
     manager.close()
     with pytest.warns(DeprecationWarning, match="async_save=: pass staging=StagingOptions"):
-        manager = CheckpointManager(hot, hot_min_free=None, async_save=False)
+        manager = CheckpointManager(hot, retention=Retention(hot_min_free=None), async_save=False)
     assert manager.staging == StagingOptions(async_save=False)
     manager.save(2, state_for(2))
     assert [m.step for m in tierstore.list_checkpoints(hot)] == [1, 2]  # committed when save() returned
@@ -334,6 +343,27 @@ def test_the_old_overlap_and_sync_keywords_fold_into_staging_options(tmp_path: P
     assert [m.step for m in tierstore.list_checkpoints(hot)] == [1, 2]
     with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="overlap needs"):
         CheckpointManager(hot, staging="fresh", overlap_staging=True)  # type: ignore[arg-type]
+
+
+def test_the_old_retention_keywords_fold_into_retention_and_prune_as_it_does(tmp_path: Path) -> None:
+    hot = str(tmp_path / "hot")
+    with deprecations() as warned:
+        manager = CheckpointManager(
+            hot,
+            hot_policy=keep_last(1),
+            cold_policy=None,  # the old default: as Retention's
+            hot_min_free=None,
+            staging=StagingOptions(async_save=False),
+        )
+    assert [m.split(":")[0] for m in warned] == [
+        f"tierstore.CheckpointManager is deprecated with {name}="
+        for name in ("hot_policy", "cold_policy", "hot_min_free")
+    ]
+    assert manager.retention == Retention(hot=keep_last(1), hot_min_free=None)
+    for step in (1, 2, 3):
+        manager.save(step, state_for(step))
+    manager.close()
+    assert [m.step for m in tierstore.list_checkpoints(hot)] == [3]  # pruned by the folded policy
 
 
 def test_an_unknown_old_writer_option_is_still_a_config_error_naming_it(tmp_path: Path) -> None:
@@ -372,8 +402,21 @@ def test_an_unknown_old_writer_option_is_still_a_config_error_naming_it(tmp_path
             ),
             r"got thread_count=2 and writer=WriterOptions\(thread_count=4\)",
         ),
+        (
+            lambda hot: CheckpointManager(
+                hot, hot_policy=keep_last(1), retention=Retention(hot=keep_last(4))
+            ),
+            r"got hot_policy=keep_last\(n=1\) and retention=Retention\(hot=keep_last\(n=4\)\)",
+        ),
     ],
-    ids=["fs-argument", "extensions", "old-writer-keyword", "old-manager-keyword", "writer_options"],
+    ids=[
+        "fs-argument",
+        "extensions",
+        "old-writer-keyword",
+        "old-manager-keyword",
+        "writer_options",
+        "retention",
+    ],
 )
 def test_one_option_given_both_ways_is_a_config_error(
     tmp_path: Path, build: Callable[[str], Any], message: str

@@ -20,7 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from helpers import committed, file_path, save, state_for
 
-from tierstore import StagingOptions, TieredReader, TieredWriter
+from tierstore import Retention, StagingOptions, TieredReader, TieredWriter
 from tierstore.cli import main
 from tierstore.dcp.failures import save_failed
 from tierstore.errors import CheckpointExists, ConfigError, SaveFailed, TierstoreError
@@ -273,9 +273,7 @@ def test_save_failed_keeps_step_and_errors_through_pickle() -> None:
 
 
 def test_a_real_failed_save_pickles_with_its_step_and_errors(tmp_path: Path) -> None:
-    manager = CheckpointManager(
-        str(tmp_path / "hot"), staging=StagingOptions(async_save=False), hot_policy=None
-    )
+    manager = CheckpointManager(str(tmp_path / "hot"), staging=StagingOptions(async_save=False))
     assert manager.save(1, {"w": torch.zeros(4)})
     with pytest.raises(SaveFailed) as raised:
         manager.save(1, {"w": torch.zeros(4)}, force=True)
@@ -458,7 +456,7 @@ def test_the_manager_refuses_a_step_no_manifest_can_record_before_writing(tmp_pa
     from tierstore.errors import ConfigError
     from tierstore.format.manifest_format import MAX_STEP
 
-    with CheckpointManager(str(tmp_path / "hot"), hot_min_free=None) as manager:
+    with CheckpointManager(str(tmp_path / "hot"), retention=Retention(hot_min_free=None)) as manager:
         with pytest.raises(ConfigError, match="2\\*\\*62"):
             manager.save(MAX_STEP + 1, {"w": torch.zeros(4)})
         assert manager.health().saves_failed == 0  # refused, not a failed save

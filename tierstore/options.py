@@ -11,6 +11,7 @@ a handful of parameters plus nested option dataclasses.
 - :class:`StagingOptions`: how :class:`~tierstore.CheckpointManager` takes the state off the
   training loop (DCP's ``async_save``, its mode and the staging buffers).
 - :class:`~tierstore.MigrationConfig` (:mod:`tierstore.tiers.jobs`): how a process migrates.
+- :class:`~tierstore.Retention` (:mod:`tierstore.lifecycle.retention`): what each tier keeps.
 
 The module imports no torch, so ``from tierstore import WriterOptions`` stays cheap.
 """
@@ -28,6 +29,8 @@ from tierstore.errors import ConfigError
 if TYPE_CHECKING:
     from torch.distributed.checkpoint._extension import StreamTransformExtension
 
+    from tierstore.lifecycle.retention import Retention
+
 __all__ = [
     "WriterOptions",
     "ReaderOptions",
@@ -43,7 +46,7 @@ __all__ = [
 Encoding = Literal["raw", "dcp"]
 StagingMode = Literal["thread", "process"]
 StagingBuffers = Literal["reuse", "fresh"]
-_Options = TypeVar("_Options", "WriterOptions", "ReaderOptions", "StagingOptions")
+_Options = TypeVar("_Options", "WriterOptions", "ReaderOptions", "StagingOptions", "Retention")
 
 
 def check_bool(owner: str, name: str, value: object) -> None:

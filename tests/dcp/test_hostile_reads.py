@@ -40,6 +40,7 @@ from tierstore import (
     CheckpointManager,
     IntegrityError,
     ReaderOptions,
+    Retention,
     StagingOptions,
     TieredReader,
     TieredWriter,
@@ -298,7 +299,9 @@ class Settings:
 
 
 def _resume(hot_dir: str, states: list[dict[str, Any]], target: dict[str, Any]) -> int | None:
-    with CheckpointManager(hot_dir, hot_min_free=None, staging=StagingOptions(async_save=False)) as manager:
+    with CheckpointManager(
+        hot_dir, retention=Retention(hot_min_free=None), staging=StagingOptions(async_save=False)
+    ) as manager:
         for step, state in enumerate(states, 1):
             manager.save(step, state, force=True)
         manager.wait()

@@ -15,7 +15,7 @@ from helpers import blank, file_path, flip, matches, saved, unwrap
 from launch import run_job
 from torch.distributed.checkpoint.api import CheckpointException
 
-from tierstore import CheckpointManager, ReaderOptions, TieredReader
+from tierstore import CheckpointManager, ReaderOptions, Retention, TieredReader
 from tierstore.errors import CheckpointNotFound, ChecksumMismatch, InvalidManifest
 from tierstore.format import layout
 
@@ -109,7 +109,7 @@ def test_manager_falls_back_past_a_flipped_byte_inside_a_shard(hot_dir: str, cap
     flip(file_path(hot_dir, newest, "__0_0.distcp"))  # same size: found only while streaming
     target = blank()
     with (
-        CheckpointManager(hot_dir, hot_min_free=None) as manager,
+        CheckpointManager(hot_dir, retention=Retention(hot_min_free=None)) as manager,
         caplog.at_level(logging.WARNING, logger="tierstore"),
     ):
         assert manager.load_latest(target) == 1
@@ -129,7 +129,7 @@ def test_manager_falls_back_past_a_flipped_byte_inside_a_shard(hot_dir: str, cap
 def test_manager_raises_when_nothing_loads_and_on_other_failures(hot_dir: str, caplog) -> None:
     for step in (1, 2):
         flip(file_path(hot_dir, saved(hot_dir, step), "__0_0.distcp"))
-    with CheckpointManager(hot_dir, hot_min_free=None) as manager:
+    with CheckpointManager(hot_dir, retention=Retention(hot_min_free=None)) as manager:
         with pytest.raises(CheckpointException) as info:
             manager.load_latest(blank())
         err = unwrap(info.value)
@@ -139,7 +139,7 @@ def test_manager_raises_when_nothing_loads_and_on_other_failures(hot_dir: str, c
     saved(good, 2)
     caplog.clear()
     with (
-        CheckpointManager(good, hot_min_free=None) as manager,
+        CheckpointManager(good, retention=Retention(hot_min_free=None)) as manager,
         caplog.at_level(logging.WARNING, logger="tierstore"),
     ):
         with pytest.raises(CheckpointException, match="Missing key"):  # the caller's mistake

@@ -16,7 +16,7 @@ import pytest
 import torch.distributed.checkpoint as dcp
 from helpers import save, state_for
 
-from tierstore import CheckpointManager, StagingOptions, TieredWriter, keep_all, list_checkpoints
+from tierstore import CheckpointManager, Retention, StagingOptions, TieredWriter, keep_all, list_checkpoints
 from tierstore.format import layout
 from tierstore.format.manifest import checkpoint_order
 from tierstore.lifecycle.scrub import verify_store
@@ -87,7 +87,7 @@ def test_disk_pressure_measures_the_newest_checkpoint(tmp_path: Path, registered
         CheckpointManager(
             f"tight://{hot}",
             hot_options={"free": 3 << 20},
-            hot_policy=keep_all(),
+            retention=Retention(hot=keep_all()),
             staging=StagingOptions(async_save=False),
         ) as manager,
     ):

@@ -256,12 +256,32 @@ def test_a_manager_option_it_does_not_take_fails_when_the_callback_is_built(tmp_
     hot = str(tmp_path / "hot")
     with pytest.raises(TypeError, match="'stagin', which CheckpointManager does not take"):
         TierstoreCheckpoint(hot, manager_options={"stagin": StagingOptions(async_save=False)})
-    with pytest.raises(TypeError, match="'hot_policy'.*the callback's own arguments"):
-        TierstoreCheckpoint(hot, manager_options={"hot_policy": None})
+    for own in ("retention", "hot_policy", "cold_policy"):
+        with pytest.raises(TypeError, match=f"'{own}'.*retention is the callback's own argument"):
+            TierstoreCheckpoint(hot, manager_options={own: None})
     callback = TierstoreCheckpoint(
         hot, manager_options={"staging": StagingOptions(async_save=False), "hot_options": {}}
     )
     assert callback.manager_options == {"staging": StagingOptions(async_save=False)}
+
+
+def test_retention_defaults_to_what_model_checkpoint_keeps_and_takes_its_old_form(tmp_path: Path) -> None:
+    from tierstore import Retention, keep_all, keep_last
+    from tierstore.errors import ConfigError
+    from tierstore.integrations.lightning import TierstoreCheckpoint
+
+    hot = str(tmp_path / "hot")
+    assert TierstoreCheckpoint(hot).retention == Retention(hot=keep_last(1), cold=keep_last(1))
+    assert TierstoreCheckpoint(hot, save_top_k=-1).retention == Retention(hot=keep_all(), cold=keep_all())
+    given = Retention(hot=keep_last(1), cold=keep_all(), hot_min_free=None)
+    assert TierstoreCheckpoint(hot, retention=given).retention == given
+    with pytest.warns(DeprecationWarning, match="hot_policy=: pass retention=Retention"):
+        old = TierstoreCheckpoint(hot, save_top_k=-1, hot_policy=keep_last(1))
+    assert old.retention == Retention(hot=keep_last(1), cold=keep_all())
+    with pytest.raises(ConfigError, match="retention=\\) takes a Retention"):
+        TierstoreCheckpoint(hot, retention=keep_last(1))
+    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="give cold once"):
+        TierstoreCheckpoint(hot, retention=given, cold_policy=keep_last(1))
 
 
 def test_refuses_strategies_that_hold_the_state_on_rank_0_only(tmp_path: Path) -> None:

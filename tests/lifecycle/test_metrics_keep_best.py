@@ -22,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 
 from tierstore import (
     CheckpointManager,
+    Retention,
     StagingOptions,
     Store,
     TieredReader,
@@ -302,7 +303,7 @@ def test_the_manager_records_each_saves_metrics_and_keeps_the_best(
 ) -> None:
     hot = str(tmp_path / "hot")
     policy = keep_last(1) | keep_best("val_loss", 2)
-    manager = CheckpointManager(hot, save_every=1, hot_policy=policy, staging=mode)
+    manager = CheckpointManager(hot, save_every=1, retention=Retention(hot=policy), staging=mode)
     for step, (loss, acc) in RUN.items():
         # Async saves overlap the next one: each must commit its own save's metrics.
         manager.save(step, state(step), metrics={"val_loss": loss, "acc": acc})

@@ -10,7 +10,7 @@ import pytest
 from helpers import blank, file_path, flip, load, matches, saved
 from torch.distributed.checkpoint.api import CheckpointException
 
-from tierstore import CheckpointManager, keep_last, list_checkpoints
+from tierstore import CheckpointManager, Retention, keep_last, list_checkpoints
 from tierstore.cli import main
 from tierstore.errors import CheckpointExists, CheckpointNotFound
 from tierstore.format import layout
@@ -96,7 +96,7 @@ def test_a_crash_between_the_record_and_the_unpublish_is_finished_by_the_next_re
     tier.backend.publish(
         key, json.dumps({"manifest": bad.to_json().decode(), "reason": "x", "when": 0}).encode()
     )
-    with CheckpointManager(hot_dir, hot_min_free=None) as manager:
+    with CheckpointManager(hot_dir, retention=Retention(hot_min_free=None)) as manager:
         target = blank()
         assert manager.load_latest(target) == 1 and matches(target, 1)
     assert [c.step for c in list_checkpoints(hot_dir)] == [1]
@@ -106,7 +106,7 @@ def test_a_crash_between_the_record_and_the_unpublish_is_finished_by_the_next_re
 def test_nothing_is_quarantined_when_nothing_loads(hot_dir: str) -> None:
     for step in (1, 2):
         flip(file_path(hot_dir, saved(hot_dir, step)))
-    with CheckpointManager(hot_dir, hot_min_free=None) as manager:
+    with CheckpointManager(hot_dir, retention=Retention(hot_min_free=None)) as manager:
         with pytest.raises(CheckpointException):
             manager.load_latest(blank())
         assert manager.health().quarantined == ()

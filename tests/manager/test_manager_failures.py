@@ -42,7 +42,7 @@ def _no_faults() -> None:
 @pytest.mark.parametrize("async_save", [True, False])
 def test_a_failed_save_is_raised_by_the_next_save_once(tmp_path: Path, async_save: bool) -> None:
     manager = CheckpointManager(
-        str(tmp_path / "hot"), save_every=1, staging=StagingOptions(async_save=async_save), hot_policy=None
+        str(tmp_path / "hot"), save_every=1, staging=StagingOptions(async_save=async_save)
     )
     assert manager.save(1, state())
     if async_save:

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from tierstore import CheckpointManager, StagingOptions, WriterOptions, list_checkpoints
+from tierstore import CheckpointManager, Retention, StagingOptions, WriterOptions, list_checkpoints
 from tierstore.errors import ConfigError, SaveFailed
 from tierstore.lifecycle.retention import keep_all
 
@@ -76,7 +76,7 @@ def save_and_scribble(manager: CheckpointManager, state: dict[str, Any], step: i
 
 def manager_for(tmp_path: Path, **options: Any) -> CheckpointManager:
     return CheckpointManager(
-        str(tmp_path / "hot"), save_every=1, hot_policy=keep_all(), hot_min_free=None, **options
+        str(tmp_path / "hot"), save_every=1, retention=Retention(hot=keep_all(), hot_min_free=None), **options
     )
 
 
@@ -201,8 +201,7 @@ def _process_job(spec: dict[str, Any]) -> None:
     manager = CheckpointManager(
         spec["hot"],
         save_every=1,
-        hot_policy=keep_all(),
-        hot_min_free=None,
+        retention=Retention(hot=keep_all(), hot_min_free=None),
         staging=StagingOptions(mode="process"),
     )
     state = new_state()

@@ -24,7 +24,7 @@ import pytest
 import torch.distributed.checkpoint as dcp
 from helpers import load, matches, save, state_for
 
-from tierstore import Store, TieredWriter, list_checkpoints
+from tierstore import Retention, Store, TieredWriter, list_checkpoints
 from tierstore.errors import BackendNotFound
 from tierstore.format import layout
 from tierstore.format.manifest import FileEntry
@@ -321,7 +321,7 @@ def test_a_cold_tier_wiped_and_recreated_under_the_same_url_holds_nothing(tiers:
 
     hot, cold = tiers
     manager = CheckpointManager(
-        hot, cold, save_every=1, hot_policy=keep_last(1), cold_policy=keep_last(5), migration=FAST
+        hot, cold, save_every=1, retention=Retention(hot=keep_last(1), cold=keep_last(5)), migration=FAST
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -30,11 +30,11 @@ JOB = textwrap.dedent("""
     warnings.simplefilter("ignore")
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(message)s")
     import torch
-    from tierstore import StagingOptions
-    from tierstore.manager import CheckpointManager
-    from tierstore.lifecycle.retention import keep_last
+    from tierstore import CheckpointManager, Retention, StagingOptions, keep_last
     hot, first = sys.argv[1], int(sys.argv[2])
-    manager = CheckpointManager(hot, staging=StagingOptions(async_save=False), hot_policy=keep_last(10))
+    manager = CheckpointManager(
+        hot, staging=StagingOptions(async_save=False), retention=Retention(hot=keep_last(10))
+    )
     for step in range(first, first + 3):  # saves after the start do not warn again
         manager.save(step, {"w": torch.full((4,), float(step))}, force=True)
     print("READY", flush=True)

@@ -33,6 +33,29 @@ def test_node_local_lives_on_the_store_and_only_cold_commits_then(tmp_path: Path
         Store(tmp_path / "hot", tmp_path / "cold", node_local="yes")  # type: ignore[arg-type]
 
 
+def test_the_constructors_take_node_local_from_a_store_given_them(tmp_path: Path) -> None:
+    from tierstore import CheckpointManager, StagingOptions, TieredReader, TieredWriter
+
+    local = Store(tmp_path / "hot", tmp_path / "cold", node_local=True)
+    shared = Store(tmp_path / "hot", tmp_path / "cold")
+    writer = TieredWriter(local, step=1)
+    assert writer.node_local and writer.store is local  # a node-local store stays node-local
+    assert TieredReader(local).node_local and not TieredReader(shared).node_local
+    assert TieredReader(shared, node_local=True).node_local  # the keyword says it for this reader
+    assert not TieredWriter(local, step=1, node_local=False).node_local
+    with CheckpointManager(local, staging=StagingOptions(async_save=False)) as manager:
+        assert manager.node_local and manager.catalog.tiers == [local.cold]
+    with CheckpointManager(shared, staging=StagingOptions(async_save=False)) as manager:
+        assert not manager.node_local and manager.catalog is shared
+    for build in (
+        lambda: TieredWriter(str(tmp_path / "hot"), step=1, node_local=True),
+        lambda: CheckpointManager(str(tmp_path / "hot"), node_local=True),
+        lambda: TieredReader(str(tmp_path / "hot"), node_local=True),
+    ):
+        with pytest.raises(ConfigError, match="needs both a hot and a cold tier"):
+            build()
+
+
 def test_holders_are_the_tiers_holding_that_attempt_now(tmp_path: Path) -> None:
     store = Store(tmp_path / "hot", tmp_path / "cold")
     assert store.hot is not None and store.cold is not None

@@ -115,7 +115,8 @@ class TieredReader(StorageReader):
         node_local: the hot tier is per node (NVMe), so each rank's hot root holds only its
             node's files and the cold manifest is the global commit: pick checkpoints by cold
             manifest, read each file from the local hot tier when it is there and intact,
-            else from cold.
+            else from cold. ``None`` (the default): as a ``Store`` given as ``hot`` says,
+            else ``False``.
         options: how it reads (:class:`~tierstore.ReaderOptions`: read threads, leases, and
             ``resolve_once``). With ``resolve_once``, under a process group of more than one
             rank, the coordinator alone lists the catalog, picks and leases the checkpoint (one
@@ -151,7 +152,7 @@ class TieredReader(StorageReader):
         name: str | None = None,
         hot_options: Mapping[str, Any] | None = None,
         cold_options: Mapping[str, Any] | None = None,
-        node_local: bool = False,
+        node_local: bool | None = None,
         options: ReaderOptions | None = None,
         process_group: Any = None,
         _extension_registry: ExtensionRegistry | None = None,
@@ -165,7 +166,7 @@ class TieredReader(StorageReader):
             cold,
             hot_options=hot_options,
             cold_options=cold_options,
-            node_local=True if node_local else None,  # else as a Store given says
+            node_local=node_local,
         )
         self.tiers = self.store.tiers
         self._transforms = _StorageReaderTransforms(_extension_registry)

@@ -92,12 +92,13 @@ def store_to_save(
     *,
     hot_options: Mapping[str, Any] | None,
     cold_options: Mapping[str, Any] | None,
+    node_local: bool | None = None,
     owner: str,
 ) -> Store:
     """The store ``owner`` saves to: it needs a hot tier (saves are written there first), and
     every tier's scheme is looked up now, so a typo or missing plugin fails here, once, not at
     each save."""
-    store = Store.of(hot, cold, hot_options=hot_options, cold_options=cold_options)
+    store = Store.of(hot, cold, hot_options=hot_options, cold_options=cold_options, node_local=node_local)
     if store.hot is None:
         raise ConfigError(f"{owner} needs a hot tier: saves are written there first")
     store.check_schemes()
@@ -137,6 +138,7 @@ class TieredWriter(StorageWriter):
         hot_options / cold_options: options for the tiers' backends (credentials, etc.).
         node_local: each rank's hot root is its node's own disk (see TieredReader); only
             changes the free-space check, which is then per rank instead of for the total.
+            ``None`` (the default): as a ``Store`` given as ``hot`` says, else ``False``.
         migration: how this process migrates to the cold tier (the first writer's wins).
         metrics: numbers recorded in the manifest (``CheckpointInfo.metrics``, ``keep_best``).
         options: how the checkpoint is written (:class:`~tierstore.WriterOptions`: threads,
@@ -163,7 +165,7 @@ class TieredWriter(StorageWriter):
         name: str | None = None,
         hot_options: Mapping[str, Any] | None = None,
         cold_options: Mapping[str, Any] | None = None,
-        node_local: bool = False,
+        node_local: bool | None = None,
         migration: MigrationConfig | None = None,
         metrics: Mapping[str, float] | None = None,
         options: WriterOptions | None = None,
@@ -182,13 +184,14 @@ class TieredWriter(StorageWriter):
             cold,
             hot_options=hot_options,
             cold_options=cold_options,
+            node_local=node_local,
             owner="TieredWriter",
         )
         self.tiers = self.store.tiers
         self.thread_count = self.options.thread_count
         self.single_file_per_rank = self.options.single_file_per_rank
         self.migration = migration
-        self.node_local = node_local
+        self.node_local = self.store.node_local
         self.encoding: str = self.options.resolved_encoding
         self.extensions = tuple(self.options.extensions)
         self.metrics = fmt.check_metrics(metrics, source="metrics", error=ConfigError) if metrics else {}

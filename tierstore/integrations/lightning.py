@@ -36,6 +36,7 @@ optimizers (under DDP after the model), from the same step.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import io
 import logging
@@ -57,9 +58,10 @@ from torch.distributed.checkpoint.state_dict import (
 from tierstore import _dist
 from tierstore.dcp.writer import store_to_save
 from tierstore.errors import CheckpointNotFound, ConfigError, MigrationFailed, TierstoreError
-from tierstore.lifecycle.retention import Policy, keep_all, keep_best, keep_last
+from tierstore.lifecycle.retention import Policy, Retention, keep_all, keep_best, keep_last
 from tierstore.manager import CheckpointManager
 from tierstore.manager.legacy import LegacyManagerArgs
+from tierstore.options import deprecated
 from tierstore.tiers.catalog import list_checkpoints
 from tierstore.tiers.tier import Store, TierURL
 
@@ -67,6 +69,7 @@ __all__ = ["TierstoreCheckpoint", "policy_for"]
 
 log = logging.getLogger(__name__)
 
+_RETENTION_KEYWORDS = {"hot_policy": "hot", "cold_policy": "cold"}  # the old form of retention=
 _STEP_PREFIX = "tierstore:step="
 _STEP_IN_NAME = re.compile(r"(?:^|[^A-Za-z0-9_])step=(\d+)")
 _REST = "lightning"  # Lightning's checkpoint dict less model and optimizers, one blob
@@ -78,14 +81,34 @@ def _check_manager_options(options: Mapping[str, Any]) -> None:
     :class:`~tierstore.CheckpointManager` does not take: the manager itself is built in
     ``setup()``, once the trainer runs, and a typo must not wait for that."""
     taken = set(inspect.signature(CheckpointManager).parameters) | set(LegacyManagerArgs.__annotations__)
-    taken -= {"hot", "cold", "hot_policy", "cold_policy", "legacy"}  # the callback's own
+    own = {"hot", "cold", "retention", *_RETENTION_KEYWORDS}
+    taken -= {"legacy", *own}
     unknown = sorted(set(options) - taken)
     if unknown:
         raise TypeError(
             f"TierstoreCheckpoint(manager_options=) got {unknown[0]!r}, which CheckpointManager "
-            f"does not take (it takes {', '.join(sorted(taken))}); hot_policy and cold_policy "
-            "are the callback's own arguments"
+            f"does not take (it takes {', '.join(sorted(taken))}); retention is the callback's "
+            "own argument"
         )
+
+
+def _retention(given: Retention | None, policy: Policy, options: dict[str, Any]) -> Retention:
+    """``given``, or both tiers keeping ``policy``; the old per-tier keywords, popped from
+    ``options``, are folded in with a ``DeprecationWarning``."""
+    if given is not None and not isinstance(given, Retention):
+        raise ConfigError(f"TierstoreCheckpoint(retention=) takes a Retention, got {type(given).__name__}")
+    retention = given or Retention(hot=policy, cold=policy)
+    for argument, field in _RETENTION_KEYWORDS.items():
+        if argument in options:
+            deprecated("TierstoreCheckpoint", argument, f"retention=Retention({field}=...)", stacklevel=3)
+            value = options.pop(argument)
+            if given is not None:
+                raise ConfigError(
+                    f"TierstoreCheckpoint got {argument}= and retention=: give {field} once, in retention"
+                )
+            if value is not None:
+                retention = dataclasses.replace(retention, **{field: value})
+    return retention
 
 
 def policy_for(monitor: str | None, save_top_k: int, mode: str, save_last: object) -> Policy:
@@ -105,8 +128,9 @@ class TierstoreCheckpoint(ModelCheckpoint):
     Args:
         hot, cold: the store's tiers (URLs), or a :class:`~tierstore.Store` as ``hot``. The hot
             tier must be a local directory for ``ckpt_path="last"`` (Lightning checks it exists).
-        hot_policy / cold_policy: retention per tier; by default both keep what
-            ``ModelCheckpoint`` would (:func:`policy_for`).
+        retention: what each tier keeps (:class:`~tierstore.Retention`); by default both
+            keep what ``ModelCheckpoint`` would (:func:`policy_for`). ``hot_policy=`` and
+            ``cold_policy=``, its old form, work for one release with a ``DeprecationWarning``.
         manager_options: further :class:`~tierstore.CheckpointManager` arguments
             (``staging=StagingOptions(...)``, ``writer=WriterOptions(...)``, ``migration``,
             ``hot_options``, ...); a key the manager does not take is a ``TypeError`` here.
@@ -119,11 +143,11 @@ class TierstoreCheckpoint(ModelCheckpoint):
         hot: TierURL | Store,
         cold: TierURL | None = None,
         *,
-        hot_policy: Policy | None = None,
-        cold_policy: Policy | None = None,
+        retention: Retention | None = None,
         manager_options: Mapping[str, Any] | None = None,
         **checkpoint_options: Any,
     ) -> None:
+        old_keywords = {k: checkpoint_options.pop(k) for k in _RETENTION_KEYWORDS if k in checkpoint_options}
         super().__init__(**checkpoint_options)
         options = dict(manager_options or {})
         self.store = store_to_save(
@@ -135,7 +159,7 @@ class TierstoreCheckpoint(ModelCheckpoint):
         )
         _check_manager_options(options)
         policy = policy_for(self.monitor, self.save_top_k, self.mode, self.save_last)
-        self.hot_policy, self.cold_policy = hot_policy or policy, cold_policy or policy
+        self.retention = _retention(retention, policy, old_keywords)
         self.manager_options = options
         self.manager: CheckpointManager | None = None  # made in setup(): it needs the group
         self._saved_step: int | None = None
@@ -190,9 +214,7 @@ class TierstoreCheckpoint(ModelCheckpoint):
         super().setup(trainer, pl_module, stage)
         _check_strategy(trainer.strategy)
         if self.manager is None:
-            self.manager = CheckpointManager(
-                self.store, hot_policy=self.hot_policy, cold_policy=self.cold_policy, **self.manager_options
-            )
+            self.manager = CheckpointManager(self.store, retention=self.retention, **self.manager_options)
         strategy = trainer.strategy
         for name, replacement in (
             ("load_checkpoint", self._load_checkpoint),

@@ -6,6 +6,9 @@ Compose with ``|`` (keep what either keeps)::
     cold_policy = keep_last(3) | keep_every(1000) | keep_steps(0)
     best_policy = keep_last(1) | keep_best("val_loss", 2)   # by the metrics saves recorded
 
+A :class:`Retention` names a policy per tier, and how far a full hot tier may be pruned
+beyond its policy; it is what :class:`~tierstore.CheckpointManager` takes.
+
 A policy only says what it *wants*; :mod:`tierstore.lifecycle.prune` adds what must never be deleted
 (the newest checkpoint of a tier, hot checkpoints whose cold commit is pending, checkpoints
 in use) and deletes in the safe order. Policies never look at storage and never change.
@@ -19,21 +22,23 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
 
+from tierstore.errors import ConfigError
 from tierstore.format.manifest import Checkpoint, checkpoint_order
 from tierstore.format.manifest_format import check_metrics
 
 __all__ = [
-    "Policy",
     "Checkpoint",
-    "keep_last",
+    "DEFAULT_COLD",
+    "DEFAULT_HOT",
+    "Policy",
+    "Retention",
+    "keep_all",
+    "keep_best",
     "keep_every",
+    "keep_last",
+    "keep_none",
     "keep_steps",
     "keep_within",
-    "keep_best",
-    "keep_all",
-    "keep_none",
-    "DEFAULT_HOT",
-    "DEFAULT_COLD",
 ]
 
 
@@ -173,3 +178,39 @@ class keep_none(Policy):
 
 DEFAULT_HOT: Policy = keep_last(2)
 DEFAULT_COLD: Policy = keep_last(3)
+
+
+@dataclass(frozen=True)
+class Retention:
+    """What each tier keeps (:class:`~tierstore.CheckpointManager`'s ``retention=``).
+
+    Args:
+        hot: the hot tier's policy (default: the last 2).
+        cold: the cold tier's policy (default: the last 3; add milestones with
+            ``keep_last(3) | keep_every(1000)``).
+        hot_min_free: before each save, if the hot tier has less free space than this many
+            bytes (``"auto"``, the default: 1.1x the newest checkpoint), prune it down to what
+            the invariants force (the newest, and checkpoints not yet in cold) and warn;
+            ``None``: never prune beyond ``hot``.
+
+    Whatever a policy says, the pruner keeps each tier's newest checkpoint and every hot
+    checkpoint the cold tier has not committed (:mod:`tierstore.lifecycle.prune`).
+    """
+
+    hot: Policy = DEFAULT_HOT
+    cold: Policy = DEFAULT_COLD
+    hot_min_free: int | Literal["auto"] | None = "auto"
+
+    def __post_init__(self) -> None:
+        for tier in ("hot", "cold"):
+            policy = getattr(self, tier)
+            if not isinstance(policy, Policy):
+                raise ConfigError(
+                    f"Retention({tier}=) takes a policy (keep_last(2), keep_every(1000), ... "
+                    f"combined with |), got {type(policy).__name__}"
+                )
+        free = self.hot_min_free
+        if not (free is None or free == "auto" or (type(free) is int and free >= 0)):
+            raise ConfigError(
+                f'Retention(hot_min_free=) takes a number of bytes >= 0, "auto" or None, got {free!r}'
+            )

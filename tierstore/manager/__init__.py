@@ -3,7 +3,7 @@
 ::
 
     manager = CheckpointManager("/nvme/run1", "s3://bucket/run1", save_every=500,
-                                hot_policy=keep_last(2), cold_policy=keep_last(3) | keep_every(5000))
+                                retention=Retention(hot=keep_last(2), cold=keep_last(3) | keep_every(5000)))
     start = manager.load_latest(state) or 0      # Stateful objects in `state` are restored
     for step in range(start + 1, total + 1):
         train_step()

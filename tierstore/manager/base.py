@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from tierstore.dcp.writer import TieredWriter
 from tierstore.errors import SaveFailed
 from tierstore.lifecycle.prune import PruneReport
-from tierstore.lifecycle.retention import Policy
+from tierstore.lifecycle.retention import Retention
 from tierstore.lifecycle.rounds import BackgroundRounds
 from tierstore.options import StagingOptions, WriterOptions
 from tierstore.staging import ReusedStaging
@@ -35,10 +35,8 @@ class Base:
 
     store: Store
     catalog: Store
-    hot_policy: Policy
-    cold_policy: Policy
+    retention: Retention
     save_every: int | Callable[[int], bool] | None
-    hot_min_free: int | str | None
     node_local: bool
     migration: MigrationConfig | None
     close_timeout: float

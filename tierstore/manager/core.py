@@ -16,7 +16,7 @@ import torch.distributed as dist
 from tierstore import _dist
 from tierstore.dcp.writer import store_to_save
 from tierstore.errors import ConfigError, SaveFailed
-from tierstore.lifecycle.retention import DEFAULT_COLD, DEFAULT_HOT, Policy
+from tierstore.lifecycle.retention import Retention
 from tierstore.lifecycle.rounds import BackgroundRounds
 from tierstore.manager import legacy as legacy_args
 from tierstore.manager.ending import Ending
@@ -50,16 +50,15 @@ class CheckpointManager(Saving, Maintenance, Loading, Ending):
 
     Args:
         hot, cold: the store's tiers (URLs), or a :class:`~tierstore.Store` as ``hot``.
-        hot_policy / cold_policy: retention per tier (defaults: hot keeps the last 2, cold the
-            last 3; add milestones with ``keep_last(3) | keep_every(1000)``).
+        retention: what each tier keeps, and how far a full hot tier is pruned beyond its
+            policy (:class:`~tierstore.Retention`; default: hot keeps the last 2, cold the
+            last 3).
         save_every: an int (every N steps), a callable ``step -> bool`` (e.g. a
             :class:`tierstore.resume.cadence.TimeCadence`), or ``None`` to save whenever asked.
         hot_options / cold_options: options for the tiers' backends.
-        node_local: the hot tier is per node (see ``TieredReader``).
+        node_local: the hot tier is per node (see ``TieredReader``); ``None`` (the default):
+            as a ``Store`` given as ``hot`` says, else ``False``.
         migration: how this process migrates to the cold tier (:class:`~tierstore.MigrationConfig`).
-        hot_min_free: before each save, if the hot tier has less free space than this many
-            bytes (``"auto"``: 1.1x the newest checkpoint), prune down to what the invariants
-            force (the newest, and checkpoints not yet in cold) and warn.
         process_group: group for checkpoint collectives; by default a new gloo group.
         writer: how each save is written (:class:`~tierstore.WriterOptions`: threads,
             encoding, ...).
@@ -69,8 +68,9 @@ class CheckpointManager(Saving, Maintenance, Loading, Ending):
         close_timeout: the most seconds :meth:`close` waits for migrations, pruning and
             checks in all (default 300); what is left then stays pending in the hot tier
             and :meth:`close` raises :class:`~tierstore.errors.MigrationFailed`.
-        **legacy: the keywords these options replaced (``async_save``, ``async_mode``,
-            ``overlap_staging``, ``writer_options``, and ``staging`` as a string), accepted
+        **legacy: the keywords these options replaced (``hot_policy``, ``cold_policy``,
+            ``hot_min_free``, ``async_save``, ``async_mode``, ``overlap_staging``,
+            ``writer_options``, and ``staging`` as a string), accepted
             for one release with a ``DeprecationWarning`` (:mod:`tierstore.manager.legacy`).
 
     ``stalls`` maps each saved step to the seconds ``save()`` blocked the caller;
@@ -83,14 +83,12 @@ class CheckpointManager(Saving, Maintenance, Loading, Ending):
         hot: TierURL | Store,
         cold: TierURL | None = None,
         *,
-        hot_policy: Policy | None = None,
-        cold_policy: Policy | None = None,
+        retention: Retention | None = None,
         save_every: int | Cadence | None = None,
         hot_options: Mapping[str, Any] | None = None,
         cold_options: Mapping[str, Any] | None = None,
-        node_local: bool = False,
+        node_local: bool | None = None,
         migration: MigrationConfig | None = None,
-        hot_min_free: int | str | None = "auto",
         process_group: Any = None,
         writer: WriterOptions | None = None,
         staging: StagingOptions | None = None,
@@ -98,6 +96,7 @@ class CheckpointManager(Saving, Maintenance, Loading, Ending):
         **legacy: Unpack[LegacyManagerArgs],
     ) -> None:
         legacy_args.check_names(legacy)
+        self.retention = legacy_args.retention(retention, legacy)
         self.staging = legacy_args.staging_options(staging, legacy)
         self.writer, self._overwrite = legacy_args.writer_options(writer, legacy)
         if isinstance(save_every, int) and save_every <= 0:
@@ -105,15 +104,17 @@ class CheckpointManager(Saving, Maintenance, Loading, Ending):
         if not (isinstance(close_timeout, (int, float)) and 0 <= close_timeout < float("inf")):
             raise ConfigError(f"close_timeout must be a number of seconds >= 0, got {close_timeout!r}")
         self.store = store_to_save(
-            hot, cold, hot_options=hot_options, cold_options=cold_options, owner="CheckpointManager"
+            hot,
+            cold,
+            hot_options=hot_options,
+            cold_options=cold_options,
+            node_local=node_local,
+            owner="CheckpointManager",
         )
-        if node_local and self.store.cold is None:
-            raise ConfigError("node_local=True needs both a hot and a cold tier")
+        node_local = self.store.node_local
         # Node-local hot tiers each hold some ranks' files: the cold tier is the shared catalog.
         self.catalog = Store.of_tiers(None, self.store.cold) if node_local else self.store
-        self.hot_policy = hot_policy or DEFAULT_HOT
-        self.cold_policy = cold_policy or DEFAULT_COLD
-        self.save_every, self.hot_min_free = save_every, hot_min_free
+        self.save_every = save_every
         self.node_local, self.migration = node_local, migration
         self.close_timeout = float(close_timeout)
         self._writer(0, {})  # what only a TieredWriter checks (the environment's settings) fails here

@@ -1,6 +1,7 @@
 """The keywords :class:`~tierstore.CheckpointManager` took before its options objects, kept
-for one release: each folded into :class:`~tierstore.StagingOptions` or
-:class:`~tierstore.WriterOptions`, with a ``DeprecationWarning`` saying what to pass instead.
+for one release: each folded into :class:`~tierstore.Retention`,
+:class:`~tierstore.StagingOptions` or :class:`~tierstore.WriterOptions`, with a
+``DeprecationWarning`` saying what to pass instead.
 Delete this module, and ``**legacy`` in the constructor, in the next release."""
 
 from __future__ import annotations
@@ -10,17 +11,23 @@ from typing import Any, TypedDict
 
 from tierstore.dcp import dcp_args
 from tierstore.errors import ConfigError
+from tierstore.lifecycle.retention import Policy, Retention
 from tierstore.options import StagingOptions, WriterOptions, deprecated, fold
 
-__all__ = ["LegacyManagerArgs", "staging_options", "writer_options"]
+__all__ = ["LegacyManagerArgs", "retention", "staging_options", "writer_options"]
 
 OWNER = "CheckpointManager"
 
 # The old keyword -> the StagingOptions field it became.
 _STAGING = {"async_save": "async_save", "async_mode": "mode", "overlap_staging": "overlap"}
+# The old keyword -> the Retention field it became.
+_RETENTION = {"hot_policy": "hot", "cold_policy": "cold", "hot_min_free": "hot_min_free"}
 
 
 class LegacyManagerArgs(TypedDict, total=False):
+    hot_policy: Policy | None  # retention=Retention(hot=)
+    cold_policy: Policy | None  # retention=Retention(cold=)
+    hot_min_free: int | str | None  # retention=Retention(hot_min_free=)
     async_save: bool  # StagingOptions(async_save=)
     async_mode: str  # StagingOptions(mode=)
     overlap_staging: bool  # StagingOptions(overlap=)
@@ -29,9 +36,21 @@ class LegacyManagerArgs(TypedDict, total=False):
 
 def check_names(legacy: Mapping[str, Any]) -> None:
     """An unknown keyword is a ``TypeError``, as Python's own would be."""
-    unknown = sorted(set(legacy) - set(_STAGING) - {"writer_options"})
+    unknown = sorted(set(legacy) - set(_STAGING) - set(_RETENTION) - {"writer_options"})
     if unknown:
         raise TypeError(f"{OWNER}() got an unexpected keyword argument {unknown[0]!r}")
+
+
+def retention(retention: Retention | None, legacy: Mapping[str, Any]) -> Retention:
+    """``retention`` with the old per-tier keywords folded in (a policy of ``None`` was the
+    default, as it is in :class:`~tierstore.Retention`)."""
+    given: dict[str, tuple[str, Any]] = {}
+    for argument, field in _RETENTION.items():
+        if argument in legacy:
+            deprecated(OWNER, argument, f"retention=Retention({field}=...)", stacklevel=3)
+            if legacy[argument] is not None or field == "hot_min_free":
+                given[field] = (argument, legacy[argument])
+    return fold(OWNER, "retention", retention, Retention, given)
 
 
 def staging_options(staging: StagingOptions | str | None, legacy: Mapping[str, Any]) -> StagingOptions:

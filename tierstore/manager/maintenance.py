@@ -112,8 +112,8 @@ class Maintenance(Base):
         """Apply the retention policies now (the coordinator does this after each commit)."""
         reports = prune(
             Store.of(self.store, node_local=self.node_local),
-            hot_policy=self.hot_policy,
-            cold_policy=self.cold_policy,
+            hot_policy=self.retention.hot,
+            cold_policy=self.retention.cold,
             prune_cold=not self.node_local or self.rank == 0,
         )
         errors = [e for r in reports for e in r.errors]
@@ -128,14 +128,14 @@ class Maintenance(Base):
         copy goes only if the hot tier's migrated mark names the cold tier's identity (known
         once any background prune reached the cold tier), checked once in the listing the
         decision is made from and again right before its un-publish; the rest is kept."""
-        if self.hot_min_free is None or (self.rank != 0 and not self.node_local):
+        if self.retention.hot_min_free is None or (self.rank != 0 and not self.node_local):
             return
         hot, cold = self._hot, self.store.cold
         free = hot.backend.free_bytes()
         if free is None:
             return
         manifests = None  # listed only where needed: this runs before every save
-        threshold = self.hot_min_free
+        threshold = self.retention.hot_min_free
         if threshold == "auto":
             manifests = hot.manifests()
             newest = max(manifests, key=checkpoint_order, default=None)
