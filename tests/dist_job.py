@@ -347,6 +347,45 @@ def manager_node_local_resume(spec: dict[str, Any]) -> None:
     (out / f"node-local-resume-rank{rank}.json").write_text(json.dumps(result))
 
 
+def manager_preempt(spec: dict[str, Any]) -> None:
+    """Resume (if there is a checkpoint), then train one step at a time under a manager
+    watching for a preemption notice, writing ``out/progress-rank<r>`` after each step, until
+    a ``save()`` acts on the notice: write the digest saved there (``preempted.json``, rank 0)
+    and each rank's report (``preempted-rank<r>.json``), close, and exit 0."""
+    from tierstore import CheckpointManager, Preemption
+
+    rank = dist.get_rank()
+    model, optim = build(0, dist.get_world_size())
+    out = Path(spec["out"])
+    mgr = CheckpointManager(
+        **tiers(spec),
+        cold_options=spec.get("cold_options"),
+        save_every=spec["save_every"],
+        retention=Retention(hot_min_free=None),
+        preemption=Preemption(grace_seconds=spec["grace"]),
+    )
+    msd, osd = get_state_dict(model, optim)
+    extra = {"step": 0}
+    start = mgr.load_latest({"model": msd, "optim": osd, "extra": extra}) or 0
+    set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd)
+    resumed = {"step": start, "extra": extra["step"], "digest": digest(model, optim) if start else None}
+    (out / f"resumed-rank{rank}.json").write_text(json.dumps(resumed, sort_keys=True))
+    for step in range(start + 1, start + 100_000):
+        train(model, optim, 1, step)
+        (out / f"progress-rank{rank}").write_text(str(step))
+        time.sleep(0.05)
+        msd, osd = get_state_dict(model, optim)
+        if mgr.save(step, {"model": msd, "optim": osd, "extra": {"step": step}}) and mgr.preempted:
+            d = digest(model, optim)
+            if rank == 0:
+                (out / "preempted.json").write_text(json.dumps({"step": step, "digest": d}, sort_keys=True))
+            report = mgr.preemption
+            assert report is not None
+            (out / f"preempted-rank{rank}.json").write_text(json.dumps(report.__dict__))
+            break
+    mgr.close()
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -358,6 +397,7 @@ def main() -> None:
         "manager_fallback": manager_fallback,
         "manager_cold_down": manager_cold_down,
         "manager_node_local_resume": manager_node_local_resume,
+        "manager_preempt": manager_preempt,
     }
     ops[spec["op"]](spec)
     leave_cleanly()

@@ -10,6 +10,8 @@ a handful of parameters plus nested option dataclasses.
 - :class:`ReaderOptions`: how :class:`~tierstore.TieredReader` reads one.
 - :class:`StagingOptions`: how :class:`~tierstore.CheckpointManager` takes the state off the
   training loop (DCP's ``async_save``, its mode and the staging buffers).
+- :class:`Preemption`: which signals the manager takes as a preemption notice, and the grace
+  period it saves within (:mod:`tierstore.manager.preemption`).
 - :class:`~tierstore.MigrationConfig` (:mod:`tierstore.tiers.jobs`): how a process migrates.
 - :class:`~tierstore.Retention` (:mod:`tierstore.lifecycle.retention`): what each tier keeps.
 
@@ -19,6 +21,8 @@ The module imports no torch, so ``from tierstore import WriterOptions`` stays ch
 from __future__ import annotations
 
 import dataclasses
+import math
+import signal
 import warnings
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +39,7 @@ __all__ = [
     "WriterOptions",
     "ReaderOptions",
     "StagingOptions",
+    "Preemption",
     "Encoding",
     "StagingMode",
     "StagingBuffers",
@@ -47,6 +52,7 @@ Encoding = Literal["raw", "dcp"]
 StagingMode = Literal["thread", "process"]
 StagingBuffers = Literal["reuse", "fresh"]
 _Options = TypeVar("_Options", "WriterOptions", "ReaderOptions", "StagingOptions", "Retention")
+_UNCATCHABLE = {signal.SIGKILL, signal.SIGSTOP}
 
 
 def check_bool(owner: str, name: str, value: object) -> None:
@@ -201,6 +207,47 @@ class StagingOptions:
                 f"(got async_save={self.async_save!r}, buffers={self.buffers!r}): other saves "
                 "copy the state before save() returns"
             )
+
+
+@dataclass(frozen=True)
+class Preemption:
+    """How :class:`~tierstore.CheckpointManager` meets a preemption notice
+    (``CheckpointManager(preemption=)``; :mod:`tierstore.manager.preemption`).
+
+    Schedulers send a signal and then wait a grace period before SIGKILL: Slurm ``SIGTERM``
+    (or the signal ``--signal`` names, e.g. ``SIGUSR1``) and ``KillWait`` (30 s by default),
+    Kubernetes ``SIGTERM`` and ``terminationGracePeriodSeconds`` (30 s), spot and
+    preemptible VMs about 30 s to 2 min.
+
+    Args:
+        signals: the signals taken as the notice (default ``SIGTERM``); the manager's handler
+            records the request and calls the handler installed before it, if that is a Python
+            function (the default action, ending the process, is not taken).
+        grace_seconds: the budget from the signal to the process's exit (default 30): the next
+            ``save()`` saves that step to the hot tier, then spends what is left of the budget,
+            less a margin for the exit, pushing it to the cold tier.
+    """
+
+    signals: tuple[int, ...] = (signal.SIGTERM,)
+    grace_seconds: float = 30.0
+
+    def __post_init__(self) -> None:
+        signals = self.signals
+        if not (isinstance(signals, (tuple, list)) and signals):
+            raise ConfigError(f"Preemption.signals must be a non-empty tuple of signals, got {signals!r}")
+        valid = signal.valid_signals()
+        for number in signals:
+            if isinstance(number, bool) or not isinstance(number, int) or number not in valid:
+                raise ConfigError(f"Preemption.signals: {number!r} is not a signal of this system")
+            if number in _UNCATCHABLE:
+                raise ConfigError(
+                    f"Preemption.signals: {signal.Signals(number).name} cannot be caught "
+                    "(it is what comes after the grace period)"
+                )
+        object.__setattr__(self, "signals", tuple(signal.Signals(n) for n in signals))
+        grace = self.grace_seconds
+        if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not (0 < grace < math.inf):
+            raise ConfigError(f"Preemption.grace_seconds must be a number of seconds > 0, got {grace!r}")
 
 
 def fold(

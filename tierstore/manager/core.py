@@ -24,8 +24,9 @@ from tierstore.manager.health import Health
 from tierstore.manager.legacy import LegacyManagerArgs
 from tierstore.manager.loading import Loading
 from tierstore.manager.maintenance import Maintenance
+from tierstore.manager.preemption import Preempting
 from tierstore.manager.saving import Saving
-from tierstore.options import StagingOptions, WriterOptions
+from tierstore.options import Preemption, StagingOptions, WriterOptions
 from tierstore.staging import ReusedStaging
 from tierstore.tiers import runlock
 from tierstore.tiers.migrator import (
@@ -45,7 +46,7 @@ Cadence = Callable[[int], bool]
 DEFAULT_CLOSE_TIMEOUT = 300.0  # seconds close() waits for migrations, in all
 
 
-class CheckpointManager(Saving, Maintenance, Loading, Ending):
+class CheckpointManager(Saving, Maintenance, Loading, Ending, Preempting):
     """Save every ``save_every`` steps, resume from the newest checkpoint, keep tiers pruned.
 
     Args:
@@ -68,6 +69,11 @@ class CheckpointManager(Saving, Maintenance, Loading, Ending):
         close_timeout: the most seconds :meth:`close` waits for migrations, pruning and
             checks in all (default 300); what is left then stays pending in the hot tier
             and :meth:`close` raises :class:`~tierstore.errors.MigrationFailed`.
+        preemption: save on a scheduler's preemption notice (default ``True``: SIGTERM, a 30 s
+            grace period; a :class:`~tierstore.Preemption` names other signals and another
+            period; ``False``: off). The next ``save()`` after the signal saves that step on
+            every rank and pushes it to the cold tier within the grace period; then
+            :attr:`preempted` is ``True`` (:mod:`tierstore.manager.preemption`).
         **legacy: the keywords these options replaced (``hot_policy``, ``cold_policy``,
             ``hot_min_free``, ``async_save``, ``async_mode``, ``overlap_staging``,
             ``writer_options``, and ``staging`` as a string), accepted
@@ -93,6 +99,7 @@ class CheckpointManager(Saving, Maintenance, Loading, Ending):
         writer: WriterOptions | None = None,
         staging: StagingOptions | None = None,
         close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
+        preemption: Preemption | bool = True,
         **legacy: Unpack[LegacyManagerArgs],
     ) -> None:
         legacy_args.check_names(legacy)
@@ -150,6 +157,7 @@ class CheckpointManager(Saving, Maintenance, Loading, Ending):
             self._prune_in_background(prune=False)
         elif self.node_local and self.store.cold is not None:
             self._resume_node_local()
+        self._watch_preemption(preemption)  # last: nothing after it can fail and leave handlers
 
     def should_save(self, step: int) -> bool:
         if self.save_every is None:

@@ -65,7 +65,8 @@ class Ending(Base):
 
     def close(self, *, timeout: float | None = None) -> None:
         """End the run: wait for the last save, deliver its checkpoints to the cold tier,
-        prune once more, release the group (docs/design.md invariant 22).
+        prune once more, release the group (docs/design.md invariant 22). After a save on a
+        preemption notice, within what is left of its grace period, and without the prune.
 
         Everything waits against one deadline, ``timeout`` seconds from now (default: the
         manager's ``close_timeout``, 300 s), logging what it waits for; a cold tier that does
@@ -77,7 +78,9 @@ class Ending(Base):
         releasing everything. A failed save raises :class:`~tierstore.errors.SaveFailed`
         instead (it comes first), as :meth:`wait` does.
         """
-        deadline = time.monotonic() + (self.close_timeout if timeout is None else timeout)
+        deadline = self._close_deadline(
+            time.monotonic() + (self.close_timeout if timeout is None else timeout)
+        )
         failure: TierstoreError | None = None
         self._finish_previous()  # the last save (hot only: it never waits on the cold tier)
         cold = self.store.cold
@@ -99,7 +102,7 @@ class Ending(Base):
         except MigrationFailed:
             pass  # named again below, with whatever else is left
         self._closing = True
-        if (self.rank == 0 or self.node_local) and not self._cold_down:
+        if (self.rank == 0 or self.node_local) and not self._cold_down and not self.preempted:
             # Now that migrations drained, hot copies kept only as pending can go.
             try:  # joins a running round, which then runs one more
                 self._prune_in_background().result(_left(deadline, floor=0.0))
@@ -128,6 +131,7 @@ class Ending(Base):
             self.group = None
         if self._run_lock is not None:
             self._run_lock.release()
+        self._release_watch()
 
     def _undelivered(self, deadline: float | None) -> dict[str, str]:
         cold = self.store.cold
@@ -135,7 +139,9 @@ class Ending(Base):
             return {}
         # Looking each one up in the cold tier: bounded even when close's time is spent, and
         # not at all in a cold tier close() found unreachable.
-        lookup = 0.0 if self._cold_down else 30.0 if deadline is None else _left(deadline, floor=5.0)
+        # After a preemption notice, the grace period bounds the lookups too.
+        floor = 0.0 if self.preempted else 5.0
+        lookup = 0.0 if self._cold_down else 30.0 if deadline is None else _left(deadline, floor=floor)
         return undelivered(self._migrators(), cold, timeout=lookup)
 
     def _migration_failed(self, failures: dict[str, str]) -> MigrationFailed:

@@ -56,22 +56,18 @@ class Saving(Base):
         and ``CheckpointInfo.metrics``; the coordinator's are the ones recorded. Invalid
         metrics raise :class:`~tierstore.errors.ConfigError` before anything is saved.
         """
-        if not (force or self.should_save(step)):
+        since = self._preemption_seen()  # every call: combined across ranks (preemption.py)
+        if not (force or since is not None or self.should_save(step)):
             return False
         metrics = check_metrics(metrics, source="metrics", error=ConfigError) if metrics else {}
+        if since is not None:
+            return self._save_on_preemption(step, state, metrics, since)
         writer = self._writer(step, metrics)  # a step no manifest can record raises here
         start = time.perf_counter()
         self._finish_previous()  # block the next save only until the previous flush is done
         self._raise_failure()
         if not self.staging.async_save:
-            self._relieve_disk_pressure()
-            try:
-                dcp_save(state, storage_writer=writer, process_group=self.group)
-            except (Exception, CheckpointException) as err:  # a BaseException, in DCP
-                self._failed(step, err)
-                self._raise_failure()
-                raise
-            self._committed(step, None)
+            self._save_sync(step, state, writer)
         elif self.staging.overlap:
             # Even starting an async save costs tens of ms in DCP (flattening the state,
             # planning); the manager's own thread pays that too, with the copy after it.
@@ -87,6 +83,17 @@ class Saving(Base):
             self.wait_staged()
         self.stalls[step] = time.perf_counter() - start
         return True
+
+    def _save_sync(self, step: int, state: dict[str, Any], writer: TieredWriter) -> None:
+        """``dcp.save`` through ``writer``: committed in the hot tier when it returns."""
+        self._relieve_disk_pressure()
+        try:
+            dcp_save(state, storage_writer=writer, process_group=self.group)
+        except (Exception, CheckpointException) as err:  # a BaseException, in DCP
+            self._failed(step, err)
+            self._raise_failure()
+            raise
+        self._committed(step, None)
 
     def _writer(self, step: int, metrics: Mapping[str, float]) -> TieredWriter:
         return TieredWriter(
