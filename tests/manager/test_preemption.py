@@ -80,7 +80,7 @@ def test_the_save_after_a_signal_saves_that_step_in_both_tiers_and_the_loop_stop
     assert 0 < report.hot_seconds <= report.cold_seconds <= 30 and report.seconds_left > 0
     assert previous_handler == [signal.SIGTERM]  # chained, once
     manager.close()
-    assert signal.getsignal(signal.SIGTERM) is not manager._watch._handle  # type: ignore[union-attr]
+    assert signal.getsignal(signal.SIGTERM) is not manager._watch.signals._handle  # type: ignore[union-attr]
     os.kill(os.getpid(), signal.SIGTERM)  # the handler before the manager's is back
     assert previous_handler == [signal.SIGTERM, signal.SIGTERM]
     assert [c.step for c in list_checkpoints(hot)] == [7]
@@ -162,6 +162,27 @@ def test_preemption_off_leaves_the_signal_to_its_default(tmp_path: Path) -> None
     )
     assert done.returncode == -signal.SIGTERM, done.stderr.decode()
     assert b"survived" not in done.stdout
+
+
+def test_a_released_handler_still_called_by_one_installed_after_it_takes_the_default_action(
+    tmp_path: Path,
+) -> None:
+    # Lightning, for one, installs its SIGTERM handler after the manager's and calls it.
+    script = textwrap.dedent("""
+        import os, signal, sys, torch
+        from tierstore import CheckpointManager
+        manager = CheckpointManager(sys.argv[1], save_every=100)
+        ours = signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, lambda n, f: (print("wrapper", flush=True), ours(n, f)))
+        manager.close()
+        os.kill(os.getpid(), signal.SIGTERM)
+        print("survived", flush=True)
+    """)
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "hot")], capture_output=True, timeout=120
+    )
+    assert done.returncode == -signal.SIGTERM, done.stderr.decode()
+    assert done.stdout == b"wrapper\n"
 
 
 @pytest.mark.parametrize(

@@ -33,10 +33,11 @@ if preemption were off.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -44,12 +45,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tierstore import _dist
 from tierstore.errors import ConfigError, SaveFailed
 from tierstore.format import layout
 from tierstore.manager.base import Base
 from tierstore.options import Preemption
+from tierstore.tiers.delivery import await_delivery
+from tierstore.tiers.migrator import MigrationState, Migrator
 
-__all__ = ["SignalWatch", "PreemptionReport", "Preempting", "EXIT_MARGIN", "preemption_options"]
+__all__ = [
+    "SignalWatch",
+    "PreemptionWatch",
+    "PreemptionReport",
+    "Preempting",
+    "push_to_cold",
+    "EXIT_MARGIN",
+    "preemption_options",
+]
 
 log = logging.getLogger(__name__)
 
@@ -97,10 +109,16 @@ class SignalWatch:
         return bool(self._previous)
 
     def _handle(self, number: int, frame: FrameType | None) -> None:
+        previous = self._previous.get(number)
+        if not self._active and previous in (signal.SIG_DFL, None):
+            # Released, but called still (a handler installed after ours kept it): do what
+            # the signal did before the manager, its default action.
+            signal.signal(number, signal.SIG_DFL)
+            os.kill(os.getpid(), number)
+            return
         if self._active and self.requested_at is None:
             self.requested_at = time.monotonic()
             self.signal = signal.Signals(number).name
-        previous = self._previous.get(number)
         if callable(previous):  # a handler of the user's, or of a manager built before
             previous(number, frame)
 
@@ -155,23 +173,79 @@ class PreemptionReport:
         )
 
 
+class PreemptionWatch:
+    """The watch and the combine across ranks (module docstring, 1 and 2), for whatever saves
+    on a notice: :class:`Preempting` and ``tierstore.integrations.torchtitan``."""
+
+    def __init__(self, options: Preemption) -> None:
+        self.options = options
+        self.signals = SignalWatch(options.signals)
+        self.deadline: float | None = None  # time.monotonic() of the grace period's end, once seen
+        self._group: Any = None
+        if _dist.initialized() and dist.get_world_size() > 1:
+            # Every rank builds its watch with the manager, so every rank joins (a collective).
+            self._group = dist.new_group(backend="gloo")
+
+    @property
+    def signal(self) -> str | None:
+        """The signal this rank got (``None``: none, or another rank's was heard)."""
+        return self.signals.signal
+
+    def seen(self) -> float | None:
+        """Seconds since the earliest request on any rank, ``None`` if there is none; sets
+        :attr:`deadline` the first time. A collective on more than one rank."""
+        since = self.signals.seconds_since()
+        if self._group is not None:
+            combined = torch.tensor([since], dtype=torch.float64)
+            dist.all_reduce(combined, op=dist.ReduceOp.MAX, group=self._group)
+            since = float(combined.item())
+        if since < 0:
+            return None
+        if self.deadline is None:
+            self.deadline = time.monotonic() - since + self.options.grace_seconds
+        return since
+
+    def until(self) -> float:
+        """When what follows the push must begin: the deadline less the exit margin."""
+        assert self.deadline is not None, "no notice seen"
+        return self.deadline - min(EXIT_MARGIN, self.options.grace_seconds / 10)
+
+    def release(self) -> None:
+        self.signals.release()
+        if self._group is not None:
+            dist.destroy_process_group(self._group)
+            self._group = None
+
+
+def push_to_cold(migrators: Sequence[Migrator], step: int, until: float) -> tuple[str, float | None]:
+    """Wait for ``migrators`` until ``until`` (a ``time.monotonic()`` value); what became of
+    the migration of ``step``'s checkpoint, and when the wait ended."""
+    if not migrators:
+        return "none", None
+    await_delivery(migrators, until)
+    ended = time.monotonic()
+    states = [s for m in migrators for s in m.status() if s.step == step]
+    if not states:
+        return "not handed to a migrator", ended
+    status = states[-1]
+    if status.state is MigrationState.COMMITTED:
+        return "committed", ended
+    if status.state is MigrationState.UPLOADED:
+        return "uploaded", ended
+    if status.state is MigrationState.FAILED:
+        return f"failed: {status.error}", ended
+    return f"still {status.state.value} at the grace deadline", ended
+
+
 class Preempting(Base):
     """Preemption of :class:`~tierstore.manager.CheckpointManager` (module docstring)."""
 
     def _watch_preemption(self, preemption: Preemption | bool) -> None:
-        """Set up the watch (and its group) from ``CheckpointManager(preemption=)``."""
-        self.preemption_options = preemption_options(preemption)
+        """Set up the watch from ``CheckpointManager(preemption=)``."""
+        options = preemption_options(preemption)
         self.preemption: PreemptionReport | None = None
         self._preempted = False
-        self._grace_deadline: float | None = None  # time.monotonic(), once a request is seen
-        self._watch: SignalWatch | None = None
-        self._signal_group: Any = None
-        if self.preemption_options is None:
-            return
-        self._watch = SignalWatch(self.preemption_options.signals)
-        if self.distributed and dist.get_world_size() > 1:
-            # Every rank builds the manager, so every rank joins the group (a collective).
-            self._signal_group = dist.new_group(backend="gloo")
+        self._watch = PreemptionWatch(options) if options is not None else None
 
     @property
     def preempted(self) -> bool:
@@ -180,32 +254,24 @@ class Preempting(Base):
         return self._preempted
 
     def _preemption_seen(self) -> float | None:
-        """Seconds since the earliest request on any rank; ``None`` if there is none. A
-        collective when the manager watches and runs on more than one rank (module
-        docstring, 2)."""
-        watch = self._watch
-        if watch is None or self._preempted:
+        """Seconds since the earliest request on any rank; ``None`` if there is none (or the
+        manager acted on one already)."""
+        if self._watch is None or self._preempted:
             return None
-        since = watch.seconds_since()
-        if self._signal_group is not None:
-            combined = torch.tensor([since], dtype=torch.float64)
-            dist.all_reduce(combined, op=dist.ReduceOp.MAX, group=self._signal_group)
-            since = float(combined.item())
-        return None if since < 0 else since
+        return self._watch.seen()
 
     def _save_on_preemption(
         self, step: int, state: dict[str, Any], metrics: Mapping[str, float], since: float
     ) -> bool:
         """Save ``step`` now, to the hot tier and then, within the grace period, the cold
         tier; record and log what it managed (module docstring, 3)."""
-        assert self.preemption_options is not None and self._watch is not None
-        grace = self.preemption_options.grace_seconds
+        watch = self._watch
+        assert watch is not None and watch.deadline is not None
+        grace = watch.options.grace_seconds
         signalled = time.monotonic() - since
-        deadline = signalled + grace
-        self._grace_deadline = deadline
         log.warning(
             "preemption notice (%s): saving step %d now, within the %gs grace period",
-            self._watch.signal or "another rank's signal",
+            watch.signal or "another rank's signal",
             step,
             grace,
         )
@@ -215,63 +281,32 @@ class Preempting(Base):
         except SaveFailed as err:  # that save is lost either way; this one is what matters now
             log.error("the save before the preemption notice failed (%s); saving step %d", err, step)
         self._preempted = True
-        writer = self._writer(step, metrics)
         try:
             if step != self._last_saved_step:  # else saved already: push that one
-                self._save_sync(step, state, writer)
+                self._save_sync(step, state, self._writer(step, metrics))
         except SaveFailed as err:
             self.preemption = PreemptionReport(
-                step, None, self._watch.signal, grace, time.monotonic() - signalled, "none", None,
-                deadline - time.monotonic(), error=str(err),
+                step, None, watch.signal, grace, time.monotonic() - signalled, "none", None,
+                watch.deadline - time.monotonic(), error=str(err),
             )  # fmt: skip
             log.error("%s", self.preemption.summary())
             raise
         hot_seconds = time.monotonic() - signalled
         self.stalls[step] = hot_seconds - since
-        name = layout.default_name(step)  # the manager names each checkpoint by its step
-        cold, cold_seconds = self._push_to_cold(name, _margin_before(deadline, grace))
+        cold, ended = push_to_cold(self._migrators(), step, watch.until())
         self.preemption = PreemptionReport(
-            step, name, self._watch.signal, grace, hot_seconds, cold,
-            None if cold_seconds is None else cold_seconds - signalled, deadline - time.monotonic(),
+            step, layout.default_name(step), watch.signal, grace, hot_seconds, cold,
+            None if ended is None else ended - signalled, watch.deadline - time.monotonic(),
         )  # fmt: skip
         log.warning("%s", self.preemption.summary())
         return True
 
-    def _push_to_cold(self, name: str | None, until: float) -> tuple[str, float | None]:
-        """Wait for this process's migrations until ``until``; what became of ``name``'s."""
-        from tierstore.tiers.delivery import await_delivery
-        from tierstore.tiers.migrator import MigrationState
-
-        if self.store.cold is None or name is None:
-            return "none", None
-        migrators = self._migrators()
-        await_delivery(migrators, until)
-        ended = time.monotonic()
-        states = [s for m in migrators for s in m.status() if s.name == name]
-        if not states:
-            return "not handed to a migrator", ended
-        status = states[-1]
-        if status.state is MigrationState.COMMITTED:
-            return "committed", ended
-        if status.state is MigrationState.UPLOADED:
-            return "uploaded", ended
-        if status.state is MigrationState.FAILED:
-            return f"failed: {status.error}", ended
-        return f"still {status.state.value} at the grace deadline", ended
-
     def _close_deadline(self, deadline: float) -> float:
         """``close()``'s deadline: no later than the grace period's, less the exit margin."""
-        if self._grace_deadline is None or self.preemption_options is None:
+        if self._watch is None or self._watch.deadline is None:
             return deadline
-        return min(deadline, _margin_before(self._grace_deadline, self.preemption_options.grace_seconds))
+        return min(deadline, self._watch.until())
 
     def _release_watch(self) -> None:
         if self._watch is not None:
             self._watch.release()
-        if self._signal_group is not None:
-            dist.destroy_process_group(self._signal_group)
-            self._signal_group = None
-
-
-def _margin_before(deadline: float, grace: float) -> float:
-    return deadline - min(EXIT_MARGIN, grace / 10)
