@@ -67,6 +67,10 @@ def _job(spec: dict[str, Any]) -> None:
                 assert checkpoint.manager is not None
                 checkpoint.manager.wait()  # the last epoch's save committed and migrated
                 os.kill(os.getpid(), signal.SIGKILL)
+            if self.global_step == spec.get("sigterm_at"):
+                # Every rank, as Slurm and torchrun signal every task: Lightning's own handler
+                # broadcasts inside the signal handler, which only pairs up if all ranks are in it.
+                os.kill(os.getpid(), signal.SIGTERM)
             x, y = batch
             loss = torch.nn.functional.mse_loss(self.net(x), y)
             self.log("train_loss", loss, on_step=False, on_epoch=True, sync_dist=True)
@@ -110,7 +114,14 @@ def _job(spec: dict[str, Any]) -> None:
         dataset, num_replicas=2, rank=int(os.environ["RANK"]), shuffle=False
     )
     loader = torch.utils.data.DataLoader(dataset, batch_size=4, sampler=sampler)
-    trainer.fit(model, loader, ckpt_path=spec.get("ckpt_path"))
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    try:
+        trainer.fit(model, loader, ckpt_path=spec.get("ckpt_path"))
+    except SIGTERMException:  # what Lightning raises on a SIGTERM, on every rank (exit 0)
+        if trainer.global_rank == 0:
+            Path(spec["out"], "preempted.json").write_text(json.dumps({"step": trainer.global_step}))
+        leave_cleanly()
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     assert trainer.strategy.model is not None
     final = {
@@ -181,6 +192,29 @@ def test_killed_run_resumes_from_last_and_matches_an_uninterrupted_run(tmp_path:
     newest = epochs * STEPS_PER_EPOCH
     assert [c.step for c in list_checkpoints(hot)] == [newest]
     assert [c.step for c in list_checkpoints(Store(cold=cold))] == [newest]
+
+
+def test_a_sigterm_mid_epoch_saves_that_step_to_both_tiers_and_fit_last_resumes_it(tmp_path: Path) -> None:
+    hot, cold = str(tmp_path / "hot"), str(tmp_path / "cold")
+    # In the first batch of epoch 3: Lightning stops at the next batch, step 5, mid-epoch
+    # (the cadence saves at epoch ends only: steps 2, 4, 6, 8).
+    at = 2 * STEPS_PER_EPOCH
+    job, out = _run(
+        tmp_path, "preempted", strategy="model_parallel", epochs=4, hot=hot, cold=cold, sigterm_at=at
+    )
+    assert job.ok, job.describe()  # both ranks exit 0
+    stopped = json.loads((out / "preempted.json").read_text())["step"]
+    assert stopped == at + 1 and stopped % STEPS_PER_EPOCH, job.describe()
+    assert "preempted (SIGTERM): saved step" in job.ranks[0].output
+    assert "committed in the cold tier" in job.ranks[0].output
+    assert [c.step for c in list_checkpoints(hot)][-1] == stopped
+    assert [c.step for c in list_checkpoints(Store(cold=cold))][-1] == stopped  # within the grace period
+    resumed, resumed_out = _run(
+        tmp_path, "resumed", strategy="model_parallel", epochs=4, hot=hot, cold=cold, ckpt_path="last"
+    )
+    assert resumed.ok, resumed.describe()
+    final = torch.load(resumed_out / "final.pt", weights_only=True)
+    assert final["resumed"] == stopped and final["step"] == 4 * STEPS_PER_EPOCH
 
 
 def test_save_top_k_by_a_metric_keeps_the_best_and_last_and_resumes_a_chosen_step(tmp_path: Path) -> None:

@@ -32,6 +32,13 @@ it does not know go to the strategy's own. It knows ``"last"`` (Lightning resolv
 :meth:`TierstoreCheckpoint.step_path`, and the ``best_model_path``/``last_model_path``
 names it gave (their ``step=N``). Optimizer states are loaded once the strategy built the
 optimizers (under DDP after the model), from the same step.
+
+Preemption: Lightning turns a SIGTERM into a ``SIGTERMException`` on every rank at the next
+batch (and exits 0); the callback then saves that step, whatever ``save_on_exception``
+says, and pushes it to the cold tier within the grace period of the manager's
+``Preemption`` (``manager_options={"preemption": Preemption(grace_seconds=90)}``; default
+30 s). ``fit(ckpt_path="last")`` in the requeued job resumes from it. A notice only another
+rank got is heard at the next save, which stops the trainer (``should_stop``).
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
@@ -240,9 +248,19 @@ class TierstoreCheckpoint(ModelCheckpoint):
         super().teardown(trainer, pl_module, stage)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        """After ``save_on_exception``'s save: wait for the save in flight to commit, not for
-        migrations (``tierstore migrate`` or the next run's migrator finishes those)."""
+        """On a preemption notice (Lightning's ``SIGTERMException``, raised on every rank at
+        the batch after a SIGTERM): save this step and push it to the cold tier within the
+        manager's grace period (:mod:`tierstore.manager.preemption`), whatever
+        ``save_on_exception`` says. On any other exception, after ``save_on_exception``'s
+        save: wait for the save in flight to commit, not for migrations (``tierstore
+        migrate`` or the next run's migrator finishes those)."""
         super().on_exception(trainer, pl_module, exception)
+        preempted = isinstance(exception, SIGTERMException) and self._fitting
+        if self.manager is not None and preempted and not self.manager.preempted:
+            try:
+                self._save_step(trainer, trainer.global_step)  # a step saved already is only pushed
+            except TierstoreError as err:
+                log.error("the save on the preemption notice failed: %s", err)
         if self.manager is not None:
             manager, self.manager = self.manager, None
             try:
@@ -284,6 +302,8 @@ class TierstoreCheckpoint(ModelCheckpoint):
         torch.save(checkpoint, buffer)
         state[_REST] = buffer.getvalue()
         self.manager.save(step, state, force=True, metrics=self._metrics(trainer))
+        if self.manager.preempted:  # another rank's notice, heard at this save: stop here too
+            trainer.should_stop = True
 
     def _metrics(self, trainer: Trainer) -> dict[str, float]:
         if self.monitor is None:
