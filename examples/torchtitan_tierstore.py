@@ -5,7 +5,9 @@
 ``CheckpointManager``, swapped for ``TieredCheckpointManager`` (the one-line change, see
 docs/integrations.md): checkpoints every ``--interval`` steps into ``<workdir>/hot``, migrated
 to ``<workdir>/cold``. With ``--kill-at K`` the process SIGKILLs itself in step K; run it again
-and it resumes from the newest committed checkpoint. It prints the final parameters' digest
+and it resumes from the newest committed checkpoint. With ``--sigterm-at K`` it gets SIGTERM
+in step K, as a preempted job does: the save of that step goes to both tiers, the loop stops
+(``checkpointer.preempted``) and the process exits 0. It prints the final parameters' digest
 and every loss, so two runs can be compared.
 
 On a CPU-only torch, torchtitan's own models cannot be built (they import triton), so the model
@@ -53,6 +55,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--interval", type=int, default=2)
     parser.add_argument("--kill-at", type=int, default=None)
+    parser.add_argument("--sigterm-at", type=int, default=None)
     parser.add_argument("--async-mode", default="disabled", choices=["disabled", "async"])
     parser.add_argument(
         "--cold",
@@ -97,6 +100,8 @@ def main() -> None:
         state.step += 1
         if state.step == args.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
+        if state.step == args.sigterm_at:
+            os.kill(os.getpid(), signal.SIGTERM)  # a scheduler's preemption notice
         x, y = batch(state.step)
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
@@ -105,6 +110,9 @@ def main() -> None:
         schedulers.step()
         print(f"step {state.step} loss {loss.item():.9f}", flush=True)
         checkpointer.save(state.step, last_step=state.step == args.steps)
+        if checkpointer.preempted:  # the one line: that step is saved, stop here
+            print(f"preempted at step {state.step}", flush=True)
+            break
     checkpointer.maybe_wait_for_saving()
     checkpointer.close()
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters()))

@@ -89,6 +89,29 @@ def test_killed_run_resumes_from_cold_and_matches_the_uninterrupted_run(tmp_path
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+def test_a_sigterm_saves_that_step_to_both_tiers_and_the_relaunch_matches_the_uninterrupted_run(
+    tmp_path: Path, mode: str
+) -> None:
+    reference = run(tmp_path / "ref")
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    preempted = run(tmp_path / "run", "--sigterm-at", "5", "--async-mode", mode)  # between saves 4 and 6
+    assert preempted.returncode == 0, preempted.stderr[-3000:]
+    assert "preempted at step 5" in preempted.stdout and max(losses(preempted.stdout)) == 5
+    assert "preempted (SIGTERM): saved step 5" in preempted.stderr
+    hot, cold = tmp_path / "run" / "hot", tmp_path / "run" / "cold"
+    assert [c.step for c in list_checkpoints(str(hot))][-1] == 5
+    assert [c.step for c in list_checkpoints(Store(cold=str(cold)))] == [2, 4, 5]  # within the grace period
+    shutil.rmtree(hot)  # the node is gone: the relaunch resumes from cold
+    resumed = run(tmp_path / "run")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from step 5" in resumed.stdout
+    assert losses(resumed.stdout) == {s: v for s, v in losses(reference.stdout).items() if s > 5}
+    final = re.search(r"^final (\w+)$", resumed.stdout, re.M)
+    assert final and final[0] in reference.stdout  # bit-exact
+
+
+@pytest.mark.dist
 def test_the_last_save_reaches_an_s3_cold_tier_before_the_run_ends(
     tmp_path: Path, s3_env: dict[str, str], s3_bucket: str
 ) -> None:

@@ -21,6 +21,12 @@ becomes the hot tier, ``cold`` the optional cold tier. What maps to what:
   cold tier keeps everything (prune it with ``tierstore prune``);
 - rank 0 resumes the migrations it finds pending (a killed run's, or ones a cold outage
   failed): at start and after each prune, as ``CheckpointManager`` does;
+- a SIGTERM (``preemption``, on by default) is heard at the next ``save()``, which every
+  step calls: it saves that step, whatever the interval, waits for its hot commit, pushes it
+  to the cold tier within ``preemption_grace_seconds`` and sets ``preempted``. torchtitan's
+  trainer has no preemption path of its own; the one line a trainer adds is
+  ``def should_continue_training(self): return super().should_continue_training() and not
+  self.checkpointer.preempted``, so the loop stops at that step and closes as usual;
 - ``close()`` (torchtitan's trainer calls it at the end) waits for the last save and then,
   up to ``close_timeout`` seconds (300), for its migrations, logging what it waits for; what
   is left is logged at ERROR, naming each checkpoint that stays pending in the hot tier
@@ -64,6 +70,8 @@ from tierstore.errors import CheckpointNotFound, ConfigError
 from tierstore.lifecycle.prune import check_cold_copies, prune
 from tierstore.lifecycle.retention import keep_last
 from tierstore.lifecycle.rounds import BackgroundRounds
+from tierstore.manager.preemption import PreemptionReport, PreemptionWatch, push_to_cold
+from tierstore.options import Preemption
 from tierstore.tiers.catalog import CheckpointInfo, list_checkpoints
 from tierstore.tiers.delivery import await_delivery, describe, resume_pending, undelivered
 from tierstore.tiers.migrator import Migrator
@@ -99,6 +107,14 @@ class TieredCheckpointManager(CheckpointManager):  # type: ignore[misc]
         close_timeout: float = 300.0
         """Seconds ``close()`` waits for the last checkpoints to reach the cold tier."""
 
+        preemption: bool = True
+        """Save on SIGTERM: the next ``save()`` saves that step, whatever the interval, and
+        pushes it to the cold tier within ``preemption_grace_seconds``; then ``preempted``
+        is True (the trainer's loop stops on it: module docstring)."""
+
+        preemption_grace_seconds: float = 30.0
+        """Seconds from the signal to the process's exit (the scheduler's grace period)."""
+
     def __init__(self, config: TieredCheckpointManager.Config, **kwargs: Any) -> None:
         if config.enable and config.last_save_in_hf:
             raise ConfigError(
@@ -110,7 +126,12 @@ class TieredCheckpointManager(CheckpointManager):  # type: ignore[misc]
         self._pruning = BackgroundRounds(lambda _: self._prune_hot(), name="tierstore-titan-prune")
         self._closed = False
         self._built: Store | None = None
+        self._force_save = False
+        self.preempted = False
+        self.preemption: PreemptionReport | None = None
+        options = Preemption(grace_seconds=config.preemption_grace_seconds) if config.preemption else None
         super().__init__(config, **kwargs)
+        self._watch = PreemptionWatch(options) if self.enable and options is not None else None
         if self.enable:
             self._store().check_schemes()  # a missing backend plugin fails here, not at step N
             if self._cold is not None and _dist.rank_world()[0] == 0:
@@ -170,6 +191,33 @@ class TieredCheckpointManager(CheckpointManager):  # type: ignore[misc]
             GarbageCollection.collect("GC collection invoked by checkpointer.")
         return result
 
+    def _save(self, curr_step: int, last_step: bool = False) -> bool:
+        since = self._watch.seen() if self._watch is not None and not self.preempted else None
+        if since is None:  # every step: combined across ranks (tierstore.manager.preemption)
+            return bool(super()._save(curr_step, last_step))
+        watch = self._watch
+        assert watch is not None and watch.deadline is not None
+        signalled = time.monotonic() - since
+        log.warning("preemption notice (%s): saving step %d now", watch.signal or "another rank's", curr_step)
+        self.preempted, self._force_save = True, True
+        try:  # a full checkpoint, to resume from: never the last step's model-only one
+            saved = bool(super()._save(curr_step, last_step=False))
+            self.maybe_wait_for_saving()  # committed in the hot tier
+        finally:
+            self._force_save = False
+        hot_seconds = time.monotonic() - signalled
+        migrator = self._migrator()
+        cold, ended = push_to_cold([migrator] if migrator else [], curr_step, watch.until())
+        self.preemption = PreemptionReport(
+            curr_step, f"step-{curr_step}", watch.signal, watch.options.grace_seconds, hot_seconds, cold,
+            None if ended is None else ended - signalled, watch.deadline - time.monotonic(),
+        )  # fmt: skip
+        log.warning("%s", self.preemption.summary())
+        return saved
+
+    def _should_save(self, curr_step: int, last_step: bool = False) -> bool:
+        return self._force_save or bool(super()._should_save(curr_step, last_step))
+
     def _load(self, step: int = -1) -> bool:
         info = self._committed(step)
         if info is None:
@@ -212,6 +260,10 @@ class TieredCheckpointManager(CheckpointManager):  # type: ignore[misc]
             return
         self._closed = True
         deadline = time.monotonic() + self._close_timeout
+        if self._watch is not None:
+            if self._watch.deadline is not None:  # after a preemption notice: its grace period
+                deadline = min(deadline, self._watch.until())
+            self._watch.release()
         if self.save_future is not None:
             self.maybe_wait_for_saving()  # the last async save is committed in hot
         super()._close()
