@@ -46,6 +46,10 @@ class Profile:
     perf_size: int = 512 * MiB  # the state of the measurements
     perf_reps: int = 5  # best of these per side
     perf_saves: int = 6  # saves per system in the stall job; 2..N are the steady state
+    # preemption: the save on a notice against a plain sync save, one process
+    preemption_size: int = 256 * MiB
+    preemption_reps: int = 5  # best of these per kind, with the spread
+    preemption_grace: float = 30.0  # the default Preemption(grace_seconds=)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -100,6 +104,8 @@ FULL = Profile(
     cold_down_size=256 * MiB,
     perf_reps=7,
     perf_saves=10,
+    preemption_size=1 * GiB,
+    preemption_reps=7,
 )
 
 # Every suite end to end in a few minutes, at sizes too small for its figures to mean anything:
@@ -130,6 +136,8 @@ SMOKE = Profile(
     perf_size=32 * MiB,
     perf_reps=1,
     perf_saves=3,
+    preemption_size=32 * MiB,
+    preemption_reps=1,
 )
 
 PROFILES = {p.name: p for p in (QUICK, FULL, SMOKE)}

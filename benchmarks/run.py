@@ -26,7 +26,11 @@ from benchmarks.profiles import PROFILES, Profile
 from benchmarks.report.tables import DOC
 
 RESULTS = ROOT / "benchmarks" / "results"
-STANDALONE_SUITES = ("cold-down", "perf")  # render.STANDALONE's keys (render imports matplotlib)
+STANDALONE_SUITES = (
+    "cold-down",
+    "perf",
+    "preemption",
+)  # render.STANDALONE's keys (render imports matplotlib)
 
 
 def probe_s3torch(target: S3Target) -> dict[str, Any]:

@@ -255,6 +255,31 @@ def suite_perf(bench: Bench) -> dict[str, Any]:
     return {"io": io, "stall": stall}
 
 
+def suite_preemption(bench: Bench) -> dict[str, Any]:
+    """Issue 25: the save on a preemption notice against a plain sync save of the same state,
+    with a local and an S3 cold tier; the share of the grace period the push leaves."""
+    profile = bench.profile
+    print(
+        f"  preemption: {profile.preemption_size // MiB} MiB, one process, best of "
+        f"{profile.preemption_reps}, cold tier local / S3",
+        flush=True,
+    )
+    colds = [
+        {"kind": "local", "url": str(bench.scratch / "preemption-cold")},
+        {"kind": "s3", "url": bench.target.url("preemption"), "options": bench.target.tier_options()},
+    ]
+    spec = {
+        "bytes": profile.preemption_size,
+        "reps": profile.preemption_reps,
+        "grace": profile.preemption_grace,
+        "colds": colds,
+        "scratch": str(bench.scratch / "preemption"),
+    }
+    result = dict(bench.module("preemption", spec))
+    bench.fresh_bucket()
+    return result
+
+
 STALL_SYSTEMS = (
     "sync_tiered",
     "ours_reuse",
@@ -275,4 +300,5 @@ SUITES: dict[str, Callable[[Bench], dict[str, Any]]] = {
     "gpu": suite_gpu,
     "cold-down": suite_cold_down,
     "perf": suite_perf,
+    "preemption": suite_preemption,
 }

@@ -14,6 +14,7 @@ from benchmarks.report.cold_down import cold_down_section
 from benchmarks.report.findings import findings
 from benchmarks.report.overview import header, machine, method, targets
 from benchmarks.report.perf import perf_section
+from benchmarks.report.preemption import preemption_section
 from benchmarks.report.tables import DOC, FIGURES, Lines
 
 Section = Callable[[Mapping[str, Any], Path], Lines]
@@ -29,10 +30,15 @@ SECTIONS: tuple[Section, ...] = (
     S.gpu_section,
     cold_down_section,
     perf_section,
+    preemption_section,
 )
 # Sections rendered from their own suite alone: a run of only those suites can update them in
 # the report without the rest (``--only cold-down --splice``).
-STANDALONE: dict[str, Section] = {"cold-down": cold_down_section, "perf": perf_section}
+STANDALONE: dict[str, Section] = {
+    "cold-down": cold_down_section,
+    "perf": perf_section,
+    "preemption": preemption_section,
+}
 
 
 def _text(lines: Lines) -> str:
