@@ -246,6 +246,29 @@ def _cadence(ctx: Ctx) -> dict[str, Any]:
     return {"CheckpointManager": CheckpointManager, "hot": ctx.hot, "cold": ctx.cold}
 
 
+def _preempted_at_7(ctx: Ctx) -> dict[str, Any]:
+    """The loop's names; its 7th training step gets a SIGTERM, as a preempted job would."""
+    import os
+    import signal
+
+    import torch
+
+    from tierstore import CheckpointManager
+
+    steps = iter(range(1, 10**6))
+
+    def train_step() -> None:
+        if next(steps) == 7:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return {
+        "CheckpointManager": CheckpointManager,
+        "state": {"w": torch.arange(16.0)},
+        "total": 10**6,
+        "train_step": train_step,
+    }
+
+
 def _plugin(ctx: Ctx) -> dict[str, Any]:
     # The plugin the block imports is the example one (examples/plugin/), as its text says.
     plugin = str(ROOT / "examples" / "plugin")
@@ -344,6 +367,11 @@ SETUPS: dict[tuple[str, int], tuple[str, Setup | None, Check | None]] = {
     ("docs/training-state.md", 1): ("from tierstore import ResumePlanner", _trained, _check_loaded),
     ("docs/training-state.md", 2): ("from tierstore import Probe", _probed, _check_report),
     ("docs/training-state.md", 3): ("from tierstore import TimeCadence, optimal_interval", _cadence, None),
+    ("docs/training-state.md", 4): (
+        'manager = CheckpointManager("/nvme/run1", "s3://bucket/run1", save_every=500)',
+        _preempted_at_7,
+        _check_checkpoint(7, cold=True),
+    ),
 }
 
 
