@@ -10,6 +10,8 @@ a handful of parameters plus nested option dataclasses.
 - :class:`ReaderOptions`: how :class:`~tierstore.TieredReader` reads one.
 - :class:`StagingOptions`: how :class:`~tierstore.CheckpointManager` takes the state off the
   training loop (DCP's ``async_save``, its mode and the staging buffers).
+- :class:`Run`: the run a :class:`~tierstore.CheckpointManager` saves and resumes, and whether
+  a store holding another run's checkpoints is an error (``CheckpointManager(run=)``).
 - :class:`~tierstore.MigrationConfig` (:mod:`tierstore.tiers.jobs`): how a process migrates.
 - :class:`~tierstore.Retention` (:mod:`tierstore.lifecycle.retention`): what each tier keeps.
 
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from tierstore.errors import ConfigError
+from tierstore.format.manifest_format import check_run
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint._extension import StreamTransformExtension
@@ -35,6 +38,7 @@ __all__ = [
     "WriterOptions",
     "ReaderOptions",
     "StagingOptions",
+    "Run",
     "Encoding",
     "StagingMode",
     "StagingBuffers",
@@ -201,6 +205,29 @@ class StagingOptions:
                 f"(got async_save={self.async_save!r}, buffers={self.buffers!r}): other saves "
                 "copy the state before save() returns"
             )
+
+
+@dataclass(frozen=True)
+class Run:
+    """The run a :class:`~tierstore.CheckpointManager` belongs to (``CheckpointManager(run=)``;
+    ``run="name"`` is ``Run("name")``). docs/operations.md, "Runs", has the rules.
+
+    Args:
+        name: recorded in every manifest the manager saves (``CheckpointInfo.run``): 1 to 128
+            printable characters, no ``/``, no space at either end. Its ``load_latest`` resumes
+            only checkpoints recorded with this name; ``load(step=)`` and ``load(name=)``
+            load another run's, with a warning.
+        strict: a store holding checkpoints of another run (or of none named) is a
+            :class:`~tierstore.errors.ConfigError` when the manager is built, or at its first
+            ``load_latest`` for those only the cold tier holds, instead of a warning.
+    """
+
+    name: str
+    strict: bool = False
+
+    def __post_init__(self) -> None:
+        check_run(self.name, what="name", source="Run", error=ConfigError)
+        check_bool("Run", "strict", self.strict)
 
 
 def fold(
