@@ -31,6 +31,7 @@ import pytest
 import torch
 from cold_tiers import Cold, cold_of
 from helpers import file_path, flip
+from launch import run_job
 from torch.distributed.checkpoint.api import CheckpointException
 
 from tierstore import (
@@ -395,3 +396,17 @@ def test_two_runs_as_separate_processes(tmp_path: Path, with_cold: bool) -> None
     code, out, err = process(tmp_path, hot, cold, "unnamed", "404")
     assert code == 0 and out == {"step": 5, "w": [5.0] * 4}, err  # as before: the newest
     assert OTHER_RUNS not in err
+
+
+@pytest.mark.dist
+def test_two_runs_on_two_ranks_agree_and_strict_fails_on_every_rank(tmp_path: Path) -> None:
+    hot, out = str(tmp_path / "hot"), tmp_path / "out"
+    out.mkdir()
+    job = run_job({"op": "manager_runs", "hot": hot, "out": str(out)}, 2)
+    assert job.ok, job.describe()
+    for rank in (0, 1):
+        result = json.loads((out / f"runs-rank{rank}.json").read_text())
+        assert result["named"] is None and (result["unnamed"], result["extra_step"]) == (3, 3), (rank, result)
+        assert "run 'B'" in result["strict"] and "no recorded run: 3 checkpoints" in result["strict"], rank
+    warned = [line for line in job.ranks[0].output.splitlines() if OTHER_RUNS in line]
+    assert len(warned) == 1 and not any(OTHER_RUNS in line for line in job.ranks[1].output.splitlines())
