@@ -392,7 +392,7 @@ class TieredWriter(StorageWriter):
             metrics=self.metrics,
             run=self.run,
             job=self.job,
-            fingerprint=structure.of_metadata(metadata),
+            fingerprint=_fingerprint(metadata),
         )
         faults.point("writer.before_manifest_publish")
         self.hot.publish_manifest(manifest)  # COMMIT POINT (hot tier)
@@ -439,6 +439,16 @@ def _recorded_job() -> str | None:
         log.debug("not recording the job id %r in manifests: not a short printable label", job[:200])
         return None
     return job
+
+
+def _fingerprint(metadata: Metadata) -> str | None:
+    """The structure's fingerprint for the manifest; a metadata it cannot describe (a DCP of
+    the future) leaves it out, never fails the commit."""
+    try:
+        return structure.of_metadata(metadata)
+    except Exception:
+        log.warning("not recording the state's structure fingerprint in the manifest", exc_info=True)
+        return None
 
 
 def _write_file(
