@@ -9,6 +9,7 @@ Run by ``tests/launch.py`` with a JSON spec as argv[1]. Operations:
 * ``load``: for each entry of ``loads`` build a fresh model (different init), load it
   through ``TieredReader`` and write the digest of the loaded state to
   ``out/loaded-<tag>.json`` (rank 0), plus ``reader.manifest.name``.
+* ``manager_*``: a ``CheckpointManager`` scenario each (see its docstring).
 """
 
 from __future__ import annotations
@@ -251,6 +252,40 @@ def manager_fallback(spec: dict[str, Any]) -> None:
     (out / f"fallback-rank{rank}.json").write_text(json.dumps(result))
 
 
+def manager_runs(spec: dict[str, Any]) -> None:
+    """Run A (no run named) saves steps 1-3; then on every rank: run B's ``load_latest``
+    finds nothing of its own, ``Run("B", strict=True)`` raises on every rank (none left
+    waiting in a collective), and a manager without a run name resumes A's step 3."""
+    from tierstore import CheckpointManager, Run, StagingOptions
+    from tierstore.errors import ConfigError
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model, optim = build(0, world)
+    sync = StagingOptions(async_save=False)
+    with CheckpointManager(**tiers(spec), staging=sync, retention=Retention(hot=policy("last:10"))) as a:
+        for step in (1, 2, 3):
+            train(model, optim, 1, step)
+            msd, osd = get_state_dict(model, optim)
+            a.save(step, {"model": msd, "optim": osd, "extra": {"step": step}}, force=True)
+    result: dict[str, Any] = {}
+    model, optim = build(12345, world)
+    msd, osd = get_state_dict(model, optim)
+    with CheckpointManager(
+        **tiers(spec), run="B", staging=sync, retention=Retention(hot=policy("last:10"))
+    ) as b:
+        result["named"] = b.load_latest({"model": msd, "optim": osd, "extra": {"step": -1}})
+    try:
+        CheckpointManager(**tiers(spec), run=Run("B", strict=True))
+        result["strict"] = None
+    except ConfigError as err:
+        result["strict"] = str(err)
+    state = {"model": msd, "optim": osd, "extra": {"step": -1}}
+    with CheckpointManager(**tiers(spec), retention=Retention(hot=policy("last:10"))) as unnamed:
+        result["unnamed"] = unnamed.load_latest(state)
+    result["extra_step"] = state["extra"]["step"]
+    (Path(spec["out"]) / f"runs-rank{rank}.json").write_text(json.dumps(result))
+
+
 def manager_cold_down(spec: dict[str, Any]) -> None:
     """Node-local hot tiers, the cold tier down (a closed port): ``load_latest`` must raise
     the same error on every rank, none left waiting; then ``close(timeout=T)`` after a save
@@ -395,6 +430,7 @@ def main() -> None:
         "manager": manager,
         "manager_load": manager_load,
         "manager_fallback": manager_fallback,
+        "manager_runs": manager_runs,
         "manager_cold_down": manager_cold_down,
         "manager_node_local_resume": manager_node_local_resume,
         "manager_preempt": manager_preempt,

@@ -44,7 +44,7 @@ from tierstore.lifecycle.retention import (
     keep_steps,
     keep_within,
 )
-from tierstore.options import Preemption, ReaderOptions, StagingOptions, WriterOptions
+from tierstore.options import Preemption, ReaderOptions, Run, StagingOptions, WriterOptions
 from tierstore.resume.cadence import TimeCadence, optimal_interval
 from tierstore.resume.check import Probe, verify_resume
 from tierstore.resume.data import ResumableLoader, ResumableSampler
@@ -123,6 +123,7 @@ __all__ = [
     "ReaderOptions",
     "StagingOptions",
     "Preemption",
+    "Run",
     "Store",
     "list_checkpoints",
     "CheckpointInfo",

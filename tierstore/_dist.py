@@ -12,12 +12,43 @@ with ``torch.cuda.set_device``, as it must for DCP itself). ``group=None`` is th
 
 from __future__ import annotations
 
+import os
 import pickle
 import sys
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["initialized", "rank_world", "group_rank_world", "broadcast", "all_gather", "barrier", "Failure"]
+__all__ = [
+    "initialized",
+    "rank_world",
+    "group_rank_world",
+    "broadcast",
+    "all_gather",
+    "barrier",
+    "Failure",
+    "job_id",
+]
+
+# Asked in this order: torchrun's run id first (it runs under any scheduler, and its
+# rendezvous names the job by it), then the batch schedulers' job ids.
+_JOB_VARIABLES = (
+    ("TORCHELASTIC_RUN_ID", "torchrun run"),
+    ("SLURM_JOB_ID", "slurm job"),
+    ("PBS_JOBID", "pbs job"),
+    ("LSB_JOBID", "lsf job"),
+)
+
+
+def job_id() -> str | None:
+    """This process's job as its launcher or scheduler names it (``"torchrun run 5f3a"``,
+    ``"slurm job 4242"``), or ``None`` outside one. torchrun's ``none`` (its default when no
+    ``--rdzv-id`` is given) names nothing. For display only (the run lock's label, a
+    manifest's ``job``): a job submitted again gets a new id, so no decision rests on it."""
+    for variable, what in _JOB_VARIABLES:
+        value = os.environ.get(variable, "").strip()
+        if value and value.lower() != "none":
+            return f"{what} {value}"
+    return None
 
 
 def _dist() -> Any:

@@ -12,6 +12,8 @@ a handful of parameters plus nested option dataclasses.
   training loop (DCP's ``async_save``, its mode and the staging buffers).
 - :class:`Preemption`: which signals the manager takes as a preemption notice, and the grace
   period it saves within (:mod:`tierstore.manager.preemption`).
+- :class:`Run`: the run a :class:`~tierstore.CheckpointManager` saves and resumes, and whether
+  a store holding another run's checkpoints is an error (``CheckpointManager(run=)``).
 - :class:`~tierstore.MigrationConfig` (:mod:`tierstore.tiers.jobs`): how a process migrates.
 - :class:`~tierstore.Retention` (:mod:`tierstore.lifecycle.retention`): what each tier keeps.
 
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from tierstore.errors import ConfigError
+from tierstore.format.manifest_format import check_run
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint._extension import StreamTransformExtension
@@ -40,6 +43,7 @@ __all__ = [
     "ReaderOptions",
     "StagingOptions",
     "Preemption",
+    "Run",
     "Encoding",
     "StagingMode",
     "StagingBuffers",
@@ -248,6 +252,29 @@ class Preemption:
         grace = self.grace_seconds
         if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not (0 < grace < math.inf):
             raise ConfigError(f"Preemption.grace_seconds must be a number of seconds > 0, got {grace!r}")
+
+
+@dataclass(frozen=True)
+class Run:
+    """The run a :class:`~tierstore.CheckpointManager` belongs to (``CheckpointManager(run=)``;
+    ``run="name"`` is ``Run("name")``). docs/operations.md, "Runs", has the rules.
+
+    Args:
+        name: recorded in every manifest the manager saves (``CheckpointInfo.run``): 1 to 128
+            printable characters, no ``/``, no space at either end. Its ``load_latest`` resumes
+            only checkpoints recorded with this name; ``load(step=)`` and ``load(name=)``
+            load another run's, with a warning.
+        strict: a store holding checkpoints of another run (or of none named) is a
+            :class:`~tierstore.errors.ConfigError` when the manager is built, or at its first
+            ``load_latest`` for those only the cold tier holds, instead of a warning.
+    """
+
+    name: str
+    strict: bool = False
+
+    def __post_init__(self) -> None:
+        check_run(self.name, what="name", source="Run", error=ConfigError)
+        check_bool("Run", "strict", self.strict)
 
 
 def fold(

@@ -16,7 +16,7 @@ from launch import run_job
 from torch.distributed.checkpoint.api import CheckpointException
 
 from tierstore import CheckpointManager, ReaderOptions, Retention, TieredReader
-from tierstore.errors import CheckpointNotFound, ChecksumMismatch, InvalidManifest
+from tierstore.errors import CheckpointNotFound, ChecksumMismatch, ConfigError, InvalidManifest
 from tierstore.format import layout
 
 DAMAGES = {
@@ -142,8 +142,9 @@ def test_manager_raises_when_nothing_loads_and_on_other_failures(hot_dir: str, c
         CheckpointManager(good, retention=Retention(hot_min_free=None)) as manager,
         caplog.at_level(logging.WARNING, logger="tierstore"),
     ):
-        with pytest.raises(CheckpointException, match="Missing key"):  # the caller's mistake
+        with pytest.raises(ConfigError, match="Missing key") as mistake:  # the caller's mistake
             manager.load_latest({**blank(), "other": torch.zeros(1)})
+        assert isinstance(mistake.value.__cause__, CheckpointException)  # DCP's, chained
     assert "is damaged" not in caplog.text  # not retried with an older checkpoint
 
 

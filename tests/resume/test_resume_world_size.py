@@ -62,7 +62,7 @@ def test_the_same_world_size_keeps_every_key_required(tmp_path: Path) -> None:
     import torch
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from tierstore import CheckpointManager, TrainingState
+    from tierstore import CheckpointManager, ConfigError, TrainingState
 
     hot = str(tmp_path / "hot")
     manager = CheckpointManager(hot, save_every=1)
@@ -70,11 +70,13 @@ def test_the_same_world_size_keeps_every_key_required(tmp_path: Path) -> None:
     manager.wait()
     extra = TrainingState(torch.nn.Linear(2, 2), extra={"rng": _PerRankExtra()})
     # A per-rank key the checkpoint lacks at its own world size is a real mismatch: DCP's
-    # error stands (the default planner is lenient only when the world size changed).
+    # error stands, named with the checkpoint (the default planner is lenient only when the
+    # world size changed).
     with pytest.raises(
-        CheckpointException, match=r"Missing key in checkpoint state_dict: train\.extra\.rng\.rank9"
-    ):
+        ConfigError, match=r"Missing key in checkpoint state_dict: train\.extra\.rng\.rank9"
+    ) as mismatch:
         manager.load_latest({"train": extra})
+    assert isinstance(mismatch.value.__cause__, CheckpointException)  # DCP's error, chained
     plain = TrainingState(torch.nn.Linear(2, 2))
     assert manager.load_latest({"train": plain}) == 3 and plain.step == 3
     manager.close()

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tierstore import _dist
 from tierstore.format import layout
 from tierstore.tiers import runlock
 from tierstore.tiers.leases import store_time
@@ -53,8 +54,8 @@ class Job:
         script = tmp / "job.py"
         script.write_text(JOB)
         env = {**os.environ, runlock._TTL_ENV: str(ttl)}
-        env.pop("SLURM_JOB_ID", None)
-        env.pop("TORCHELASTIC_RUN_ID", None)
+        for variable in _dist._JOB_VARIABLES:  # the job is labelled by its command, job.py
+            env.pop(variable[0], None)
         with open(self.err_path, "w") as err:
             self.proc = subprocess.Popen(
                 [*prefix, sys.executable, str(script), str(hot), str(first)],

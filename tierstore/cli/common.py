@@ -23,6 +23,8 @@ __all__ = [
     "options_of",
     "age_text",
     "metrics_text",
+    "run_text",
+    "structure_text",
     "say_unreachable",
     "require_named",
     "require_picked",
@@ -53,6 +55,19 @@ def options_of(pairs: list[str] | None) -> dict[str, Any]:
         except json.JSONDecodeError:
             options[key] = value
     return options
+
+
+def run_text(run: str | None, job: str | None) -> str:
+    """A checkpoint's run in a table: its name; ``(job)`` when none was named, the
+    scheduler's id of the job that saved it (display only); ``-`` when neither is recorded."""
+    if run is not None:
+        return run
+    return f"({job})" if job is not None else "-"
+
+
+def structure_text(fingerprint: str | None) -> str:
+    """A structure fingerprint in a table: its first 8 hex digits (``-``: not recorded)."""
+    return fingerprint.removeprefix("sha256:")[:8] if fingerprint is not None else "-"
 
 
 def age_text(seconds: float) -> str:

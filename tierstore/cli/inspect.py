@@ -14,9 +14,11 @@ from tierstore.cli.common import (
     print_quarantined,
     quarantine_rows,
     require_picked,
+    run_text,
     say_unreachable,
     status_json,
     store_of,
+    structure_text,
 )
 from tierstore.cli.parser import EXIT_ERROR, EXIT_OK
 from tierstore.errors import CheckpointNotFound
@@ -57,16 +59,24 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print("no committed checkpoints")
     else:
         measured = any(i.metrics for i in infos)  # the column only when a save recorded some
+        # Likewise the run (a name, or the job that saved) and the structure's fingerprint.
+        runs = [run_text(i.run, i.job) for i in infos] if any(i.run or i.job for i in infos) else []
+        run_width = max((len(r) for r in runs), default=0) + 2
+        shaped = any(i.fingerprint for i in infos)
         print(
             f"{'name':<24}{'step':>10}{'size':>12}{'files':>7}{'age':>10}  {'tiers':<10}"
+            + (f"{'run':<{run_width}}" if runs else "")
+            + (f"{'structure':<11}" if shaped else "")
             + (f"{'migration':<12}metrics" if measured else "migration")
         )
-        for i, row in zip(infos, rows):
+        for n, (i, row) in enumerate(zip(infos, rows)):
             step = "-" if i.step is None else str(i.step)
             age = age_text(row["age_seconds"])
             print(
                 f"{i.name:<24}{step:>10}{size_text(i.size):>12}{i.num_files:>7}{age:>10}  "
                 f"{','.join(i.tiers):<10}"
+                + (f"{runs[n]:<{run_width}}" if runs else "")
+                + (f"{structure_text(i.fingerprint):<11}" if shaped else "")
                 + (
                     f"{row['migration']:<12}{metrics_text(i.metrics)}".rstrip()
                     if measured
@@ -119,6 +129,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         body = json.loads(manifest.to_json())
         body.setdefault("files", [f.to_dict() for f in manifest.files])  # a root lists parts only
         body.setdefault("metrics", {})  # as `ls --json` has it
+        for key in ("run", "job", "fingerprint"):
+            body.setdefault(key, None)
         body["tiers"] = [t.role for t in holders]
         print(json.dumps(body, indent=1))
         return EXIT_OK
@@ -135,6 +147,12 @@ def _print_manifest(manifest: Manifest, holders: list[Tier]) -> None:
     )
     if manifest.metrics:
         print(f"metrics: {metrics_text(manifest.metrics)}")
+    job = f"  job: {manifest.job}" if manifest.job is not None else ""
+    if manifest.run is not None:
+        print(f"run: {manifest.run} (named){job}")
+    else:
+        print(f"run: none named{job}" if job else "run: none recorded")
+    print(f"structure: {manifest.fingerprint or 'not recorded'}")
     print(f"data: {layout.attempt_prefix(manifest.name, manifest.attempt)}")
     for f in manifest.files:
         print(f"  rank {f.rank:>4}  {f.path:<24}{size_text(f.size):>12}  crc32c {f.crc32c:08x}")

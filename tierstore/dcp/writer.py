@@ -34,6 +34,7 @@ the checks each step makes; the dcp-encoded file layout is :mod:`tierstore.dcp.d
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import pickle
 import time
@@ -49,9 +50,10 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
+from tierstore import _dist
 from tierstore._redact import redact_url
 from tierstore._version import producer
-from tierstore.dcp import dcp_args, dcp_files
+from tierstore.dcp import dcp_args, dcp_files, structure
 from tierstore.errors import CheckpointExists, ConfigError, NoSpaceLeft
 from tierstore.format import encoding as raw
 from tierstore.format import layout
@@ -67,6 +69,8 @@ if TYPE_CHECKING:
     from typing import Unpack  # Python 3.11; the annotations are never evaluated
 
 __all__ = ["TieredWriter", "store_to_save"]
+
+log = logging.getLogger(__name__)
 
 _DCP_FORMAT_VERSION = "1.0.0"  # what FileSystemWriter stamps; keeps attempts plain DCP
 MAX_FILES_PER_DIR = 4096  # hot directories larger than this slow down create, list, delete
@@ -141,6 +145,11 @@ class TieredWriter(StorageWriter):
             ``None`` (the default): as a ``Store`` given as ``hot`` says, else ``False``.
         migration: how this process migrates to the cold tier (the first writer's wins).
         metrics: numbers recorded in the manifest (``CheckpointInfo.metrics``, ``keep_best``).
+        run: the name of the run this save belongs to, recorded in the manifest as ``run``
+            (1-128 printable characters, no ``/``); ``CheckpointManager(run=)`` resumes only
+            checkpoints of its run. ``None`` (the default): no run is named. Either way the
+            scheduler's id of the job (torchrun's ``TORCHELASTIC_RUN_ID``, else
+            ``SLURM_JOB_ID``, ``PBS_JOBID``, ``LSB_JOBID``) is recorded as ``job``, for display.
         options: how the checkpoint is written (:class:`~tierstore.WriterOptions`: threads,
             encoding, manifest parts, files per directory).
         **filesystem_writer_args: ``FileSystemWriter``'s arguments (``thread_count``,
@@ -169,6 +178,7 @@ class TieredWriter(StorageWriter):
         migration: MigrationConfig | None = None,
         metrics: Mapping[str, float] | None = None,
         options: WriterOptions | None = None,
+        run: str | None = None,
         **filesystem_writer_args: Unpack[dcp_args.FileSystemWriterArgs],
     ) -> None:
         super().__init__()
@@ -195,6 +205,10 @@ class TieredWriter(StorageWriter):
         self.encoding: str = self.options.resolved_encoding
         self.extensions = tuple(self.options.extensions)
         self.metrics = fmt.check_metrics(metrics, source="metrics", error=ConfigError) if metrics else {}
+        self.run = (
+            None if run is None else fmt.check_run(run, what="run", source="TieredWriter", error=ConfigError)
+        )
+        self.job = _recorded_job()
         self.manifest_part_ranks = _setting(
             self.options.manifest_part_ranks,
             "TIERSTORE_MANIFEST_PART_RANKS",
@@ -376,6 +390,9 @@ class TieredWriter(StorageWriter):
             encoding=self.encoding,
             part_ranks=self.manifest_part_ranks,
             metrics=self.metrics,
+            run=self.run,
+            job=self.job,
+            fingerprint=_fingerprint(metadata),
         )
         faults.point("writer.before_manifest_publish")
         self.hot.publish_manifest(manifest)  # COMMIT POINT (hot tier)
@@ -412,6 +429,26 @@ class TieredWriter(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return layout.is_name(checkpoint_id)
+
+
+def _recorded_job() -> str | None:
+    """The scheduler's id of this job as a manifest may hold it; one it may not (a torchrun
+    run id of 200 characters, one with a ``/``) is left out, not a reason to fail a save."""
+    job = _dist.job_id()
+    if job is not None and not fmt.is_run_text(job):
+        log.debug("not recording the job id %r in manifests: not a short printable label", job[:200])
+        return None
+    return job
+
+
+def _fingerprint(metadata: Metadata) -> str | None:
+    """The structure's fingerprint for the manifest; a metadata it cannot describe (a DCP of
+    the future) leaves it out, never fails the commit."""
+    try:
+        return structure.of_metadata(metadata)
+    except Exception:
+        log.warning("not recording the state's structure fingerprint in the manifest", exc_info=True)
+        return None
 
 
 def _write_file(

@@ -15,6 +15,9 @@ manifest writes it only when it is not "dcp", the format of every checkpoint wri
 the field existed, so a dcp-encoded checkpoint's manifest stays readable by older versions.
 ``metrics`` (validation scores a save was given, for ``keep_best``) is likewise written only
 when there are some, so a manifest without metrics is byte for byte what it was before.
+``run`` (the run a save was named for), ``job`` (the scheduler's id of the job that saved, for
+display) and ``fingerprint`` (of the saved state's structure) are written when known; a
+manifest without them says nothing of its run or structure (docs/operations.md, "Runs").
 """
 
 from __future__ import annotations
@@ -129,10 +132,18 @@ class Manifest:
         *,
         part_ranks: int = PART_RANKS,
         metrics: Mapping[str, float] | None = None,
+        run: str | None = None,
+        job: str | None = None,
+        fingerprint: str | None = None,
     ) -> None:
         if not (isinstance(part_ranks, int) and part_ranks >= 1):
             raise ConfigError(f"part_ranks must be a positive int, got {part_ranks!r}")
         checked = fmt.check_metrics(metrics, source="new manifest", error=ConfigError) if metrics else {}
+        for what, value in (("run", run), ("job", job)):
+            if value is not None:
+                fmt.check_run(value, what=what, source="new manifest", error=ConfigError)
+        if fingerprint is not None:
+            fmt.check_fingerprint(fingerprint, source="new manifest", error=ConfigError)
         files = tuple(files)
         fields: dict[str, Any] = dict(
             name=name,
@@ -146,6 +157,9 @@ class Manifest:
             metrics=tuple(sorted(checked.items())),
             total_size=sum(f.size for f in files),
             num_files=len(files),
+            run=run,
+            job=job,
+            fingerprint=fingerprint,
         )
         if len({f.rank for f in files}) <= part_ranks:
             self._bind(ManifestRoot(version=fmt.FLAT_VERSION, files=files, **fields))
@@ -212,6 +226,9 @@ class Manifest:
     version: _OfRoot[int] = _OfRoot()
     total_size: _OfRoot[int] = _OfRoot()
     num_files: _OfRoot[int] = _OfRoot()
+    run: _OfRoot[str | None] = _OfRoot()  # the run named for the save; None: none named
+    job: _OfRoot[str | None] = _OfRoot()  # the scheduler's id of the job that saved
+    fingerprint: _OfRoot[str | None] = _OfRoot()  # of the saved structure (format.md)
 
     @property
     def metrics(self) -> dict[str, float]:
@@ -329,6 +346,9 @@ class Manifest:
             encoding=body.get("encoding", "dcp"),
             metrics=tuple(sorted((k, float(v)) for k, v in body.get("metrics", {}).items())),
             version=body["version"],
+            run=body.get("run"),
+            job=body.get("job"),
+            fingerprint=body.get("fingerprint"),
         )
         if body["version"] == fmt.VERSION:
             root = ManifestRoot(

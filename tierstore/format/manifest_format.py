@@ -40,10 +40,15 @@ __all__ = [
     "PART_RANKS",
     "MAX_METRICS",
     "MAX_STEP",
+    "MAX_RUN",
     "FileEntry",
     "PartRef",
     "check_relpath",
     "check_metrics",
+    "check_run",
+    "is_run_text",
+    "check_fingerprint",
+    "structure_fingerprint",
     "flat_body",
     "root_body",
     "part_body",
@@ -70,6 +75,7 @@ MAX_FILE_SIZE = 1 << 50  # 1 PiB: anything larger is a forged or corrupt entry
 MAX_WORLD_SIZE = 1 << 20
 MAX_METRICS = 64  # metrics per checkpoint: a few scores, never a log
 MAX_STEP = 1 << 62  # the largest step a manifest records (TieredWriter refuses more up front)
+MAX_RUN = 128  # characters of a run name or a job id: a label, never a log
 _CRC_MAX = (1 << 32) - 1
 _PATH = re.compile(r"[A-Za-z0-9_.-]{1,255}(/[A-Za-z0-9_.-]{1,255}){0,7}")
 _SHA256 = re.compile(r"sha256:[0-9a-f]{64}")
@@ -78,8 +84,11 @@ _HEADER = {"format", "version", "name", "step", "attempt", "world_size", "create
 _FLAT_KEYS = _HEADER | {"metadata_file", "files"}
 _ROOT_KEYS = _HEADER | {"encoding", "metadata", "total_size", "file_count", "parts"}
 _PART_KEYS = {"format", "version", "name", "attempt", "index", "first_rank", "last_rank", "files"}
-_OPTIONAL_KEYS = {"encoding", "metrics"}  # flat form; absent means "dcp" and no metrics
-_ROOT_OPTIONAL_KEYS = {"metrics"}
+# Absent means: "dcp"; no metrics; no run named, no job known, structure unknown (written
+# before these existed, or nothing to record).
+_RUN_KEYS = {"run", "job", "fingerprint"}
+_OPTIONAL_KEYS = {"encoding", "metrics"} | _RUN_KEYS  # flat form
+_ROOT_OPTIONAL_KEYS = {"metrics"} | _RUN_KEYS
 _FILE_KEYS = {"path", "size", "crc32c", "rank"}
 _REF_KEYS = {"path", "first_rank", "last_rank", "files", "size", "sha256"}
 _ENCODINGS = ("dcp", "raw")  # tierstore.format.encoding.ENCODINGS; "dcp" when absent
@@ -113,6 +122,53 @@ def check_metrics(metrics: object, *, source: str, error: type[Exception]) -> di
         )
         need(_finite(value), f"metric {name!r} is {_short(value)}, not a finite number")
     return {name: float(value) for name, value in metrics.items()}
+
+
+def is_run_text(value: object) -> bool:
+    """Whether ``value`` is what a manifest may hold as a ``run`` or ``job``: a string of 1 to
+    :data:`MAX_RUN` printable characters (no control character), no ``/`` (it reads as a
+    path), and no space at either end (``"a "`` and ``"a"`` would be two runs that print alike)."""
+    return (
+        isinstance(value, str)
+        and 0 < len(value) <= MAX_RUN
+        and value.isprintable()
+        and "/" not in value
+        and value == value.strip()
+    )
+
+
+def check_run(value: object, *, what: str, source: str, error: type[Exception]) -> str:
+    """``value`` if :func:`is_run_text`; else ``error(f"{source}: ...")`` naming ``what``."""
+    if not is_run_text(value):
+        raise error(
+            f"{source}: {what} {_short(value)} is not a run name: 1 to {MAX_RUN} printable "
+            "characters, no '/' and no space at either end"
+        )
+    assert isinstance(value, str)
+    return value
+
+
+def check_fingerprint(value: object, *, source: str, error: type[Exception]) -> str:
+    """A structure fingerprint as :func:`structure_fingerprint` writes it, else ``error``."""
+    if not (isinstance(value, str) and _SHA256.fullmatch(value)):
+        raise error(f"{source}: fingerprint {_short(value)} is not 'sha256:' and 64 lowercase hex digits")
+    return value
+
+
+def structure_fingerprint(items: Iterable[tuple[str, str | None, Sequence[int] | None]]) -> str:
+    """The fingerprint of a saved state's structure (docs/format.md): ``items`` are
+    ``(key, dtype, shape)`` for each key of DCP's global metadata, ``dtype`` a torch dtype's
+    name without ``torch.`` (``"float32"``) and ``shape`` the global shape of a tensor, both
+    ``None`` for bytes and objects. The SHA-256 of the canonical JSON of the sorted list of
+    ``[key, "tensor", dtype, shape]`` and ``[key, "bytes"]``: the same structure always gives
+    the same fingerprint, whatever the values and however tensors are sharded (keys of each
+    rank's own, such as a ``TrainingState``'s RNG states, make it differ by world size)."""
+    canonical = sorted(
+        [key, "bytes"] if dtype is None else [key, "tensor", dtype, [int(n) for n in shape or ()]]
+        for key, dtype, shape in items
+    )
+    text = json.dumps(canonical, separators=(",", ":"), ensure_ascii=True)
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
 
 def _finite(value: object) -> bool:
@@ -314,6 +370,18 @@ def _check_header(body: Mapping[str, Any], need: Need) -> None:
             check_metrics(body["metrics"], source="metrics", error=ValueError)
         except ValueError as err:
             need(False, str(err))
+    for key in ("run", "job"):
+        if key in body:
+            need(
+                is_run_text(body[key]),
+                f"{key} {_short(body[key])} is not 1 to {MAX_RUN} printable characters without "
+                "'/' or a space at either end",
+            )
+    if "fingerprint" in body:
+        need(
+            isinstance(body["fingerprint"], str) and bool(_SHA256.fullmatch(body["fingerprint"])),
+            f"fingerprint {_short(body['fingerprint'])} is not 'sha256:' and 64 lowercase hex digits",
+        )
 
 
 def _check_entry(entry: object, lo: int, hi: int, seen: set[str], need: Need) -> FileEntry:
@@ -460,9 +528,11 @@ def _entry_bytes(path_len: int, indent: bool) -> int:
     return len(json.dumps([worst], indent=1 if indent else None, separators=None if indent else (",", ":")))
 
 
-# Header, metadata entry, checksum and producer (< 1 KiB each), and the most metrics (a line
-# of under 128 bytes each).
-_HEADER_BYTES = 4096 + MAX_METRICS * 128
+# Header, metadata entry, checksum and producer (< 1 KiB each), the most metrics (a line of
+# under 128 bytes each), and run and job (each at most MAX_RUN characters, 12 bytes apiece
+# as JSON escapes an astral character, plus its key) and the fingerprint (< 128 bytes).
+_RUN_BYTES = len(json.dumps("\U0010ffff" * MAX_RUN)) + 32
+_HEADER_BYTES = 4096 + MAX_METRICS * 128 + 2 * _RUN_BYTES + 128
 
 
 def check_plan(name: str, files_per_rank: Sequence[int], *, part_ranks: int, path_len: int) -> int:

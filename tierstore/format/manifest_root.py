@@ -49,8 +49,12 @@ class ManifestRoot:
     files: tuple[FileEntry, ...] | None = None  # flat only
     metadata: FileEntry | None = None  # two-level only
     parts: tuple[PartRef, ...] = ()
+    run: str | None = None  # the run the save was named for; None: none named
+    job: str | None = None  # the scheduler's id of the job that saved; None: none known
+    fingerprint: str | None = None  # of the saved state's structure; None: not recorded
 
     def header(self) -> dict[str, Any]:
+        optional = {"run": self.run, "job": self.job, "fingerprint": self.fingerprint}
         return {
             "name": self.name,
             "step": self.step,
@@ -59,6 +63,7 @@ class ManifestRoot:
             "created": self.created,
             "producer": self.producer,
             **({"metrics": dict(self.metrics)} if self.metrics else {}),
+            **{key: value for key, value in optional.items() if value is not None},
         }
 
 

@@ -14,7 +14,7 @@ from tierstore.errors import SaveFailed
 from tierstore.lifecycle.prune import PruneReport
 from tierstore.lifecycle.retention import Retention
 from tierstore.lifecycle.rounds import BackgroundRounds
-from tierstore.options import StagingOptions, WriterOptions
+from tierstore.options import Run, StagingOptions, WriterOptions
 from tierstore.staging import ReusedStaging
 from tierstore.tiers import runlock
 from tierstore.tiers.migrator import (
@@ -25,7 +25,13 @@ from tierstore.tiers.tier import Store, Tier
 from tierstore.tiers.workers import active_migrators
 
 if TYPE_CHECKING:
-    pass
+    from collections.abc import Sequence
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from tierstore.dcp.reader import TieredReader
+    from tierstore.format.manifest import Manifest
+    from tierstore.tiers.catalog import CheckpointInfo
 
 __all__ = ["Base"]
 
@@ -67,6 +73,8 @@ class Base:
     _last_saved_step: int | None
     _prune_errors: list[str]
     _run_lock: runlock.RunLock | None
+    run: Run | None  # the run it saves and resumes (tierstore.manager.runs)
+    _runs_reported: set[str]  # the other runs already named in a warning
 
     if TYPE_CHECKING:  # what one part calls of another (each defined once, in its module)
 
@@ -90,6 +98,11 @@ class Base:
         def preempted(self) -> bool: ...
         def prune(self) -> list[PruneReport]: ...
         def wait(self, *, migrations: bool = True, timeout: float | None = None) -> None: ...
+        def _resumable(self, listed: Sequence[CheckpointInfo], step: int | None) -> list[CheckpointInfo]: ...
+        def _loaded(self, manifest: Manifest) -> None: ...
+        def _raise_if_mismatched(
+            self, err: CheckpointException, reader: TieredReader, planner: Any, name: str
+        ) -> None: ...
 
     @property
     def _resumes_pending(self) -> bool:

@@ -25,8 +25,9 @@ from tierstore.manager.legacy import LegacyManagerArgs
 from tierstore.manager.loading import Loading
 from tierstore.manager.maintenance import Maintenance
 from tierstore.manager.preemption import Preempting
+from tierstore.manager.runs import Runs, run_of
 from tierstore.manager.saving import Saving
-from tierstore.options import Preemption, StagingOptions, WriterOptions
+from tierstore.options import Preemption, Run, StagingOptions, WriterOptions
 from tierstore.staging import ReusedStaging
 from tierstore.tiers import runlock
 from tierstore.tiers.migrator import (
@@ -46,7 +47,7 @@ Cadence = Callable[[int], bool]
 DEFAULT_CLOSE_TIMEOUT = 300.0  # seconds close() waits for migrations, in all
 
 
-class CheckpointManager(Saving, Maintenance, Loading, Ending, Preempting):
+class CheckpointManager(Runs, Saving, Maintenance, Loading, Ending, Preempting):
     """Save every ``save_every`` steps, resume from the newest checkpoint, keep tiers pruned.
 
     Args:
@@ -74,6 +75,9 @@ class CheckpointManager(Saving, Maintenance, Loading, Ending, Preempting):
             period; ``False``: off). The next ``save()`` after the signal saves that step on
             every rank and pushes it to the cold tier within the grace period; then
             :attr:`preempted` is ``True`` (:mod:`tierstore.manager.preemption`).
+        run: the run it saves for and resumes: a name (``Run(name)``) or a
+            :class:`~tierstore.Run`; ``load_latest`` then resumes only that run's checkpoints
+            (:mod:`tierstore.manager.runs`). ``None`` (default): the newest, whoever saved it.
         **legacy: the keywords these options replaced (``hot_policy``, ``cold_policy``,
             ``hot_min_free``, ``async_save``, ``async_mode``, ``overlap_staging``,
             ``writer_options``, and ``staging`` as a string), accepted
@@ -100,9 +104,11 @@ class CheckpointManager(Saving, Maintenance, Loading, Ending, Preempting):
         staging: StagingOptions | None = None,
         close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
         preemption: Preemption | bool = True,
+        run: str | Run | None = None,
         **legacy: Unpack[LegacyManagerArgs],
     ) -> None:
         legacy_args.check_names(legacy)
+        self.run = run_of(run)
         self.retention = legacy_args.retention(retention, legacy)
         self.staging = legacy_args.staging_options(staging, legacy)
         self.writer, self._overwrite = legacy_args.writer_options(writer, legacy)
@@ -132,6 +138,7 @@ class CheckpointManager(Saving, Maintenance, Loading, Ending, Preempting):
         self.rank = _dist.rank_world()[0]
         self._owns_group = process_group is None and self.distributed
         self.group = dist.new_group(backend="gloo") if self._owns_group else process_group
+        self._check_runs()  # another run's checkpoints in the hot tier: warned about, once
         self._pending: Future[None] | None = None  # settles once the save is recorded
         self._rounds = BackgroundRounds(
             lambda full: self._maintain(prune=full), name="tierstore-prune", on_error=self._round_failed

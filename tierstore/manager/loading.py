@@ -1,5 +1,6 @@
 """Loading: the newest checkpoint that loads verified, falling back past damaged ones (which
-are quarantined: docs/design.md invariant 21), under the world size it was saved by or another."""
+are quarantined: docs/design.md invariant 21), under the world size it was saved by or another;
+with a run name, among that run's checkpoints only (:mod:`tierstore.manager.runs`)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from tierstore.errors import ConfigError, TierstoreError
 from tierstore.format.manifest import Manifest
 from tierstore.lifecycle.quarantine import quarantine
 from tierstore.manager.base import Base
+from tierstore.manager.runs import ours
 from tierstore.options import ReaderOptions
 from tierstore.resume.state import ResumePlanner, is_per_rank_key
 from tierstore.tiers.catalog import list_checkpoints
@@ -36,8 +38,9 @@ class Loading(Base):
     """Loading of :class:`~tierstore.manager.CheckpointManager` (module docstring)."""
 
     def steps(self) -> list[int]:
+        """The steps of the store's checkpoints, oldest first; with a run name, of its own only."""
         found = list_checkpoints(self.catalog)
-        return [c.step for c in found if c.step is not None]
+        return [c.step for c in found if c.step is not None and ours(c, self.run)]
 
     def load_latest(self, state: dict[str, Any], *, planner: Any = None) -> int | None:
         """Load the newest checkpoint that loads verified into ``state``; its step, or ``None``
@@ -50,8 +53,14 @@ class Loading(Base):
         shard included), in every tier holding it. DCP hands every rank each rank's read
         errors, so all ranks agree to move on, and the coordinator picks the next name. The
         failed attempt may have copied some items into ``state``; the retry overwrites them.
-        Any other failure raises at once (a state dict that does not match the checkpoint, a
-        tier that cannot be reached); so does the newest checkpoint's error if none loads.
+        Any other failure raises at once (a tier that cannot be reached; a state dict that
+        does not match the checkpoint, as a :class:`~tierstore.errors.ConfigError` naming the
+        checkpoint, its step, run and world size); so does the newest checkpoint's error if
+        none loads.
+
+        With a run name (``CheckpointManager(run=)``), only checkpoints whose manifest names
+        that run are candidates: another run's, and those of no named run, are passed over
+        (named once in a warning; ``Run(strict=True)``: a ``ConfigError``).
 
         ``planner`` is DCP's load planner; by default DCP's own, or, when the checkpoint was
         saved by another world size, :class:`~tierstore.resume.state.ResumePlanner` (see
@@ -66,7 +75,8 @@ class Loading(Base):
 
         With ``name``, exactly that checkpoint: if it is damaged the error raises. Without,
         the newest checkpoint (of ``step``, if given) that loads verified, skipping damaged
-        ones as :meth:`load_latest` does.
+        ones as :meth:`load_latest` does. A ``name`` or ``step`` loads another run's
+        checkpoint too (with a warning naming both runs); ``step`` prefers this run's own.
 
         Under a world size other than the checkpoint's, without a ``planner``, the load goes
         through :class:`~tierstore.resume.state.ResumePlanner`: per-rank keys the checkpoint
@@ -97,15 +107,12 @@ class Loading(Base):
                 process_group=self.group,
             )
             world = dist.get_world_size(self.group) if self.distributed else 1
+            used = planner if planner is not None else _default_planner(reader, world)
             try:
-                dcp_load(
-                    state,
-                    storage_reader=reader,
-                    process_group=self.group,
-                    planner=planner if planner is not None else _default_planner(reader, world),
-                )
+                dcp_load(state, storage_reader=reader, process_group=self.group, planner=used)
             except CheckpointException as err:  # the same on every rank: DCP gathers failures
                 _raise_if_resized(err, reader, world, chosen)
+                self._raise_if_mismatched(err, reader, used, chosen)
                 if name is not None or not is_damage(err):
                     raise
                 damaged.append(err)
@@ -126,6 +133,7 @@ class Loading(Base):
             assert reader.manifest is not None
             if coordinator:
                 self._quarantine(set_aside, loaded=reader.manifest.name)
+                self._loaded(reader.manifest)
             return reader.manifest.step
         if damaged:  # nothing loads: kept as they are, for a person to look at (loudly)
             raise damaged[0]
@@ -133,14 +141,13 @@ class Loading(Base):
 
     def _candidates(self, step: int | None, coordinator: bool) -> list[str]:
         """The checkpoints to try, newest first, known to the coordinator (others get an
-        empty list); its listing's error reaches every rank, so none waits for ever on a
-        coordinator that gave up (node-local with the cold tier down)."""
+        empty list): with a run name, its own (:meth:`_resumable`). Its listing's error (or
+        ``Run(strict=True)``'s) reaches every rank, so none waits for ever on a coordinator
+        that gave up (node-local with the cold tier down)."""
         found: Any = None
         if coordinator:
             try:
-                found = [
-                    c.name for c in reversed(list_checkpoints(self.catalog)) if step is None or c.step == step
-                ]
+                found = [c.name for c in reversed(self._resumable(list_checkpoints(self.catalog), step))]
             except Exception as err:  # raised below on every rank alike
                 found = err
         if self.distributed:

@@ -102,6 +102,7 @@ class Saving(Base):
             migration=self.migration,
             node_local=self.node_local,
             metrics=metrics,
+            run=self.run.name if self.run is not None else None,
             options=self.writer,
             overwrite=self._overwrite,
         )

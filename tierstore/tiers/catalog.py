@@ -35,6 +35,12 @@ class CheckpointInfo:
     tiers: tuple[str, ...]
     # The metrics its save recorded ({} when none). Not hashed: a dict is not hashable.
     metrics: dict[str, float] = field(default_factory=dict, hash=False)
+    # The run it was saved for, when one was named (CheckpointManager(run=), TieredWriter(run=)).
+    run: str | None = None
+    # The scheduler's id of the job that saved it ("slurm job 4242"), for display only.
+    job: str | None = None
+    # The fingerprint of the saved state's structure (docs/format.md); None: not recorded.
+    fingerprint: str | None = None
 
     @classmethod
     def of(cls, manifest: Manifest, tiers: Iterable[str]) -> CheckpointInfo:
@@ -48,6 +54,9 @@ class CheckpointInfo:
             num_files=manifest.num_files,
             tiers=tuple(tiers),
             metrics=manifest.metrics,
+            run=manifest.run,
+            job=manifest.job,
+            fingerprint=manifest.fingerprint,
         )
 
 

@@ -44,6 +44,7 @@ import uuid
 import weakref
 from dataclasses import asdict, dataclass
 
+from tierstore import _dist
 from tierstore.errors import ConfigError, ObjectNotFound, TierstoreError
 from tierstore.format import layout
 from tierstore.storage.backend import ObjectInfo
@@ -282,10 +283,11 @@ def _ttl(value: float | None) -> float:
 
 
 def _job_label() -> str:
-    for var, what in (("SLURM_JOB_ID", "slurm job"), ("TORCHELASTIC_RUN_ID", "torchrun run")):
-        value = os.environ.get(var, "")
-        if value and value != "none":
-            return f"{what} {value}"
+    """The scheduler's name of this job (the one a manifest records as its ``job``), else the
+    command."""
+    job = _dist.job_id()
+    if job is not None:
+        return job
     return os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
 
 
