@@ -145,6 +145,7 @@ def test_manager_raises_when_nothing_loads_and_on_other_failures(hot_dir: str, c
         with pytest.raises(ConfigError, match="Missing key") as mistake:  # the caller's mistake
             manager.load_latest({**blank(), "other": torch.zeros(1)})
         assert isinstance(mistake.value.__cause__, CheckpointException)  # DCP's, chained
+        assert isinstance(mistake.value, CheckpointException)  # what callers caught before
     assert "is damaged" not in caplog.text  # not retried with an older checkpoint
 
 

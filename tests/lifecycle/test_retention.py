@@ -17,6 +17,7 @@ from tierstore.lifecycle.retention import (
     keep_none,
     keep_steps,
     keep_within,
+    within_run,
 )
 
 
@@ -33,6 +34,21 @@ def ckpts(*steps: int) -> list[Ckpt]:
 
 def names(found) -> set[int]:
     return {int(n.split("-")[1]) for n in found}
+
+
+@dataclass(frozen=True)
+class RunCkpt(Ckpt):
+    run: str | None = None
+
+
+def test_within_run_counts_and_prunes_only_that_runs_checkpoints() -> None:
+    mine = [RunCkpt(f"step-{s:010d}", s, 1000.0 + s, "B") for s in (11, 12, 13)]
+    others = [RunCkpt(f"step-{s:010d}", s, 1000.0 + s, run) for s, run in ((1, "A"), (2, None), (20, "A"))]
+    plain = Ckpt("step-0000000030", 30, 1030.0)  # a checkpoint type without a run
+    everything = [*others, *mine, plain]
+    assert names(within_run("B", keep_last(1)).keep(everything, now=0)) == {1, 2, 20, 30, 13}
+    assert names(within_run("B", keep_none()).keep(everything, now=0)) == {1, 2, 20, 30}
+    assert names(keep_last(1).keep(everything, now=0)) == {30}  # unscoped: every run's counts
 
 
 def test_basic_policies() -> None:

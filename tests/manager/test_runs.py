@@ -48,6 +48,7 @@ from tierstore import (
 from tierstore.errors import ConfigError, MigrationFailed
 from tierstore.format import layout
 from tierstore.retry import RetryPolicy
+from tierstore.storage.local import LocalBackend
 from tierstore.tiers.migrator import MigrationConfig
 from tierstore.tiers.tier import Tier
 
@@ -236,6 +237,45 @@ def test_two_runs_with_a_cold_tier(tmp_path: Path, caplog: pytest.LogCaptureFixt
     assert "run 'A'" in warning and "run 'B'" in warning
     with manager(hot, cold) as unnamed:
         assert unnamed.load_latest(state(0)) == 5
+
+
+def test_a_named_runs_retention_never_prunes_another_runs_checkpoints(tmp_path: Path) -> None:
+    hot, cold = str(tmp_path / "hot"), str(tmp_path / "cold")
+    run_a(hot, cold, run="A")  # steps 1-5, all kept
+    tight = Retention(hot=keep_last(1), cold=keep_last(2))
+    run_a(hot, cold, steps=range(11, 15), run="B", retention=tight)
+    # B's policies counted B's checkpoints alone; A's five are all still in both tiers.
+    assert [c.step for c in list_checkpoints(hot)] == [1, 2, 3, 4, 5, 14]
+    assert [c.step for c in list_checkpoints(Store(cold=cold))] == [1, 2, 3, 4, 5, 13, 14]
+    # An unnamed run is every run's, as before: its retention counts them all.
+    run_a(hot, cold, steps=range(21, 22), retention=Retention(hot=keep_last(1), cold=keep_last(100)))
+    assert [c.step for c in list_checkpoints(hot)] == [21]
+
+
+class FullDisk(LocalBackend):
+    """A local hot tier that reports 1 GiB free: below any watermark of more, every save
+    meets disk pressure."""
+
+    scheme = "full"
+
+    def __init__(self, url: str, **options: Any) -> None:
+        super().__init__(url.replace("full://", "file://", 1), **options)
+
+    def free_bytes(self) -> int | None:
+        return 1 << 30
+
+
+def test_under_disk_pressure_a_named_run_frees_only_its_own_checkpoints(
+    tmp_path: Path, registered_backend: Any
+) -> None:
+    hot = str(tmp_path / "hot")
+    run_a(hot, run="A", steps=range(1, 3))
+    registered_backend("full", FullDisk)
+    pressed = Retention(hot=keep_last(100), hot_min_free=1 << 40)
+    run_a(f"full://{hot}", steps=range(11, 14), run="B", retention=pressed)
+    # Before each save the manager freed space beyond policy, down to the newest: B's older
+    # checkpoint went (11, before the save of 13), A's stayed.
+    assert [c.step for c in list_checkpoints(hot)] == [1, 2, 12, 13]
 
 
 def test_another_runs_checkpoints_only_the_cold_tier_holds_are_named_by_the_first_load(

@@ -77,6 +77,7 @@ def test_the_same_world_size_keeps_every_key_required(tmp_path: Path) -> None:
     ) as mismatch:
         manager.load_latest({"train": extra})
     assert isinstance(mismatch.value.__cause__, CheckpointException)  # DCP's error, chained
+    assert isinstance(mismatch.value, CheckpointException)  # still caught as DCP's
     plain = TrainingState(torch.nn.Linear(2, 2))
     assert manager.load_latest({"train": plain}) == 3 and plain.step == 3
     manager.close()

@@ -39,6 +39,7 @@ __all__ = [
     "keep_none",
     "keep_steps",
     "keep_within",
+    "within_run",
 ]
 
 
@@ -174,6 +175,25 @@ class keep_none(Policy):
 
     def keep(self, checkpoints: Sequence[Checkpoint], *, now: float) -> frozenset[str]:
         return frozenset()
+
+
+@dataclass(frozen=True)
+class within_run(Policy):
+    """``policy`` over the checkpoints recorded for run ``run`` alone; every other
+    checkpoint (another run's, or one no run was named for) is kept, and not counted.
+
+    A named run's manager prunes with it: a store that also holds another run's checkpoints
+    (reported at start) never loses one of them to this run's retention.
+    """
+
+    run: str
+    policy: Policy
+
+    def keep(self, checkpoints: Sequence[Checkpoint], *, now: float) -> frozenset[str]:
+        # Checkpoint does not promise a run: a checkpoint type without one is no run's.
+        mine = [c for c in checkpoints if getattr(c, "run", None) == self.run]
+        others = frozenset(c.name for c in checkpoints) - {c.name for c in mine}
+        return others | self.policy.keep(mine, now=now)
 
 
 DEFAULT_HOT: Policy = keep_last(2)

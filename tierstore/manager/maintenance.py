@@ -12,7 +12,7 @@ from tierstore import _dist
 from tierstore.errors import TierstoreError
 from tierstore.format.manifest import Manifest, checkpoint_order
 from tierstore.lifecycle.prune import PruneReport, check_cold_copies, prune, prune_tier
-from tierstore.lifecycle.retention import keep_none
+from tierstore.lifecycle.retention import Policy, keep_none, within_run
 from tierstore.manager.base import Base
 from tierstore.tiers import marks
 from tierstore.tiers.delivery import (
@@ -108,12 +108,17 @@ class Maintenance(Base):
             return []
         return [m for m in self._hot.manifests() if m.name in pending]
 
+    def _own(self, policy: Policy) -> Policy:
+        """``policy``, over this run's checkpoints alone when the run is named (another run's
+        are never this run's to prune)."""
+        return policy if self.run is None else within_run(self.run.name, policy)
+
     def prune(self) -> list[PruneReport]:
         """Apply the retention policies now (the coordinator does this after each commit)."""
         reports = prune(
             Store.of(self.store, node_local=self.node_local),
-            hot_policy=self.retention.hot,
-            cold_policy=self.retention.cold,
+            hot_policy=self._own(self.retention.hot),
+            cold_policy=self._own(self.retention.cold),
             prune_cold=not self.node_local or self.rank == 0,
         )
         errors = [e for r in reports for e in r.errors]
@@ -154,7 +159,9 @@ class Maintenance(Base):
                     return None
                 return "no migrated mark names the cold tier"
 
-        report = prune_tier(hot, keep_none(), protect=protect, manifests=manifests, still_safe=still_safe)
+        report = prune_tier(
+            hot, self._own(keep_none()), protect=protect, manifests=manifests, still_safe=still_safe
+        )
         log.warning(
             "hot tier %s below its free-space watermark (%d bytes free, want %d): "
             "pruned %s beyond policy; kept the newest and those not known to be in "

@@ -43,12 +43,25 @@ from tierstore.options import Run
 from tierstore.tiers.catalog import CheckpointInfo, list_checkpoints
 from tierstore.tiers.tier import Store
 
-__all__ = ["Runs", "run_of", "ours", "whose"]
+__all__ = ["Runs", "StructureMismatch", "run_of", "ours", "whose"]
 
 log = logging.getLogger(__name__)
 
 # DCP's words for a state that does not fit a checkpoint (torch's default_planner.py).
 _MISMATCH = re.compile(r"Size mismatch|Missing key|Unexpected key")
+
+
+class StructureMismatch(ConfigError, CheckpointException):
+    """The state does not match the checkpoint being loaded (a state or a choice of checkpoint
+    to fix: a :class:`~tierstore.errors.ConfigError`), raised where DCP raised its
+    ``CheckpointException``, which it is too: code catching either catches it."""
+
+    def __init__(self, message: str, *, failures: Mapping[int, Any] | None = None, **context: Any) -> None:
+        ConfigError.__init__(self, message, **context)
+        self._failures = dict(failures or {})
+
+    def __str__(self) -> str:
+        return Exception.__str__(self)  # the message, not DCP's per-rank tracebacks
 
 
 def run_of(value: str | Run | None) -> Run | None:
@@ -146,8 +159,8 @@ class Runs(Base):
             "%s holds checkpoints of other runs than this manager's run %r: %s. This manager "
             "resumes only checkpoints of run %r (load_latest passes over these; load(step=...) "
             "or load(name=...) loads one of them). In one directory its saves of the steps "
-            "they hold are refused (CheckpointExists) and its retention prunes them with its "
-            "own: give each run a directory of its own",
+            "they hold are refused (CheckpointExists); its retention counts and prunes only "
+            "its own: give each run a directory of its own",
             where,
             run.name,
             _named(others),
@@ -219,9 +232,10 @@ class Runs(Base):
             hint = f" This manager is run {self.run.name!r}; the checkpoint was asked for by name or step."
         else:
             hint = " The state's structure changed since the save?"
-        raise ConfigError(
+        raise StructureMismatch(
             f"the state does not match checkpoint {manifest.name} (step {manifest.step}, "
             f"{whose(manifest)}, saved by {manifest.world_size} rank"
             f"{'s' if manifest.world_size > 1 else ''}): {str(cause).rstrip('.')}.{differs}{hint}",
             checkpoint=name,
+            failures=err.failures,
         ) from err
