@@ -121,6 +121,8 @@ def _job(spec: dict[str, Any]) -> None:
     except SIGTERMException:  # what Lightning raises on a SIGTERM, on every rank (exit 0)
         if trainer.global_rank == 0:
             Path(spec["out"], "preempted.json").write_text(json.dumps({"step": trainer.global_step}))
+        if spec.get("exit_as_lightning_does"):
+            raise  # through interpreter shutdown, as a user's script ends
         leave_cleanly()
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     assert trainer.strategy.model is not None
@@ -200,9 +202,18 @@ def test_a_sigterm_mid_epoch_saves_that_step_to_both_tiers_and_fit_last_resumes_
     # (the cadence saves at epoch ends only: steps 2, 4, 6, 8).
     at = 2 * STEPS_PER_EPOCH
     job, out = _run(
-        tmp_path, "preempted", strategy="model_parallel", epochs=4, hot=hot, cold=cold, sigterm_at=at
+        tmp_path,
+        "preempted",
+        strategy="model_parallel",
+        epochs=4,
+        hot=hot,
+        cold=cold,
+        sigterm_at=at,
+        exit_as_lightning_does=True,
     )
-    assert job.ok, job.describe()  # both ranks exit 0
+    assert job.ok, job.describe()  # both ranks exit 0, through interpreter shutdown
+    for rank in job.ranks:  # and nothing of the manager runs after it began
+        assert "Traceback" not in rank.output and "after interpreter shutdown" not in rank.output, rank.output
     stopped = json.loads((out / "preempted.json").read_text())["step"]
     assert stopped == at + 1 and stopped % STEPS_PER_EPOCH, job.describe()
     assert "preempted (SIGTERM): saved step" in job.ranks[0].output
