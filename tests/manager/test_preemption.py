@@ -147,6 +147,50 @@ def test_with_the_cold_tier_down_the_push_and_close_keep_to_the_grace_period(
     cold.up()
 
 
+def test_a_save_whose_staging_process_the_signal_killed_is_abandoned_and_that_step_saved(
+    tmp_path: Path,
+) -> None:
+    # A scheduler signals every process of the job: DCP's PROCESS-mode helper, flushing the
+    # save of step 2, dies of it; that save fails (logged), and step 3 is saved in-process.
+    script = textwrap.dedent("""
+        import os, signal, sys, time, torch
+        import torch.distributed as dist
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        from tierstore import CheckpointManager, StagingOptions
+        hot, cold = sys.argv[1] + "/hot", sys.argv[1] + "/cold"
+        manager = CheckpointManager(hot, cold, save_every=2, staging=StagingOptions(mode="process"))
+        state = {"w": torch.randn(1 << 20)}
+        block = sys.argv[1] + "/block"
+        os.makedirs(block)
+        # Armed in the helper process alone (it reads these at import; this process did not):
+        # its flush of step 2 holds at its file write until the signal has killed it.
+        os.environ.update(TIERSTORE_FAULTS="writer.after_file_write=block", TIERSTORE_FAULT_BLOCK_DIR=block)
+        for step in range(1, 50):
+            if manager.save(step, state) and manager.preempted:
+                print("stopped", step, manager.preemption.cold, flush=True)
+                break
+            if step == 2:
+                while not any(n.endswith(".reached") for n in os.listdir(block)):
+                    time.sleep(0.01)
+                os.killpg(os.getpgid(0), signal.SIGTERM)
+        manager.close()
+    """)
+    from launch import free_port
+
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path), str(free_port())],
+        capture_output=True,
+        timeout=240,
+        start_new_session=True,  # its own process group, signalled whole
+    )
+    err = done.stderr.decode()
+    assert done.returncode == 0, err
+    assert done.stdout.decode().split() == ["stopped", "3", "committed"], err
+    assert "the save before the preemption notice failed" in err  # step 2's, abandoned
+    assert [c.step for c in list_checkpoints(Store(str(tmp_path / "hot"), str(tmp_path / "cold")))] == [3]
+
+
 def test_preemption_off_leaves_the_signal_to_its_default(tmp_path: Path) -> None:
     script = textwrap.dedent("""
         import os, signal, sys, torch
