@@ -17,8 +17,9 @@ The protocol, on every rank:
    at the same ``save()`` call, and every rank counts its deadline from the earliest signal.
 3. **The save that sees it saves** that step whatever the cadence says: it waits for a save
    in flight (a failure of that one is logged, not raised: the new save is what matters now),
-   saves synchronously so the hot commit is known when it returns, then waits for this
-   process's migrations up to the grace deadline less :data:`EXIT_MARGIN`, and records what
+   saves synchronously so the hot commit is known when it returns, then waits for that
+   checkpoint's migration (older pending ones are not waited for) up to the grace deadline
+   less :data:`EXIT_MARGIN`, and no background prune starts (the next run prunes); it records what
    it managed in :attr:`Preempting.preemption` (a :class:`PreemptionReport`, also logged at
    WARNING). ``save()`` returns ``True`` and ``preempted`` is ``True`` on every rank, so
    ``if manager.save(step, state) and manager.preempted: break`` stops every rank at one step.
@@ -50,7 +51,6 @@ from tierstore.errors import ConfigError, SaveFailed
 from tierstore.format import layout
 from tierstore.manager.base import Base
 from tierstore.options import Preemption
-from tierstore.tiers.delivery import await_delivery
 from tierstore.tiers.migrator import MigrationState, Migrator
 
 __all__ = [
@@ -69,6 +69,7 @@ log = logging.getLogger(__name__)
 # the loop's own exit, interpreter shutdown. A tenth of the grace period, at most this.
 EXIT_MARGIN = 3.0
 
+_POLL = 0.02  # seconds between looks at the notice's migration
 _Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
 
@@ -218,16 +219,28 @@ class PreemptionWatch:
 
 
 def push_to_cold(migrators: Sequence[Migrator], step: int, until: float) -> tuple[str, float | None]:
-    """Wait for ``migrators`` until ``until`` (a ``time.monotonic()`` value); what became of
-    the migration of ``step``'s checkpoint, and when the wait ended."""
+    """Wait, until ``until`` (a ``time.monotonic()`` value), for the migration of ``step``'s
+    checkpoint by ``migrators`` to end: committed or failed, or, for a rank other than the
+    coordinator (which commits), uploaded. Older pending migrations are not waited for: the
+    notice's checkpoint is the one the relaunch resumes. What became of it, and when the wait
+    ended."""
     if not migrators:
         return "none", None
-    await_delivery(migrators, until)
+    status = None
+    while True:
+        states = [s for m in migrators for s in m.status() if s.step == step]
+        status = states[-1] if states else None
+        if status is not None and (
+            status.state in (MigrationState.COMMITTED, MigrationState.FAILED)
+            or (status.state is MigrationState.UPLOADED and status.rank != 0)
+        ):
+            break
+        if time.monotonic() >= until:
+            break
+        time.sleep(_POLL)
     ended = time.monotonic()
-    states = [s for m in migrators for s in m.status() if s.step == step]
-    if not states:
+    if status is None:
         return "not handed to a migrator", ended
-    status = states[-1]
     if status.state is MigrationState.COMMITTED:
         return "committed", ended
     if status.state is MigrationState.UPLOADED:

@@ -233,8 +233,8 @@ class Saving(Base):
         with self._lock:
             self._saves_ok += 1
             self._last_saved_step = step
-        if self.rank == 0 or self.node_local:
-            self._prune_in_background()
+        if (self.rank == 0 or self.node_local) and not self.preempted:
+            self._prune_in_background()  # after a notice, the next run prunes
 
 
 def _chain(source: Future[Any] | None, target: Future[None]) -> None:
