@@ -395,6 +395,7 @@ def manager_preempt(spec: dict[str, Any]) -> None:
     mgr = CheckpointManager(
         **tiers(spec),
         cold_options=spec.get("cold_options"),
+        node_local=spec.get("node_local", False),
         save_every=spec["save_every"],
         retention=Retention(hot_min_free=None),
         preemption=Preemption(grace_seconds=spec["grace"]),

@@ -99,14 +99,19 @@ def check_preempted_and_resumed(
     save_every: int,
     at_step: int | None = None,
     env: dict[str, str] | None = None,
+    node_local: bool = False,
 ) -> dict[str, Any]:
     at_step = at_step or random.Random().randint(3, 8)
     out, again = tmp_path / "out", tmp_path / "again"
     out.mkdir()
     again.mkdir()
+    hot: str | list[str] = (
+        [str(tmp_path / f"node{r}" / "nvme") for r in (0, 1)] if node_local else str(tmp_path / "hot")
+    )
     spec = {
         "op": "manager_preempt",
-        "hot": str(tmp_path / "hot"),
+        "hot": hot,
+        "node_local": node_local,
         **cold_spec(cold),
         "out": str(out),
         "save_every": save_every,
@@ -124,7 +129,8 @@ def check_preempted_and_resumed(
     assert [r["step"] for r in reports] == [stopped, stopped], context  # every rank, one step
     assert [r["signal"] is not None for r in reports] == [r in signal_ranks for r in (0, 1)], context
     assert reports[0]["cold"] == "committed", context  # the coordinator committed it in cold
-    assert stopped in [c.step for c in list_checkpoints(str(tmp_path / "hot"))], context
+    if not node_local:  # a node-local hot tier is no catalog: the cold manifest commits
+        assert stopped in [c.step for c in list_checkpoints(str(tmp_path / "hot"))], context
     in_cold = list_checkpoints(Store(cold=cold.url, cold_options=cold.direct_options))
     assert stopped in [c.step for c in in_cold], context
     # The relaunch resumes at that step, bit-exact, then trains on from the next one.
@@ -163,3 +169,10 @@ def test_a_sigterm_while_an_async_save_is_in_flight(tmp_path: Path) -> None:
     result = check_preempted_and_resumed(tmp_path, cold, (0,), save_every=2, at_step=at_step, env=env)
     steps = [c.step for c in list_checkpoints(str(tmp_path / "hot"))]
     assert result["stopped"] in steps and len(steps) >= 2, steps  # the cadence's and the notice's
+
+
+def test_a_sigterm_with_node_local_hot_tiers_commits_that_step_in_cold(tmp_path: Path) -> None:
+    # Each node's hot root holds its rank's shards only: the checkpoint exists once the
+    # coordinator commits it in cold, within the grace period; the relaunch resumes it.
+    cold = Cold("local", str(tmp_path / "cold"), {}, {})
+    check_preempted_and_resumed(tmp_path, cold, (1,), save_every=1000, node_local=True)
