@@ -35,6 +35,7 @@ from typing import Any, cast
 from tierstore.errors import (
     CheckpointExists,
     ChecksumMismatch,
+    ConfigError,
     ObjectNotFound,
     TierstoreError,
 )
@@ -140,7 +141,9 @@ def copy_checkpoint(
 def _destination(destination: Store | TierURL, options: dict[str, Any] | None) -> Tier:
     if isinstance(destination, Store):
         if options:
-            raise TypeError("pass destination_options with a URL, not with a Store")
+            raise ConfigError(
+                "pass destination_options with a URL, not with a Store: the store has its options"
+            )
         nearest = destination.tiers[0]
         return Tier(DESTINATION, nearest.url, nearest.options)
     return Tier(DESTINATION, destination, options)
