@@ -10,6 +10,8 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,6 +31,7 @@ from tierstore import (
 from tierstore.errors import ChecksumMismatch
 from tierstore.format import layout
 from tierstore.retry import RetryPolicy
+from tierstore.storage import faults
 from tierstore.tiers.migrator import MigrationConfig, MigrationState
 from tierstore.tiers.status import migrate_pending
 
@@ -174,3 +177,35 @@ def test_sigkill_mid_copy_then_the_rerun_sends_only_what_is_missing(tmp_path: Pa
     assert matches(load(dest)[0], 1)
     again = subprocess.run(args, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0 and json.loads(again.stdout)["already_there"] is True
+
+
+def test_another_attempt_committed_at_the_destination_mid_copy_wins_untouched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    hot, dest, block = str(tmp_path / "hot"), str(tmp_path / "dest"), tmp_path / "block"
+    block.mkdir()
+    mine = saved(hot, 1)
+    monkeypatch.setenv(faults.BLOCK_DIR_ENV, str(block))
+    faults.arm("copy.before_publish", "block")  # every file sent and marked, not yet published
+    outcome: list[BaseException] = []
+
+    def copy() -> None:
+        try:
+            copy_checkpoint(hot, dest, step=1, config=FAST)
+        except BaseException as err:
+            outcome.append(err)
+
+    thread = threading.Thread(target=copy)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not list(block.glob("copy.before_publish.*.reached")):
+        assert time.monotonic() < deadline and thread.is_alive(), outcome
+        time.sleep(0.01)
+    theirs = saved(dest, 1)  # a save into the destination takes the name meanwhile
+    (block / "copy.before_publish.release").touch()
+    thread.join(30)
+    faults.disarm()
+    [err] = outcome
+    assert isinstance(err, CheckpointExists) and "meanwhile" in str(err), err
+    assert Store(dest).hot.find_manifest(mine.name) == theirs  # type: ignore[union-attr]
+    assert matches(load(dest)[0], 1) and load(dest)[1].manifest == theirs

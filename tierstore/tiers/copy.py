@@ -196,6 +196,25 @@ class _Copier(Migrator):
         except TierstoreError as err:
             log.info("left upload marks of %s for GC: %s", manifest.name, err)
 
+    def _publish(self, manifest: Manifest) -> None:
+        # The cold commit's publish, with a copy's words when another attempt won the name
+        # meanwhile (a concurrent save or copy there): refused, never overwritten (invariant 3).
+        try:
+            super()._publish(manifest)
+        except JobFailed as failure:
+            if isinstance(failure.error, CheckpointExists):
+                raise JobFailed(
+                    None,
+                    None,
+                    CheckpointExists(
+                        "another attempt of this checkpoint was committed at the destination "
+                        "meanwhile; it is never overwritten, so nothing of this copy is published",
+                        checkpoint=manifest.name,
+                        tier=self.cold.label,
+                    ),
+                ) from failure
+            raise
+
 
 class _Monotonic:
     """A progress callback that never goes back: a copy going on from the next tier counts
