@@ -50,6 +50,7 @@ from tierstore.resume.check import Probe, verify_resume
 from tierstore.resume.data import ResumableLoader, ResumableSampler
 from tierstore.storage.registry import register_backend
 from tierstore.tiers.catalog import CheckpointInfo, list_checkpoints
+from tierstore.tiers.copy import copy_checkpoint
 from tierstore.tiers.migrator import MigrationConfig
 from tierstore.tiers.restore import restore
 from tierstore.tiers.status import migrate_pending, migration_status, wait_for_migrations
@@ -147,6 +148,7 @@ __all__ = [
     "migration_status",
     "wait_for_migrations",
     "restore",
+    "copy_checkpoint",  # issue 26
     "list_quarantined",
     "verify_resume",
     "Probe",

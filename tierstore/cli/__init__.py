@@ -16,6 +16,7 @@ import threading
 from collections.abc import Sequence
 
 from tierstore.cli.checks import CommandFailed, require_tiers
+from tierstore.cli.copy import cmd_cp
 from tierstore.cli.inspect import cmd_ls, cmd_quarantine, cmd_show, cmd_status, cmd_verify
 from tierstore.cli.operate import cmd_gc, cmd_migrate, cmd_prune, cmd_restore, cmd_verify_resume
 from tierstore.cli.parser import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE, UsageError, build_parser
@@ -39,6 +40,7 @@ COMMANDS = {
     "prune": cmd_prune,
     "quarantine": cmd_quarantine,
     "verify-resume": cmd_verify_resume,
+    "cp": cmd_cp,  # issue 26
 }
 
 
@@ -62,6 +64,11 @@ _RESUME = {
     "prune": (
         "a checkpoint is un-published before its data is deleted",
         "run the same `tierstore prune` again to finish; `tierstore gc` removes stray data",
+    ),
+    # issue 26: the destination's manifest is published last
+    "cp": (
+        "copied {done} of {total}, nothing committed at the destination yet",
+        "run the same `tierstore cp` again to finish; verified files are not sent again",
     ),
 }
 

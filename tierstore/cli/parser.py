@@ -87,6 +87,13 @@ _ABOUT = {
         "tierstore verify-resume --hot /nvme/run1 --probe train.py:probe --record /tmp/rec",
         "the resumed run differs from the record, or a fresh process failed",
     ),
+    # cp (issue 26): tierstore.cli.copy
+    "cp": (
+        "copy one committed checkpoint to another tier (a directory or bucket), verified",
+        "tierstore cp --hot /nvme/run1 --cold s3://ckpt/run1 --step 2000 --to s3://milestones/run1",
+        "no such checkpoint, a source file is damaged in every tier, the destination holds "
+        "another attempt of it, or the copy failed (nothing is committed there)",
+    ),
 }
 _LONG = {
     "verify-resume": "Load a checkpoint into fresh processes built by a probe and compare the loss "
@@ -249,6 +256,27 @@ def _quarantine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--yes", action="store_true", help="really delete (with --delete)")
 
 
+# cp (issue 26): tierstore.cli.copy
+def _cp_args(p: argparse.ArgumentParser) -> None:
+    _transfer_args(p)
+    pick = p.add_mutually_exclusive_group(required=True)
+    pick.add_argument("--step", type=int, help="the newest checkpoint of this step")
+    pick.add_argument("--name", help="the checkpoint of this name (as `ls` shows it)")
+    p.add_argument(
+        "--to",
+        required=True,
+        metavar="PATH|URL",
+        help="destination tier: a local path, file://, s3://, gs:// or fsspec+...; "
+        "`tierstore ls --hot URL` lists it afterwards",
+    )
+    p.add_argument(
+        "--to-option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="destination backend option, repeatable (VALUE parsed as JSON when it is)",
+    )
+
+
 _EXTRA: dict[str, Callable[[argparse.ArgumentParser], None]] = {
     "ls": _cold_wait,
     "show": lambda p: _pick_args(p, ""),
@@ -260,6 +288,7 @@ _EXTRA: dict[str, Callable[[argparse.ArgumentParser], None]] = {
     "prune": _prune_args,
     "quarantine": _quarantine_args,
     "verify-resume": _verify_resume_args,
+    "cp": _cp_args,  # issue 26
 }
 
 

@@ -1,0 +1,66 @@
+"""``tierstore cp``: copy one committed checkpoint to another tier, verified
+(:func:`tierstore.tiers.copy.copy_checkpoint`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from tierstore._redact import redact_url
+from tierstore.cli.common import options_of, require_picked, store_of
+from tierstore.cli.parser import EXIT_OK
+from tierstore.progress import size_text
+from tierstore.tiers.copy import copy_checkpoint
+from tierstore.tiers.migrator import MigrationConfig
+
+__all__ = ["cmd_cp"]
+
+
+def cmd_cp(args: argparse.Namespace) -> int:
+    store = store_of(args)
+    require_picked(args, store.tiers)
+    bandwidth = args.bandwidth * 2**20 if args.bandwidth else None
+    report = copy_checkpoint(
+        store,
+        args.to,
+        name=args.name,
+        step=args.step,
+        destination_options=options_of(args.to_option),
+        config=MigrationConfig(concurrency=args.concurrency, bandwidth=bandwidth),
+        progress=args.progress,
+    )
+    args.progress.close()
+    manifest = report.manifest
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "name": manifest.name,
+                    "step": manifest.step,
+                    "attempt": manifest.attempt,
+                    "destination": redact_url(args.to),
+                    "already_there": report.already_there,
+                    "source": list(report.source),
+                    "bytes_sent": report.bytes_sent,
+                    "files_sent": report.files_sent,
+                    "bytes_total": manifest.total_size,
+                    "files_total": len(manifest.files),
+                }
+            )
+        )
+        return EXIT_OK
+    where = f"{manifest.name} (step {manifest.step}) in {redact_url(args.to)}"
+    if report.already_there:
+        print(f"already there: {where} is committed, the same attempt; nothing copied")
+        return EXIT_OK
+    resumed = (
+        f"; {len(manifest.files) - report.files_sent} were already there, verified, and not sent again"
+        if report.files_sent < len(manifest.files)
+        else ""
+    )
+    print(
+        f"copied {where} from {', '.join(report.source)}: {len(manifest.files)} files, "
+        f"{size_text(manifest.total_size)}; sent {report.files_sent} files, "
+        f"{size_text(report.bytes_sent)}{resumed}"
+    )
+    return EXIT_OK
