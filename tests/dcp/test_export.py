@@ -120,13 +120,18 @@ def test_shards_index_and_strip_prefix(hot_dir: str, tmp_path: Path) -> None:
     }
     dcp.save(state, storage_writer=tierstore.TieredWriter(hot_dir, step=9), no_dist=True)
     layer = 32 * 16 * 4
+    calls: list[tuple[str, int, int]] = []
     report = tierstore.export(
         hot_dir,
         format="safetensors",
         out=tmp_path / "st",
         strip_prefix="train.model.",
         max_shard_size=2 * layer,
+        progress=lambda *call: calls.append(call),
     )
+    # Progress counts the bytes of the tensors exported, one shard's load after another.
+    assert report.bytes == 5 * layer and calls[-1] == (f"export {report.name}", 5 * layer, 5 * layer)
+    assert [done for _, done, _ in calls] == [layer * n for n in range(1, 6)]
     assert report.files == (
         "model-00001-of-00003.safetensors",
         "model-00002-of-00003.safetensors",
