@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml $(wildcard backends/*/pyproject.toml) Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH) numpy
-	$(BIN)/python -m pip install -q $(TORCH) -e '.[test,lightning]' $(foreach b,$(wildcard backends/*/pyproject.toml),-e $(dir $(b)))
+	$(BIN)/python -m pip install -q $(TORCH) -e '.[test,lightning,export]' $(foreach b,$(wildcard backends/*/pyproject.toml),-e $(dir $(b)))
 	$(BIN)/python -m pip install -q --no-deps $(TORCHTITAN)
 	$(BIN)/python -m pip install -q $(TORCH) $(TITAN_DEPS)
 	@touch $@

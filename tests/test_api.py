@@ -43,7 +43,7 @@ def test_the_public_api_is_about_thirty_names_one_per_job() -> None:
         "Preemption",
         "Run",
     }
-    assert len(set(tierstore.__all__) - options) <= 38  # copy_checkpoint (issue 26)
+    assert len(set(tierstore.__all__) - options) <= 39
     assert not set(OLD) & set(tierstore.__all__)
     assert set(dir(tierstore)) == set(tierstore.__all__)
     for name in tierstore.__all__:

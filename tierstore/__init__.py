@@ -11,7 +11,7 @@
 The public API is one name per job, in three groups (docs/index.md): the core (saving,
 loading, the manager, retention, resume), operations on a store, and the errors one catches.
 Every other error is in :mod:`tierstore.errors`, and the types of reports in the module that
-returns them. Names that need torch (the DCP writer and reader, the manager,
+returns them. Names that need torch (the DCP writer and reader, ``export``, the manager,
 ``TrainingState``) are imported on first use, so the ``tierstore`` command and storage-only
 tools start without importing torch.
 """
@@ -57,6 +57,7 @@ from tierstore.tiers.status import migrate_pending, migration_status, wait_for_m
 from tierstore.tiers.tier import Store
 
 if TYPE_CHECKING:
+    from tierstore.dcp.export import export
     from tierstore.dcp.reader import TieredReader
     from tierstore.dcp.writer import TieredWriter
     from tierstore.manager import CheckpointManager
@@ -68,6 +69,7 @@ _LAZY = {
     "CheckpointManager": "tierstore.manager",
     "TrainingState": "tierstore.resume.state",
     "ResumePlanner": "tierstore.resume.state",
+    "export": "tierstore.dcp.export",
 }
 
 # Names the package exported before it kept one name per job: they still work, for one
@@ -148,8 +150,9 @@ __all__ = [
     "migration_status",
     "wait_for_migrations",
     "restore",
-    "copy_checkpoint",  # issue 26
+    "copy_checkpoint",
     "list_quarantined",
+    "export",
     "verify_resume",
     "Probe",
     "MigrationConfig",

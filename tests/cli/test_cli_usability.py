@@ -165,7 +165,9 @@ def test_ls_and_status_show_the_hot_tier_when_the_cold_tier_is_down(hot: str) ->
     names = [layout.default_name(s) for s in (1, 2)]
     ls = cli("ls", *tiers, env=env)  # the default wait
     one_line(ls, 1, "cold tier s3://bucket/run is unreachable", "showing the hot tier only")
-    assert all(re.search(rf"{n}\s+\d+.*hot\s+(?:[0-9a-f]{{8}}\s+)?unknown", ls.stdout) for n in names), ls.stdout
+    assert all(re.search(rf"{n}\s+\d+.*hot\s+(?:[0-9a-f]{{8}}\s+)?unknown", ls.stdout) for n in names), (
+        ls.stdout
+    )
     rows = json.loads(one_and_out(cli("ls", *tiers, "--json", "--cold-wait", "1", env=env)))
     assert [(r["name"], r["tiers"], r["migration"]) for r in rows] == [(n, ["hot"], "unknown") for n in names]
     status = cli("status", *tiers, "--cold-wait", "1", env=env)

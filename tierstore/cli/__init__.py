@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from tierstore.cli.checks import CommandFailed, require_tiers
 from tierstore.cli.copy import cmd_cp
+from tierstore.cli.export import cmd_export
 from tierstore.cli.inspect import cmd_ls, cmd_quarantine, cmd_show, cmd_status, cmd_verify
 from tierstore.cli.operate import cmd_gc, cmd_migrate, cmd_prune, cmd_restore, cmd_verify_resume
 from tierstore.cli.parser import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE, UsageError, build_parser
@@ -40,7 +41,8 @@ COMMANDS = {
     "prune": cmd_prune,
     "quarantine": cmd_quarantine,
     "verify-resume": cmd_verify_resume,
-    "cp": cmd_cp,  # issue 26
+    "cp": cmd_cp,
+    "export": cmd_export,
 }
 
 
@@ -65,7 +67,7 @@ _RESUME = {
         "a checkpoint is un-published before its data is deleted",
         "run the same `tierstore prune` again to finish; `tierstore gc` removes stray data",
     ),
-    # issue 26: the destination's manifest is published last
+    # the destination's manifest is published last
     "cp": (
         "copied {done} of {total}, nothing committed at the destination yet",
         "run the same `tierstore cp` again to finish; verified files are not sent again",

@@ -87,12 +87,18 @@ _ABOUT = {
         "tierstore verify-resume --hot /nvme/run1 --probe train.py:probe --record /tmp/rec",
         "the resumed run differs from the record, or a fresh process failed",
     ),
-    # cp (issue 26): tierstore.cli.copy
+    # cp: tierstore.cli.copy
     "cp": (
         "copy one committed checkpoint to another tier (a directory or bucket), verified",
         "tierstore cp --hot /nvme/run1 --cold s3://ckpt/run1 --step 2000 --to s3://milestones/run1",
         "no such checkpoint, a source file is damaged in every tier, the destination holds "
         "another attempt of it, or the copy failed (nothing is committed there)",
+    ),
+    "export": (
+        "write a committed checkpoint out as safetensors, one torch.save file or plain DCP",
+        "tierstore export --hot /nvme/run1 --cold s3://ckpt/run1 --step 2000 --format safetensors "
+        "--out /models/run1-2000 --strip-prefix model.",
+        "no such checkpoint, damage in every copy, or --out is not empty (nothing is written then)",
     ),
 }
 _LONG = {
@@ -256,7 +262,7 @@ def _quarantine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--yes", action="store_true", help="really delete (with --delete)")
 
 
-# cp (issue 26): tierstore.cli.copy
+# cp: tierstore.cli.copy
 def _cp_args(p: argparse.ArgumentParser) -> None:
     _transfer_args(p)
     pick = p.add_mutually_exclusive_group(required=True)
@@ -277,6 +283,45 @@ def _cp_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _size(text: str) -> int:
+    """``--max-shard-size``: bytes, or with a unit (``5GB``, ``500MB``, ``2GiB``)."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+    units.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
+    number = text.strip().upper().rstrip("BITKMG") or "x"
+    unit = text.strip().upper()[len(number) :]
+    if not number.isdigit() or unit not in units or int(number) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size, e.g. 5GB, 500MB or 2000000000")
+    return int(number) * units[unit]
+
+
+def _export_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--step", type=int, help="the newest checkpoint of this step (default: the newest of all)")
+    p.add_argument("--name", help="the checkpoint of this name, as `ls` shows it (default: the newest)")
+    p.add_argument(
+        "--format",
+        required=True,
+        choices=("safetensors", "torch", "dcp"),
+        help="safetensors: Hugging Face shards and model.safetensors.index.json, tensors only; "
+        "torch: one torch.save file, state_dict.pt; dcp: a plain DCP checkpoint "
+        "(dcp.FileSystemReader reads it)",
+    )
+    p.add_argument("--out", required=True, metavar="DIR", help="a new or empty local directory")
+    p.add_argument(
+        "--strip-prefix",
+        metavar="P",
+        help="only keys under P, with P taken off (e.g. model.); the others are left out and "
+        "counted (safetensors and torch)",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        type=_size,
+        default=5 * 10**9,
+        metavar="SIZE",
+        help="the most bytes of tensors per safetensors shard, e.g. 500MB (default 5GB)",
+    )
+    p.add_argument("--force", action="store_true", help="replace a non-empty --out and everything in it")
+
+
 _EXTRA: dict[str, Callable[[argparse.ArgumentParser], None]] = {
     "ls": _cold_wait,
     "show": lambda p: _pick_args(p, ""),
@@ -288,7 +333,8 @@ _EXTRA: dict[str, Callable[[argparse.ArgumentParser], None]] = {
     "prune": _prune_args,
     "quarantine": _quarantine_args,
     "verify-resume": _verify_resume_args,
-    "cp": _cp_args,  # issue 26
+    "cp": _cp_args,
+    "export": _export_args,
 }
 
 

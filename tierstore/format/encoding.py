@@ -35,6 +35,7 @@ __all__ = [
     "BYTES",
     "ENCODINGS",
     "RawItem",
+    "NotPlainDCP",
     "block_crcs",
     "check_fields",
     "check_item",
@@ -87,6 +88,25 @@ class RawItem:
         """Bytes ``[start, stop)`` of block ``index``, relative to the item."""
         start = index * self.block
         return start, min(start + self.block, self.length)
+
+    @property
+    def transform_descriptors(self) -> Any:
+        """What DCP's ``FileSystemReader`` asks of an item before it ``torch.load``s it: a raw
+        item is no ``torch.save`` stream, so refuse here, naming the fix, rather than fail on
+        a missing attribute or on bytes that are no pickle. An ``AttributeError`` too, so a
+        ``getattr(item, "transform_descriptors", None)`` (tierstore's reader) still sees none."""
+        raise NotPlainDCP(
+            "this checkpoint is in tierstore's raw encoding, which DCP's FileSystemReader and "
+            "dcp_to_torch_save cannot read: load it with tierstore.TieredReader, convert it "
+            "with `tierstore export --format dcp` (or torch, safetensors), or save with "
+            'WriterOptions(encoding="dcp") to write plain DCP files',
+            file=self.relative_path,
+        )
+
+
+class NotPlainDCP(ConfigError, AttributeError):
+    """A raw-encoded item was read as a plain DCP one (DCP's ``FileSystemReader``): the
+    message names what reads it (``TieredReader``, ``tierstore export``)."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
