@@ -19,6 +19,7 @@ from tierstore.cli.checks import CommandFailed, require_tiers
 from tierstore.cli.inspect import cmd_ls, cmd_quarantine, cmd_show, cmd_status, cmd_verify
 from tierstore.cli.operate import cmd_gc, cmd_migrate, cmd_prune, cmd_restore, cmd_verify_resume
 from tierstore.cli.parser import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE, UsageError, build_parser
+from tierstore.cli.usage import cmd_du
 from tierstore.errors import TierstoreError
 from tierstore.progress import ProgressDisplay, size_text
 
@@ -39,6 +40,7 @@ COMMANDS = {
     "prune": cmd_prune,
     "quarantine": cmd_quarantine,
     "verify-resume": cmd_verify_resume,
+    "du": cmd_du,  # issue 26
 }
 
 

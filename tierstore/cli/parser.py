@@ -87,6 +87,13 @@ _ABOUT = {
         "tierstore verify-resume --hot /nvme/run1 --probe train.py:probe --record /tmp/rec",
         "the resumed run differs from the record, or a fresh process failed",
     ),
+    # -- du (issue 26) --
+    "du": (
+        "bytes per tier and per checkpoint, pending migration bytes, free space",
+        "tierstore du --hot /nvme/run1 --cold s3://ckpt/run1",
+        "a tier path does not exist, or the cold tier is unreachable (the hot tier is still shown)",
+    ),
+    # -- end du --
 }
 _LONG = {
     "verify-resume": "Load a checkpoint into fresh processes built by a probe and compare the loss "
@@ -249,6 +256,14 @@ def _quarantine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--yes", action="store_true", help="really delete (with --delete)")
 
 
+# -- du (issue 26) --
+def _du_args(p: argparse.ArgumentParser) -> None:
+    _cold_wait(p)
+
+
+# -- end du --
+
+
 _EXTRA: dict[str, Callable[[argparse.ArgumentParser], None]] = {
     "ls": _cold_wait,
     "show": lambda p: _pick_args(p, ""),
@@ -260,6 +275,7 @@ _EXTRA: dict[str, Callable[[argparse.ArgumentParser], None]] = {
     "prune": _prune_args,
     "quarantine": _quarantine_args,
     "verify-resume": _verify_resume_args,
+    "du": _du_args,  # issue 26
 }
 
 
