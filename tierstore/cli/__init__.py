@@ -84,7 +84,7 @@ def _interrupted(args: argparse.Namespace) -> int:
         total=size_text(progress.bytes_total),
         finished=len(progress.finished),
         committed=len(committed),
-        uncommitted=f" ({', '.join(uncommitted)} not committed: still pending)" if uncommitted else "",
+        uncommitted=f" ({', '.join(uncommitted)} not committed)" if uncommitted else "",
     )
     print(f"tierstore {args.command}: interrupted: {done}; {resume}", file=sys.stderr, flush=True)
     return EXIT_INTERRUPTED
