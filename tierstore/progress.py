@@ -102,6 +102,11 @@ class ProgressDisplay:
                 self._draw(label, done, total, complete)
 
     @property
+    def labels(self) -> list[str]:
+        """Every label seen so far, in the order first seen."""
+        return list(self._totals)
+
+    @property
     def bytes_total(self) -> int:
         """The bytes of every label seen so far."""
         return sum(total for _, total in self._totals.values())

@@ -418,3 +418,99 @@ def test_example_fits_resumes_from_last_and_keeps_the_two_best(tmp_path: Path) -
 
 if __name__ == "__main__":
     _job(json.loads(sys.argv[1]))
+
+
+def _tiny_fit(tmp_path: Path, max_steps: int, callback: Any, ckpt_path: str | None = None) -> Any:
+    """One process, a 2-parameter model: what a path Lightning exposes leads to."""
+    import lightning as L
+
+    class Net(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss: torch.Tensor = self.layer(batch[0]).sum()
+            self.log("loss", loss)
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(8, 2)))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        callbacks=[callback],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )
+    trainer.fit(Net(), data, ckpt_path=ckpt_path)
+    return trainer, Net
+
+
+def test_the_paths_lightning_exposes_resume_and_load_from_checkpoint_names_the_tierstore_call(
+    tmp_path: Path,
+) -> None:
+    from tierstore.errors import ConfigError
+    from tierstore.integrations.lightning import TierstoreCheckpoint
+
+    hot = str(tmp_path / "hot")
+    callback = TierstoreCheckpoint(
+        hot, every_n_train_steps=2, monitor="loss", save_top_k=2, mode="max", save_last=True
+    )
+    _tiny_fit(tmp_path, 6, callback)
+    kept = [c.step for c in list_checkpoints(hot)]
+    # Every path Lightning holds names a checkpoint the store commits.
+    exposed = {callback.best_model_path, callback.last_model_path, *callback.best_k_models}
+    assert exposed <= {TierstoreCheckpoint.step_path(s) for s in kept}, (exposed, kept)
+    assert callback.last_model_path == TierstoreCheckpoint.step_path(6)
+    assert len(callback.best_k_models) == 2
+    for path in sorted(exposed):
+        again = TierstoreCheckpoint(hot, save_top_k=-1)  # keeps all: the next path is still there
+        trainer, net = _tiny_fit(tmp_path, 8, again, ckpt_path=path)
+        assert again._restored_step == int(path.rsplit("=", 1)[1]) and trainer.global_step == 8
+    # LightningModule.load_from_checkpoint goes through fsspec, not the strategy: it cannot
+    # read a tierstore checkpoint, and says which calls do.
+    with pytest.raises(
+        ConfigError, match=r"TierstoreCheckpoint\.step_path\(N\).*ckpt_path|ckpt_path.*step_path"
+    ):
+        net.load_from_checkpoint(callback.best_model_path)
+
+
+def test_model_checkpoint_arguments_it_ignores_are_named_when_built(tmp_path: Path) -> None:
+    import warnings
+
+    from tierstore.integrations.lightning import TierstoreCheckpoint
+
+    hot = str(tmp_path / "hot")
+    for argument, value in (
+        ("dirpath", str(tmp_path / "ckpts")),
+        ("filename", "{epoch}-{loss:.2f}"),
+        ("auto_insert_metric_name", False),
+        ("enable_version_counter", False),
+    ):
+        with pytest.warns(UserWarning, match=rf"ignores ModelCheckpoint's {argument}=") as caught:
+            TierstoreCheckpoint(hot, **{argument: value})
+        assert len(caught) == 1, [str(w.message) for w in caught]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the defaults, and every argument it honours: silent
+        TierstoreCheckpoint(
+            hot,
+            dirpath=None,
+            filename=None,
+            monitor="loss",
+            verbose=True,
+            save_last=True,
+            save_top_k=2,
+            save_on_exception=True,
+            save_weights_only=False,
+            mode="max",
+            auto_insert_metric_name=True,
+            every_n_train_steps=2,
+            save_on_train_epoch_end=False,
+            enable_version_counter=True,
+        )

@@ -21,6 +21,7 @@ from tierstore.cli.export import cmd_export
 from tierstore.cli.inspect import cmd_ls, cmd_quarantine, cmd_show, cmd_status, cmd_verify
 from tierstore.cli.operate import cmd_gc, cmd_migrate, cmd_prune, cmd_restore, cmd_verify_resume
 from tierstore.cli.parser import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE, UsageError, build_parser
+from tierstore.cli.usage import cmd_du
 from tierstore.errors import TierstoreError
 from tierstore.progress import ProgressDisplay, size_text
 
@@ -43,6 +44,7 @@ COMMANDS = {
     "verify-resume": cmd_verify_resume,
     "cp": cmd_cp,
     "export": cmd_export,
+    "du": cmd_du,
 }
 
 
@@ -50,12 +52,15 @@ COMMANDS = {
 # object write is atomic and every manifest is published last (docs/design.md invariants 2
 # and 12), so an interruption leaves nothing a rerun cannot complete.
 _RESUME = {
+    # migrate, restore: bytes the destination acknowledged; only committed checkpoints count
+    # as done (tierstore.cli.operate sets args.committed), the rest are said to be pending.
     "migrate": (
-        "uploaded {done} of {total}, {finished} checkpoint(s) copied in full",
+        "uploaded {done} of {total} (stored in the cold tier), {committed} checkpoint(s) "
+        "committed there{uncommitted}",
         "run the same `tierstore migrate` again to finish; verified uploads are not sent again",
     ),
     "restore": (
-        "copied {done} of {total}",
+        "copied {done} of {total} into the hot tier, {committed} checkpoint(s) restored{uncommitted}",
         "run the same `tierstore restore` again to finish; verified files are not copied again",
     ),
     "verify": (
@@ -81,10 +86,14 @@ def _interrupted(args: argparse.Namespace) -> int:
     progress: ProgressDisplay = args.progress
     progress.close()
     done, resume = _RESUME.get(args.command, ("stopped", "nothing was changed"))
+    committed: list[str] = getattr(args, "committed", [])
+    uncommitted = [label for label in progress.labels if label not in committed]
     done = done.format(
         done=size_text(progress.bytes_done),
         total=size_text(progress.bytes_total),
         finished=len(progress.finished),
+        committed=len(committed),
+        uncommitted=f" ({', '.join(uncommitted)} not committed)" if uncommitted else "",
     )
     print(f"tierstore {args.command}: interrupted: {done}; {resume}", file=sys.stderr, flush=True)
     return EXIT_INTERRUPTED

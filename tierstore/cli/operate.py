@@ -115,8 +115,13 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     store = store_of(args)
     if store.hot is not None and args.name is not None:
         require_named(Store.of_tiers(store.hot, None), args.name)
+    args.committed = []  # what an interrupted migrate counts (tierstore.cli._interrupted)
     results = migrate_pending(
-        store, names=[args.name] if args.name else None, config=_config(args), progress=args.progress
+        store,
+        names=[args.name] if args.name else None,
+        config=_config(args),
+        progress=args.progress,
+        finished=lambda r: args.committed.append(r.name) if r.state is MigrationState.COMMITTED else None,
     )
     args.progress.close()
     failed = [r for r in results if r.state is MigrationState.FAILED]
@@ -134,9 +139,11 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 def cmd_restore(args: argparse.Namespace) -> int:
     store = store_of(args)
     require_picked(args, store.tiers[1:])
+    args.committed = []  # published in the hot tier: only once restore_checkpoint returns
     report = restore_checkpoint(
         store, step=args.step, name=args.name, config=_config(args), progress=args.progress
     )
+    args.committed.append(report.manifest.name)
     args.progress.close()
     manifest = report.manifest
     if args.json:

@@ -100,6 +100,12 @@ _ABOUT = {
         "--out /models/run1-2000 --strip-prefix model.",
         "no such checkpoint, damage in every copy, or --out is not empty (nothing is written then)",
     ),
+    # du: tierstore.cli.usage
+    "du": (
+        "bytes per tier and per checkpoint, pending migration bytes, free space",
+        "tierstore du --hot /nvme/run1 --cold s3://ckpt/run1",
+        "a tier path does not exist, or the cold tier is unreachable (the hot tier is still shown)",
+    ),
 }
 _LONG = {
     "verify-resume": "Load a checkpoint into fresh processes built by a probe and compare the loss "
@@ -322,6 +328,11 @@ def _export_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true", help="replace a non-empty --out and everything in it")
 
 
+# du: tierstore.cli.usage
+def _du_args(p: argparse.ArgumentParser) -> None:
+    _cold_wait(p)
+
+
 _EXTRA: dict[str, Callable[[argparse.ArgumentParser], None]] = {
     "ls": _cold_wait,
     "show": lambda p: _pick_args(p, ""),
@@ -335,6 +346,7 @@ _EXTRA: dict[str, Callable[[argparse.ArgumentParser], None]] = {
     "verify-resume": _verify_resume_args,
     "cp": _cp_args,
     "export": _export_args,
+    "du": _du_args,
 }
 
 

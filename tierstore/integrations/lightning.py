@@ -28,10 +28,14 @@ Resuming: Lightning has no hook to read a checkpoint for a sharded strategy (the
 path with DCP's ``FileSystemReader``), so :meth:`TierstoreCheckpoint.setup` points that
 strategy's ``load_checkpoint`` and ``load_optimizer_state_dict`` at this callback; paths
 it does not know go to the strategy's own. It knows ``"last"`` (Lightning resolves it to
-:attr:`TierstoreCheckpoint.last_path` when the store holds a checkpoint),
-:meth:`TierstoreCheckpoint.step_path`, and the ``best_model_path``/``last_model_path``
-names it gave (their ``step=N``). Optimizer states are loaded once the strategy built the
-optimizers (under DDP after the model), from the same step.
+:attr:`TierstoreCheckpoint.last_path` when the store holds a checkpoint) and
+:meth:`TierstoreCheckpoint.step_path`, which is every path it gives Lightning
+(``best_model_path``, ``best_k_models``, ``last_model_path``: there is no ``.ckpt`` file).
+``LightningModule.load_from_checkpoint`` reads through fsspec instead: a ``tierstore://``
+path raises a :class:`ConfigError` there naming the calls that read it. ``ModelCheckpoint``'s
+file-name arguments (``dirpath``, ``filename``, ``auto_insert_metric_name``,
+``enable_version_counter``) are named in a warning when given. Optimizer states are loaded
+once the strategy built the optimizers (under DDP after the model), from the same step.
 
 Preemption: Lightning turns a SIGTERM into a ``SIGTERMException`` on every rank at the next
 batch (and exits 0); the callback then saves that step, whatever ``save_on_exception``
@@ -50,9 +54,11 @@ import logging
 import math
 import os
 import re
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
+import fsspec
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -78,7 +84,8 @@ __all__ = ["TierstoreCheckpoint", "policy_for"]
 log = logging.getLogger(__name__)
 
 _RETENTION_KEYWORDS = {"hot_policy": "hot", "cold_policy": "cold"}  # the old form of retention=
-_STEP_PREFIX = "tierstore:step="
+_STEP_PREFIX = "tierstore://step="  # what Lightning's paths name (best_model_path, ...)
+_OLD_STEP_PREFIX = "tierstore:step="  # step_path's older form, still resumed from
 _STEP_IN_NAME = re.compile(r"(?:^|[^A-Za-z0-9_])step=(\d+)")
 _REST = "lightning"  # Lightning's checkpoint dict less model and optimizers, one blob
 _OPTIMIZERS = "tierstore_optimizers"  # in that dict: how many optimizer states are in DCP
@@ -130,6 +137,59 @@ def policy_for(monitor: str | None, save_top_k: int, mode: str, save_last: objec
     return best | keep_last(1) if save_last else best
 
 
+# ModelCheckpoint's arguments that only shape the name of a .ckpt file, which a tierstore
+# checkpoint does not have: given a value other than the default, each is named in a warning
+# when the callback is built (every other argument is honoured: docs/integrations.md).
+_UNUSED = {
+    "dirpath": (None, "checkpoints go to the store's tiers (hot=, cold=)"),
+    "filename": (
+        None,
+        "a checkpoint is named by its step (best_model_path is TierstoreCheckpoint.step_path(N))",
+    ),
+    "auto_insert_metric_name": (
+        True,
+        "there is no file name to insert it in; `tierstore ls` shows the metric",
+    ),
+    "enable_version_counter": (True, "a step is saved once: committed checkpoints are never overwritten"),
+}
+
+
+def _warn_unused(options: Mapping[str, Any]) -> None:
+    for argument, (default, why) in _UNUSED.items():
+        if argument in options and options[argument] != default:
+            warnings.warn(
+                f"TierstoreCheckpoint ignores ModelCheckpoint's {argument}={options[argument]!r}: {why}",
+                UserWarning,
+                stacklevel=3,
+            )
+
+
+_NOT_A_FILE = (
+    "{path} names a tierstore checkpoint, not a file: LightningModule.load_from_checkpoint and "
+    "torch.load cannot read it. Resume with trainer.fit(model, ckpt_path={path!r}) (or "
+    "TierstoreCheckpoint.step_path(N), callback.best_model_path) with the TierstoreCheckpoint "
+    "callback in the trainer; outside a trainer, load the state with "
+    "CheckpointManager(hot, cold).load(state, step=N) or "
+    "dcp.load(state, storage_reader=TieredReader(hot, cold, step=N))"
+)
+
+
+class _StepPaths(fsspec.AbstractFileSystem):  # type: ignore[misc]
+    """``tierstore://step=N`` to fsspec (how Lightning's ``pl_load`` opens a path): opening one
+    raises the :class:`ConfigError` naming the calls that do read it."""
+
+    protocol = "tierstore"
+
+    def _open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:
+        raise ConfigError(_NOT_A_FILE.format(path=_STEP_PREFIX + str(path).removeprefix("step=")))
+
+    def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+        return {"name": path, "size": 0, "type": "file"}
+
+
+fsspec.register_implementation("tierstore", _StepPaths, clobber=True)
+
+
 class TierstoreCheckpoint(ModelCheckpoint):
     """A ``ModelCheckpoint`` whose checkpoints are tierstore checkpoints (module docstring).
 
@@ -156,6 +216,7 @@ class TierstoreCheckpoint(ModelCheckpoint):
         **checkpoint_options: Any,
     ) -> None:
         old_keywords = {k: checkpoint_options.pop(k) for k in _RETENTION_KEYWORDS if k in checkpoint_options}
+        _warn_unused(checkpoint_options)
         super().__init__(**checkpoint_options)
         options = dict(manager_options or {})
         self.store = store_to_save(
@@ -195,8 +256,9 @@ class TierstoreCheckpoint(ModelCheckpoint):
         text = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
         if text is None:
             return False, None
-        if text.startswith(_STEP_PREFIX):
-            return True, int(text[len(_STEP_PREFIX) :])
+        for prefix in (_STEP_PREFIX, _OLD_STEP_PREFIX):
+            if text.startswith(prefix):
+                return True, int(text[len(prefix) :])
         if os.path.normpath(text) == os.path.normpath(self.last_path):
             return True, None
         found = _STEP_IN_NAME.search(os.path.basename(text))
@@ -207,6 +269,22 @@ class TierstoreCheckpoint(ModelCheckpoint):
         ):
             return True, int(found.group(1))
         return False, None
+
+    def format_checkpoint_name(
+        self,
+        metrics: dict[str, torch.Tensor],
+        filename: str | None = None,
+        ver: int | None = None,
+        prefix: str | None = None,
+    ) -> str:
+        """Every path Lightning gives a save (``best_model_path``, ``best_k_models``,
+        ``last_model_path``, ``kth_best_model_path``) is :meth:`step_path` of its step: what
+        ``fit(ckpt_path=...)`` resumes from. There is no ``.ckpt`` file (``filename`` and
+        ``dirpath`` are not used: the callback warned when built)."""
+        step = metrics.get("step")
+        if step is None:  # not a save's metrics (Lightning always adds the step to those)
+            return super().format_checkpoint_name(metrics, filename, ver, prefix)
+        return self.step_path(int(step))
 
     def _find_last_checkpoints(self, trainer: Trainer) -> set[str]:
         # Runs before the process group exists: every rank lists the store once.

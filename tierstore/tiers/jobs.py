@@ -134,9 +134,12 @@ class Job:
             fresh=fresh,
         )
 
-    def add_bytes(self, n: int) -> None:
+    def check_stopped(self) -> None:
         if self.stopped:
             raise JobStopped(f"migration of {self.name} stopped")
+
+    def add_bytes(self, n: int) -> None:
+        self.check_stopped()
         with self.lock:
             self.bytes_done += n
         if self.listener is not None:

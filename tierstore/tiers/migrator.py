@@ -230,6 +230,7 @@ class Migrator(ColdCommit):
         ]
         jobs[-1].manifest = manifest  # the last rank's job also commits
         advance = counting(manifest.name, total, progress)
+        advance(0)  # started: the bar shows before the first file is stored
         for job in jobs:
             job.listener = advance
             self.run(job)
@@ -350,15 +351,13 @@ class Migrator(ColdCommit):
                     versions[entry.path] = there.version
                     job.add_bytes(entry.size)
                     return
-            sent = [0]
 
             def attempt() -> None:
-                job.add_bytes(-sent[0])  # a retry starts the file over
-                sent[0] = 0
+                def sent(n: int) -> None:
+                    job.check_stopped()  # a stopped job ends at its next chunk
 
-                def progress(n: int) -> None:
-                    sent[0] += n
-                    job.add_bytes(n)
+                # Only bytes the cold tier acknowledged count (copy_file's progress): once
+                # per file, when its object is stored whole; a retry has counted nothing.
 
                 # Never delete first: the object may be another migrator's verified copy.
                 # The write replaces the key atomically with the same verified bytes, and
@@ -371,7 +370,8 @@ class Migrator(ColdCommit):
                     entry,
                     chunk_size=self.config.chunk_size,
                     throttle=self._throttle,
-                    progress=progress,
+                    progress=job.add_bytes,
+                    sent=sent,
                 )
 
             self.config.retry.call(attempt, what=f"upload of {entry.path} ({job.name})", sleep=self._sleep)

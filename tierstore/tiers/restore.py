@@ -91,6 +91,7 @@ def restore_checkpoint(
             tier=hot_tier.label,
         )
     advance = counting(manifest.name, manifest.total_size, progress)
+    advance(0)  # started: the bar shows before the first file is stored
     copied: list[str] = []
     repaired: list[Repair] = []
     for entry in manifest.files:

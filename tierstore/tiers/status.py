@@ -129,12 +129,17 @@ def migrate_pending(
     names: Iterable[str] | None = None,
     config: MigrationConfig | None = None,
     progress: Callable[[str, int, int], None] | None = None,
+    finished: Callable[[MigrationStatus], None] | None = None,
 ) -> list[MigrationStatus]:
     """Finish every pending migration now, in this process, from a hot tier holding all files.
 
     Ranks whose upload mark exists and files already stored intact are skipped. Returns
     each checkpoint's final status; a checkpoint's failure is reported there, not raised.
     A tier that cannot be read at all (the cold tier down) raises its storage error.
+    ``progress(name, bytes_done, bytes_total)`` counts bytes the cold tier acknowledged
+    storing (all of them is not yet committed: the cold manifest comes after);
+    ``finished(status)`` is called as each checkpoint ends, committed or failed, so that a
+    caller interrupted midway knows which are committed.
     """
     hot_tier, cold_tier = Store.of(store).migration_pair()
     migrator = Migrator(hot_tier, cold_tier, config)
@@ -150,6 +155,8 @@ def migrate_pending(
             if status.state is MigrationState.COMMITTED:
                 continue
             results.append(migrator.migrate_checkpoint(manifest, progress))
+            if finished is not None:
+                finished(results[-1])
     finally:
         migrator.close()
     return results

@@ -55,9 +55,16 @@ def copy_file(
     chunk_size: int = 8 << 20,
     throttle: Throttle | None = None,
     progress: Progress | None = None,
+    sent: Progress | None = None,
 ) -> str | None:
     """Stream ``entry`` from ``src`` to ``dst``; durable and verified when it returns, with
     the version of the object stored (``None`` where the backend reports none).
+
+    ``progress(n)`` counts bytes the destination holds: it is called once, with the file's
+    size, after the destination's writer acknowledged the whole object (``close()``). Bytes
+    read from the source and handed to the writer are not stored yet (an object store
+    buffers them, or holds them as parts of an upload not completed), so they are reported
+    only to ``sent(n)``, per chunk, which may raise to stop the copy (the write is aborted).
 
     The source bytes are checked against the manifest (size, CRC32C) as they stream, so a
     file damaged in the source tier is never copied as if it were good (the write is aborted
@@ -74,14 +81,16 @@ def copy_file(
                 if throttle is not None:
                     throttle.consume(n)
                 writer.write(buffer[:n])  # writers copy what they keep
-                if progress is not None:
-                    progress(n)
+                if sent is not None:
+                    sent(n)
                 faults.point("transfer.after_chunk")
             stream.finish()
         except BaseException:
             writer.abort()
             raise
         writer.close()
+    if progress is not None:
+        progress(entry.size)  # acknowledged: the object is there, whole
     return writer.version
 
 
