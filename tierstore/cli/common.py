@@ -31,6 +31,7 @@ __all__ = [
     "quarantine_rows",
     "print_quarantined",
     "status_json",
+    "checkpoint_json",
     "size_text",
 ]
 
@@ -141,3 +142,9 @@ def status_json(status: Any) -> dict[str, Any]:
     body["state"] = status.state.value
     body["lag_bytes"] = status.lag_bytes
     return body
+
+
+def checkpoint_json(manifest: Any, **more: Any) -> str:
+    """One line of JSON about a checkpoint a command worked on: its name, step and attempt,
+    then ``more``."""
+    return json.dumps({"name": manifest.name, "step": manifest.step, "attempt": manifest.attempt, **more})

@@ -4,10 +4,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 from tierstore._redact import redact_url
-from tierstore.cli.common import options_of, require_picked, store_of
+from tierstore.cli.common import checkpoint_json, options_of, require_picked, store_of
 from tierstore.cli.parser import EXIT_OK
 from tierstore.progress import size_text
 from tierstore.tiers.copy import copy_checkpoint
@@ -33,19 +32,15 @@ def cmd_cp(args: argparse.Namespace) -> int:
     manifest = report.manifest
     if args.json:
         print(
-            json.dumps(
-                {
-                    "name": manifest.name,
-                    "step": manifest.step,
-                    "attempt": manifest.attempt,
-                    "destination": redact_url(args.to),
-                    "already_there": report.already_there,
-                    "source": list(report.source),
-                    "bytes_sent": report.bytes_sent,
-                    "files_sent": report.files_sent,
-                    "bytes_total": manifest.total_size,
-                    "files_total": len(manifest.files),
-                }
+            checkpoint_json(
+                manifest,
+                destination=redact_url(args.to),
+                already_there=report.already_there,
+                source=list(report.source),
+                bytes_sent=report.bytes_sent,
+                files_sent=report.files_sent,
+                bytes_total=manifest.total_size,
+                files_total=len(manifest.files),
             )
         )
         return EXIT_OK

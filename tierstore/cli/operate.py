@@ -10,7 +10,7 @@ from dataclasses import asdict
 from typing import Any
 
 from tierstore._redact import redact_url
-from tierstore.cli.common import require_named, require_picked, status_json, store_of
+from tierstore.cli.common import checkpoint_json, require_named, require_picked, status_json, store_of
 from tierstore.cli.parser import EXIT_ERROR, EXIT_OK, UsageError
 from tierstore.lifecycle.gc import collect_garbage
 from tierstore.lifecycle.prune import prune
@@ -148,15 +148,11 @@ def cmd_restore(args: argparse.Namespace) -> int:
     manifest = report.manifest
     if args.json:
         print(
-            json.dumps(
-                {
-                    "name": manifest.name,
-                    "step": manifest.step,
-                    "attempt": manifest.attempt,
-                    "copied": list(report.copied),
-                    "repaired": [asdict(r) for r in report.repaired],
-                    "manifest_repaired": report.manifest_repaired,
-                }
+            checkpoint_json(
+                manifest,
+                copied=list(report.copied),
+                repaired=[asdict(r) for r in report.repaired],
+                manifest_repaired=report.manifest_repaired,
             )
         )
         return EXIT_OK
