@@ -16,6 +16,7 @@ from tierstore.errors import CheckpointNotFound
 from tierstore.lifecycle.quarantine import list_quarantined
 from tierstore.progress import size_text
 from tierstore.tiers.catalog import resolve
+from tierstore.tiers.migrator import MigrationConfig
 from tierstore.tiers.tier import Store, Tier
 
 __all__ = [
@@ -31,7 +32,8 @@ __all__ = [
     "quarantine_rows",
     "print_quarantined",
     "status_json",
-    "checkpoint_json",
+    "migration_config",
+    "said_json",
     "size_text",
 ]
 
@@ -144,7 +146,16 @@ def status_json(status: Any) -> dict[str, Any]:
     return body
 
 
-def checkpoint_json(manifest: Any, **more: Any) -> str:
-    """One line of JSON about a checkpoint a command worked on: its name, step and attempt,
-    then ``more``."""
-    return json.dumps({"name": manifest.name, "step": manifest.step, "attempt": manifest.attempt, **more})
+def migration_config(args: argparse.Namespace) -> MigrationConfig:
+    """``--concurrency`` and ``--bandwidth`` (MiB/s) of the commands that copy files."""
+    bandwidth = args.bandwidth * 2**20 if args.bandwidth else None
+    return MigrationConfig(concurrency=args.concurrency, bandwidth=bandwidth)
+
+
+def said_json(args: argparse.Namespace, manifest: Any, **more: Any) -> bool:
+    """The end of a command that copied a checkpoint: its progress display closed and, with
+    ``--json``, one line of JSON printed (name, step, attempt, then ``more``); whether it was."""
+    args.progress.close()
+    if args.json:
+        print(json.dumps({"name": manifest.name, "step": manifest.step, "attempt": manifest.attempt, **more}))
+    return bool(args.json)

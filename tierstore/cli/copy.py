@@ -6,11 +6,10 @@ from __future__ import annotations
 import argparse
 
 from tierstore._redact import redact_url
-from tierstore.cli.common import checkpoint_json, options_of, require_picked, store_of
+from tierstore.cli.common import migration_config, options_of, require_picked, said_json, store_of
 from tierstore.cli.parser import EXIT_OK
 from tierstore.progress import size_text
 from tierstore.tiers.copy import copy_checkpoint
-from tierstore.tiers.migrator import MigrationConfig
 
 __all__ = ["cmd_cp"]
 
@@ -18,31 +17,27 @@ __all__ = ["cmd_cp"]
 def cmd_cp(args: argparse.Namespace) -> int:
     store = store_of(args)
     require_picked(args, store.tiers)
-    bandwidth = args.bandwidth * 2**20 if args.bandwidth else None
     report = copy_checkpoint(
         store,
         args.to,
         name=args.name,
         step=args.step,
         destination_options=options_of(args.to_option),
-        config=MigrationConfig(concurrency=args.concurrency, bandwidth=bandwidth),
+        config=migration_config(args),
         progress=args.progress,
     )
-    args.progress.close()
     manifest = report.manifest
-    if args.json:
-        print(
-            checkpoint_json(
-                manifest,
-                destination=redact_url(args.to),
-                already_there=report.already_there,
-                source=list(report.source),
-                bytes_sent=report.bytes_sent,
-                files_sent=report.files_sent,
-                bytes_total=manifest.total_size,
-                files_total=len(manifest.files),
-            )
-        )
+    if said_json(
+        args,
+        manifest,
+        destination=redact_url(args.to),
+        already_there=report.already_there,
+        source=list(report.source),
+        bytes_sent=report.bytes_sent,
+        files_sent=report.files_sent,
+        bytes_total=manifest.total_size,
+        files_total=len(manifest.files),
+    ):
         return EXIT_OK
     where = f"{manifest.name} (step {manifest.step}) in {redact_url(args.to)}"
     if report.already_there:

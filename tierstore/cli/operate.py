@@ -10,13 +10,20 @@ from dataclasses import asdict
 from typing import Any
 
 from tierstore._redact import redact_url
-from tierstore.cli.common import checkpoint_json, require_named, require_picked, status_json, store_of
+from tierstore.cli.common import (
+    migration_config,
+    require_named,
+    require_picked,
+    said_json,
+    status_json,
+    store_of,
+)
 from tierstore.cli.parser import EXIT_ERROR, EXIT_OK, UsageError
 from tierstore.lifecycle.gc import collect_garbage
 from tierstore.lifecycle.prune import prune
 from tierstore.lifecycle.retention import Policy, keep_all, keep_every, keep_last, keep_within
 from tierstore.progress import size_text
-from tierstore.tiers.migrator import MigrationConfig, MigrationState
+from tierstore.tiers.migrator import MigrationState
 from tierstore.tiers.restore import restore_checkpoint
 from tierstore.tiers.status import migrate_pending
 from tierstore.tiers.tier import Store
@@ -106,11 +113,6 @@ def cmd_prune(args: argparse.Namespace) -> int:
     return code
 
 
-def _config(args: argparse.Namespace) -> MigrationConfig:
-    bandwidth = args.bandwidth * 2**20 if args.bandwidth else None
-    return MigrationConfig(concurrency=args.concurrency, bandwidth=bandwidth)
-
-
 def cmd_migrate(args: argparse.Namespace) -> int:
     store = store_of(args)
     if store.hot is not None and args.name is not None:
@@ -119,7 +121,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     results = migrate_pending(
         store,
         names=[args.name] if args.name else None,
-        config=_config(args),
+        config=migration_config(args),
         progress=args.progress,
         finished=lambda r: args.committed.append(r.name) if r.state is MigrationState.COMMITTED else None,
     )
@@ -141,20 +143,17 @@ def cmd_restore(args: argparse.Namespace) -> int:
     require_picked(args, store.tiers[1:])
     args.committed = []  # published in the hot tier: only once restore_checkpoint returns
     report = restore_checkpoint(
-        store, step=args.step, name=args.name, config=_config(args), progress=args.progress
+        store, step=args.step, name=args.name, config=migration_config(args), progress=args.progress
     )
     args.committed.append(report.manifest.name)
-    args.progress.close()
     manifest = report.manifest
-    if args.json:
-        print(
-            checkpoint_json(
-                manifest,
-                copied=list(report.copied),
-                repaired=[asdict(r) for r in report.repaired],
-                manifest_repaired=report.manifest_repaired,
-            )
-        )
+    if said_json(
+        args,
+        manifest,
+        copied=list(report.copied),
+        repaired=[asdict(r) for r in report.repaired],
+        manifest_repaired=report.manifest_repaired,
+    ):
         return EXIT_OK
     for repair in report.repaired:
         print(f"repaired  {manifest.name}  {repair.path}: {repair.problem}")
