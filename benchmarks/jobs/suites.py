@@ -256,7 +256,7 @@ def suite_perf(bench: Bench) -> dict[str, Any]:
 
 
 def suite_preemption(bench: Bench) -> dict[str, Any]:
-    """Issue 25: the save on a preemption notice against a plain sync save of the same state,
+    """The save on a preemption notice against a plain sync save of the same state,
     with a local and an S3 cold tier; the share of the grace period the push leaves."""
     profile = bench.profile
     print(
