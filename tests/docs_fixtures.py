@@ -13,6 +13,11 @@ The worker is one real ``torch.distributed`` job of one rank (gloo), so blocks t
 process groups or call ``dcp.async_save`` run as they would in training; it stays up for
 the whole test module because importing torch and joining a group costs seconds.
 
+A block that needs processes of its own (:data:`LAUNCHED`) runs instead as the ``__main__``
+module of fresh interpreters, on one or more ranks of a tests/launch.py job
+(tests/docs_job.py): a script's ``if __name__ == "__main__":`` guard, a writer process that
+multiprocessing spawns from it, a trainer that joins a 2-rank group all work as in a user's job.
+
 A block that is deliberately not runnable is marked in the Markdown, right before its fence:
 ``<!-- not run: why -->``.
 """
@@ -26,6 +31,7 @@ import re
 import shutil
 import sys
 import traceback
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,10 +108,12 @@ def doc_files() -> list[Path]:
 
 @dataclass(frozen=True)
 class Ctx:
-    """One block's run: its own directory and its own bucket."""
+    """One block's run: its own directory and its own bucket (``run``: which run of a block
+    :data:`LAUNCHED` runs more than once, from 0)."""
 
     tmp: Path
     bucket: str
+    run: int = 0
 
     @property
     def hot(self) -> str:
@@ -318,6 +326,33 @@ def _check_report(ns: dict[str, Any], ctx: Ctx) -> None:
     assert ns["report"].ok and ns["report"].keys_checked > 0
 
 
+def _same(a: Any, b: Any) -> bool:
+    """Equal, tensors bit for bit (dtype included), through dicts and lists."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(_same, a, b))
+    return bool(a == b)
+
+
+def _cloned(value: Any) -> Any:
+    """A deep copy of a state, each tensor (a DTensor: its local shard) cloned."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        local = value.to_local() if hasattr(value, "to_local") else value
+        return local.detach().clone()
+    if isinstance(value, dict):
+        return {k: _cloned(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_cloned(v) for v in value]
+    return value
+
+
 Setup = Callable[[Ctx], dict[str, Any]]
 Check = Callable[[dict[str, Any], Ctx], None]
 
@@ -375,6 +410,21 @@ SETUPS: dict[tuple[str, int], tuple[str, Setup | None, Check | None]] = {
 }
 
 
+@dataclass(frozen=True)
+class Launch:
+    """How a block runs in processes of its own: on ``ranks`` ranks of a tests/launch.py job,
+    ``runs`` times in each (each run a fresh namespace and ``__main__`` module, setup and
+    check; a second run is a relaunched job's script), within ``timeout`` seconds."""
+
+    ranks: int = 1
+    runs: int = 1
+    timeout: float = 240.0
+
+
+# The blocks that do not run in the worker.
+LAUNCHED: dict[tuple[str, int], Launch] = {}
+
+
 def __getattr__(name: str) -> Any:
     """``probe``: the doc's own probe function, compiled from its text on first use.
 
@@ -413,6 +463,34 @@ def run_block(request: dict[str, Any]) -> dict[str, Any]:
         return {"ok": False, "error": traceback.format_exc()}
     finally:
         _tear_down(ns, ctx)
+
+
+def run_as_main(request: dict[str, Any]) -> None:
+    """One rank's runs of a block :data:`LAUNCHED` (tests/docs_job.py calls it): the block's
+    text from ``request["script"]`` (localized by the test) runs as this interpreter's
+    ``__main__`` module, whose ``__file__`` is that script, so ``__name__ == "__main__"``
+    holds and a process spawned from it re-imports the block, not this runner. Raises what
+    the setup, the block or the check raised."""
+    key = (request["file"], request["index"])
+    setup, check = SETUPS.get(key, ("", None, None))[1:]
+    script = Path(request["script"])
+    code = compile(script.read_text(), request["name"], "exec")
+    runner = sys.modules["__main__"]
+    os.chdir(request["tmp"])
+    try:
+        for run in range(request["runs"]):
+            ctx = Ctx(Path(request["tmp"]), request["bucket"], run)
+            module = types.ModuleType("__main__")
+            module.__file__ = str(script)
+            sys.modules["__main__"] = module
+            ns = module.__dict__
+            if setup is not None:
+                ns.update(setup(ctx))
+            exec(code, ns)
+            if check is not None:
+                check(ns, ctx)
+    finally:
+        sys.modules["__main__"] = runner
 
 
 def _tear_down(ns: dict[str, Any], ctx: Ctx) -> None:
