@@ -175,8 +175,18 @@ def test_a_launched_block_runs_as_main_and_its_failure_is_reported(
 
 def test_the_docs_have_python_blocks_to_run() -> None:
     files = {b.file for b in BLOCKS}
-    assert {"README.md", "docs/index.md", "docs/migration.md", "docs/training-state.md"} <= files
-    assert sum(b.skip is None for b in BLOCKS) >= 15
+    assert {
+        "README.md",
+        "docs/index.md",
+        "docs/integrations.md",
+        "docs/migration.md",
+        "docs/training-state.md",
+    } <= files
+    assert sum(b.skip is None for b in BLOCKS) >= 18
+    # The drop-ins' blocks are runnable code: each runs in processes of its own.
+    integrations = [b for b in BLOCKS if b.file == "docs/integrations.md"]
+    assert [b.skip for b in integrations] == [None] * 3
+    assert all((b.file, b.index) in LAUNCHED for b in integrations)
 
 
 def test_every_skip_marker_gives_a_reason() -> None:
