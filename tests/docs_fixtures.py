@@ -13,6 +13,11 @@ The worker is one real ``torch.distributed`` job of one rank (gloo), so blocks t
 process groups or call ``dcp.async_save`` run as they would in training; it stays up for
 the whole test module because importing torch and joining a group costs seconds.
 
+A block that needs processes of its own (:data:`LAUNCHED`) runs instead as the ``__main__``
+module of fresh interpreters, on one or more ranks of a tests/launch.py job
+(tests/docs_job.py): a script's ``if __name__ == "__main__":`` guard, a writer process that
+multiprocessing spawns from it, a trainer that joins a 2-rank group all work as in a user's job.
+
 A block that is deliberately not runnable is marked in the Markdown, right before its fence:
 ``<!-- not run: why -->``.
 """
@@ -26,6 +31,7 @@ import re
 import shutil
 import sys
 import traceback
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,10 +108,12 @@ def doc_files() -> list[Path]:
 
 @dataclass(frozen=True)
 class Ctx:
-    """One block's run: its own directory and its own bucket."""
+    """One block's run: its own directory and its own bucket (``run``: which run of a block
+    :data:`LAUNCHED` runs more than once, from 0)."""
 
     tmp: Path
     bucket: str
+    run: int = 0
 
     @property
     def hot(self) -> str:
@@ -318,6 +326,259 @@ def _check_report(ns: dict[str, Any], ctx: Ctx) -> None:
     assert ns["report"].ok and ns["report"].keys_checked > 0
 
 
+def _same(a: Any, b: Any) -> bool:
+    """Equal, tensors bit for bit (dtype included), through dicts and lists."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(map(_same, a, b))
+    return bool(a == b)
+
+
+def _cloned(value: Any) -> Any:
+    """A deep copy of a state, each tensor (a DTensor: its local shard) cloned."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        local = value.to_local() if hasattr(value, "to_local") else value
+        return local.detach().clone()
+    if isinstance(value, dict):
+        return {k: _cloned(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_cloned(v) for v in value]
+    return value
+
+
+# -- docs/integrations.md: the blocks that run in processes of their own (LAUNCHED) --------------
+
+LIGHTNING_STEPS_PER_EPOCH = 2  # per rank: Lightning gives each rank its half of the data
+
+
+def _lightning(ctx: Ctx) -> dict[str, Any]:
+    """A tiny LightningModule, sharded by FSDP2 (``ModelParallelStrategy`` runs it on CPU) and
+    logging ``val_loss`` at every validation, and a datamodule. Each run of the block starts
+    from other weights (seeded by the run), so a resume that restored nothing would show."""
+    import lightning as L
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    class TinyRegressor(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+            self.val_losses: list[tuple[int, float]] = []  # (global step, val_loss) per epoch
+
+        def configure_model(self) -> None:
+            assert self.device_mesh is not None
+            mesh = self.device_mesh["data_parallel"]
+            for layer in (self.net[0], self.net[2]):
+                fully_shard(layer, mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            x, y = batch
+            self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
+        def on_validation_epoch_end(self) -> None:
+            if not self.trainer.sanity_checking:
+                self.val_losses.append((self.global_step, float(self.trainer.callback_metrics["val_loss"])))
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+    class TinyData(L.LightningDataModule):
+        def setup(self, stage: str) -> None:
+            data = torch.Generator().manual_seed(1)
+            n = 2 * 8 * LIGHTNING_STEPS_PER_EPOCH  # 2 ranks x batch 8
+            self.train = torch.utils.data.TensorDataset(
+                torch.randn(n, 8, generator=data), torch.randn(n, 1, generator=data)
+            )
+            self.val = torch.utils.data.TensorDataset(
+                torch.randn(16, 8, generator=data), torch.randn(16, 1, generator=data)
+            )
+
+        def train_dataloader(self) -> Any:
+            return torch.utils.data.DataLoader(self.train, batch_size=8)
+
+        def val_dataloader(self) -> Any:
+            return torch.utils.data.DataLoader(self.val, batch_size=8)
+
+    torch.manual_seed(ctx.run)
+    return {"model": TinyRegressor(), "datamodule": TinyData()}
+
+
+_FITTED: dict[str, Any] = {}  # the first run's outcome, in this rank's process
+
+
+def _lightning_state(ns: dict[str, Any]) -> dict[str, Any]:
+    """This rank's shards of the weights and of Adam's state, in parameter order."""
+    model, optimizer = ns["model"], ns["trainer"].optimizers[0]
+    return _cloned(
+        {
+            "model": dict(model.state_dict()),
+            "adam": [optimizer.state[p] for p in model.parameters()],
+            "step": ns["trainer"].global_step,
+        }
+    )
+
+
+def _check_lightning(ns: dict[str, Any], ctx: Ctx) -> None:
+    """Run 0 trains 3 epochs from scratch (``ckpt_path="last"`` finds nothing): each tier keeps
+    the two lowest ``val_loss`` checkpoints and the last one, with their metric. Run 1 (the
+    same script again, other initial weights) resumes from the newest checkpoint: nothing is
+    left to train, and the weights and Adam state are the first run's, bit for bit."""
+    import torch.distributed as dist
+
+    from tierstore import list_checkpoints
+
+    dist.barrier()  # every rank's fit ended: rank 0's closing prune included
+    state = _lightning_state(ns)
+    if ctx.run == 0:
+        losses = dict(ns["model"].val_losses)
+        last = 3 * LIGHTNING_STEPS_PER_EPOCH
+        assert state["step"] == last and sorted(losses) == [LIGHTNING_STEPS_PER_EPOCH * e for e in (1, 2, 3)]
+        best = sorted(losses, key=losses.__getitem__)[:2]
+        expected = [(step, losses[step]) for step in sorted({*best, last})]
+        for tier in (ctx.hot, Store(cold=ctx.cold)):
+            kept = [(c.step, c.metrics["val_loss"]) for c in list_checkpoints(tier)]
+            assert [s for s, _ in kept] == [s for s, _ in expected], (tier, kept, losses)
+            assert all(abs(a - b) < 1e-6 for (_, a), (_, b) in zip(kept, expected)), (kept, expected)
+        _FITTED.update(state=state, kept=[c.step for c in list_checkpoints(ctx.hot)])
+        return
+    assert ns["model"].val_losses == [], "the resumed fit trained again"
+    assert _same(state, _FITTED["state"]), "the resumed weights or Adam state differ from the saved"
+    assert [c.step for c in list_checkpoints(ctx.hot)] == _FITTED["kept"]
+
+
+def _titan(ctx: Ctx) -> dict[str, Any]:
+    """torchtitan's ``Trainer.Config`` as far as the block and the trainer's checkpointer use
+    it: ``checkpoint`` (torchtitan's own ``CheckpointManager.Config`` until the block sets it)
+    and ``dump_folder``, the ``base_folder`` the trainer builds the checkpointer with. The real
+    one cannot be built here: ``torchtitan.trainer`` imports torchdata (its data loaders),
+    which the checkpointer does not need. The process group is the trainer's, made first."""
+    import dataclasses
+
+    import torch.distributed as dist
+    from torchtitan.components.checkpointer import CheckpointManager
+
+    @dataclasses.dataclass
+    class TrainerConfig:
+        dump_folder: str
+        checkpoint: Any = dataclasses.field(default_factory=CheckpointManager.Config)
+
+    dist.init_process_group("gloo")
+    return {"config": TrainerConfig(dump_folder=str(ctx.tmp / "outputs"))}
+
+
+def _titan_run(config: Any, seed: int, save_at: int | None) -> dict[str, Any]:
+    """What torchtitan's trainer does with ``config.checkpoint``: build the manager with
+    ``.build(...)`` over a small model and torchtitan's optimizer and LR-scheduler containers,
+    then ``load()``, or one training step and ``save(save_at)``; ``close()``. The state then."""
+    import torch
+    from torchtitan.components.optimizer import LRSchedulersContainer, OptimizersContainer
+    from torchtitan.components.optimizer.optimizer import ParamGroupConfig
+
+    class TrainState:
+        def __init__(self) -> None:
+            self.step = 0
+
+        def state_dict(self) -> dict[str, Any]:
+            return {"step": torch.tensor(self.step)}
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            self.step = int(state["step"])
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    optimizers = OptimizersContainer.Config(
+        param_groups=[ParamGroupConfig(pattern=".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 1e-2})],
+        implementation="for-loop",
+    ).build(model_parts=[model])
+    schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=10)
+    train_state = TrainState()
+    checkpointer = config.checkpoint.build(
+        dataloader=None,
+        model_parts=[model],
+        optimizers=optimizers,
+        lr_schedulers=schedulers,
+        states={"train_state": train_state},
+        sd_adapter=None,
+        base_folder=config.dump_folder,
+    )
+    try:
+        if save_at is None:
+            assert checkpointer.load(), "load() found no checkpoint"
+        else:
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            optimizers.step()
+            schedulers.step()
+            train_state.step = save_at
+            checkpointer.save(save_at)
+            checkpointer.maybe_wait_for_saving()
+    finally:
+        checkpointer.close()
+    return _cloned({"model": model.state_dict(), "optim": optimizers.state_dict(), "step": train_state.step})
+
+
+def _check_titan(ns: dict[str, Any], ctx: Ctx) -> None:
+    """The manager built from the block's config saves its interval's step, committed in the
+    checkpoint folder under the dump folder (the hot tier) and in ``cold``; a fresh one, from
+    other weights, loads it back: model, optimizer and step equal the saved ones."""
+    from tierstore import list_checkpoints
+    from tierstore.integrations.torchtitan import TieredCheckpointManager
+
+    config = ns["config"]
+    assert isinstance(config.checkpoint, TieredCheckpointManager.Config)
+    step = config.checkpoint.interval
+    saved = _titan_run(config, seed=0, save_at=step)
+    hot = os.path.join(config.dump_folder, config.checkpoint.folder)
+    assert [(c.name, c.step) for c in list_checkpoints(hot)] == [(f"step-{step}", step)]
+    assert [c.step for c in list_checkpoints(Store(cold=ctx.cold))] == [step]
+    loaded = _titan_run(config, seed=1, save_at=None)
+    assert loaded["step"] == step and _same(loaded, saved), "the loaded state differs from the saved"
+
+
+def _tc_model(ctx: Ctx) -> dict[str, Any]:
+    import torch
+
+    torch.manual_seed(0)
+    return {"model": torch.nn.Linear(4, 2)}
+
+
+def _check_tc(ns: dict[str, Any], ctx: Ctx) -> None:
+    """The block's load returned the saved step; the checkpoint is committed in both tiers;
+    with the hot tier gone, a fresh manager loads the model's state from cold, bit for bit."""
+    import torch
+    from torch_checkpointing import CheckpointManager
+    from torch_checkpointing.config import SyncCheckpointSaverConfig
+
+    from tierstore import list_checkpoints
+    from tierstore.integrations.torch_checkpointing import TieredStorageConfig
+
+    assert ns["loaded"]["step"] == 100, ns["loaded"]
+    for tier in (ctx.hot, Store(cold=ctx.cold)):
+        assert [(c.name, c.step) for c in list_checkpoints(tier)] == [("step_100", 100)], tier
+    shutil.rmtree(ctx.hot)
+    saved = _cloned(dict(ns["model"].state_dict()))
+    manager = CheckpointManager.Config(
+        save=SyncCheckpointSaverConfig(), storage_config=TieredStorageConfig(hot=ctx.hot, cold=ctx.cold)
+    ).build()
+    try:
+        into = {"model": {k: torch.zeros_like(v) for k, v in saved.items()}}
+        loaded = manager.load(f"{ctx.hot}/step_100", into=into)
+    finally:
+        manager.close()
+    assert _same(dict(loaded["model"]), saved), "the checkpoint in cold is not the saved state"
+
+
 Setup = Callable[[Ctx], dict[str, Any]]
 Check = Callable[[dict[str, Any], Ctx], None]
 
@@ -336,6 +597,13 @@ SETUPS: dict[tuple[str, int], tuple[str, Setup | None, Check | None]] = {
         _tensors,
         _check_checkpoint(7, cold=False),
     ),
+    ("docs/integrations.md", 0): ("import lightning as L", _lightning, _check_lightning),
+    ("docs/integrations.md", 1): (
+        "from tierstore.integrations.torchtitan import TieredCheckpointManager",
+        _titan,
+        _check_titan,
+    ),
+    ("docs/integrations.md", 2): ("from torch_checkpointing import CheckpointManager", _tc_model, _check_tc),
     ("docs/migration.md", 0): (
         'writer = TieredWriter(hot="/nvme/run1", cold="s3://bucket/run1", step=step)',
         _tensors,
@@ -372,6 +640,29 @@ SETUPS: dict[tuple[str, int], tuple[str, Setup | None, Check | None]] = {
         _preempted_at_7,
         _check_checkpoint(7, cold=True),
     ),
+}
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How a block runs in processes of its own: on ``ranks`` ranks of a tests/launch.py job,
+    ``runs`` times in each (each run a fresh namespace and ``__main__`` module, setup and
+    check; a second run is a relaunched job's script), within ``timeout`` seconds."""
+
+    ranks: int = 1
+    runs: int = 1
+    timeout: float = 240.0
+
+
+# The blocks that do not run in the worker, and why:
+LAUNCHED: dict[tuple[str, int], Launch] = {
+    # Lightning's ModelParallelStrategy on 2 ranks (gloo), as tests/integrations/test_lightning.py
+    # runs it; run twice: the second fit's ckpt_path="last" resumes from the first's checkpoints.
+    ("docs/integrations.md", 0): Launch(ranks=2, runs=2, timeout=300.0),
+    # torchtitan's manager installs a SIGTERM handler and keeps process groups: not in the worker.
+    ("docs/integrations.md", 1): Launch(),
+    # A __main__ guard, and torch_checkpointing's writer process, spawned from the script.
+    ("docs/integrations.md", 2): Launch(),
 }
 
 
@@ -413,6 +704,34 @@ def run_block(request: dict[str, Any]) -> dict[str, Any]:
         return {"ok": False, "error": traceback.format_exc()}
     finally:
         _tear_down(ns, ctx)
+
+
+def run_as_main(request: dict[str, Any]) -> None:
+    """One rank's runs of a block :data:`LAUNCHED` (tests/docs_job.py calls it): the block's
+    text from ``request["script"]`` (localized by the test) runs as this interpreter's
+    ``__main__`` module, whose ``__file__`` is that script, so ``__name__ == "__main__"``
+    holds and a process spawned from it re-imports the block, not this runner. Raises what
+    the setup, the block or the check raised."""
+    key = (request["file"], request["index"])
+    setup, check = SETUPS.get(key, ("", None, None))[1:]
+    script = Path(request["script"])
+    code = compile(script.read_text(), request["name"], "exec")
+    runner = sys.modules["__main__"]
+    os.chdir(request["tmp"])
+    try:
+        for run in range(request["runs"]):
+            ctx = Ctx(Path(request["tmp"]), request["bucket"], run)
+            module = types.ModuleType("__main__")
+            module.__file__ = str(script)
+            sys.modules["__main__"] = module
+            ns = module.__dict__
+            if setup is not None:
+                ns.update(setup(ctx))
+            exec(code, ns)
+            if check is not None:
+                check(ns, ctx)
+    finally:
+        sys.modules["__main__"] = runner
 
 
 def _tear_down(ns: dict[str, Any], ctx: Ctx) -> None:

@@ -2,7 +2,9 @@
 
 * Every ```python block of README.md and docs/*.md runs as written (tests/docs_fixtures.py:
   the fixtures for what blocks elide, the example locations, the worker that runs them in a
-  real one-rank gloo job against the moto S3 server). A block not meant to run says so in the
+  real one-rank gloo job against the moto S3 server). A block that needs processes of its own
+  (a ``__main__`` guard, a 2-rank trainer: ``LAUNCHED``) runs as the main script of a
+  tests/launch.py job instead (tests/docs_job.py). A block not meant to run says so in the
   Markdown with ``<!-- not run: reason -->``.
 * ``pip install`` lines take one of two forms everywhere: from the index (``tierstore-s3``)
   or from a checkout (``-e backends/s3``), and a file giving one gives the other.
@@ -26,11 +28,12 @@ from typing import IO, Any
 
 import docs_fixtures
 import pytest
-from docs_fixtures import ROOT, SETUPS, Block, doc_files, python_blocks
-from launch import free_port, torchrun_env
+from docs_fixtures import LAUNCHED, ROOT, SETUPS, Block, Ctx, Launch, doc_files, python_blocks
+from launch import JobResult, free_port, run_job, torchrun_env
 
 BLOCKS = [block for path in doc_files() for block in python_blocks(path)]
 BLOCK_TIMEOUT = 180  # seconds; a hung block (an un-awaited async save) fails instead of hanging
+DOCS_JOB = Path(docs_fixtures.__file__).with_name("docs_job.py")
 
 
 class Worker:
@@ -100,6 +103,23 @@ class Worker:
         self._log_file.close()
 
 
+def launch(block: Block, how: Launch, tmp: Path, bucket: str, env: dict[str, str]) -> JobResult:
+    """Run a block as the main script of its own job (tests/docs_job.py on each rank), its
+    cold tier on the moto server that ``env`` points at."""
+    script = tmp / "block.py"  # what __main__.__file__ names: a spawned process imports it
+    script.write_text(docs_fixtures.localize(block.source, Ctx(tmp, bucket)))
+    request = {
+        "file": block.file,
+        "index": block.index,
+        "name": f"{block.file}:{block.line}",
+        "script": str(script),
+        "runs": how.runs,
+        "tmp": str(tmp),
+        "bucket": bucket,
+    }
+    return run_job(request, how.ranks, env=env, timeout=how.timeout, script=DOCS_JOB)
+
+
 @pytest.fixture(scope="module")
 def worker(s3_endpoint: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
     box = [Worker(s3_endpoint, tmp_path_factory.mktemp("docs-worker") / "worker.log")]
@@ -112,9 +132,16 @@ def worker(s3_endpoint: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 @pytest.mark.dist
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
-def test_block_runs(block: Block, worker: Worker, s3_bucket: str, tmp_path: Path) -> None:
+def test_block_runs(
+    block: Block, worker: Worker, s3_env: dict[str, str], s3_bucket: str, tmp_path: Path
+) -> None:
     if block.skip is not None:
         pytest.skip(f"{block.file}:{block.line} is marked not run: {block.skip}")
+    own = LAUNCHED.get((block.file, block.index))
+    if own is not None:
+        job = launch(block, own, tmp_path, s3_bucket, s3_env)
+        assert job.ok, f"{block.file}:{block.line} failed as written:\n{job.describe()}"
+        return
     assert worker.proc.poll() is None, f"the worker died before this block:\n{worker.tail()}"
     result = worker.run(block, tmp_path, s3_bucket)
     assert result["ok"], f"{block.file}:{block.line} failed as written:\n{result['error']}"
@@ -128,10 +155,38 @@ def test_a_block_that_fails_is_reported(worker: Worker, s3_bucket: str, tmp_path
     assert "docs/x.md:1" in result["error"]  # the traceback names the doc and its line
 
 
+@pytest.mark.dist
+def test_a_launched_block_runs_as_main_and_its_failure_is_reported(
+    s3_env: dict[str, str], s3_bucket: str, tmp_path: Path
+) -> None:
+    source = (
+        "import __main__, sys\n"
+        "assert __name__ == '__main__' and __main__.__file__.endswith('block.py')\n"
+        "print('rank', __import__('os').environ['RANK'], 'ran the block')\n"
+        'manager.save(1, {"w": 0})\n'
+    )
+    job = launch(Block("docs/x.md", 0, 1, source), Launch(ranks=2), tmp_path, s3_bucket, s3_env)
+    assert [r.returncode for r in job.ranks] == [1, 1], job.describe()
+    for rank in job.ranks:
+        assert f"rank {rank.rank} ran the block" in rank.output, job.describe()
+        assert "NameError: name 'manager' is not defined" in rank.output, job.describe()
+        assert 'File "docs/x.md:1", line 4' in rank.output  # the doc, its line, the block's line
+
+
 def test_the_docs_have_python_blocks_to_run() -> None:
     files = {b.file for b in BLOCKS}
-    assert {"README.md", "docs/index.md", "docs/migration.md", "docs/training-state.md"} <= files
-    assert sum(b.skip is None for b in BLOCKS) >= 15
+    assert {
+        "README.md",
+        "docs/index.md",
+        "docs/integrations.md",
+        "docs/migration.md",
+        "docs/training-state.md",
+    } <= files
+    assert sum(b.skip is None for b in BLOCKS) >= 18
+    # The drop-ins' blocks are runnable code: each runs in processes of its own.
+    integrations = [b for b in BLOCKS if b.file == "docs/integrations.md"]
+    assert [b.skip for b in integrations] == [None] * 3
+    assert all((b.file, b.index) in LAUNCHED for b in integrations)
 
 
 def test_every_skip_marker_gives_a_reason() -> None:
@@ -147,6 +202,8 @@ def test_every_setup_names_a_block_that_exists() -> None:
             f"{key} now starts with {by_key[key].first_line!r}: update SETUPS in docs_fixtures.py"
         )
         assert by_key[key].skip is None, f"{key} has a setup but is marked not run"
+    for key in LAUNCHED:
+        assert key in SETUPS, f"LAUNCHED names {key} without a SETUPS entry to guard its index"
 
 
 def test_the_parser_finds_blocks_markers_and_indented_fences(tmp_path: Path) -> None:
