@@ -15,6 +15,7 @@ import struct
 import subprocess
 import sys
 import termios
+import textwrap
 import time
 from importlib.metadata import version
 from pathlib import Path
@@ -289,3 +290,35 @@ def test_progress_on_a_terminal_is_a_tqdm_bar(hot: str) -> None:
         assert re.search(
             rf"hot {layout.default_name(step)}: 100%\|[^|]*\| \S+B/\S+B \[\d+:\d+<\d+:\d+, .*B/s\]", text
         ), text
+
+
+SWALLOWED = textwrap.dedent("""
+    import gc, os, signal, sys, threading, time
+    import tierstore.cli as cli
+
+    class Finalized:
+        def __del__(self):  # the Ctrl-C lands while the main thread runs this finalizer
+            threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
+            time.sleep(0.3)
+
+    def command(args):
+        Finalized()  # collected at once: its __del__ runs in the main thread
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
+        print("ran to the end", flush=True)
+        return 0
+
+    cli.COMMANDS["verify"] = command
+    sys.exit(cli.main(["verify", "--hot", sys.argv[1]]))
+""")
+
+
+def test_a_ctrl_c_python_drops_in_a_finalizer_still_interrupts_the_command(hot: str) -> None:
+    # Python ignores a KeyboardInterrupt raised inside __del__ ("Exception ignored in ..."):
+    # the CLI raises it again until one is caught.
+    done = subprocess.run([sys.executable, "-c", SWALLOWED, hot], capture_output=True, text=True, timeout=60)
+    assert "Exception ignored" in done.stderr  # the first one was dropped, as Python does
+    assert done.returncode == 130, (done.stdout, done.stderr)
+    assert "ran to the end" not in done.stdout
+    assert "tierstore verify: interrupted" in done.stderr

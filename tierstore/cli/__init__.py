@@ -9,6 +9,7 @@ them too.
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import signal
 import sys
@@ -99,12 +100,41 @@ def _interrupted(args: argparse.Namespace) -> int:
     return EXIT_INTERRUPTED
 
 
+_REDELIVER = 0.5  # seconds after a Ctrl-C that it is raised again, until one is caught
+_running = threading.Event()  # a command runs: a Ctrl-C redelivered now interrupts it
+
+
+def _on_sigint(signum: int, frame: object) -> None:
+    """Ctrl-C: ``KeyboardInterrupt``, and again every :data:`_REDELIVER` seconds while the
+    command still runs. Python drops a ``KeyboardInterrupt`` raised while the main thread is in
+    a finalizer (a garbage collection at that moment: "Exception ignored in ..."), which would
+    let the command go on as if no Ctrl-C came; ``_interrupted`` ignores SIGINT once one is
+    caught, which ends the redelivery."""
+
+    def again() -> None:
+        if _running.is_set():
+            _thread.interrupt_main(signal.SIGINT)
+
+    timer = threading.Timer(_REDELIVER, again)
+    timer.daemon = True
+    timer.start()
+    raise KeyboardInterrupt
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser(COMMANDS).parse_args(argv)
     if threading.current_thread() is threading.main_thread():
         # Interrupted by Ctrl-C even where the shell started us with SIGINT ignored.
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGINT, _on_sigint)
     args.progress = ProgressDisplay(show=not args.json)
+    _running.set()
+    try:
+        return _run(args)
+    finally:
+        _running.clear()
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         if args.hot is None and args.cold is None:
             raise UsageError("give --hot and/or --cold")
