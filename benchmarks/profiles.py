@@ -46,6 +46,7 @@ class Profile:
     perf_size: int = 512 * MiB  # the state of the measurements
     perf_reps: int = 5  # best of these per side
     perf_saves: int = 6  # saves per system in the stall job; 2..N are the steady state
+    perf_loop_reps: int = 10  # reps of the training-shaped loop (perf_loop.py), each shown
     # preemption: the save on a notice against a plain sync save, one process
     preemption_size: int = 256 * MiB
     preemption_reps: int = 5  # best of these per kind, with the spread
@@ -136,6 +137,7 @@ SMOKE = Profile(
     perf_size=32 * MiB,
     perf_reps=1,
     perf_saves=3,
+    perf_loop_reps=2,
     preemption_size=32 * MiB,
     preemption_reps=1,
 )

@@ -251,8 +251,10 @@ def suite_perf(bench: Bench) -> dict[str, Any]:
             {"bytes": profile.perf_size, "saves": profile.perf_saves, "scratch": scratch, "only": [system]},
         )
         stall = {**part, "records": [*stall.get("records", []), *part["records"]]} if stall else part
+    print(f"  perf: the training-shaped loop, {profile.perf_loop_reps} reps on tmpfs", flush=True)
+    loop = bench.module("perf_loop", {"bytes": profile.perf_size, "reps": profile.perf_loop_reps})
     shutil.rmtree(scratch, ignore_errors=True)
-    return {"io": io, "stall": stall}
+    return {"io": io, "stall": stall, "loop": {"bytes": profile.perf_size, "reps": profile.perf_loop_reps, "records": loop}}
 
 
 def suite_preemption(bench: Bench) -> dict[str, Any]:
