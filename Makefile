@@ -56,15 +56,16 @@ bench-smoke: $(STAMP)
 	$(bench_deps)
 	$(BIN)/python -m benchmarks --profile smoke --doc bench-scratch/smoke/benchmarks.md
 
-# Issue 14's targets alone (section 10 of docs/benchmarks.md, spliced into the report there;
-# `make bench` runs this suite with the others).
+# The perf suite alone: the raw encoding's saves and verified loads and the CheckpointManager's
+# staging paid once, spliced into docs/benchmarks.md where they stand (under Stall, Save and
+# Load); `make bench` runs this suite with the others.
 bench-perf: $(STAMP)
 	$(bench_deps)
 	$(BIN)/python -m benchmarks --profile quick --only perf --splice
 
-# Issue 15's scale simulator (docs/scale.md): W up to 4,096 simulated ranks on a local
-# directory and 1,024 on the moto S3 server, tables spliced into docs/scale.md.
-# SCALE_PROFILE=full goes to 16,384 ranks.
+# The scale simulator (docs/scale.md): requests and bytes of each phase of a checkpoint against
+# the number of ranks W, up to 4,096 simulated ranks on a local directory and 1,024 on the moto
+# S3 server, tables spliced into docs/scale.md. SCALE_PROFILE=full goes to 16,384 ranks.
 SCALE_PROFILE ?= quick
 bench-scale: $(STAMP)
 	$(BIN)/python -m pip install -q -e '.[bench]'

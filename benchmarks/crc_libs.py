@@ -3,7 +3,8 @@
 ``python -m benchmarks.crc_libs`` (with ``PYTHONPATH`` pointing at a scratch ``pip install
 --target DIR awscrt fastcrc google-crc32c`` to include the ones tierstore does not depend on).
 One 64 MiB buffer, best of 5 per library, GB/s; a library that is not installed says so.
-Issue 14's CRC32C target is read against these numbers (docs/benchmarks.md section 10).
+The CRC32C share target of the verified loads (docs/benchmarks.md, under Load) is read against
+these numbers.
 """
 
 from __future__ import annotations

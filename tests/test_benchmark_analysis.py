@@ -183,7 +183,7 @@ def test_target_met_compares_value_and_bound(op: str, value: float | None, met: 
 
 def test_formats_of_ratios_and_percentages() -> None:
     ratio = A.Target("k", "1", "what", 0.9876, "<=", 1.1, "ours")
-    share = A.Target("k", "5", "what", 0.031, "<=", 0.05, "issue", unit="%")
+    share = A.Target("k", "load", "what", 0.031, "<=", 0.05, "design", unit="%")
     assert (A.fmt_value(ratio), A.fmt_bound(ratio)) == ("0.988x", "<= 1.10x")
     assert (A.fmt_value(share), A.fmt_bound(share)) == ("+3.1%", "<= 5%")
     assert A.fmt_value(A.Target("k", "1", "what", None, "<=", 1.0, "ours")) == "n/a"
@@ -355,4 +355,4 @@ def test_without_measurements_no_target_is_met_or_missed() -> None:
 def test_a_miss_is_noise_when_the_per_rep_band_straddles_the_bound(
     detail: str, bound: float, expected: bool
 ) -> None:
-    assert straddles(A.Target("k", "3", "what", 0.97, ">=", bound, "issue", detail=detail)) is expected
+    assert straddles(A.Target("k", "save", "what", 0.97, ">=", bound, "design", detail=detail)) is expected

@@ -1,10 +1,14 @@
 """The benchmark report's prose lives in benchmarks/report/template.md: its blocks are joined
 back into one line per paragraph, every placeholder is filled from the results, and a splice
-replaces one section of an existing report without touching the rest. Rendering needs
-matplotlib (the bench extra); those tests are skipped without it."""
+replaces one section of an existing report without touching the rest. The report is organised
+by the questions a user asks, in a fixed order, and cites no issue. Rendering needs matplotlib
+(the bench extra); those tests are skipped without it. ``tests/data/bench-smoke.json`` is the
+results of one ``make bench-smoke`` run (every suite, tiny sizes)."""
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +16,23 @@ import pytest
 
 from benchmarks.infra.measure import MiB
 from benchmarks.report import template
+
+SMOKE = Path(__file__).parent / "data" / "bench-smoke.json"
+# The report's top-level sections, in order: the questions, then the findings and the method.
+HEADINGS = [
+    "## Machine",
+    "## Targets",
+    "## Stall: how long does a save block training?",
+    "## Save: how fast does a checkpoint reach the hot tier?",
+    "## Load: how fast does a resume read?",
+    "## Migration: how fast does it reach the cold tier?",
+    "## Memory: what does it cost in RAM?",
+    "## Cold tier down: what happens when S3 is unreachable?",
+    "## Preemption: how soon is a checkpoint safe after SIGTERM?",
+    "## Scale: how does it grow with ranks?",
+    "## Findings",
+    "## Method",
+]
 
 
 def test_a_wrapped_paragraph_becomes_one_line_and_elements_stay_apart() -> None:
@@ -49,7 +70,7 @@ def test_a_wrapped_paragraph_becomes_one_line_and_elements_stay_apart() -> None:
 
 def test_template_blocks_keep_one_line_per_paragraph() -> None:
     save = template.block("save").split("\n")
-    assert save[:2] == ["## 1. Save stall", ""]
+    assert save[:2] == ["### Save stall", ""]
     assert (
         len(save) == 3
         and save[2].startswith("Time the training thread")
@@ -157,13 +178,74 @@ def test_splice_replaces_only_the_standalone_section(tmp_path: Path) -> None:
     from benchmarks.report import render
 
     doc = tmp_path / "benchmarks.md"
-    doc.write_text(
-        "# Benchmarks\n\nkept\n\n## 9. Save with the cold tier down\n\nold text\n\n## Findings\n\nkept too\n"
-    )
+    heading = "## Cold tier down: what happens when S3 is unreachable?"
+    doc.write_text(f"# Benchmarks\n\nkept\n\n{heading}\n\nold text\n\n## Findings\n\nkept too\n")
     results = small_results()
     del results["suites"]["save"]
     assert render.splice(results, doc) == ["cold-down"]
     text = doc.read_text()
     assert "old text" not in text and "Seconds are the best of 1 reps" in text
-    assert text.startswith("# Benchmarks\n\nkept\n\n## 9. Save with the cold tier down\n\n")
+    assert text.startswith(f"# Benchmarks\n\nkept\n\n{heading}\n\n")
     assert text.endswith("\n\n## Findings\n\nkept too\n")
+
+
+def smoke_report(tmp_path: Path) -> str:
+    pytest.importorskip("matplotlib")
+    from benchmarks.report import render
+
+    return render.write(json.loads(SMOKE.read_text()), tmp_path / "benchmarks.md").read_text()
+
+
+def test_the_report_follows_the_questions_and_cites_no_issue(tmp_path: Path) -> None:
+    text = smoke_report(tmp_path)
+    assert [line for line in text.splitlines() if line.startswith("## ")] == HEADINGS
+    for prose in (text, template.TEMPLATE.read_text()):  # the template: blocks this run left out too
+        assert re.search(r"\bissues? #?\d", prose, re.IGNORECASE) is None
+        assert re.search(r"\b(item|section)s? \d", prose) is None
+    assert "{" not in text and "}" not in text
+    targets = text[text.index("## Targets") : text.index("### Missed targets")]
+    assert "| question | measure | ratio | target | from | verdict | noise |" in targets
+    rows = [row for row in targets.splitlines() if row.startswith("| ")][1:]
+    questions = [row.split(" | ")[0].removeprefix("| ") for row in rows]
+    order = ["Stall", "Save", "Load", "Migration", "Memory", "Scale"]
+    assert questions == sorted(questions, key=order.index) and set(questions) == set(order)
+    assert "issue" not in targets.lower() and "| design target |" in targets
+
+
+def test_each_part_of_the_perf_suite_is_under_its_question(tmp_path: Path) -> None:
+    text = smoke_report(tmp_path)
+    for part, question in (
+        ("### Staging paid once: the CheckpointManager against its peers", "## Stall"),
+        ("### Raw encoding: a save's CPU and throughput", "## Save"),
+        ("### Verified loads of the raw encoding", "## Load"),
+        ("### Migration memory", "## Memory"),
+        ("### GPU staging", "## Stall"),
+    ):
+        above = [line for line in text[: text.index(part)].splitlines() if line.startswith("## ")]
+        assert above[-1].startswith(question), part
+
+
+def test_a_splice_of_a_full_report_changes_nothing(tmp_path: Path) -> None:
+    """Splicing every standalone suite of the run that wrote the report finds each of their
+    sections where it stands and leaves the text as it was."""
+    text = smoke_report(tmp_path)
+    from benchmarks.report import render
+
+    results = json.loads(SMOKE.read_text())
+    assert render.splice(results, tmp_path / "benchmarks.md") == ["cold-down", "perf", "preemption"]
+    assert (tmp_path / "benchmarks.md").read_text() == text
+
+
+def test_a_perf_section_missing_from_the_report_goes_under_its_question(tmp_path: Path) -> None:
+    text = smoke_report(tmp_path)
+    from benchmarks.report import render
+
+    part = "### Raw encoding: a save's CPU and throughput"
+    start = text.index(part)
+    end = text.index("## Load:")
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text(text[:start] + text[end:])
+    results = json.loads(SMOKE.read_text())
+    results["suites"] = {"perf": results["suites"]["perf"]}
+    assert render.splice(results, doc) == ["perf"]
+    assert doc.read_text() == text

@@ -8,6 +8,7 @@ from typing import Any
 
 from benchmarks.infra.measure import GiB, MiB, Record
 from benchmarks.infra.stats import by_variant, paired_ratios
+from benchmarks.report.tables import QUESTIONS
 
 Summaries = dict[str, dict[str, float]]
 Results = Mapping[str, Any]
@@ -18,12 +19,12 @@ class Target:
     """One stated target: ``value`` compared with ``bound`` (``>=`` or ``<=``)."""
 
     key: str  # stable name, for the notes on a miss
-    section: str  # the number of the report section that measures it
+    question: str  # the report's question it answers: a key of ``tables.QUESTIONS``
     what: str
     value: float | None
     op: str
     bound: float
-    source: str  # "issue" (stated in issue 8) or "ours" (a criterion this report adds)
+    source: str  # "design" (a design target) or "ours" (a criterion this report adds)
     unit: str = "x"
     detail: str = ""
 
@@ -115,7 +116,7 @@ def stall_targets(results: Results) -> list[Target]:
     out = [
         Target(
             "stall_fsw_async",
-            "1",
+            "stall",
             f"save stall, TieredWriter async / FileSystemWriter async ({label})",
             div(tiered, med(stall, "fsw_async")),
             "<=",
@@ -124,7 +125,7 @@ def stall_targets(results: Results) -> list[Target]:
         ),
         Target(
             "stall_fsw_sync",
-            "1",
+            "stall",
             f"save stall, TieredWriter async / FileSystemWriter sync ({label})",
             div(tiered, med(stall, "fsw_sync")),
             "<=",
@@ -136,7 +137,7 @@ def stall_targets(results: Results) -> list[Target]:
         out.append(
             Target(
                 "stall_fsspec_sync",
-                "1",
+                "stall",
                 f"save stall, TieredWriter async / FsspecWriter sync to S3 ({label})",
                 div(tiered, med(stall, "fsspec_sync")),
                 "<=",
@@ -156,12 +157,12 @@ def hot_targets(results: Results) -> list[Target]:
         out.append(
             Target(
                 "hot_fsw",
-                "3",
+                "save",
                 f"hot write throughput, TieredWriter / FileSystemWriter ({label})",
                 div(med(rate, "tiered_sync"), med(rate, "fsw_sync")),
                 ">=",
                 1.0,
-                "issue",
+                "design",
                 detail=band(records, "commit", "tiered_sync", "fsw_sync", invert=True)
                 + cpu_note(records, "tiered_sync", "fsw_sync"),
             )
@@ -169,12 +170,12 @@ def hot_targets(results: Results) -> list[Target]:
         out.append(
             Target(
                 "hot_disk",
-                "3",
+                "save",
                 f"hot write throughput, TieredWriter / disk write+fsync ({label})",
                 div(med(rate, "tiered_sync"), med(rate, "disk_sync")),
                 ">=",
                 0.8,
-                "issue",
+                "design",
                 detail=band(records, "commit", "tiered_sync", "disk_sync", invert=True),
             )
         )
@@ -190,7 +191,7 @@ def memory_targets(results: Results) -> list[Target]:
     return [
         Target(
             "memory_save_sync",
-            "6",
+            "memory",
             f"save peak RSS growth, TieredWriter / FileSystemWriter, sync ({label})",
             div(med(growth, "tiered_sync"), med(growth, "fsw_sync")),
             "<=",
@@ -199,7 +200,7 @@ def memory_targets(results: Results) -> list[Target]:
         ),
         Target(
             "memory_save_async",
-            "6",
+            "memory",
             f"save peak RSS growth, TieredWriter / FileSystemWriter, async ({label})",
             div(med(growth, "tiered_async"), med(growth, "fsw_async")),
             "<=",
@@ -227,12 +228,12 @@ def cpu_targets(results: Results) -> list[Target]:
     return [
         Target(
             "hot_tmpfs",
-            "3",
+            "save",
             "hot write throughput, TieredWriter / FileSystemWriter, tmpfs (CPU-bound, one process)",
             div(fsw, med(costs, "tiered_tmpfs")),
             ">=",
             1.0,
-            "issue",
+            "design",
             detail=band(records, "cpu", "fsw_tmpfs", "tiered_tmpfs"),
         )
     ]
@@ -266,7 +267,7 @@ def latency_targets(results: Results) -> list[Target]:
         out.append(
             Target(
                 f"latency_{writer}",
-                "2",
+                "stall",
                 f"stall at +{top} ms / at +0 ms, {writer} ({what})",
                 value,
                 op,
@@ -319,7 +320,7 @@ def migration_targets(results: Results) -> list[Target]:
     out = [
         Target(
             "migration",
-            "4",
+            "migration",
             f"migration throughput, migrate_pending / s3fs put_file "
             f"({default} parts in flight, same part size)",
             div(
@@ -328,7 +329,7 @@ def migration_targets(results: Results) -> list[Target]:
             ),
             ">=",
             0.9,
-            "issue",
+            "design",
             detail=band(sweep, "seconds", "tiered", "s3fs", invert=True) + cpu_note(sweep, "tiered", "s3fs"),
         )
     ]
@@ -342,7 +343,7 @@ def migration_targets(results: Results) -> list[Target]:
         out.append(
             Target(
                 "migration_memory_flat",
-                "6",
+                "memory",
                 f"migrator peak RSS growth, {large // MiB} MiB / {small // MiB} MiB checkpoint (flat)",
                 div(ours[large], ours[small]),
                 "<=",
@@ -356,7 +357,7 @@ def migration_targets(results: Results) -> list[Target]:
         out.append(
             Target(
                 "migration_memory",
-                "6",
+                "memory",
                 f"migration peak RSS growth, migrate_pending / "
                 f"s3fs put_file ({size // MiB} MiB, {default} parts in flight)",
                 div(ours[size], plain[size]),
@@ -385,45 +386,45 @@ def load_targets(results: Results) -> list[Target]:
     out = [
         Target(
             "load_hot",
-            "5",
+            "load",
             "hot load throughput, TieredReader / FileSystemReader, page cache dropped",
             div(med(t, "fsr_hot"), med(t, "tiered_hot")),
             ">=",
             1.0,
-            "issue",
+            "design",
             detail=band(records, "load", "fsr_hot", "tiered_hot")
             + cpu_note(records, "tiered_hot", "fsr_hot"),
         ),
         Target(
             "load_hot_warm",
-            "5",
+            "load",
             "hot load throughput, TieredReader / FileSystemReader, warm page cache",
             div(med(t, "fsr_hot_warm"), med(t, "tiered_hot_warm")),
             ">=",
             1.0,
-            "issue",
+            "design",
             detail=band(records, "load", "fsr_hot_warm", "tiered_hot_warm")
             + cpu_note(records, "tiered_hot_warm", "fsr_hot_warm"),
         ),
         Target(
             "load_cold",
-            "5",
+            "load",
             "cold-only load throughput, TieredReader / FsspecReader (S3)",
             div(med(t, "fsspec_cold"), med(t, "tiered_cold")),
             ">=",
             0.9,
-            "issue",
+            "design",
             detail=band(records, "load", "fsspec_cold", "tiered_cold")
             + cpu_note(records, "tiered_cold", "fsspec_cold"),
         ),
         Target(
             "crc",
-            "5",
+            "load",
             "checksum cost: CRC32C time / hot load time (warm page cache, the worst case)",
             div(med(t, "crc_only"), med(t, "tiered_hot_warm")),
             "<=",
             0.05,
-            "issue",
+            "design",
             unit="%",
         ),
     ]
@@ -433,12 +434,12 @@ def load_targets(results: Results) -> list[Target]:
         out.append(
             Target(
                 "crc_ab",
-                "5",
+                "load",
                 "checksum cost, A/B: CPU time of a hot load (warm) with / without CRC32C - 1",
                 ab["median"] - 1,
                 "<=",
                 0.05,
-                "issue",
+                "design",
                 unit="%",
                 detail=f"per-rep {ab['min'] - 1:+.0%} .. {ab['max'] - 1:+.0%}",
             )
@@ -464,7 +465,7 @@ def scaling_targets(results: Results) -> list[Target]:
         out.append(
             Target(
                 f"scaling_{world}",
-                "7",
+                "scale",
                 f"time to commit, TieredWriter / FileSystemWriter, sync, {world} rank(s)",
                 div(med(commit, "tiered_sync"), med(commit, "fsw_sync")),
                 "<=",
@@ -485,7 +486,7 @@ def gpu_targets(results: Results) -> list[Target]:
     return [
         Target(
             "gpu_pinned",
-            "8",
+            "stall",
             "async_save stall, pinned async staging / DCP default stager",
             div(med(stall, "pinned_async"), med(stall, "dcp_default")),
             "<=",
@@ -509,7 +510,8 @@ def all_targets(results: Results) -> list[Target]:
         gpu_targets,
     ):
         found.extend(rule(results))
-    return found
+    order = list(QUESTIONS)
+    return sorted(found, key=lambda t: order.index(t.question))  # stable: grouped by question
 
 
 def fsync_share(records: Iterable[Record]) -> dict[str, float] | None:

@@ -1,4 +1,4 @@
-"""The report's section 9: saves with the cold tier down (``benchmarks/jobs/cold_down.py``)."""
+"""The report's Cold tier down section: saves with the cold tier down (``benchmarks/jobs/cold_down.py``)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from benchmarks.report import analysis as A
 from benchmarks.report.tables import Lines, size_label, table
 from benchmarks.report.template import block, paragraph
 
-COLD_DOWN_TARGET = 1.5  # issue 11: a save with the cold tier down, within 1.5x of hot-only
+COLD_DOWN_TARGET = 1.5  # a save with the cold tier down: within 1.5x of hot-only
 COLD_DOWN_MODES = {
     "healthy": "**healthy**",
     "refuse": "**refusing connections**",

@@ -8,10 +8,10 @@ from typing import Any
 from benchmarks.infra.measure import GiB
 from benchmarks.report import analysis as A
 from benchmarks.report.findings import explain
-from benchmarks.report.tables import Lines, table
+from benchmarks.report.tables import QUESTIONS, Lines, table
 from benchmarks.report.template import paragraph
 
-SOURCES = {"issue": "issue 8", "ours": "this report", "what-if": "what-if"}
+SOURCES = {"design": "design target", "ours": "this report", "what-if": "what-if"}
 
 
 def header(results: Mapping[str, Any]) -> Lines:
@@ -70,11 +70,19 @@ def _s3torch_line(results: Mapping[str, Any]) -> str:
 
 def targets(found: list[A.Target]) -> Lines:
     rows = [
-        [t.section, t.what, A.fmt_value(t), A.fmt_bound(t), SOURCES[t.source], A.verdict(t), t.detail]
+        [
+            QUESTIONS[t.question],
+            t.what,
+            A.fmt_value(t),
+            A.fmt_bound(t),
+            SOURCES[t.source],
+            A.verdict(t),
+            t.detail,
+        ]
         for t in found
     ]
     out = paragraph(
-        "targets", table=table(["item", "measure", "ratio", "target", "from", "verdict", "noise"], rows)
+        "targets", table=table(["question", "measure", "ratio", "target", "from", "verdict", "noise"], rows)
     )
     missed = [t for t in found if t.met is False and t.source != "what-if"]
     if missed:

@@ -1,5 +1,6 @@
-"""The report's section 10: issue 14's targets (``benchmarks/jobs/perf_io.py``,
-``perf_stall.py``): the targets table, why each missed one missed, the tables and figures.
+"""The perf suite's parts of the report (``benchmarks/jobs/perf_io.py``, ``perf_stall.py``):
+the staging paid once (under Stall), the raw encoding's saves (under Save) and its verified
+loads (under Load), each with its targets, why each missed one missed, its tables and figures.
 
 Every ratio compares the best of the reps of each side (``perf_io``), or medians over the
 steady-state saves 2..N (``perf_stall``), all from one run.
@@ -75,10 +76,15 @@ def pick(values: Mapping[str, float], names: Iterable[str]) -> tuple[str | None,
     return (min(there)[1], min(there)[0]) if there else (None, None)
 
 
+def question(key: str) -> str:
+    """The report's question a perf target answers, by its key."""
+    return "save" if key.startswith("save") else "load" if key.startswith(("load", "crc")) else "stall"
+
+
 def _target(
     key: str, what: str, value: float | None, op: str, bound: float, detail: str = "", unit: str = "x"
 ) -> A.Target:
-    return A.Target(key, "10", what, value, op, bound, "issue", unit, detail)
+    return A.Target(key, question(key), what, value, op, bound, "design", unit, detail)
 
 
 def io_targets(io: Mapping[str, Any]) -> list[A.Target]:
@@ -319,59 +325,80 @@ def _crc_gib(io: Mapping[str, Any]) -> str:
     return f"{(crc['crc_on'] - crc['crc_off']) * GiB / io['bytes']:.3f}"
 
 
-# -- the section ------------------------------------------------------------------------------
+# -- the sections ----------------------------------------------------------------------------
 
 
-def perf_section(results: Results, img: Path | None = None) -> Lines:
+def _command(results: Results) -> str:
+    name = results.get("profile", {}).get("name", "quick")
+    return f"python -m benchmarks --profile {name} --only perf" + (" --splice" if name != "smoke" else "")
+
+
+def _targets(results: Results, name: str, intro: Lines) -> Lines:
+    """The targets of question ``name``: the table after ``intro``, then why each missed."""
+    suite = results["suites"]["perf"]
+    found = [t for t in perf_targets(results) if t.question == name]
+    rows = [[t.what, _value(t), _bound(t), verdict(t), t.detail] for t in found]
+    out = [*intro[:-1], table(["target", "measured", "bound", "verdict", "ours"], rows), ""]
+    missed = [t for t in found if met(t) is not True]
+    if missed:
+        out += paragraph("perf.missed")
+        out += [
+            block("perf.miss", what=t.what, value=_value(t), bound=_bound(t), why=why(t, suite))
+            for t in missed
+        ] + [""]
+    return out
+
+
+def _value(t: A.Target) -> str:
+    return "n/a" if t.value is None else A.fmt_value(t) if t.unit == "%" else f"{t.value:.3f}x"
+
+
+def _bound(t: A.Target) -> str:
+    return f"{t.op} {t.bound:.0%}" if t.unit == "%" else f"{t.op} {t.bound:.2f}x"
+
+
+def perf_stall_section(results: Results, img: Path | None = None) -> Lines:
+    """Under Stall: the CheckpointManager's staging paid once, against its peers."""
     suite = results["suites"].get("perf")
     if not suite:
         return []
     io, stall = suite["io"], suite["stall"]
-    found = perf_targets(results)
-    rows = [
-        [
-            t.what,
-            A.fmt_value(t) if t.unit == "%" else ("n/a" if t.value is None else f"{t.value:.3f}x"),
-            f"{t.op} {t.bound:.0%}" if t.unit == "%" else f"{t.op} {t.bound:.2f}x",
-            verdict(t),
-            t.detail,
-        ]
-        for t in found
-    ]
-    name = results.get("profile", {}).get("name", "quick")
-    command = f"python -m benchmarks --profile {name} --only perf" + (" --splice" if name != "smoke" else "")
     loads = [x for part in (io, stall) for x in part.get("loadavg", [])]
-    out = paragraph(
-        "perf",
-        command=command,
+    intro = paragraph(
+        "perf.stall_intro",
+        command=_command(results),
         size=size_label(io["bytes"]),
         cores=io.get("cores", "?"),
         loadavg=f"{min(loads):.1f}-{max(loads):.1f}" if loads else "n/a",
         tensors=io["tensors"],
         largest=size_label(io["largest"]),
         smallest=io["smallest"],
-        reps=io["reps"],
         saves=stall["saves"],
         hot=stall["hot"],
         started=results.get("started", ""),
-        features=_features(io["features"]),
-        table=table(["target", "measured", "bound", "verdict", "ours"], rows),
+        table="",
     )
-    missed = [t for t in found if met(t) is not True]
-    if missed:
-        out += paragraph("perf.missed")
-        out += [
-            block(
-                "perf.miss",
-                what=t.what,
-                value="n/a" if t.value is None else (A.fmt_value(t) if t.unit == "%" else f"{t.value:.3f}x"),
-                bound=f"{t.op} {t.bound:.0%}" if t.unit == "%" else f"{t.op} {t.bound:.2f}x",
-                why=why(t, suite),
-            )
-            for t in missed
-        ] + [""]
-    out += _io_tables(io, img)
-    out += _stall_table(stall, img)
+    return _targets(results, "stall", intro) + _stall_table(stall, img)
+
+
+def perf_save_section(results: Results, img: Path | None = None) -> Lines:
+    """Under Save: the raw encoding's saves."""
+    suite = results["suites"].get("perf")
+    if not suite:
+        return []
+    io = suite["io"]
+    intro = paragraph("perf.save_intro", reps=io["reps"], features=_features(io["features"]), table="")
+    return _targets(results, "save", intro) + _io_tables(io, img, "save")
+
+
+def perf_load_section(results: Results, img: Path | None = None) -> Lines:
+    """Under Load: the raw encoding's verified loads and the CRC32C A/B."""
+    suite = results["suites"].get("perf")
+    if not suite:
+        return []
+    io = suite["io"]
+    out = _targets(results, "load", paragraph("perf.load_intro", reps=io["reps"], table=""))
+    out += _io_tables(io, img, "load")
     checks = {
         f"{place}/{name}": text
         for place, bad in io.get("load_checks", {}).items()
@@ -382,22 +409,41 @@ def perf_section(results: Results, img: Path | None = None) -> Lines:
     return out
 
 
+def perf_section(results: Results, img: Path | None = None) -> Lines:
+    """All three parts, in the report's order."""
+    return [
+        *perf_stall_section(results, img),
+        *perf_save_section(results, img),
+        *perf_load_section(results, img),
+    ]
+
+
 def _features(found: Mapping[str, str | None]) -> str:
     return ", ".join(
         f"`{name}` {'present' if reason is None else 'absent'}" for name, reason in found.items()
     )
 
 
-def _io_tables(io: Mapping[str, Any], img: Path | None) -> Lines:
+IO_CASES = {
+    "save": (("save", (("tmpfs", None), ("disk", None)), SAVE_ROWS),),
+    "load": (
+        ("load", (("tmpfs", "warm"), ("disk", "warm"), ("disk", "cold")), LOAD_ROWS),
+        ("crc", (("tmpfs", None), ("disk", None)), ("crc_on", "crc_off")),
+    ),
+}
+IO_FIGURES = {
+    "save": ("perf_save_cpu.png", "CPU seconds per GiB saved, best of reps (lower is better)"),
+    "load": ("perf_load_cpu.png", "CPU seconds per GiB loaded, best of reps (lower is better)"),
+}
+
+
+def _io_tables(io: Mapping[str, Any], img: Path | None, part: str) -> Lines:
+    """The save rows (``part`` "save") or the load and CRC32C A/B rows ("load")."""
     rec, scale = io["records"], GiB / io["bytes"]
     rows: list[list[str]] = []
     cpu_bars: dict[str, dict[str, float]] = {}
     missing = reasons(rec)
-    for op, places, names in (
-        ("save", (("tmpfs", None), ("disk", None)), SAVE_ROWS),
-        ("load", (("tmpfs", "warm"), ("disk", "warm"), ("disk", "cold")), LOAD_ROWS),
-        ("crc", (("tmpfs", None), ("disk", None)), ("crc_on", "crc_off")),
-    ):
+    for op, places, names in IO_CASES[part]:
         for place, cache in places:
             where = {"op": op, "place": place, **({"cache": cache} if cache else {})}
             cpu, secs = best(rec, "cpu", **where), best(rec, "seconds", **where)
@@ -419,7 +465,7 @@ def _io_tables(io: Mapping[str, Any], img: Path | None) -> Lines:
                 elif name in missing and select(rec, variant=name, op=op, place=place):
                     rows.append([label, f"`{name}`", "n/a", "n/a", "", missing[name][:120]])
     out = paragraph(
-        "perf.io",
+        f"perf.io.{part}",
         table=table(
             ["case", "variant", "MiB/s (best)", "CPU s/GiB (best)", "speed vs base", "CPU vs base"], rows
         ),
@@ -427,10 +473,9 @@ def _io_tables(io: Mapping[str, Any], img: Path | None) -> Lines:
     if img is not None and cpu_bars:
         from benchmarks.report import plots  # matplotlib: only where a figure is drawn
 
-        path = plots.bars(
-            img / "perf_cpu.png", "CPU seconds per GiB, best of reps (lower is better)", "CPU s/GiB", cpu_bars
-        )
-        out += [image(path, "CPU per GiB of saves and loads"), ""]
+        name, title = IO_FIGURES[part]
+        path = plots.bars(img / name, title, "CPU s/GiB", cpu_bars)
+        out += [image(path, f"CPU per GiB of the {part}s"), ""]
     return out
 
 

@@ -1,4 +1,4 @@
-"""The report's section 11: saving on a preemption notice (``benchmarks/jobs/preemption.py``)."""
+"""The report's Preemption section: saving on a preemption notice (``benchmarks/jobs/preemption.py``)."""
 
 from __future__ import annotations
 

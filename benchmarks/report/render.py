@@ -13,31 +13,41 @@ from benchmarks.report import sections as S
 from benchmarks.report.cold_down import cold_down_section
 from benchmarks.report.findings import findings
 from benchmarks.report.overview import header, machine, method, targets
-from benchmarks.report.perf import perf_section
+from benchmarks.report.perf import perf_load_section, perf_save_section, perf_stall_section
 from benchmarks.report.preemption import preemption_section
 from benchmarks.report.tables import DOC, FIGURES, Lines
+from benchmarks.report.template import blocks
 
 Section = Callable[[Mapping[str, Any], Path], Lines]
 
+# The report by question, in order: a question's heading, then the sections that answer it.
 SECTIONS: tuple[Section, ...] = (
+    S.question("stall"),
     S.save_section,
     S.latency_section,
-    S.hot_section,
-    S.migration_section,
-    S.load_section,
-    S.memory_section,
-    S.scaling_section,
     S.gpu_section,
+    perf_stall_section,
+    S.question("save"),
+    S.hot_section,
+    perf_save_section,
+    S.question("load"),
+    S.load_section,
+    perf_load_section,
+    S.question("migration"),
+    S.migration_section,
+    S.memory_section,
     cold_down_section,
-    perf_section,
     preemption_section,
+    S.scaling_section,
 )
 # Sections rendered from their own suite alone: a run of only those suites can update them in
-# the report without the rest (``--only cold-down --splice``).
-STANDALONE: dict[str, Section] = {
-    "cold-down": cold_down_section,
-    "perf": perf_section,
-    "preemption": preemption_section,
+# the report without the rest (``--only cold-down --splice``). Each is the suite's sections,
+# with the question (block ``question.NAME``) whose section holds it, None for one that is a
+# question's whole section.
+STANDALONE: dict[str, tuple[tuple[str | None, Section], ...]] = {
+    "cold-down": ((None, cold_down_section),),
+    "perf": (("stall", perf_stall_section), ("save", perf_save_section), ("load", perf_load_section)),
+    "preemption": ((None, preemption_section),),
 }
 
 
@@ -64,22 +74,48 @@ def write(results: Mapping[str, Any], doc: Path = DOC) -> Path:
 
 def splice(results: Mapping[str, Any], doc: Path = DOC) -> list[str]:
     """Replace, in the existing report, the sections of the standalone suites in
-    ``results`` (inserted before the findings if absent); the rest stays as it was.
-    Returns the suites spliced."""
+    ``results``; the rest stays as it was. A section not there yet goes at the end of its
+    question's section, or before the findings if that is absent too. Returns the suites
+    spliced."""
     text = doc.read_text()
     done = []
-    for suite, render_section in STANDALONE.items():
+    for suite, parts in STANDALONE.items():
         if suite not in results["suites"]:
             continue
-        section = _text(render_section(results, doc.parent / FIGURES))
-        heading = section.split("\n", 1)[0] + "\n"
-        start = text.find(heading)
-        if start < 0:
-            start = end = text.index("## Findings\n")
-        else:
-            following = text.find("\n## ", start + len(heading))
-            end = len(text) if following < 0 else following + 1
-        text = text[:start] + section + "\n\n" + text[end:]
+        for parent, render_section in parts:
+            section = _text(render_section(results, doc.parent / FIGURES))
+            text = _replace(text, section, parent)
         done.append(suite)
     doc.write_text(text)
     return done
+
+
+def _replace(text: str, section: str, parent: str | None) -> str:
+    """``text`` with the section that starts with ``section``'s heading line replaced by
+    ``section``: up to the next heading of its level or above."""
+    heading = section.split("\n", 1)[0]
+    start = _line(text, heading)
+    if start >= 0:
+        end = _next_heading(text, start + len(heading), _level(heading))
+    else:
+        above = _line(text, blocks()[f"question.{parent}"].split("\n", 1)[0]) if parent else -1
+        start = end = _next_heading(text, above + 1, 2) if above >= 0 else _line(text, "## Findings")
+        if start < 0:
+            start = end = len(text)
+    return text[:start] + section + "\n\n" + text[end:]
+
+
+def _line(text: str, line: str) -> int:
+    """Where the line ``line`` starts in ``text``, or -1."""
+    found = re.search(f"^{re.escape(line)}$", text, re.M)
+    return found.start() if found else -1
+
+
+def _level(heading: str) -> int:
+    return len(heading) - len(heading.lstrip("#"))
+
+
+def _next_heading(text: str, pos: int, level: int) -> int:
+    """Where the first heading of ``level`` or above after ``pos`` starts, or the end."""
+    found = re.compile(f"^#{{1,{level}}} ", re.M).search(text, pos)
+    return found.start() if found else len(text)

@@ -1,9 +1,10 @@
-"""The report's measured sections, 1 to 8: their tables and figures. The prose is in
-``template.md``; each section fills its blocks there."""
+"""The report's measured sections from the save, latency, cpu, migration, load, scaling and
+gpu suites: their tables and figures, and the headings of the report's questions. The prose is
+in ``template.md``; each section fills its blocks there."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,16 @@ from benchmarks.report.tables import (
 from benchmarks.report.template import block, paragraph
 
 Results = Mapping[str, Any]
+
+
+def question(name: str) -> Callable[[Results, Path], Lines]:
+    """The heading (and lead) of question ``name``: block ``question.NAME``."""
+
+    def heading(results: Results, img: Path) -> Lines:
+        return paragraph(f"question.{name}")
+
+    heading.__name__ = f"question_{name}"
+    return heading
 
 
 def errors(records: list[dict[str, Any]]) -> str:
@@ -183,7 +194,6 @@ def migration_section(results: Results, img: Path) -> Lines:
     if not suite:
         return []
     speed = A.migration_rates(results)
-    memory = A.migration_memory(results)
     rows = []
     for inflight in sorted({n for kind in speed.values() for n in kind}):
         ours, plain = speed.get("tiered", {}).get(inflight), speed.get("s3fs", {}).get(inflight)
@@ -200,11 +210,6 @@ def migration_section(results: Results, img: Path) -> Lines:
                 A.seconds(A.med(cpu, "s3fs")),
             ]
         )
-    sizes = sorted({s for kind in memory.values() for s in kind})
-    mem_rows = [
-        [size_label(s), A.mib(memory.get("tiered", {}).get(s)), A.mib(memory.get("s3fs", {}).get(s))]
-        for s in sizes
-    ]
     largest = max((r["bytes"] for r in suite["records"] if r["group"] == "sweep"), default=0)
     path = plots.lines(
         img / "migration.png",
@@ -218,7 +223,6 @@ def migration_section(results: Results, img: Path) -> Lines:
         "migration",
         size=size_label(largest),
         part_mib=suite["part_size"] // MiB,
-        inflight=suite["default_inflight"],
         errors=errors(suite["records"]),
         figure=image(path, "migration throughput"),
         table=table(
@@ -232,7 +236,6 @@ def migration_section(results: Results, img: Path) -> Lines:
             ],
             rows,
         ),
-        memory_table=table(["checkpoint", "migrate_pending", "s3fs put_file"], mem_rows),
     )
 
 
@@ -297,7 +300,21 @@ def memory_section(results: Results, img: Path) -> Lines:
                     A.mib(A.med(total, name)) if name in total else "",
                 ]
             )
+    out = paragraph("memory", table=table(["state", "writer", "save MiB", "save + migration MiB"], rows))
+    return out + _migration_memory(results, img)
+
+
+def _migration_memory(results: Results, img: Path) -> Lines:
+    """Peak RSS growth of the migrating process by checkpoint size (the migration suite)."""
+    suite = results["suites"].get("migration")
+    if not suite:
+        return []
     memory = A.migration_memory(results)
+    sizes = sorted({s for kind in memory.values() for s in kind})
+    rows = [
+        [size_label(s), A.mib(memory.get("tiered", {}).get(s)), A.mib(memory.get("s3fs", {}).get(s))]
+        for s in sizes
+    ]
     series = {kind: {s / MiB: v / MiB for s, v in sizes.items()} for kind, sizes in memory.items()}
     figure = ""
     if series:
@@ -310,7 +327,11 @@ def memory_section(results: Results, img: Path) -> Lines:
         )
         figure = image(path, "migration memory")
     return paragraph(
-        "memory", figure=figure, table=table(["state", "writer", "save MiB", "save + migration MiB"], rows)
+        "memory.migration",
+        inflight=suite["default_inflight"],
+        part_mib=suite["part_size"] // MiB,
+        figure=figure,
+        memory_table=table(["checkpoint", "migrate_pending", "s3fs put_file"], rows),
     )
 
 

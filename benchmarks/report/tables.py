@@ -9,6 +9,18 @@ from benchmarks.infra.measure import GiB, MiB
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
 FIGURES = "img/benchmarks"  # the figures' folder, relative to the report's
+# The report's questions, in the order of its sections: a target's ``question`` is a key, the
+# targets table names it by the value.
+QUESTIONS = {
+    "stall": "Stall",
+    "save": "Save",
+    "load": "Load",
+    "migration": "Migration",
+    "memory": "Memory",
+    "cold-down": "Cold tier down",
+    "preemption": "Preemption",
+    "scale": "Scale",
+}
 
 SAVE_ORDER = (
     "disk_sync",
