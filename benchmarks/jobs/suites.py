@@ -254,7 +254,11 @@ def suite_perf(bench: Bench) -> dict[str, Any]:
     print(f"  perf: the training-shaped loop, {profile.perf_loop_reps} reps on tmpfs", flush=True)
     loop = bench.module("perf_loop", {"bytes": profile.perf_size, "reps": profile.perf_loop_reps})
     shutil.rmtree(scratch, ignore_errors=True)
-    return {"io": io, "stall": stall, "loop": {"bytes": profile.perf_size, "reps": profile.perf_loop_reps, "records": loop}}
+    return {
+        "io": io,
+        "stall": stall,
+        "loop": {"bytes": profile.perf_size, "reps": profile.perf_loop_reps, "records": loop},
+    }
 
 
 def suite_preemption(bench: Bench) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from benchmarks.report import analysis as A
 from benchmarks.report import sections as S
 from benchmarks.report.cold_down import cold_down_section
 from benchmarks.report.findings import findings
+from benchmarks.report.loop import perf_loop_section
 from benchmarks.report.overview import header, machine, method, targets
 from benchmarks.report.perf import perf_load_section, perf_save_section, perf_stall_section
 from benchmarks.report.preemption import preemption_section
@@ -30,6 +31,7 @@ SECTIONS: tuple[Section, ...] = (
     S.question("save"),
     S.hot_section,
     perf_save_section,
+    perf_loop_section,
     S.question("load"),
     S.load_section,
     perf_load_section,
@@ -46,7 +48,12 @@ SECTIONS: tuple[Section, ...] = (
 # question's whole section.
 STANDALONE: dict[str, tuple[tuple[str | None, Section], ...]] = {
     "cold-down": ((None, cold_down_section),),
-    "perf": (("stall", perf_stall_section), ("save", perf_save_section), ("load", perf_load_section)),
+    "perf": (
+        ("stall", perf_stall_section),
+        ("save", perf_save_section),
+        ("save", perf_loop_section),
+        ("load", perf_load_section),
+    ),
     "preemption": ((None, preemption_section),),
 }
 
@@ -84,7 +91,8 @@ def splice(results: Mapping[str, Any], doc: Path = DOC) -> list[str]:
             continue
         for parent, render_section in parts:
             section = _text(render_section(results, doc.parent / FIGURES))
-            text = _replace(text, section, parent)
+            if section:  # a part this run did not measure keeps what the report has
+                text = _replace(text, section, parent)
         done.append(suite)
     doc.write_text(text)
     return done
