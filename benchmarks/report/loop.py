@@ -14,7 +14,12 @@ from benchmarks.report.tables import Lines, size_label, table
 from benchmarks.report.template import block, paragraph
 
 Records = list[dict[str, Any]]
-SAVES = {"fsw": "FileSystemWriter", "tiered": "TieredWriter", "floor": "floor"}
+SAVES = {
+    "fsw": "FileSystemWriter",
+    "tiered": "TieredWriter",
+    "tiered_fresh": "TieredWriter, recycling off",
+    "floor": "floor",
+}
 LOADS = {"fsr": "FileSystemReader", "tiered": "TieredReader", "floor": "floor"}
 SPREAD = 1.5  # the steadiness asked of a save and a load: worst rep / best rep over the loop
 
