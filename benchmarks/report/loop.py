@@ -146,6 +146,9 @@ def loop_why(target: A.Target, records: Records, suite: Mapping[str, Any] | None
         floor_best=f"{min(floor):.3f}" if floor else "n/a",
         floor_spread="n/a" if spread(floor) is None else f"{spread(floor):.2f}x",
         remainder="n/a" if not floor else f"{min(ours) - min(floor):+.3f}",
+        ours_beyond="n/a"
+        if not floor or dcp_own is None or op != "save"
+        else f"{min(ours) - min(floor) - dcp_own:+.3f}",
         reported=f"{record.get('reported_mib', 0.0):.0f}",
     )
 
