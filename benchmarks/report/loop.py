@@ -137,7 +137,6 @@ def loop_why(target: A.Target, records: Records, suite: Mapping[str, Any] | None
         "perf.loop.why",
         op=op,
         who="TieredWriter" if op == "save" else "TieredReader",
-        dcp_own="n/a" if dcp_own is None or op != "save" else f"{dcp_own:.3f}",
         best=f"{min(ours):.3f}",
         median=f"{statistics.median(ours):.3f}",
         worst=f"{record['cpu']:.3f}",
@@ -146,9 +145,11 @@ def loop_why(target: A.Target, records: Records, suite: Mapping[str, Any] | None
         floor_best=f"{min(floor):.3f}" if floor else "n/a",
         floor_spread="n/a" if spread(floor) is None else f"{spread(floor):.2f}x",
         remainder="n/a" if not floor else f"{min(ours) - min(floor):+.3f}",
-        ours_beyond="n/a"
-        if not floor or dcp_own is None or op != "save"
-        else f"{min(ours) - min(floor) - dcp_own:+.3f}",
+        parts=block(
+            f"perf.loop.why.{op}",
+            dcp_own="n/a" if dcp_own is None else f"{dcp_own:.3f}",
+            ours_beyond="n/a" if not floor or dcp_own is None else f"{min(ours) - min(floor) - dcp_own:+.3f}",
+        ),
         reported=f"{record.get('reported_mib', 0.0):.0f}",
     )
 
