@@ -328,6 +328,7 @@ def test_a_writer_killed_while_overwriting_a_recycled_file_leaves_only_a_tempora
 def test_a_run_that_keeps_two_checkpoints_writes_each_save_into_the_pruned_ones_files(tmp_path: Path) -> None:
     hot = tmp_path / "hot"
     states = []
+    pruned_inodes: set[int] = set()
     for step in range(5):
         state = {"w": torch.randn(1 << 20), "b": torch.randn(300_000), "step": torch.tensor(step)}
         states.append({k: v.clone() for k, v in state.items()})
