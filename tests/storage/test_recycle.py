@@ -343,3 +343,83 @@ def test_a_run_that_keeps_two_checkpoints_writes_each_save_into_the_pruned_ones_
         into = {"w": torch.zeros(1 << 20), "b": torch.zeros(300_000), "step": torch.tensor(-1)}
         dcp.load(into, storage_reader=TieredReader(hot=str(hot), step=step), no_dist=True)
         assert all(torch.equal(into[k], states[step][k]) for k in into)
+
+
+def test_a_file_planted_in_the_pool_is_never_written_through(tmp_path: Path) -> None:
+    store, outside = tmp_path / "store", tmp_path / "outside"
+    outside.mkdir()
+    backend = LocalBackend(str(store))
+    _put(backend, "x/a.bin", _bytes(2 * MiB, 1))
+    backend.delete("x/a.bin")  # the pool exists now
+    pool = store / recycle.DIR
+    for name in os.listdir(pool):
+        os.unlink(pool / name)
+    precious = outside / "precious.bin"
+    precious.write_bytes(_bytes(2 * MiB, 2))
+    os.link(precious, pool / "0-linked")  # another name of a file outside the store
+    target = outside / "target.bin"
+    target.write_bytes(_bytes(2 * MiB, 3))
+    os.symlink(target, pool / "1-symlink")
+    data = _bytes(2 * MiB, 4)
+    _put(backend, "y/new.bin", data)
+    assert _read(backend, "y/new.bin") == data
+    assert precious.read_bytes() == _bytes(2 * MiB, 2) and target.read_bytes() == _bytes(2 * MiB, 3)
+    assert _ino(store, "y/new.bin") not in (precious.stat().st_ino, target.stat().st_ino)
+
+
+def test_a_recycled_file_rewritten_within_one_clock_tick_still_gets_a_new_version(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 10)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        then = os.fstat(fd).st_mtime_ns
+        recycle.fresh_mtime(fd, then)  # a coarse clock: the rewrite kept the old mtime
+        assert os.fstat(fd).st_mtime_ns == then + 1
+        os.utime(fd, ns=(then, then + 500))
+        recycle.fresh_mtime(fd, then)  # the clock moved: nothing to do
+        assert os.fstat(fd).st_mtime_ns == then + 500
+    finally:
+        os.close(fd)
+
+
+def test_the_writer_of_a_recycled_file_makes_its_version_new(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = LocalBackend(str(tmp_path))
+    _put(backend, "k/a.bin", _bytes(2 * MiB, 1))
+    old = backend.stat("k/a.bin")
+    backend.delete("k/a.bin")
+    [pooled] = _pooled(tmp_path)
+    deleted_mtime = os.stat(tmp_path / recycle.DIR / pooled).st_mtime_ns
+    seen: list[int] = []
+    real = recycle.fresh_mtime
+    monkeypatch.setattr(local_mod, "fresh_mtime", lambda fd, ns: (seen.append(ns), real(fd, ns))[1])
+    _put(backend, "k/a.bin", _bytes(2 * MiB, 2))
+    assert seen == [deleted_mtime]  # the writer compared the new mtime with the old one
+    assert backend.stat("k/a.bin").version != old.version
+
+
+def test_a_disk_with_less_free_than_the_pool_holds_gets_the_pool_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = LocalBackend(str(tmp_path))
+    _put(backend, "x/a.bin", _bytes(4 * MiB, 1))
+    backend.delete("x/a.bin")
+    assert _pooled(tmp_path)
+    real = os.statvfs
+    tight = {"on": True}
+
+    def statvfs(path: str) -> os.statvfs_result:
+        st = real(path)
+        if not tight["on"]:
+            return st
+        tight["on"] = False  # after the drain the disk has its space back
+        fields = list(st)
+        fields[4] = 1  # f_bavail: one block free
+        return os.statvfs_result(fields)
+
+    monkeypatch.setattr(local_mod.os, "statvfs", statvfs)
+    free = backend.free_bytes()
+    assert _pooled(tmp_path) == []
+    st = real(str(tmp_path))
+    assert abs(free - st.f_bavail * st.f_frsize) < 64 * MiB  # the disk's own free, no pool added

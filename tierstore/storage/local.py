@@ -38,7 +38,7 @@ from tierstore.errors import ConfigError, PublishConflict, UnsafePath
 from tierstore.storage import faults
 from tierstore.storage.backend import Backend, ObjectInfo, ObjectWriter, check_key, translate_os_errors
 from tierstore.storage.recycle import DIR as _RECYCLE_DIR
-from tierstore.storage.recycle import RecyclePool
+from tierstore.storage.recycle import RecyclePool, fresh_mtime
 
 __all__ = ["LocalBackend"]
 
@@ -145,7 +145,7 @@ class _LocalWriter(ObjectWriter):
         *,
         direct: bool,
         defer_dir_sync: bool,
-        recycled: bool = False,
+        recycled: int | None = None,
     ) -> None:
         super().__init__(key)
         self._dirs = dirs
@@ -158,7 +158,8 @@ class _LocalWriter(ObjectWriter):
         self._staging: mmap.mmap | None = None
         self._staged = 0
         self._defer_dir_sync = defer_dir_sync
-        # A recycled file (storage/recycle.py): overwritten from 0, cut to size at commit.
+        # A recycled file (storage/recycle.py): overwritten from 0, cut to size at commit, its
+        # mtime (ns) as deleted kept so that its new version differs.
         self._recycled = recycled
 
     def _drain(self, view: memoryview) -> None:
@@ -250,8 +251,9 @@ class _LocalWriter(ObjectWriter):
                 if self._buffer:
                     self._drain(memoryview(self._buffer))
                     self._buffer.clear()
-                if self._recycled:
+                if self._recycled is not None:
                     os.ftruncate(self._fd, self.size)
+                    fresh_mtime(self._fd, self._recycled)
                 if self._backend.fsync:
                     os.fsync(self._fd)
                 self.version = _version(os.fstat(self._fd))  # a rename keeps inode and mtime
@@ -440,10 +442,10 @@ class LocalBackend(Backend):
 
     def _create(
         self, key: str, parts: list[str], name: str, direct: bool = False, reuse: bool = False
-    ) -> tuple[_Dirs, int, bool, bool]:
+    ) -> tuple[_Dirs, int, bool, int | None]:
         """Exclusively create file ``name`` in ``key``'s directory, making it first; say
-        whether it is open for O_DIRECT, and whether it is a recycled file (``reuse``: one
-        taken from :attr:`recycle` where it has one, never O_DIRECT).
+        whether it is open for O_DIRECT, and, for a recycled file (``reuse``: one taken from
+        :attr:`recycle` where it has one, never O_DIRECT), its mtime as deleted (else None).
 
         ``delete`` removes directories it leaves empty, so a concurrent delete can remove
         the directory between our walk and our create: walk again and retry.
@@ -456,9 +458,9 @@ class LocalBackend(Backend):
                     raise
                 continue
             try:
-                if reuse and (fd := self.recycle.take(dirs.fd, name)) is not None:
-                    return dirs, fd, False, True
-                return (dirs, *self._create_file(name, dirs.fd, direct), False)
+                if reuse and (taken := self.recycle.take(dirs.fd, name)) is not None:
+                    return dirs, taken[0], False, taken[1]
+                return (dirs, *self._create_file(name, dirs.fd, direct), None)
             except FileNotFoundError:
                 dirs.close()
                 if attempt == _VANISHED_RETRIES:
@@ -681,9 +683,16 @@ class LocalBackend(Backend):
         return directory
 
     def free_bytes(self) -> int | None:
-        """Free space, the recycled files' included: a write takes them first."""
-        st = os.statvfs(self._existing_parent())
-        return st.f_bavail * st.f_frsize + self.recycle.held_bytes()
+        """Free space, the recycled files' included: a write takes them first. Where the
+        disk has less free than the pool holds, the pool gives it all back first."""
+        directory = self._existing_parent()
+        st = os.statvfs(directory)
+        free, held = st.f_bavail * st.f_frsize, self.recycle.held_bytes()
+        if held and free < held:
+            self.recycle.drain()
+            st = os.statvfs(directory)
+            return st.f_bavail * st.f_frsize
+        return free + held
 
     def local_path(self, key: str) -> str:
         return self._path(key)

@@ -39,7 +39,7 @@ import uuid
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DIR", "MAX_AGE", "MIN_SIZE", "RecyclePool"]
+__all__ = ["DIR", "LOCAL_FILESYSTEMS", "MAX_AGE", "MIN_SIZE", "RecyclePool", "filesystem_type", "fresh_mtime"]
 
 DIR = ".recycle"  # below the root; LocalBackend refuses it as a key
 MIN_SIZE = 1 << 20  # smaller files (manifests, marks) are not worth keeping
@@ -171,10 +171,11 @@ class RecyclePool:
             log.debug("not recycling %s: %s", name, err)
             return False
 
-    def take(self, directory: int, name: str) -> int | None:
+    def take(self, directory: int, name: str) -> tuple[int, int] | None:
         """Rename a pooled file to ``name`` in ``directory`` and open it for writing from
-        offset 0 (the caller truncates it to what it wrote); None where the pool has none
-        that nobody holds open."""
+        offset 0 (the caller truncates it to what it wrote, then :func:`fresh_mtime`); return
+        the descriptor and the file's mtime (ns) as it was deleted, or None where the pool has
+        none that nobody holds open."""
         if not self.enabled:
             return None
         try:
@@ -190,9 +191,9 @@ class RecyclePool:
                         os.rename(entry, name, src_dir_fd=pool, dst_dir_fd=directory)
                     except FileNotFoundError:
                         continue  # another process took it
-                fd = self._claim(directory, name)
-                if fd is not None:
-                    return fd
+                claimed = self._claim(directory, name)
+                if claimed is not None:
+                    return claimed
                 if not self.enabled:
                     return None
             return None
@@ -202,13 +203,23 @@ class RecyclePool:
         finally:
             os.close(pool)
 
-    def _claim(self, directory: int, name: str) -> int | None:
-        """Open the taken file; keep it only if a write lease proves nobody else has it open."""
-        fd = os.open(name, _REUSE_FLAGS, dir_fd=directory)
+    def _claim(self, directory: int, name: str) -> tuple[int, int] | None:
+        """Open the taken file; keep it only if it is a plain file of ours with no other name
+        and a write lease proves nobody else has it open."""
+        try:
+            fd = os.open(name, _REUSE_FLAGS, dir_fd=directory)  # a link swapped in: ELOOP
+        except OSError:
+            _unlink(name, directory)
+            return None
+        st = os.fstat(fd)
+        if not stat_mod.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_uid != os.geteuid():
+            os.close(fd)  # planted, or linked since: unlinking our name leaves the other be
+            _unlink(name, directory)
+            return None
         try:
             fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
             fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
-            return fd
+            return fd, st.st_mtime_ns
         except OSError as err:
             os.close(fd)
             _unlink(name, directory)  # whoever holds it keeps the copy they have
@@ -238,6 +249,15 @@ class RecyclePool:
         finally:
             os.close(pool)
         return freed
+
+
+def fresh_mtime(fd: int, old_mtime_ns: int) -> None:
+    """Make sure a recycled file's new contents do not carry the version it had
+    (``LocalBackend`` versions are inode, size and mtime): on a filesystem whose clock ticks
+    coarsely, a rewrite of the same size within one tick would keep all three."""
+    st = os.fstat(fd)
+    if st.st_mtime_ns == old_mtime_ns:
+        os.utime(fd, ns=(st.st_atime_ns, old_mtime_ns + 1))
 
 
 def _unlink(name: str, directory: int) -> bool:
