@@ -45,6 +45,14 @@ def _ino(root: Path, key: str) -> int:
     return os.stat(root / key).st_ino
 
 
+def _with_one_pooled(root: Path) -> LocalBackend:
+    """A local tier at ``root`` whose pool holds one deleted 2 MiB file."""
+    backend = LocalBackend(str(root))
+    _put(backend, "x/a.bin", _bytes(2 * MiB, 1))
+    backend.delete("x/a.bin")
+    return backend
+
+
 def _pooled(root: Path) -> list[str]:
     pool = root / recycle.DIR
     return sorted(os.listdir(pool)) if pool.exists() else []
@@ -222,9 +230,7 @@ def test_a_full_disk_empties_the_pool_and_the_write_goes_on(
 def test_files_past_their_age_are_unlinked_when_the_pool_is_used(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    backend = LocalBackend(str(tmp_path))
-    _put(backend, "x/a.bin", _bytes(2 * MiB, 1))
-    backend.delete("x/a.bin")
+    backend = _with_one_pooled(tmp_path)
     later = time.time() + recycle.MAX_AGE + 1
     monkeypatch.setattr(recycle.time, "time", lambda: later)
     _put(backend, "x/b.bin", _bytes(2 * MiB, 2))
@@ -250,9 +256,7 @@ def test_only_filesystems_of_this_node_recycle(tmp_path: Path) -> None:
 def test_a_filesystem_that_refuses_leases_turns_the_pool_off(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    backend = LocalBackend(str(tmp_path))
-    _put(backend, "x/a.bin", _bytes(2 * MiB, 1))
-    backend.delete("x/a.bin")
+    backend = _with_one_pooled(tmp_path)
     real = fcntl.fcntl
 
     def no_leases(fd: int, cmd: int, arg: int = 0) -> int:

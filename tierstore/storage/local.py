@@ -38,7 +38,7 @@ from tierstore.errors import ConfigError, PublishConflict, UnsafePath
 from tierstore.storage import faults
 from tierstore.storage.backend import Backend, ObjectInfo, ObjectWriter, check_key, translate_os_errors
 from tierstore.storage.recycle import DIR as _RECYCLE_DIR
-from tierstore.storage.recycle import RecyclePool, fresh_mtime
+from tierstore.storage.recycle import RecyclePool, fresh_mtime, unlink_quietly
 
 __all__ = ["LocalBackend"]
 
@@ -77,14 +77,6 @@ def _version(st: os.stat_result) -> str:
 def _temp_name(base: str) -> str:
     # gc recognises ".tmp-" debris; the leading dot keeps it out of DCP's shard names.
     return f".{base}.tmp-{uuid.uuid4().hex[:12]}"
-
-
-def _unlink_quietly(name: str, dir_fd: int) -> bool:
-    try:
-        os.unlink(name, dir_fd=dir_fd)
-    except OSError:
-        return False
-    return True
 
 
 def _path_from_url(url: str) -> str:
@@ -279,7 +271,7 @@ class _LocalWriter(ObjectWriter):
             except OSError:
                 pass
         try:
-            if self._dirs.fds and _unlink_quietly(self._tmp, self._dirs.fd):
+            if self._dirs.fds and unlink_quietly(self._tmp, self._dirs.fd):
                 self._dirs.prune_empty()
         finally:
             self._dirs.close()
@@ -436,7 +428,7 @@ class LocalBackend(Backend):
                 if err.errno != errno.EINVAL:
                     raise
                 # Linux made the file before it found O_DIRECT unsupported (ramfs, some FUSE).
-                _unlink_quietly(name, directory)
+                unlink_quietly(name, directory)
                 self._refused_direct_io(err)
         return os.open(name, _CREATE_FLAGS, 0o644, dir_fd=directory), False
 
@@ -541,14 +533,14 @@ class LocalBackend(Backend):
                         os.fsync(fd)
                 except BaseException:
                     os.close(fd)
-                    _unlink_quietly(tmp, dirs.fd)  # e.g. ENOSPC: leave no temporary behind
+                    unlink_quietly(tmp, dirs.fd)  # e.g. ENOSPC: leave no temporary behind
                     raise
                 os.close(fd)
                 faults.point("local.publish.after_temp_fsync")
                 try:
                     self._link_exclusive(key, dirs.fd, tmp, parts[-1])
                 finally:
-                    _unlink_quietly(tmp, dirs.fd)
+                    unlink_quietly(tmp, dirs.fd)
                 faults.point("local.publish.before_dir_fsync")
                 if self.fsync:
                     _fsync_dir(dirs.fd)

@@ -28,6 +28,7 @@ whenever the pool is used, and :meth:`RecyclePool.drain` (``tierstore gc``) empt
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -36,10 +37,20 @@ import stat as stat_mod
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DIR", "LOCAL_FILESYSTEMS", "MAX_AGE", "MIN_SIZE", "RecyclePool", "filesystem_type", "fresh_mtime"]
+__all__ = [
+    "DIR",
+    "LOCAL_FILESYSTEMS",
+    "MAX_AGE",
+    "MIN_SIZE",
+    "RecyclePool",
+    "filesystem_type",
+    "fresh_mtime",
+    "unlink_quietly",
+]
 
 DIR = ".recycle"  # below the root; LocalBackend refuses it as a key
 MIN_SIZE = 1 << 20  # smaller files (manifests, marks) are not worth keeping
@@ -128,26 +139,32 @@ class RecyclePool:
                 except OSError:
                     continue
                 if not stat_mod.S_ISREG(st.st_mode) or now - st.st_ctime > MAX_AGE:
-                    _unlink(entry.name, pool)
+                    unlink_quietly(entry.name, pool)
                     continue
                 found.append((entry.name, st))
         found.sort(key=lambda e: e[1].st_ctime)
         return found
 
-    def held_bytes(self) -> int:
-        """Bytes the pool holds (they count as free space)."""
+    @contextlib.contextmanager
+    def _existing(self) -> Iterator[int | None]:
+        """The pool directory's descriptor, or None where there is no pool (yet)."""
         try:
             pool = self._open(create=False)
         except OSError:
-            return 0
-        if pool is None:
-            return 0
+            pool = None
         try:
-            return sum(st.st_blocks * 512 for _, st in self._entries(pool))
-        except OSError:
-            return 0
+            yield pool
         finally:
-            os.close(pool)
+            if pool is not None:
+                os.close(pool)
+
+    def held_bytes(self) -> int:
+        """Bytes the pool holds (they count as free space)."""
+        with self._existing() as pool:
+            try:
+                return 0 if pool is None else sum(st.st_blocks * 512 for _, st in self._entries(pool))
+            except OSError:
+                return 0
 
     def put(self, name: str, directory: int, st: os.stat_result) -> bool:
         """Move file ``name`` of ``directory`` into the pool instead of unlinking it; False
@@ -178,12 +195,10 @@ class RecyclePool:
         none that nobody holds open."""
         if not self.enabled:
             return None
-        try:
-            pool = self._open(create=False)
-        except OSError:
-            return None
-        if pool is None:
-            return None
+        with self._existing() as pool:
+            return None if pool is None else self._take_from(pool, directory, name)
+
+    def _take_from(self, pool: int, directory: int, name: str) -> tuple[int, int] | None:
         try:
             for entry, _ in self._entries(pool):
                 with self._lock:
@@ -200,8 +215,6 @@ class RecyclePool:
         except OSError as err:
             log.debug("not reusing a recycled file: %s", err)
             return None
-        finally:
-            os.close(pool)
 
     def _claim(self, directory: int, name: str) -> tuple[int, int] | None:
         """Open the taken file; keep it only if it is a plain file of ours with no other name
@@ -209,12 +222,12 @@ class RecyclePool:
         try:
             fd = os.open(name, _REUSE_FLAGS, dir_fd=directory)  # a link swapped in: ELOOP
         except OSError:
-            _unlink(name, directory)
+            unlink_quietly(name, directory)
             return None
         st = os.fstat(fd)
         if not stat_mod.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_uid != os.geteuid():
             os.close(fd)  # planted, or linked since: unlinking our name leaves the other be
-            _unlink(name, directory)
+            unlink_quietly(name, directory)
             return None
         try:
             fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
@@ -222,7 +235,7 @@ class RecyclePool:
             return fd, st.st_mtime_ns
         except OSError as err:
             os.close(fd)
-            _unlink(name, directory)  # whoever holds it keeps the copy they have
+            unlink_quietly(name, directory)  # whoever holds it keeps the copy they have
             if err.errno not in _HELD:
                 log.info("%s: no file leases here (%s); deleted files are no longer recycled", self.root, err)
                 self._leases = False
@@ -230,24 +243,19 @@ class RecyclePool:
 
     def drain(self) -> int:
         """Unlink every pooled file; return the bytes given back."""
-        try:
-            pool = self._open(create=False)
-        except OSError:
-            return 0
-        if pool is None:
-            return 0
         freed = 0
-        try:
+        with self._existing() as pool:
+            if pool is None:
+                return 0
             with os.scandir(pool) as scan:
-                for entry in list(scan):
-                    try:
-                        blocks = entry.stat(follow_symlinks=False).st_blocks * 512
-                    except OSError:
-                        continue
-                    if _unlink(entry.name, pool):
-                        freed += blocks
-        finally:
-            os.close(pool)
+                entries = list(scan)
+            for entry in entries:
+                try:
+                    blocks = entry.stat(follow_symlinks=False).st_blocks * 512
+                except OSError:
+                    continue
+                if unlink_quietly(entry.name, pool):
+                    freed += blocks
         return freed
 
 
@@ -260,7 +268,8 @@ def fresh_mtime(fd: int, old_mtime_ns: int) -> None:
         os.utime(fd, ns=(st.st_atime_ns, old_mtime_ns + 1))
 
 
-def _unlink(name: str, directory: int) -> bool:
+def unlink_quietly(name: str, directory: int) -> bool:
+    """Unlink ``name`` of ``directory``; False where it could not be (gone already...)."""
     try:
         os.unlink(name, dir_fd=directory)
     except OSError:
