@@ -94,7 +94,6 @@ def test_the_report_part_shows_each_rep_the_warm_up_apart_and_says_why_a_target_
 
 
 def test_the_smoke_results_render_the_loop_under_save_and_the_perf_splice_carries_it() -> None:
-    pytest.importorskip("matplotlib")  # the report's figures; `make bench` installs it
     from benchmarks.report import render
 
     results = json.loads(SMOKE.read_text())

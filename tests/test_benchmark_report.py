@@ -1,8 +1,9 @@
 """The benchmark report's prose lives in benchmarks/report/template.md: its blocks are joined
 back into one line per paragraph, every placeholder is filled from the results, and a splice
 replaces one section of an existing report without touching the rest. The report is organised
-by the questions a user asks, in a fixed order, and cites no issue. Rendering needs matplotlib
-(the bench extra); those tests are skipped without it. ``tests/data/bench-smoke.json`` is the
+by the questions a user asks, in a fixed order, and cites no issue. The figures need matplotlib
+(the bench extra): without it the report is written whole with each figure marked not drawn,
+so only the tests of the figures themselves are skipped. ``tests/data/bench-smoke.json`` is the
 results of one ``make bench-smoke`` run (every suite, tiny sizes)."""
 
 from __future__ import annotations
@@ -174,7 +175,6 @@ def test_the_report_fills_every_placeholder(tmp_path: Path) -> None:
 
 
 def test_splice_replaces_only_the_standalone_section(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
     from benchmarks.report import render
 
     doc = tmp_path / "benchmarks.md"
@@ -190,7 +190,6 @@ def test_splice_replaces_only_the_standalone_section(tmp_path: Path) -> None:
 
 
 def smoke_report(tmp_path: Path) -> str:
-    pytest.importorskip("matplotlib")
     from benchmarks.report import render
 
     return render.write(json.loads(SMOKE.read_text()), tmp_path / "benchmarks.md").read_text()
@@ -249,3 +248,16 @@ def test_a_perf_section_missing_from_the_report_goes_under_its_question(tmp_path
     results["suites"] = {"perf": results["suites"]["perf"]}
     assert render.splice(results, doc) == ["perf"]
     assert doc.read_text() == text
+
+
+def test_without_matplotlib_the_report_is_whole_and_says_which_figures_it_did_not_draw(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from benchmarks.report import plots, render
+
+    monkeypatch.setattr(plots, "plt", None)
+    text = render.write(json.loads(SMOKE.read_text()), tmp_path / "benchmarks.md").read_text()
+    assert "{" not in text and "](img/" not in text
+    assert "*Figure not drawn (save stall ratios): matplotlib is not installed here" in text
+    assert not (tmp_path / "img").exists() or not any((tmp_path / "img").rglob("*.png"))
+    assert "## Findings" in text and "### In a training loop" in text

@@ -1,17 +1,27 @@
-"""The report's figures (matplotlib, Agg): small PNGs, every axis a ratio or a rate."""
+"""The report's figures (matplotlib, Agg): small PNGs, every axis a ratio or a rate.
+
+matplotlib comes with the bench extra (``make bench`` installs it). Without it the report is
+still written, its text and tables whole, and each figure says it was not drawn: the report's
+tests run in ``make test``, whose environment has no matplotlib."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import matplotlib
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-from matplotlib.axes import Axes
-from matplotlib.figure import Figure
+plt: Any
+try:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+except ImportError:  # no bench extra: no figures
+    plt = None
 
 COLORS = {
     "tiered": "#1b7837",
@@ -52,8 +62,11 @@ def bars(
     *,
     log: bool = False,
     reference: float | None = None,
-) -> Path:
-    """Grouped bars: ``groups[group][series] = value``; one colour per series."""
+) -> Path | None:
+    """Grouped bars: ``groups[group][series] = value``; one colour per series. None where
+    matplotlib is not installed."""
+    if plt is None:
+        return None
     fig, ax = plt.subplots(figsize=(7.2, 3.4))
     series = list(dict.fromkeys(s for values in groups.values() for s in values))
     width = 0.8 / max(1, len(series))
@@ -77,7 +90,10 @@ def lines(
     log: bool = False,
     reference: float | None = None,
     xticks: Sequence[float] | None = None,
-) -> Path:
+) -> Path | None:
+    """One line per series. None where matplotlib is not installed."""
+    if plt is None:
+        return None
     fig, ax = plt.subplots(figsize=(6.4, 3.4))
     for name, points in series.items():
         xs = sorted(points)

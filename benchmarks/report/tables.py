@@ -60,7 +60,10 @@ def table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
-def image(path: Path, alt: str) -> str:
+def image(path: Path | None, alt: str) -> str:
+    """The figure's Markdown, or a line saying it was not drawn (no matplotlib)."""
+    if path is None:
+        return f"*Figure not drawn ({alt}): matplotlib is not installed here; `make bench` installs it.*"
     return f"![{alt}]({FIGURES}/{path.name})"
 
 
