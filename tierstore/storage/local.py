@@ -627,8 +627,10 @@ class LocalBackend(Backend):
                 return  # no such key
             try:
                 try:
-                    st = os.stat(parts[-1], dir_fd=dirs.fd, follow_symlinks=False)
-                    if not self.recycle.put(parts[-1], dirs.fd, st):
+                    recycled = self.recycle.enabled and self.recycle.put(
+                        parts[-1], dirs.fd, os.stat(parts[-1], dir_fd=dirs.fd, follow_symlinks=False)
+                    )
+                    if not recycled:
                         os.unlink(parts[-1], dir_fd=dirs.fd)  # a link itself, never its target
                 except FileNotFoundError:
                     return

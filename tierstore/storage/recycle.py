@@ -199,8 +199,19 @@ class RecyclePool:
             return None if pool is None else self._take_from(pool, directory, name)
 
     def _take_from(self, pool: int, directory: int, name: str) -> tuple[int, int] | None:
+        # On the save path, once per file written: names only, and one stat for the file
+        # about to be taken (a plain file not past its age), not one for every pooled file.
         try:
-            for entry, _ in self._entries(pool):
+            with os.scandir(pool) as scan:
+                names = [entry.name for entry in scan]
+            for entry in names:
+                try:
+                    st = os.stat(entry, dir_fd=pool, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # another process took it
+                if not stat_mod.S_ISREG(st.st_mode) or time.time() - st.st_ctime > MAX_AGE:
+                    unlink_quietly(entry, pool)
+                    continue
                 with self._lock:
                     try:
                         os.rename(entry, name, src_dir_fd=pool, dst_dir_fd=directory)
