@@ -1,9 +1,11 @@
 """tierstore.progress: what the display writes in plain mode, what it counts, and when it stays
-quiet. The clock is injected: nothing here waits."""
+quiet. The clock is injected: nothing here waits, but for the test of two threads reporting at
+once."""
 
 from __future__ import annotations
 
 import io
+import threading
 
 from tierstore.progress import ProgressDisplay, counting
 
@@ -55,3 +57,29 @@ def test_a_terminal_gets_a_bar_per_label() -> None:
     display.close()
     text = out.getvalue()
     assert "\r" in text and "step-1: 100%|" in text and "step-2:   0%|" in text
+
+
+def test_totals_reach_the_callback_in_the_order_they_were_reached() -> None:
+    # Two upload threads of one checkpoint: the first adds its file's bytes and is about to
+    # report when the second adds the rest. Reported after the second, the first's total
+    # would take the count from 100% back down (a CI run's migrate showed 0, 2111044, 1524).
+    seen: list[int] = []
+    first_in, go_on = threading.Event(), threading.Event()
+
+    def progress(label: str, done: int, total: int) -> None:
+        if done == 1:
+            first_in.set()
+            assert go_on.wait(10)
+        seen.append(done)
+
+    tick = counting("step-1", 6, progress)
+    first = threading.Thread(target=tick, args=(1,))
+    first.start()
+    assert first_in.wait(10)
+    second = threading.Thread(target=tick, args=(5,))
+    second.start()
+    second.join(0.3)  # time to report out of turn, were it let
+    go_on.set()
+    first.join(10)
+    second.join(10)
+    assert seen == [1, 6] and tick.done == 6

@@ -33,19 +33,23 @@ _UNITS: dict[str, Any] = {"unit": "B", "unit_scale": True, "unit_divisor": 1000}
 class ByteCount:
     """A ``(n_bytes)`` callback that adds up what a copy or a read reports and passes the
     running total of ``label`` to ``progress``; a negative count takes bytes back (a
-    retried file starts over). ``done`` is the running total."""
+    retried file starts over). ``done`` is the running total.
+
+    Uploads report from several threads. ``progress`` is called under the counter's lock,
+    so the totals reach it in the order they were reached: a total computed on one thread
+    and reported after a later one from another would show the count going back (a bar at
+    100% dropping to the size of the first file)."""
 
     def __init__(self, label: str, total: int, progress: ProgressCallback | None) -> None:
         self.label, self.total, self.progress = label, total, progress
         self.done = 0
-        self._lock = threading.Lock()  # uploads report from several threads
+        self._lock = threading.Lock()
 
     def __call__(self, n: int) -> None:
         with self._lock:
             self.done += n
-            now = self.done
-        if self.progress is not None:
-            self.progress(self.label, now, self.total)
+            if self.progress is not None:
+                self.progress(self.label, self.done, self.total)
 
 
 def counting(label: str, total: int, progress: ProgressCallback | None) -> ByteCount:
