@@ -13,6 +13,9 @@ STAMP  := $(VENV)/.installed
 TORCHTITAN := torchtitan==0.3.0
 TITAN_DEPS := torch_checkpointing==0.1.1 tyro==1.0.17 spmd_types==0.2.3
 PYTEST_ARGS ?=
+# The suite on two worker processes (pytest-xdist; CI has 2 cores), whole files to a worker so
+# a file's fixtures (its S3 and GCS servers) start once; TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 
 .PHONY: demo test bench bench-full bench-smoke bench-perf bench-scale soak lint clean venv
 
@@ -31,7 +34,7 @@ demo: $(STAMP)
 	$(BIN)/python examples/train.py
 
 test: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # Benchmarks (docs/benchmarks.md). s3torchconnector and torch_checkpointing (a peer of the
 # perf suite) are optional: the report says so if they did not install; installing them with

@@ -22,23 +22,56 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["ReusedStaging", "staging_options"]
+__all__ = ["AlreadyStaged", "ReusedStaging", "resolve_stateful", "staging_options"]
 
 log = logging.getLogger(__name__)
 
 
-def staging_options(async_mode: str) -> StagingOptions:
+def staging_options(async_mode: str, *, background: bool = True) -> StagingOptions:
     """The options this machine supports: pinned buffers and non-blocking copies need an
     accelerator (they fail on a CPU-only build), shared memory spares PROCESS mode a copy into
-    shared memory when the staged state is handed to the checkpoint process."""
+    shared memory when the staged state is handed to the checkpoint process. ``background``:
+    the copy runs on the stager's own thread (``stage()`` returns a future); otherwise on the
+    caller's, which waits for it (and, after non-blocking device copies, for the device)."""
     return StagingOptions(
         use_pinned_memory=torch.cuda.is_available(),
         use_shared_memory=async_mode == "process",
-        use_async_staging=True,
+        use_async_staging=background,
         use_non_blocking_copy=torch.accelerator.is_available(),
     )
+
+
+class AlreadyStaged(AsyncStager):
+    """The stager of a save whose state is already a staged copy: ``stage()`` hands it on as
+    it is. The manager copies the state on the caller's thread with a :class:`ReusedStaging`
+    and starts DCP's save of the copy on a thread of its own with this."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+def resolve_stateful(state: dict[str, Any]) -> dict[str, Any]:
+    """What DCP's save does to the state first (``_stateful_to_state_dict``): a shallow copy
+    with each top-level ``Stateful`` replaced by its ``state_dict()``; without DCP's logging
+    of every entry, and with tensors (no ``state_dict`` method) spared the ``Stateful``
+    protocol check, which costs more than the copy of a small tensor."""
+    return {
+        key: value
+        if isinstance(value, torch.Tensor) or not isinstance(value, Stateful)
+        else value.state_dict()
+        for key, value in state.items()
+    }
 
 
 class ReusedStaging(AsyncStager):

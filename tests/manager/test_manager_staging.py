@@ -270,3 +270,75 @@ def test_an_error_on_the_managers_save_thread_fails_the_save_instead_of_hanging(
     save_and_scribble(manager, state, 2)
     manager.close()
     assert_holds(manager, 2)
+
+
+class Counter:
+    """A ``Stateful`` (DCP calls ``state_dict()`` when it saves): where and how often it is asked."""
+
+    def __init__(self) -> None:
+        self.value, self.asked_on = 0, []  # type: list[str]
+
+    def state_dict(self) -> dict[str, Any]:
+        self.asked_on.append(threading.current_thread().name)
+        return {"value": torch.tensor(self.value)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value = int(state["value"])
+
+
+def test_the_default_save_copies_on_the_callers_thread_and_starts_dcp_on_the_managers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # dcp.async_save logs every entry of the state and starts a thread before it copies: on
+    # the caller's thread that is stall above the copy. Only the copy (and each Stateful's
+    # state_dict(), which must see this step's state) may run there.
+    import tierstore.manager.saving as saving
+
+    started_on: list[str] = []
+    real = saving.dcp_async_save
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        started_on.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(saving, "dcp_async_save", spy)
+    manager, state = manager_for(tmp_path), new_state()
+    counter = state["counter"] = Counter()
+    for step in (1, 2):
+        counter.value = step
+        save_and_scribble(manager, state, step)
+        counter.value = -1  # changed the moment save() returned, as the tensors are
+    manager.close()
+    caller = threading.current_thread().name
+    assert counter.asked_on == [caller, caller]
+    assert len(started_on) == 2 and all(name.startswith("tierstore-save") for name in started_on)
+    # The counter's state_dict() makes a new tensor every save: a new buffer (8 bytes) each time.
+    assert manager.staging_allocated == {1: tensor_bytes(state) + 8, 2: 8}
+    for step in (1, 2):
+        assert_holds(manager, step)
+        restored = Counter()
+        assert manager.load({"counter": restored}, step=step) == step
+        assert restored.value == step
+
+
+def test_a_default_save_that_fails_on_the_managers_thread_is_raised_by_the_next_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tierstore.manager.saving as saving
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("planning refused this state")
+
+    manager, state = manager_for(tmp_path), new_state()
+    save_and_scribble(manager, state, 1)
+    monkeypatch.setattr(saving, "dcp_async_save", refused)
+    save_and_scribble(manager, state, 2)  # the copy is taken; DCP fails after save() returned
+    with pytest.raises(SaveFailed, match="step 2 failed.*planning refused this state"):
+        manager.wait(migrations=False)
+    monkeypatch.undo()
+    save_and_scribble(manager, state, 3)
+    manager.close()
+    health = manager.health()
+    assert (health.saves_ok, health.saves_failed, health.last_saved_step) == (2, 1, 3)
+    assert [c.step for c in list_checkpoints(str(tmp_path / "hot"))] == [1, 3]
+    assert_holds(manager, 3)

@@ -11,6 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import (
     AsyncCheckpointerType,
     AsyncSaveResponse,
@@ -23,7 +24,7 @@ from tierstore.dcp.writer import TieredWriter
 from tierstore.errors import ConfigError
 from tierstore.format.manifest_format import check_metrics
 from tierstore.manager.base import Base
-from tierstore.staging import ReusedStaging, staging_options
+from tierstore.staging import AlreadyStaged, ReusedStaging, resolve_stateful, staging_options
 
 if TYPE_CHECKING:
     pass
@@ -76,6 +77,8 @@ class Saving(Base):
             settled = self._pending
             start_save = functools.partial(self._start_async, step, state, writer, staged, settled)
             self._submitter().submit(self._guarded, start_save, step, staged, settled)
+        elif self.staging.mode == "thread" and self.staging.buffers == "reuse":
+            self._save_copied_here(step, state, writer)
         else:
             staged = Future()
             self._staging, self._pending = staged, Future()
@@ -83,6 +86,29 @@ class Saving(Base):
             self.wait_staged()
         self.stalls[step] = time.perf_counter() - start
         return True
+
+    def _save_copied_here(self, step: int, state: dict[str, Any], writer: TieredWriter) -> None:
+        """The default save: only the copy of the state on the caller's thread, into the reused
+        buffers; DCP's async save of that copy is started on the manager's thread. Starting it
+        here would stall training for more than the copy: ``dcp.async_save`` logs every
+        entry of the state, checks each against the ``Stateful`` protocol and starts a thread
+        of its own before it copies (docs/benchmarks.md, "Staging paid once")."""
+        stager = self._stager_for_save(background=False)
+        assert stager is not None  # buffers="reuse"
+        try:
+            copy = stager.stage(resolve_stateful(state))
+        except (Exception, CheckpointException) as err:  # a BaseException, in DCP
+            self._failed(step, err)
+            self._raise_failure()
+            raise
+        assert isinstance(copy, dict)  # staged on this thread: the copy itself, no future
+        staged: Future[None] = Future()  # the copy is taken: nothing waits for this one
+        settled: Future[None] = Future()
+        self._pending = settled
+        start_save = functools.partial(
+            self._start_async, step, copy, writer, staged, settled, AlreadyStaged()
+        )
+        self._submitter().submit(self._guarded, start_save, step, staged, settled)
 
     def _save_sync(self, step: int, state: dict[str, Any], writer: TieredWriter) -> None:
         """``dcp.save`` through ``writer``: committed in the hot tier when it returns."""
@@ -134,9 +160,11 @@ class Saving(Base):
         writer: TieredWriter,
         staged: Future[None],
         settled: Future[None],
+        stager: AsyncStager | None = None,
     ) -> None:
         """Start DCP's async save; ``staged`` completes when the copy is taken (or failed),
-        ``settled`` once the save is recorded as committed or failed."""
+        ``settled`` once the save is recorded as committed or failed. ``stager``: the
+        manager's own (:meth:`_stager_for_save`) unless given."""
         process = self.staging.mode == "process"
         kind = AsyncCheckpointerType.PROCESS if process else AsyncCheckpointerType.THREAD
         try:
@@ -146,7 +174,7 @@ class Saving(Base):
                 storage_writer=writer,
                 process_group=self.group,
                 async_checkpointer_type=kind,
-                async_stager=self._stager_for_save(),
+                async_stager=stager if stager is not None else self._stager_for_save(),
             )
         except (Exception, CheckpointException) as err:  # staging or planning failed
             self._failed(step, err)
@@ -172,11 +200,14 @@ class Saving(Base):
 
         future.add_done_callback(settle)
 
-    def _stager_for_save(self) -> ReusedStaging | None:
+    def _stager_for_save(self, *, background: bool = True) -> ReusedStaging | None:
+        """The manager's stager (one for its life: its buffers are what is reused); it copies on
+        its own thread when ``background`` (the stager is made by the first save, which asks
+        the same way every save of this manager asks)."""
         if self.staging.buffers == "fresh":
             return None  # DCP's default: a stager of its own per save, closed after it
         if self._stager is None:
-            self._stager = ReusedStaging(staging_options(self.staging.mode))
+            self._stager = ReusedStaging(staging_options(self.staging.mode, background=background))
         return self._stager
 
     def wait_staged(self) -> None:
