@@ -170,6 +170,14 @@ def stall_targets(stall: Mapping[str, Any]) -> list[A.Target]:
             "`ours_reuse` (the default)",
         ),
         _target(
+            "stall_copy",
+            "CheckpointManager steady stall / a copy of the state into buffers that already exist",
+            A.div(stalls.get("ours_reuse"), stall.get("copy")),
+            "<=",
+            1.10,
+            "`ours_reuse` (the default)",
+        ),
+        _target(
             "stall_overlap",
             "CheckpointManager steady stall with overlap_staging / sync dcp.save",
             A.div(stalls.get("ours_overlap"), stalls.get("sync_tiered")),
@@ -299,6 +307,7 @@ def why(target: A.Target, suite: Mapping[str, Any]) -> str:
         staged=A.seconds(staged.get("ours_overlap") or staged.get("ours_reuse")),
         copy=f"{stall['copy']:.3f}" if stall.get("copy") else "n/a",
         sync_over_copy=_ratio(A.div(stalls.get("sync_tiered"), stall.get("copy"))),
+        reuse_over_copy=_ratio2(A.div(stalls.get("ours_reuse"), stall.get("copy"))),
         ours_cpu=_scaled(cpu.get("ours_reuse"), scale),
         peer_cpu=_scaled(cpu.get(peer), scale),
         peer_stall=A.seconds(stalls.get(peer)),
