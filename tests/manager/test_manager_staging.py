@@ -74,6 +74,16 @@ def save_and_scribble(manager: CheckpointManager, state: dict[str, Any], step: i
     fill(state, -1.0)
 
 
+def goes_ahead_after_failed_step_2(manager: CheckpointManager, state: dict[str, Any], tmp_path: Path) -> None:
+    """Step 1 saved, step 2 failed: step 3 saves, and only 1 and 3 are checkpoints."""
+    save_and_scribble(manager, state, 3)
+    manager.close()
+    health = manager.health()
+    assert (health.saves_ok, health.saves_failed, health.last_saved_step) == (2, 1, 3)
+    assert [c.step for c in list_checkpoints(str(tmp_path / "hot"))] == [1, 3]
+    assert_holds(manager, 3)
+
+
 def manager_for(tmp_path: Path, **options: Any) -> CheckpointManager:
     return CheckpointManager(
         str(tmp_path / "hot"), save_every=1, retention=Retention(hot=keep_all(), hot_min_free=None), **options
@@ -160,12 +170,7 @@ def test_a_failed_copy_is_raised_as_save_failed_and_the_next_save_goes_ahead(
         manager.wait_staged()
     assert isinstance(caught.value.errors[None], RuntimeError)
     del state["bad"]
-    save_and_scribble(manager, state, 3)
-    manager.close()
-    health = manager.health()
-    assert (health.saves_ok, health.saves_failed, health.last_saved_step) == (2, 1, 3)
-    assert [c.step for c in list_checkpoints(str(tmp_path / "hot"))] == [1, 3]
-    assert_holds(manager, 3)
+    goes_ahead_after_failed_step_2(manager, state, tmp_path)
 
 
 def test_staging_options_are_checked(tmp_path: Path) -> None:
@@ -336,9 +341,4 @@ def test_a_default_save_that_fails_on_the_managers_thread_is_raised_by_the_next_
     with pytest.raises(SaveFailed, match="step 2 failed.*planning refused this state"):
         manager.wait(migrations=False)
     monkeypatch.undo()
-    save_and_scribble(manager, state, 3)
-    manager.close()
-    health = manager.health()
-    assert (health.saves_ok, health.saves_failed, health.last_saved_step) == (2, 1, 3)
-    assert [c.step for c in list_checkpoints(str(tmp_path / "hot"))] == [1, 3]
-    assert_holds(manager, 3)
+    goes_ahead_after_failed_step_2(manager, state, tmp_path)
