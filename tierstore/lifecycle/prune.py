@@ -346,6 +346,8 @@ def check_cold_copies(hot: Tier, cold: Tier, manifests: Sequence[Manifest] | Non
     ``manifests``: the hot listing a prune decides from (default: one listing now).
     """
     hot_manifests = list(hot.manifests() if manifests is None else manifests)
+    if not hot_manifests:  # nothing to hold against the cold tier: no request to it
+        return ColdCheck(frozenset())
     try:
         cold_id = marks.store_id(cold)
         # One listing of the cold roots (each parsed once by the tier), not a read per name.
