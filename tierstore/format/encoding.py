@@ -52,6 +52,9 @@ __all__ = [
 ENCODINGS = ("raw", "dcp")
 ALIGN = 4096  # O_DIRECT's alignment on the filesystems that have it
 BLOCK = 4 << 20
+# Items smaller than this have their block checksums computed where they are written: the
+# hand-off to the checksum thread (a future, two wake-ups) costs more than the CRC32C.
+_AHEAD_MIN = 64 << 10
 BYTES = "bytes"  # the dtype of a BYTE_IO item
 _MAX_BLOCK = 1 << 30
 _ZEROS = memoryview(bytes(ALIGN))
@@ -199,8 +202,12 @@ def write_items(
         return placed
     with ThreadPoolExecutor(1, thread_name_prefix="tierstore-crc") as pool:
 
-        def prepare(i: int) -> tuple[tuple[memoryview, str, tuple[int, ...]], Future[tuple[int, ...]]]:
+        def prepare(
+            i: int,
+        ) -> tuple[tuple[memoryview, str, tuple[int, ...]], Future[tuple[int, ...]] | tuple[int, ...]]:
             viewed = item_view(resolve(items[i]), relpath, names[i] if names else "")
+            if len(viewed[0]) < _AHEAD_MIN:  # cheaper here than a hand-off to the thread
+                return viewed, block_crcs(viewed[0], block)
             return viewed, pool.submit(block_crcs, viewed[0], block)
 
         ahead = prepare(0)
@@ -208,7 +215,8 @@ def write_items(
             viewed, crcs = ahead
             if i + 1 < len(items):
                 ahead = prepare(i + 1)
-            placed.append(write_item(out, viewed, relpath, block, crcs=crcs.result()))
+            done = crcs if isinstance(crcs, tuple) else crcs.result()
+            placed.append(write_item(out, viewed, relpath, block, crcs=done))
     return placed
 
 
