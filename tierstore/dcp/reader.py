@@ -557,25 +557,30 @@ class TieredReader(StorageReader):
         name = self.manifest.name
 
         def consume(tier: Tier, key: str) -> None:
+            label = tier.label  # once per file, not per read: it redacts the URL each time
+
             def opener(offset: int, length: int) -> BinaryIO:
                 return tier.backend.open_range(key, offset, length)
 
             def count(n: int) -> None:
-                self._count(tier, n)
+                self._count_as(label, n)
 
             try:
-                raw_read.read_unit(opener, unit, planner, checkpoint=name, tier=tier.label, count=count)
+                raw_read.read_unit(opener, unit, planner, checkpoint=name, tier=label, count=count)
             except ChecksumMismatch:
                 # Damage only: report it as the file's mismatch, the message scrub and
                 # transfer give; a file that verifies whole has metadata that does not match it.
-                verify_file(tier.backend, key, unit.entry, checkpoint=name, tier=tier.label, progress=count)
+                verify_file(tier.backend, key, unit.entry, checkpoint=name, tier=label, progress=count)
                 raise
 
         self._from_nearest(unit.entry, consume)
 
     def _count(self, tier: Tier, n: int) -> None:
+        self._count_as(tier.label, n)
+
+    def _count_as(self, label: str, n: int) -> None:
         with self._lock:
-            self.bytes_read[tier.label] = self.bytes_read.get(tier.label, 0) + n
+            self.bytes_read[label] = self.bytes_read.get(label, 0) + n
 
     def _from_nearest(self, entry: FileEntry, consume: Callable[[Tier, str], None]) -> None:
         assert self.manifest is not None
