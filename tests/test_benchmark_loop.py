@@ -105,3 +105,19 @@ def test_the_smoke_results_render_the_loop_under_save_and_the_perf_splice_carrie
     order = list(render.SECTIONS)
     assert order.index(render.perf_save_section) < order.index(loop.perf_loop_section)
     assert ("save", loop.perf_loop_section) in render.STANDALONE["perf"]
+
+
+def test_the_page_phase_sentence_says_whether_new_pages_were_dearer_in_this_run() -> None:
+    def pages(reused: float, new: float, handed: float) -> list[dict[str, Any]]:
+        records = [
+            _record("save", "tiered", 0, 0.2, reported_mib=handed),
+            _record("save", "tiered", -1, 1.0, reported_mib=999),
+        ]
+        records += [_record("pages", "reused", rep, reused, sys=reused) for rep in range(3)]
+        return records + [_record("pages", "new", rep, new, sys=new) for rep in range(3)]
+
+    dear = loop._pages_now(pages(0.1, 0.4, 416))
+    assert "new pages cost 4.00x" in dear and "took 416 MiB back" in dear and "reclaimed little" not in dear
+    cheap = loop._pages_now(pages(0.1, 0.11, 0))
+    assert "new pages cost 1.10x" in cheap and "took 0 MiB back" in cheap and "reclaimed little" in cheap
+    assert loop._pages_now([_record("save", "tiered", 0, 0.2)]) == ""  # no page phase: nothing said
