@@ -121,3 +121,33 @@ def test_the_page_phase_sentence_says_whether_new_pages_were_dearer_in_this_run(
     cheap = loop._pages_now(pages(0.1, 0.11, 0))
     assert "new pages cost 1.10x" in cheap and "took 0 MiB back" in cheap and "reclaimed little" in cheap
     assert loop._pages_now([_record("save", "tiered", 0, 0.2)]) == ""  # no page phase: nothing said
+
+
+def test_a_missed_load_target_splits_the_remainder_into_dcps_own_and_tierstores() -> None:
+    records = _loop(
+        save={"fsw": [1.0, 1.0], "tiered": [0.5, 0.5], "floor": [0.45, 0.45]},
+        load={"fsr": [1.0, 1.0], "tiered": [0.40, 0.41], "floor": [0.30, 0.30], "dcp_null": [0.04, 0.03]},
+    )
+    target = next(t for t in loop.loop_targets(records) if t.key == "load_loop_floor")
+    why = loop.loop_why(target, records)
+    # remainder 0.40 - 0.30; DCP alone at best 0.03 (the loop's own reader of no data); ours the rest
+    assert "+0.100 s" in why and "cost 0.030 s" in why and "leaves +0.070 s for tierstore's own" in why
+    without = [r for r in records if r["variant"] != "dcp_null"]
+    assert "cost n/a s" in loop.loop_why(target, without)  # not measured: said, not guessed
+
+
+def test_the_null_reader_loads_no_data_but_runs_dcps_load(tmp_path: Path) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from benchmarks.jobs.perf_io import NullReader
+
+    state = {"a": torch.arange(6, dtype=torch.float32), "meta": {"step": 3}}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path), no_dist=True)
+    into = {"a": torch.zeros(6), "meta": {"step": -1}}
+    dcp.load(into, storage_reader=NullReader(tmp_path), no_dist=True)
+    assert torch.equal(into["a"], torch.zeros(6)) and into["meta"] == {"step": -1}  # nothing read
+    with pytest.raises(CheckpointException, match="Missing key"):  # DCP's own planning still runs
+        dcp.load({"b": torch.zeros(6)}, storage_reader=NullReader(tmp_path), no_dist=True)

@@ -13,7 +13,8 @@ differs), the state of ``perf_common.make_state``. Every rep is one "step" of a 
    checkpoint it retired, so it never waits for new pages;
 3. load each back into tensors allocated once before the loop (rotated too):
    ``FileSystemReader``, ``TieredReader``, and the load floor: ``readinto`` the same tensors
-   plus one CRC32C pass;
+   plus one CRC32C pass; and DCP alone (``dcp_null``): ``dcp.load`` of FileSystemWriter's
+   checkpoint through a reader that reads its metadata and no data, DCP's own share of a load;
 4. keep the newest two checkpoints of each writer, as a run with ``keep_last(2)`` does: the
    older ones are deleted (``tierstore.prune`` for ``TieredWriter``'s).
 
@@ -48,11 +49,12 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from benchmarks.infra.launch import module_main
 from benchmarks.infra.measure import Record
 from benchmarks.jobs.perf_common import TMPFS, blank_like, make_state, nbytes
+from benchmarks.jobs.perf_io import NullReader
 from tierstore import Store, TieredReader, TieredWriter, keep_last, prune
 
 warnings.filterwarnings("ignore")
 SAVES = ("fsw", "tiered", "tiered_fresh", "floor")
-LOADS = ("fsr", "tiered", "floor")
+LOADS = ("fsr", "tiered", "floor", "dcp_null")
 # The local tier's recycled files off (storage/recycle.py): every save takes new pages, as all
 # did before them.
 FRESH = {"recycle_bytes": 0}
@@ -217,6 +219,7 @@ def run(spec: dict[str, Any]) -> list[Record]:
         "fsr": lambda k: dcp.load(into, storage_reader=FileSystemReader(root / "fsw" / str(k)), no_dist=True),
         "tiered": lambda k: dcp.load(into, storage_reader=TieredReader(hot=str(hot), step=k), no_dist=True),
         "floor": lambda k: floor_load(into, root / "floor" / str(k % (KEEP + 1))),
+        "dcp_null": lambda k: dcp.load(into, storage_reader=NullReader(root / "fsw" / str(k)), no_dist=True),
     }
     records: list[Record] = []
     try:
