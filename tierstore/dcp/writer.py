@@ -37,6 +37,7 @@ import dataclasses
 import logging
 import os
 import pickle
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -467,8 +468,16 @@ def _write_file(
     placed: list[tuple[WriteItem, _StorageInfo | raw.RawItem]]
     with tier.backend.open_write(key, defer_dir_sync=True) as out:
         if encoding == "raw":
+            # The caller waits for a save on the main thread: the checksums run ahead on a
+            # second one there. Anywhere else (dcp.async_save's thread, one of several files'
+            # writers) the save is off training's path already, and one thread costs less CPU.
             infos = raw.write_items(
-                out, ordered, resolve, relpath, names=[item.index.fqn for item in ordered]
+                out,
+                ordered,
+                resolve,
+                relpath,
+                names=[item.index.fqn for item in ordered],
+                ahead=threading.current_thread() is threading.main_thread(),
             )
             placed = list(zip(ordered, infos))
         else:
