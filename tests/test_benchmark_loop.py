@@ -110,14 +110,20 @@ def test_the_smoke_results_render_the_loop_under_save_and_the_perf_splice_carrie
 def test_the_page_phase_sentence_says_whether_new_pages_were_dearer_in_this_run() -> None:
     def pages(reused: float, new: float, handed: float) -> list[dict[str, Any]]:
         records = [
-            _record("save", "tiered", 0, 0.2, reported_mib=handed),
-            _record("save", "tiered", -1, 1.0, reported_mib=999),
+            _record("save", "tiered", 0, 0.2, reported_mib=handed, bytes=512 * MiB),
+            _record("save", "tiered", 1, 0.3, bytes=512 * MiB),
+            _record("save", "fsw", 0, 0.5, bytes=512 * MiB),
+            _record("save", "fsw", 1, 1.5, bytes=512 * MiB),
+            _record("save", "tiered", -1, 1.0, reported_mib=999),  # warm-up: not counted
         ]
         records += [_record("pages", "reused", rep, reused, sys=reused) for rep in range(3)]
         return records + [_record("pages", "new", rep, new, sys=new) for rep in range(3)]
 
-    dear = loop._pages_now(pages(0.1, 0.4, 416))
-    assert "new pages cost 4.00x" in dear and "took 416 MiB back" in dear and "reclaimed little" not in dear
+    dear = loop._pages_now(pages(0.1, 0.4, 100))
+    assert "new pages cost 4.00x" in dear and "took 100 MiB back" in dear and "new pages paid for it" in dear
+    assert "FileSystemWriter 3.00x, TieredWriter 1.50x" in dear
+    handed_back = loop._pages_now(pages(0.1, 0.11, 858))  # cheap in the page phase, yet 858 MiB went
+    assert "paid for it" in handed_back and "reclaimed little" not in handed_back
     cheap = loop._pages_now(pages(0.1, 0.11, 0))
     assert "new pages cost 1.10x" in cheap and "took 0 MiB back" in cheap and "reclaimed little" in cheap
     assert loop._pages_now([_record("save", "tiered", 0, 0.2)]) == ""  # no page phase: nothing said
@@ -139,7 +145,6 @@ def test_a_missed_load_target_splits_the_remainder_into_dcps_own_and_tierstores(
 def test_the_null_reader_loads_no_data_but_runs_dcps_load(tmp_path: Path) -> None:
     import torch
     import torch.distributed.checkpoint as dcp
-
     from torch.distributed.checkpoint.api import CheckpointException
 
     from benchmarks.jobs.perf_io import NullReader

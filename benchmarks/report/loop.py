@@ -217,7 +217,8 @@ def _pages_rows(records: Records) -> list[list[str]]:
 
 
 def _pages_now(records: Records) -> str:
-    """What this run's own page phase and loop showed: whether new pages were dearer here."""
+    """What this run's own page phase and loop showed: whether new pages were dearer here, and
+    how each writer's saves swung."""
     sys_of = {
         variant: [r["sys"] for r in records if r["op"] == "pages" and r["variant"] == variant]
         for variant in ("reused", "new")
@@ -225,17 +226,23 @@ def _pages_now(records: Records) -> str:
     if not all(sys_of.values()):
         return ""
     ratio = A.div(statistics.median(sys_of["new"]), statistics.median(sys_of["reused"]))
-    handed = sum(r.get("reported_mib", 0.0) for r in records if r["op"] in ("save", "load") and r["rep"] >= 0)
-    said = (
-        f"In this run new pages cost {ratio:.2f}x the system time of reused ones (medians), and the "
-        f"host took {handed:.0f} MiB back over the loop's reps"
+    steady = [r for r in records if r["op"] in ("save", "load") and r["rep"] >= 0]
+    handed = sum(r.get("reported_mib", 0.0) for r in steady)
+    size = max((r.get("bytes", 0) for r in steady), default=0) / (1 << 20)
+    swings = ", ".join(
+        f"{label} {spread(_runs(records, 'save', variant)):.2f}x"
+        for variant, label in (("fsw", "FileSystemWriter"), ("tiered", "TieredWriter"))
+        if spread(_runs(records, "save", variant)) is not None
     )
-    if ratio is not None and ratio < 1.5:
-        return said + (
-            ": the host reclaimed little while this ran, so new pages were hardly dearer and every "
-            "writer's saves stayed steady; the recycled files make TieredWriter's independent of it."
-        )
-    return said + "."
+    said = (
+        f"In this run new pages cost {'n/a' if ratio is None else f'{ratio:.2f}x'} the system time "
+        f"of reused ones (medians), and the host took {handed:.0f} MiB back over the loop's reps"
+    )
+    if ratio is not None and ratio < 1.25 and handed < size / 2:
+        said += ": it reclaimed little while this ran, so new pages were hardly dearer"
+    else:
+        said += ": whoever wrote into new pages paid for it"
+    return said + (f" (save spread over the loop: {swings})." if swings else ".")
 
 
 def _verdict(t: A.Target) -> str:
