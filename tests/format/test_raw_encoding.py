@@ -355,28 +355,34 @@ def test_a_tensor_with_no_raw_encoding_fails_the_save_naming_it(tmp_path: Path) 
     assert [c.step for c in list_checkpoints(str(tmp_path))] == [2]
 
 
+@pytest.fixture
+def crc_threads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The name of the thread each ``encoding.block_crcs`` call ran on, in order."""
+    import threading
+
+    names: list[str] = []
+    crcs = encoding.block_crcs
+
+    def block_crcs(view: memoryview, block: int) -> tuple[int, ...]:
+        names.append(threading.current_thread().name)
+        return crcs(view, block)
+
+    monkeypatch.setattr(encoding, "block_crcs", block_crcs)
+    return names
+
+
 @pytest.mark.parametrize(
     ("ahead", "ahead_min"),
     [(True, 0), (True, 16 << 10), (False, 0)],
     ids=["every-item-ahead", "small-items-inline", "all-inline"],
 )
 def test_pipelined_checksums_write_what_one_item_at_a_time_writes(
-    monkeypatch: pytest.MonkeyPatch, ahead: bool, ahead_min: int
+    monkeypatch: pytest.MonkeyPatch, crc_threads: list[str], ahead: bool, ahead_min: int
 ) -> None:
-    import threading
-
     from tierstore.storage.memory import MemoryBackend
 
     monkeypatch.setattr(encoding, "BLOCK", 1 << 12)  # several blocks per item
     monkeypatch.setattr(encoding, "_AHEAD_MIN", ahead_min)  # 3000 floats are 12 KiB, 5000 20 KiB
-    on_thread: list[str] = []
-    crcs = encoding.block_crcs
-
-    def block_crcs(view: memoryview, block: int) -> tuple[int, ...]:
-        on_thread.append(threading.current_thread().name)
-        return crcs(view, block)
-
-    monkeypatch.setattr(encoding, "block_crcs", block_crcs)
     items = [torch.arange(n, dtype=torch.float32) for n in (0, 1, 3000, 5000)] + [io.BytesIO(b"x" * 9)]
     resolved: list[int] = []
     backend = MemoryBackend("memory://raw-pipeline")
@@ -387,11 +393,11 @@ def test_pipelined_checksums_write_what_one_item_at_a_time_writes(
         resolved.append(len(resolved))
         return item
 
-    on_thread.clear()
+    crc_threads.clear()
     with backend.open_write("piped") as piped:
         placed = encoding.write_items(piped, items, resolve, "f", ahead=ahead)
     assert placed == expected and resolved == list(range(len(items)))
-    helper = [name.startswith("tierstore-crc") for name in on_thread]
+    helper = [name.startswith("tierstore-crc") for name in crc_threads]
     assert helper == [
         ahead and len(memoryview(encoding.item_view(item, "f")[0])) >= ahead_min for item in items
     ]
@@ -400,18 +406,11 @@ def test_pipelined_checksums_write_what_one_item_at_a_time_writes(
 
 
 def test_a_save_on_the_main_thread_checksums_ahead_and_one_elsewhere_checksums_inline(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, crc_threads: list[str]
 ) -> None:
     import threading
 
-    threads: list[str] = []
-    crcs = encoding.block_crcs
-
-    def block_crcs(view: memoryview, block: int) -> tuple[int, ...]:
-        threads.append(threading.current_thread().name)
-        return crcs(view, block)
-
-    monkeypatch.setattr(encoding, "block_crcs", block_crcs)
+    threads = crc_threads
     state = {"big": torch.rand(64 << 10), "small": torch.rand(8)}  # 256 KiB, above _AHEAD_MIN
 
     def save(step: int) -> None:
