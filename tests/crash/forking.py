@@ -57,7 +57,7 @@ def _child(
     trace: str,
     out: str,
     env: dict[str, str],
-    block: str | None = None,
+    block: str | tuple[str, ...] | None = None,
 ) -> None:
     code = 0
     try:
@@ -67,8 +67,8 @@ def _child(
         faults._trace_path = trace
         if crash_at is not None:
             faults.arm("*", action, hit=crash_at)
-        if block is not None:  # held there until the test releases it (gates.py)
-            faults.arm(block, "block")
+        for held in (block,) if isinstance(block, str) else block or ():
+            faults.arm(held, "block")  # held there until the test releases it (gates.py)
         if world > 1:
             import torch.distributed as dist
 
@@ -142,9 +142,10 @@ def start(
     victim: int = 0,
     action: str = "killgroup",
     env: dict[str, str] | None = None,
-    block: str | None = None,
+    block: str | tuple[str, ...] | None = None,
 ) -> Job:
-    """Like :func:`run`, but return at once; rank ``victim`` may also ``block`` at a point."""
+    """Like :func:`run`, but return at once; rank ``victim`` may also ``block`` at a point
+    (or at each of several: a gate per point, released one by one)."""
     scratch = tempfile.mkdtemp(prefix="tierstore-fork-")
     store = os.path.join(scratch, "pg-store") if world > 1 else None
     pids: list[int] = []

@@ -212,11 +212,11 @@ def prune_from_a_second_listing(
 
 
 def test_multi_actor_machine_catches_a_prune_that_plans_from_a_second_listing(monkeypatch) -> None:
-    import test_multi_actor
+    import multi_actor
 
     from tierstore.lifecycle import prune as prune_mod
 
-    for module in (prune_mod, test_multi_actor):  # forked actors inherit the patch
+    for module in (prune_mod, multi_actor):  # forked actors inherit the patch
         monkeypatch.setattr(module, "prune_hot", prune_from_a_second_listing)
     expect_caught(
         PruneRacingSaves,
