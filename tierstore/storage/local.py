@@ -12,16 +12,16 @@ Writes go to an unbuffered descriptor: a large buffer goes to ``os.write`` as it
 copy in Python; only small writes are coalesced. With ``direct_io`` they bypass the page cache
 (``O_DIRECT``) through a page-aligned staging buffer, where the filesystem allows it.
 
-Deleted data files are kept for reuse where they help (:mod:`tierstore.storage.recycle`).
+A delete unlinks, and every write creates a new file: a deleted file's space goes back to the
+filesystem, and its bytes stay those of whoever still holds it (docs/design.md invariant 24).
 
-Why one module of about 650 lines: it is one backend, and its guarantees (fsync of files and
+Why one module of about 600 lines: it is one backend, and its guarantees (fsync of files and
 directories, link-based exclusive publish, no symlink followed, versions from inode, size and
 mtime) hold only together; split, the contract it meets would be spread over files.
 """
 
 from __future__ import annotations
 
-import builtins
 import errno
 import fcntl
 import logging
@@ -37,8 +37,6 @@ from urllib.parse import unquote, urlparse
 from tierstore.errors import ConfigError, PublishConflict, UnsafePath
 from tierstore.storage import faults
 from tierstore.storage.backend import Backend, ObjectInfo, ObjectWriter, check_key, translate_os_errors
-from tierstore.storage.recycle import DIR as _RECYCLE_DIR
-from tierstore.storage.recycle import RecyclePool, fresh_mtime, unlink_quietly
 
 __all__ = ["LocalBackend"]
 
@@ -72,6 +70,15 @@ def _version(st: os.stat_result) -> str:
     """A file's version (storage/backend.py): a rewrite in place moves its nanosecond mtime,
     a file renamed over it has another inode."""
     return f"{st.st_ino:x}-{st.st_size:x}-{st.st_mtime_ns:x}"
+
+
+def _unlink_quietly(name: str, directory: int) -> bool:
+    """Unlink ``name`` of ``directory``; False where it could not be (gone already...)."""
+    try:
+        os.unlink(name, dir_fd=directory)
+    except OSError:
+        return False
+    return True
 
 
 def _temp_name(base: str) -> str:
@@ -137,7 +144,6 @@ class _LocalWriter(ObjectWriter):
         *,
         direct: bool,
         defer_dir_sync: bool,
-        recycled: int | None = None,
     ) -> None:
         super().__init__(key)
         self._dirs = dirs
@@ -150,9 +156,6 @@ class _LocalWriter(ObjectWriter):
         self._staging: mmap.mmap | None = None
         self._staged = 0
         self._defer_dir_sync = defer_dir_sync
-        # A recycled file (storage/recycle.py): overwritten from 0, cut to size at commit, its
-        # mtime (ns) as deleted kept so that its new version differs.
-        self._recycled = recycled
 
     def _drain(self, view: memoryview) -> None:
         faults.point("local.write")
@@ -160,8 +163,6 @@ class _LocalWriter(ObjectWriter):
             try:
                 written = os.write(self._fd, view)
             except OSError as err:
-                if err.errno == errno.ENOSPC and self._backend.recycle.drain():
-                    continue  # the pool held the space this write needs
                 if not (self._direct and err.errno == errno.EINVAL):
                     raise
                 # O_DIRECT accepted at open but refused now (a short write left the offset
@@ -243,9 +244,6 @@ class _LocalWriter(ObjectWriter):
                 if self._buffer:
                     self._drain(memoryview(self._buffer))
                     self._buffer.clear()
-                if self._recycled is not None:
-                    os.ftruncate(self._fd, self.size)
-                    fresh_mtime(self._fd, self._recycled)
                 if self._backend.fsync:
                     os.fsync(self._fd)
                 self.version = _version(os.fstat(self._fd))  # a rename keeps inode and mtime
@@ -271,7 +269,7 @@ class _LocalWriter(ObjectWriter):
             except OSError:
                 pass
         try:
-            if self._dirs.fds and unlink_quietly(self._tmp, self._dirs.fd):
+            if self._dirs.fds and _unlink_quietly(self._tmp, self._dirs.fd):
                 self._dirs.prune_empty()
         finally:
             self._dirs.close()
@@ -294,36 +292,15 @@ class LocalBackend(Backend):
         *,
         fsync: bool = True,
         direct_io: bool = False,
-        recycle_bytes: int | None = None,
         **options: Any,
     ) -> None:
         super().__init__(url, **options)
         if options:
             raise ConfigError(f"unknown options for a local tier: {sorted(options)}")
-        if recycle_bytes is not None and (
-            isinstance(recycle_bytes, bool) or not isinstance(recycle_bytes, int) or recycle_bytes < 0
-        ):
-            raise ConfigError(f"recycle_bytes must be a non-negative int of bytes, got {recycle_bytes!r}")
         self.root = _path_from_url(str(url))
         self.fsync = fsync
         self.direct_io = bool(direct_io and _O_DIRECT)
         self._direct_lock = threading.Lock()
-        self._recycle_bytes = recycle_bytes
-        self._recycle: RecyclePool | None = None
-
-    @property
-    def recycle(self) -> RecyclePool:
-        """The pool of deleted files kept for reuse (storage/recycle.py); its cap is
-        ``recycle_bytes``, by default a quarter of the filesystem's size (0: off)."""
-        if self._recycle is None:
-            self._recycle = RecyclePool(self.root, self._recycle_bytes)
-        return self._recycle
-
-    def _key(self, key: str) -> list[str]:
-        parts = check_key(key, tier=self.label)
-        if parts[0] == _RECYCLE_DIR:
-            raise UnsafePath("reserved for the tier's recycled files", key=key, tier=self.label)
-        return parts
 
     def _refused_direct_io(self, err: OSError) -> None:
         """The filesystem refused O_DIRECT: stop asking for it, and say so once."""
@@ -337,7 +314,7 @@ class LocalBackend(Backend):
     # -- walking below the root ------------------------------------------------------------
 
     def _path(self, key: str) -> str:
-        return os.path.join(self.root, *self._key(key))
+        return os.path.join(self.root, *check_key(key, tier=self.label))
 
     def _open_root(self, create: bool) -> int:
         flags = os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC  # the root itself may be a link
@@ -428,16 +405,14 @@ class LocalBackend(Backend):
                 if err.errno != errno.EINVAL:
                     raise
                 # Linux made the file before it found O_DIRECT unsupported (ramfs, some FUSE).
-                unlink_quietly(name, directory)
+                _unlink_quietly(name, directory)
                 self._refused_direct_io(err)
         return os.open(name, _CREATE_FLAGS, 0o644, dir_fd=directory), False
 
-    def _create(
-        self, key: str, parts: list[str], name: str, direct: bool = False, reuse: bool = False
-    ) -> tuple[_Dirs, int, bool, int | None]:
+    def _create(self, key: str, parts: list[str], name: str, direct: bool = False) -> tuple[_Dirs, int, bool]:
         """Exclusively create file ``name`` in ``key``'s directory, making it first; say
-        whether it is open for O_DIRECT, and, for a recycled file (``reuse``: one taken from
-        :attr:`recycle` where it has one, never O_DIRECT), its mtime as deleted (else None).
+        whether it is open for O_DIRECT. Always a new file, never one that was deleted
+        (docs/design.md invariant 24).
 
         ``delete`` removes directories it leaves empty, so a concurrent delete can remove
         the directory between our walk and our create: walk again and retry.
@@ -450,9 +425,7 @@ class LocalBackend(Backend):
                     raise
                 continue
             try:
-                if reuse and (taken := self.recycle.take(dirs.fd, name)) is not None:
-                    return dirs, taken[0], False, taken[1]
-                return (dirs, *self._create_file(name, dirs.fd, direct), None)
+                return (dirs, *self._create_file(name, dirs.fd, direct))
             except FileNotFoundError:
                 dirs.close()
                 if attempt == _VANISHED_RETRIES:
@@ -465,21 +438,11 @@ class LocalBackend(Backend):
     # -- contract ----------------------------------------------------------------------
 
     def open_write(self, key: str, *, defer_dir_sync: bool = False) -> ObjectWriter:
-        parts = self._key(key)
+        parts = check_key(key, tier=self.label)
         tmp = _temp_name(parts[-1])
         with translate_os_errors(key, self.label):
-            dirs, fd, direct, recycled = self._create(key, parts, tmp, direct=True, reuse=not self.direct_io)
-        return _LocalWriter(
-            key,
-            dirs,
-            fd,
-            tmp,
-            parts[-1],
-            self,
-            direct=direct,
-            defer_dir_sync=defer_dir_sync,
-            recycled=recycled,
-        )
+            dirs, fd, direct = self._create(key, parts, tmp, direct=True)
+        return _LocalWriter(key, dirs, fd, tmp, parts[-1], self, direct=direct, defer_dir_sync=defer_dir_sync)
 
     def sync_dirs(self, keys: Iterable[str]) -> None:
         """fsync each distinct directory holding one of ``keys``, once.
@@ -489,7 +452,7 @@ class LocalBackend(Backend):
         """
         if not self.fsync:
             return
-        for names in sorted({tuple(self._key(key)[:-1]) for key in keys}):
+        for names in sorted({tuple(check_key(key, tier=self.label)[:-1]) for key in keys}):
             where = "/".join(names) + "/" if names else ""
             with translate_os_errors(where, self.label):
                 try:
@@ -502,7 +465,7 @@ class LocalBackend(Backend):
                     dirs.close()
 
     def open_read(self, key: str) -> BinaryIO:
-        parts = self._key(key)
+        parts = check_key(key, tier=self.label)
         with translate_os_errors(key, self.label, reading=True):
             dirs = self._open_dirs(key, parts[:-1], create=False)
             try:
@@ -519,10 +482,10 @@ class LocalBackend(Backend):
             return os.fdopen(fd, "rb")
 
     def publish(self, key: str, data: bytes) -> None:
-        parts = self._key(key)
+        parts = check_key(key, tier=self.label)
         tmp = _temp_name(parts[-1])
         with translate_os_errors(key, self.label):
-            dirs, fd, _, _ = self._create(key, parts, tmp)
+            dirs, fd, _ = self._create(key, parts, tmp)
             try:
                 try:
                     faults.point("local.publish.write")
@@ -533,14 +496,14 @@ class LocalBackend(Backend):
                         os.fsync(fd)
                 except BaseException:
                     os.close(fd)
-                    unlink_quietly(tmp, dirs.fd)  # e.g. ENOSPC: leave no temporary behind
+                    _unlink_quietly(tmp, dirs.fd)  # e.g. ENOSPC: leave no temporary behind
                     raise
                 os.close(fd)
                 faults.point("local.publish.after_temp_fsync")
                 try:
                     self._link_exclusive(key, dirs.fd, tmp, parts[-1])
                 finally:
-                    unlink_quietly(tmp, dirs.fd)
+                    _unlink_quietly(tmp, dirs.fd)
                 faults.point("local.publish.before_dir_fsync")
                 if self.fsync:
                     _fsync_dir(dirs.fd)
@@ -566,7 +529,7 @@ class LocalBackend(Backend):
             raise PublishConflict("already published", key=key, tier=self.label) from err
 
     def stat(self, key: str) -> ObjectInfo:
-        parts = self._key(key)
+        parts = check_key(key, tier=self.label)
         with translate_os_errors(key, self.label, reading=True):
             dirs = self._open_dirs(key, parts[:-1], create=False)
             try:
@@ -581,7 +544,7 @@ class LocalBackend(Backend):
         """Regular files only: links, FIFOs and linked directories are no objects of ours."""
         if prefix and not prefix.endswith("/"):
             raise ValueError(f"list prefix must be '' or end with '/': {prefix!r}")
-        names = self._key(prefix.rstrip("/")) if prefix else []
+        names = check_key(prefix.rstrip("/"), tier=self.label) if prefix else []
         try:
             dirs = self._open_dirs(prefix, names, create=False)
         except (FileNotFoundError, NotADirectoryError, UnsafePath):
@@ -598,8 +561,6 @@ class LocalBackend(Backend):
         except OSError:
             return  # removed or unreadable while listing
         for entry in entries:
-            if not rel and entry.name == _RECYCLE_DIR:
-                continue  # no object's: storage/recycle.py
             key = rel + entry.name
             try:
                 if entry.is_dir(follow_symlinks=False):
@@ -619,7 +580,7 @@ class LocalBackend(Backend):
                 os.close(child)
 
     def delete(self, key: str) -> None:
-        parts = self._key(key)
+        parts = check_key(key, tier=self.label)
         with translate_os_errors(key, self.label):
             try:
                 dirs = self._open_dirs(key, parts[:-1], create=False)
@@ -627,11 +588,9 @@ class LocalBackend(Backend):
                 return  # no such key
             try:
                 try:
-                    recycled = self.recycle.enabled and self.recycle.put(
-                        parts[-1], dirs.fd, os.stat(parts[-1], dir_fd=dirs.fd, follow_symlinks=False)
-                    )
-                    if not recycled:
-                        os.unlink(parts[-1], dir_fd=dirs.fd)  # a link itself, never its target
+                    # Unlinked, never kept aside: the space is the filesystem's again, and a
+                    # holder of the file keeps its bytes (docs/design.md invariant 24).
+                    os.unlink(parts[-1], dir_fd=dirs.fd)  # a link itself, never its target
                 except FileNotFoundError:
                     return
                 dirs.prune_empty()
@@ -640,7 +599,7 @@ class LocalBackend(Backend):
 
     def delete_if(self, key: str, version: str) -> bool:
         """Compare and unlink under one directory descriptor (no path walked twice)."""
-        parts = self._key(key)
+        parts = check_key(key, tier=self.label)
         with translate_os_errors(key, self.label):
             try:
                 dirs = self._open_dirs(key, parts[:-1], create=False)
@@ -659,34 +618,12 @@ class LocalBackend(Backend):
             finally:
                 dirs.close()
 
-    def abort_stale_uploads(
-        self, *, older_than: float, dry_run: bool = True, now: float | None = None
-    ) -> builtins.list[str]:
-        """gc gives the recycled files' space back (storage/recycle.py); nothing else here
-        is debris of the backend's own."""
-        if not dry_run:
-            freed = self.recycle.drain()
-            if freed:
-                log.info("%s: gave back %d bytes of recycled files", self.label, freed)
-        return []
-
-    def _existing_parent(self) -> str:
+    def free_bytes(self) -> int | None:
         directory = self.root
         while not os.path.isdir(directory):
             directory = os.path.dirname(directory)
-        return directory
-
-    def free_bytes(self) -> int | None:
-        """Free space, the recycled files' included: a write takes them first. Where the
-        disk has less free than the pool holds, the pool gives it all back first."""
-        directory = self._existing_parent()
         st = os.statvfs(directory)
-        free, held = st.f_bavail * st.f_frsize, self.recycle.held_bytes()
-        if held and free < held:
-            self.recycle.drain()
-            st = os.statvfs(directory)
-            return st.f_bavail * st.f_frsize
-        return free + held
+        return st.f_bavail * st.f_frsize
 
     def local_path(self, key: str) -> str:
         return self._path(key)
