@@ -6,8 +6,7 @@ differs), the state of ``perf_common.make_state``. Every rep is one "step" of a 
 
 1. touch the state as an optimizer step would (every float tensor updated in place);
 2. save it three ways, in an order rotated every rep: DCP's ``FileSystemWriter``,
-   ``TieredWriter`` (raw encoding, its defaults), the same with the local tier's recycled files
-   off (``tiered_fresh``: what every save did before them), and the **floor**: the same bytes written
+   ``TieredWriter`` (raw encoding, its defaults), and the **floor**: the same bytes written
    by one ``os.write`` loop into one file (fsynced, as both writers fsync) plus one CRC32C
    pass over them, the least a verified save can do; the floor overwrites the file of the
    checkpoint it retired, so it never waits for new pages;
@@ -50,14 +49,11 @@ from benchmarks.infra.launch import module_main
 from benchmarks.infra.measure import Record
 from benchmarks.jobs.perf_common import TMPFS, blank_like, make_state, nbytes
 from benchmarks.jobs.perf_io import NullReader
-from tierstore import Store, TieredReader, TieredWriter, keep_last, prune
+from tierstore import TieredReader, TieredWriter, keep_last, prune
 
 warnings.filterwarnings("ignore")
-SAVES = ("fsw", "tiered", "tiered_fresh", "floor")
+SAVES = ("fsw", "tiered", "floor")
 LOADS = ("fsr", "tiered", "floor", "dcp_null")
-# The local tier's recycled files off (storage/recycle.py): every save takes new pages, as all
-# did before them.
-FRESH = {"recycle_bytes": 0}
 KEEP = 2
 CHUNK = 4 << 20  # the floor's write size, the hot tier's too
 _REPORTED = Path("/sys/module/page_reporting/parameters/reported_kib")
@@ -201,7 +197,6 @@ def run(spec: dict[str, Any]) -> list[Record]:
     (root / "fsw").mkdir(parents=True)
     (root / "floor").mkdir()
     hot = root / "tiered"
-    fresh = Store(str(root / "tiered_fresh"), hot_options=FRESH)
     state = make_state(size)
     size = nbytes(state)
     into = blank_like(state)
@@ -210,9 +205,6 @@ def run(spec: dict[str, Any]) -> list[Record]:
             state, storage_writer=FileSystemWriter(root / "fsw" / str(k)), no_dist=True
         ),
         "tiered": lambda k: dcp.save(state, storage_writer=TieredWriter(hot=str(hot), step=k), no_dist=True),
-        "tiered_fresh": lambda k: dcp.save(
-            state, storage_writer=TieredWriter(hot=fresh, step=k), no_dist=True
-        ),
         "floor": lambda k: floor_save(state, root / "floor" / str(k % (KEEP + 1))),
     }
     loads: dict[str, Callable[[int], None]] = {
@@ -233,7 +225,6 @@ def run(spec: dict[str, Any]) -> list[Record]:
                 records.append(timed("load", name, k - warm, size, lambda name=name, k=k: loads[name](k)))
             shutil.rmtree(root / "fsw" / str(k - KEEP), ignore_errors=True)
             prune(str(hot), hot_policy=keep_last(KEEP))
-            prune(fresh, hot_policy=keep_last(KEEP))
             line = "  ".join(
                 f"{r['op']} {r['variant']} {r['seconds']:.3f}/{r['cpu']:.3f}"
                 for r in records
@@ -242,7 +233,6 @@ def run(spec: dict[str, Any]) -> list[Record]:
             print(f"    loop rep {k - warm}: {line}", flush=True)
         shutil.rmtree(root / "fsw")
         shutil.rmtree(hot)
-        shutil.rmtree(root / "tiered_fresh")
         records.extend(page_phase(state, root / "floor", size, max(3, reps // 3)))
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -17,7 +17,6 @@ Records = list[dict[str, Any]]
 SAVES = {
     "fsw": "FileSystemWriter",
     "tiered": "TieredWriter",
-    "tiered_fresh": "TieredWriter, recycling off",
     "floor": "floor",
 }
 LOADS = {
