@@ -5,7 +5,10 @@ reads DCP's ``.metadata`` only after checking its size and CRC32C against the ma
 and verifies every data file's size and CRC32C as it streams it. A file that fails in one
 tier is read again from the next tier holding the checkpoint, with a warning; when no tier
 has a good copy the load stops with an error naming checkpoint, file, tier, expected and
-actual values (docs/design.md invariant 5).
+actual values (docs/design.md invariant 5). That error is damage (what a resume steps back
+past and quarantines) only once proven: every tier read a second time, and a file missing
+only where a second request and the tier's listing agree; else the load raises what the
+tier did instead (issue 34: one transient 404 must not cost the newest checkpoint).
 
 A dcp-encoded file (``_StorageInfo`` in the metadata) is verified per file as its bytes
 stream by, so a corrupt file is detected after some of its items may already have been
@@ -60,6 +63,7 @@ from tierstore.errors import (
     ObjectTooLarge,
     StorageError,
     TierstoreError,
+    TransientStorageError,
     UnsafePath,
 )
 from tierstore.format import layout
@@ -69,6 +73,7 @@ from tierstore.format.safe_pickle import load_metadata
 from tierstore.format.verified import open_verified, verify_file
 from tierstore.options import ReaderOptions
 from tierstore.storage import faults
+from tierstore.storage.missing import proven_missing
 from tierstore.tiers import leases
 from tierstore.tiers.catalog import resolve
 from tierstore.tiers.tier import Store, Tier, TierURL
@@ -583,33 +588,61 @@ class TieredReader(StorageReader):
             self.bytes_read[label] = self.bytes_read.get(label, 0) + n
 
     def _from_nearest(self, entry: FileEntry, consume: Callable[[Tier, str], None]) -> None:
+        """Read ``entry`` from the nearest tier whose copy verifies (``consume`` reads one
+        tier's copy), falling back tier by tier.
+
+        Damage is proven before it is reported (issue 34): a resume falls back past a
+        checkpoint it calls damaged and quarantines it, so one failed read must not decide.
+        When every tier failed, each is read once more, and a file counts as missing only
+        when the second request answers 404 too and the tier's listing does not show it.
+        Damage in some tiers and another failure in others is not damage: that failure is
+        raised, and nothing steps back past the checkpoint.
+        """
         assert self.manifest is not None
-        errors: list[str] = []
-        for i, tier in enumerate(self._holders):
-            key = tier.file_key(self.manifest.name, self.manifest.attempt, entry.path)
-            try:
-                # The stored size first: a truncated file fails fast, and no length claimed by
-                # a forged manifest or metadata can make a read allocate more than is stored.
-                try:
-                    stored = tier.backend.stat(key).size
-                except ObjectNotFound as err:  # say whose file: the key alone may be hashed
-                    context = {**err.context, "checkpoint": self.manifest.name, "file": entry.path}
-                    raise ObjectNotFound(err.message, **context) from err
-                if stored != entry.size:
-                    raise ChecksumMismatch.size(
-                        entry.size, stored, checkpoint=self.manifest.name, file=entry.path, tier=tier.label
-                    )
-                consume(tier, key)
-                with self._lock:
-                    if self._served.get(entry.path, -1) < i:
-                        self._served[entry.path], self.sources[entry.path] = i, tier.role
-                if errors:
-                    log.info("read %s of checkpoint %s from %s", entry.path, self.manifest.name, tier.label)
+        failed = self._each_holder(entry, consume, proving=False)
+        if failed is None:
+            return
+        if all(is_damage(err) for err in failed):
+            log.warning(
+                "file %s of checkpoint %s failed in every tier holding it; reading it once "
+                "more before calling it damaged: %s",
+                entry.path,
+                self.manifest.name,
+                failed[-1],
+            )
+            failed = self._each_holder(entry, consume, proving=True)
+            if failed is None:
+                log.warning(
+                    "file %s of checkpoint %s read verified on a second try: not damaged",
+                    entry.path,
+                    self.manifest.name,
+                )
                 return
+            if all(is_damage(err) for err in failed):
+                # The farthest tier's error, as a read reports it, naming the tiers whose copy
+                # failed twice (a quarantine need not read them a third time).
+                last = failed[-1]
+                proven = type(last)(last.message, **{**last.context, "proven_in": self._labels()})
+                raise proven from last
+        raise next(err for err in failed if not is_damage(err))
+
+    def _labels(self) -> tuple[str, ...]:
+        return tuple(tier.label for tier in self._holders)
+
+    def _each_holder(
+        self, entry: FileEntry, consume: Callable[[Tier, str], None], *, proving: bool
+    ) -> list[TierstoreError] | None:
+        """One pass of :meth:`_from_nearest`: ``None`` once a tier served ``entry``, else
+        every tier's error, nearest first."""
+        assert self.manifest is not None
+        errors: list[TierstoreError] = []
+        for i, tier in enumerate(self._holders):
+            try:
+                self._read_from(tier, entry, consume, proving=proving)
             except (IntegrityError, StorageError) as err:
+                errors.append(err)
                 if i + 1 == len(self._holders):
-                    raise
-                errors.append(str(err))
+                    return errors
                 expected = not (self.node_local and i == 0 and isinstance(err, ObjectNotFound))
                 log.log(
                     logging.WARNING if expected else logging.DEBUG,
@@ -618,3 +651,43 @@ class TieredReader(StorageReader):
                     self.manifest.name,
                     err,
                 )
+                continue
+            with self._lock:
+                if self._served.get(entry.path, -1) < i:
+                    self._served[entry.path], self.sources[entry.path] = i, tier.role
+            if errors:
+                log.info("read %s of checkpoint %s from %s", entry.path, self.manifest.name, tier.label)
+            return None
+        return errors
+
+    def _read_from(
+        self, tier: Tier, entry: FileEntry, consume: Callable[[Tier, str], None], *, proving: bool
+    ) -> None:
+        """Read ``entry`` from ``tier``; on a second try (``proving``), a 404 stands only if
+        the object is proven missing (:func:`~tierstore.storage.missing.proven_missing`)."""
+        assert self.manifest is not None
+        name = self.manifest.name
+        key = tier.file_key(name, self.manifest.attempt, entry.path)
+        try:
+            # The stored size first: a truncated file fails fast, and no length claimed by
+            # a forged manifest or metadata can make a read allocate more than is stored.
+            stored = tier.backend.stat(key).size
+            if stored != entry.size:
+                raise ChecksumMismatch.size(
+                    entry.size, stored, checkpoint=name, file=entry.path, tier=tier.label
+                )
+            consume(tier, key)
+        except ObjectNotFound as err:  # say whose file: the key alone may be hashed
+            context = {"tier": tier.label, **err.context, "checkpoint": name, "file": entry.path}
+            if proving and not proven_missing(tier.backend, key):
+                raise TransientStorageError(
+                    "the tier answered 404 for this file twice but still holds it (an eventually "
+                    "consistent store, or a proxy sending requests astray?): not damage; the load "
+                    "stops here rather than step back past the checkpoint, try it again",
+                    **context,
+                ) from err
+            if proving:
+                raise ObjectNotFound(
+                    f"{err.message} (missing: a second request and the tier's listing agree)", **context
+                ) from err
+            raise ObjectNotFound(err.message, **context) from err

@@ -18,7 +18,7 @@ from tierstore.dcp.failures import describe as describe_failure
 from tierstore.dcp.reader import TieredReader, is_damage
 from tierstore.errors import ConfigError, TierstoreError
 from tierstore.format.manifest import Manifest
-from tierstore.lifecycle.quarantine import quarantine
+from tierstore.lifecycle.quarantine import quarantine_proven
 from tierstore.manager.base import Base
 from tierstore.manager.runs import ours
 from tierstore.options import ReaderOptions
@@ -158,21 +158,25 @@ class Loading(Base):
 
     def _quarantine(self, damaged: list[tuple[Manifest, CheckpointException]], *, loaded: str) -> None:
         """Set aside each checkpoint a resume fell back past (invariant 21): its step is
-        trained again and saved as a new attempt, and retention never counts it again."""
+        trained again and saved as a new attempt, and retention never counts it again. Only
+        in a tier where its damage is proven now (issue 34: one 404 is no proof;
+        :func:`~tierstore.lifecycle.quarantine.quarantine_proven`): a good copy stays."""
         for manifest, err in damaged:
             reason = (
                 f"a resume found it damaged in every tier holding it and loaded {loaded} "
                 f"instead: {describe_failure(err)}"
             )
+            done = False
             for tier in self.store.tiers:
                 try:
                     here = tier.find_manifest(manifest.name)  # this tier's own copy is the record
                     if here is not None and here.attempt == manifest.attempt:
-                        quarantine(tier, here, reason)
+                        done = quarantine_proven(tier, here, reason, causes(err)) or done
                 except TierstoreError as failure:  # kept published: the next resume retries
                     log.error("could not quarantine %s in %s: %s", manifest.name, tier.label, failure)
-            with self._lock:
-                self._quarantined.append(manifest.name)
+            if done:
+                with self._lock:
+                    self._quarantined.append(manifest.name)
 
     def verify_resume(
         self,

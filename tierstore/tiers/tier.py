@@ -23,6 +23,7 @@ from tierstore.errors import ConfigError
 from tierstore.format import layout
 from tierstore.format.manifest import MAX_MANIFEST_BYTES, Manifest, PartRef
 from tierstore.storage.backend import Backend, ObjectInfo
+from tierstore.storage.missing import proven_missing
 from tierstore.storage.registry import backend_class, open_backend, split_scheme
 
 __all__ = ["Tier", "Store", "TierURL"]
@@ -129,14 +130,28 @@ class Tier:
         key = self.file_key(name, attempt, ref.path)
         try:
             return key, self.backend.read_bytes(key, limit=ref.size)
-        except (errors.ObjectNotFound, errors.ObjectTooLarge) as err:
-            raise errors.InvalidManifest(
-                f"invalid manifest: part {ref.index} is missing or larger "
-                f"than the root's {ref.size} bytes ({err.message})",
-                key=key,
-                tier=self.label,
-                checkpoint=name,
-            ) from err
+        except errors.ObjectNotFound as err:
+            failed: errors.StorageError = err
+        except errors.ObjectTooLarge as err:
+            failed = err
+        # One 404 is no proof (issue 34): a part the tier still lists is read again.
+        if isinstance(failed, errors.ObjectNotFound) and not proven_missing(self.backend, key):
+            try:
+                return key, self.backend.read_bytes(key, limit=ref.size)
+            except errors.ObjectNotFound as err:
+                raise errors.TransientStorageError(
+                    f"manifest part {ref.index} answered 404 twice but is listed: not damage",
+                    key=key,
+                    tier=self.label,
+                    checkpoint=name,
+                ) from err
+        raise errors.InvalidManifest(
+            f"invalid manifest: part {ref.index} is missing or larger "
+            f"than the root's {ref.size} bytes ({failed.message})",
+            key=key,
+            tier=self.label,
+            checkpoint=name,
+        ) from failed
 
     def manifests(self) -> list[Manifest]:
         """Every valid manifest; invalid ones do not count as checkpoints and are logged."""

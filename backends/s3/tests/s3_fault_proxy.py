@@ -6,9 +6,10 @@ every request that is let through reaches the real moto server unchanged. Rules 
 method and substrings of the path (query included) and fire for their first ``times``
 matching requests:
 
-* ``slowdown`` / ``internal`` / ``conflict`` / ``timeout`` / ``bad_digest`` / ``deny``:
-  answer 503 SlowDown / 500 InternalError / 409 ConditionalRequestConflict /
-  400 RequestTimeout / 400 BadDigest / 403 AccessDenied without forwarding;
+* ``slowdown`` / ``internal`` / ``conflict`` / ``timeout`` / ``bad_digest`` / ``deny`` /
+  ``not_found``: answer 503 SlowDown / 500 InternalError / 409 ConditionalRequestConflict /
+  400 RequestTimeout / 400 BadDigest / 403 AccessDenied / 404 NoSuchKey without forwarding
+  (a 404 for a key that is there: an eventually consistent store, a misrouting proxy);
 * ``reset``: read the request, then reset the connection (nothing reaches moto);
 * ``lose_answer``: forward to moto, then reset the connection (the request took effect,
   the client never learns it);
@@ -53,6 +54,7 @@ _ERRORS = {
     "timeout": (400, "RequestTimeout", "Your socket connection to the server was not read."),
     "bad_digest": (400, "BadDigest", "The CRC32C you specified did not match the calculated."),
     "deny": (403, "AccessDenied", "Access Denied"),
+    "not_found": (404, "NoSuchKey", "The specified key does not exist."),
 }
 
 
