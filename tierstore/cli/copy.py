@@ -7,15 +7,23 @@ import argparse
 
 from tierstore._redact import redact_url
 from tierstore.cli.common import migration_config, options_of, require_picked, said_json, store_of
-from tierstore.cli.parser import EXIT_OK
+from tierstore.cli.parser import EXIT_OK, UsageError
 from tierstore.progress import size_text
 from tierstore.tiers.copy import copy_checkpoint
+from tierstore.tiers.roots import local_path, overlap
 
 __all__ = ["cmd_cp"]
 
 
 def cmd_cp(args: argparse.Namespace) -> int:
     store = store_of(args)
+    to = local_path(args.to)
+    nested = None if to is None else overlap(to, store.tiers)
+    if nested is not None and nested.how != "is":  # the same tier is fine: nothing to copy there
+        raise UsageError(
+            f"--to {nested}: a tier inside another mixes their objects (the outer tier's gc "
+            "and du take the inner one's as its own); give a directory outside every tier"
+        )
     require_picked(args, store.tiers)
     report = copy_checkpoint(
         store,

@@ -10,7 +10,9 @@ from dataclasses import asdict
 from tierstore._redact import redact_url
 from tierstore.cli.common import require_picked, store_of
 from tierstore.cli.parser import EXIT_OK, UsageError
+from tierstore.errors import ConfigError
 from tierstore.progress import size_text
+from tierstore.tiers.roots import refuse_overlap
 
 __all__ = ["cmd_export"]
 
@@ -23,14 +25,18 @@ def _keys_text(keys: tuple[str, ...]) -> str:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from tierstore.dcp.export import export  # imports torch, and safetensors when asked
-
     if "://" in args.out:
         raise UsageError(f"--out must be a local directory, not {redact_url(args.out)}: export, then copy it")
     if args.strip_prefix is not None and args.format == "dcp":
         raise UsageError("--strip-prefix is for --format safetensors or torch: a dcp export keeps every key")
     store = store_of(args)
+    try:  # --out against --hot and --cold: nothing read yet, a usage error (exit 2)
+        refuse_overlap(args.out, store.tiers, what="--out")
+    except ConfigError as err:
+        raise UsageError(str(err)) from None
     require_picked(args, store.tiers)
+    from tierstore.dcp.export import export  # imports torch, and safetensors when asked
+
     report = export(
         store,
         name=args.name,

@@ -311,7 +311,13 @@ def _export_args(p: argparse.ArgumentParser) -> None:
         "torch: one torch.save file, state_dict.pt; dcp: a plain DCP checkpoint "
         "(dcp.FileSystemReader reads it)",
     )
-    p.add_argument("--out", required=True, metavar="DIR", help="a new or empty local directory")
+    p.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="a new or empty local directory, outside every tier (never a tier's directory, "
+        "one inside a tier or one above a tier)",
+    )
     p.add_argument(
         "--strip-prefix",
         metavar="P",
@@ -325,7 +331,12 @@ def _export_args(p: argparse.ArgumentParser) -> None:
         metavar="SIZE",
         help="the most bytes of tensors per safetensors shard, e.g. 500MB (default 5GB)",
     )
-    p.add_argument("--force", action="store_true", help="replace a non-empty --out and everything in it")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace a non-empty --out and everything in it (never the current or home "
+        "directory, one above either, or a directory holding any tierstore tier)",
+    )
 
 
 # du: tierstore.cli.usage

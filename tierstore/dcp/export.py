@@ -19,6 +19,12 @@ tier holding the checkpoint, every byte verified as in every load. It is written
 Everything is written into a fresh directory next to ``out`` and renamed into place last, so
 ``out`` never shows half an export; a failed export leaves ``out`` as it was. An existing
 non-empty ``out`` is refused unless ``force``, which replaces it whole.
+
+``out`` is never a tier's directory, one inside a tier or one above a tier (docs/design.md,
+"commands never delete a tier root"): refused, ``force`` or not, before anything is read.
+``force`` never replaces the current or home directory (or one above either), nor a tree
+holding any tierstore tier, this store's or another's. Both are checked again right before
+``out`` is replaced (fault point ``export.before_replace`` between the two).
 """
 
 from __future__ import annotations
@@ -46,7 +52,9 @@ from tierstore.errors import ConfigError, TierstoreError
 from tierstore.format.manifest import Manifest
 from tierstore.options import ReaderOptions
 from tierstore.progress import ProgressCallback, counting
-from tierstore.tiers.tier import Store, TierURL
+from tierstore.storage import faults
+from tierstore.tiers.roots import refuse_overlap, relation, tier_below
+from tierstore.tiers.tier import Store, Tier, TierURL
 
 __all__ = ["export", "ExportReport", "FORMATS", "DEFAULT_SHARD_SIZE", "INSTALL_EXPORT"]
 
@@ -95,7 +103,8 @@ def export(
     of ``store`` into the local directory ``out`` as ``format`` (module docstring).
 
     Raises :class:`~tierstore.ConfigError` for bad arguments (a URL or a non-empty directory
-    as ``out`` without ``force``, an unknown format, a prefix no key is under, safetensors
+    as ``out`` without ``force``, an ``out`` that is a tier's directory, inside or above one,
+    one ``force`` must not replace, an unknown format, a prefix no key is under, safetensors
     not installed), and what any load raises for a checkpoint that is not there or damaged in
     every tier (naming checkpoint, file and tier); ``out`` is then left as it was.
     """
@@ -107,9 +116,9 @@ def export(
         raise ConfigError("strip_prefix must be a non-empty key prefix, e.g. 'model.'")
     if strip_prefix is not None and format == "dcp":
         raise ConfigError("strip_prefix is for format safetensors or torch: a dcp export keeps every key")
-    target = _target(out, force)
-    save_file = _safetensors_writer() if format == "safetensors" else None
     store = Store.of(store)
+    target = _target(out, force, store.tiers)
+    save_file = _safetensors_writer() if format == "safetensors" else None
     options = ReaderOptions(thread_count=thread_count)
     metadata, manifest = _open(TieredReader(store, name=name, step=step, options=options))
     tensors, others = _entries(metadata)
@@ -137,6 +146,8 @@ def export(
             files = _write_torch(work, wanted, strip_prefix, load)
         else:
             files = _write_dcp(work, load(wanted))
+        faults.point("export.before_replace")
+        _target(out, force, store.tiers)  # what is there now, not what was there before the load
         _into_place(work, target)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
@@ -155,7 +166,7 @@ def export(
     )
 
 
-def _target(out: str | os.PathLike[str], force: bool) -> str:
+def _target(out: str | os.PathLike[str], force: bool, tiers: list[Tier]) -> str:
     text = os.fspath(out)
     if "://" in text:
         raise ConfigError(
@@ -163,15 +174,39 @@ def _target(out: str | os.PathLike[str], force: bool) -> str:
             "the directory (aws s3 cp --recursive, gcloud storage cp -r, huggingface-cli upload)"
         )
     target = os.path.abspath(os.path.expanduser(text))
+    refuse_overlap(target, tiers, what="the export's out")
     if os.path.lexists(target):
         if not os.path.isdir(target) or os.path.islink(target):
             raise ConfigError(f"the export's out {target!r} exists and is not a directory")
-        if os.listdir(target) and not force:
-            raise ConfigError(
-                f"the export's out {target!r} is not empty: give an empty or new directory, "
-                "or force (--force) to replace it and everything in it"
-            )
+        if os.listdir(target):
+            if not force:
+                raise ConfigError(
+                    f"the export's out {target!r} is not empty: give an empty or new directory, "
+                    "or force (--force) to replace it and everything in it"
+                )
+            _refuse_replacing(target)
     return target
+
+
+def _refuse_replacing(target: str) -> None:
+    """What ``force`` never replaces, whichever store is exported: the directory the command
+    runs in, the home directory, one above either, or a tree holding a tier of any store."""
+    for place, said in (
+        (os.getcwd(), "the current directory"),
+        (os.path.expanduser("~"), "the home directory"),
+    ):
+        if relation(target, place) in ("is", "above"):
+            raise ConfigError(
+                f"the export's out {target!r} is {said} or above it: force replaces a directory "
+                "and everything in it; give the export a directory of its own"
+            )
+    found = tier_below(target)
+    if found is not None:
+        raise ConfigError(
+            f"the export's out {target!r} holds a tierstore tier at {found!r} (a manifests/ "
+            "directory and checkpoints/): force would delete it; give the export a directory "
+            "of its own"
+        )
 
 
 def _safetensors_writer() -> Callable[..., None]:
