@@ -97,12 +97,21 @@ def cmd_verify(args: argparse.Namespace) -> int:
     checks = verify_store(store, names=[args.name] if args.name else None, progress=args.progress)
     args.progress.close()
     bad = [c for c in checks if not c.ok]
+    # A checkpoint a prune (of a job running beside) un-published while it was read: its
+    # missing files are not damage (lifecycle.scrub).
+    pruned = [c for c in checks if c.pruned]
     if args.json:
         print(json.dumps([asdict(c) for c in checks], indent=1))
     else:
+        for tier, name in dict.fromkeys((c.tier, c.checkpoint) for c in pruned):
+            print(f"PRUNED   {tier}  {name}: un-published while verify read it; not checked, not damage")
         for c in bad:
             print(f"DAMAGED  {c.tier}  {c.checkpoint}  {c.file}: {c.problem}")
-        print(f"verified {len(checks)} files: {len(checks) - len(bad)} ok, {len(bad)} damaged")
+        checked = len(checks) - len(pruned)
+        print(
+            f"verified {checked} files: {checked - len(bad)} ok, {len(bad)} damaged"
+            + (f"; {len(pruned)} files of pruned checkpoints not checked" if pruned else "")
+        )
     return EXIT_ERROR if bad else EXIT_OK
 
 

@@ -8,19 +8,30 @@ size and CRC32C, each of its items inside it and, raw encoding, each block CRC32
 the item's bytes, in that same pass. Loads check only the blocks they read (docs/design.md
 invariant 5); this is where the rest is checked. A damaged checkpoint is reported file by
 file and the next one is checked (invariant 6).
+
+Verify runs beside a live job, whose prunes delete checkpoints it listed. A file gone because
+its checkpoint was un-published is not damage: where a file (or a part, or ``.metadata``) is
+missing, the tier is asked again whether it still commits that attempt, and if not, those
+files are reported ``pruned``, not damaged. Prune un-publishes before it deletes (invariant
+14), so a file found missing while the same attempt is still published afterwards was missing
+from a committed checkpoint: damage. Verify takes no lease (a reader's, invariant 16): it
+would make a read-only command write to every tier, keep a pruned checkpoint's data until it
+expires, and verifying a checkpoint that is being deleted tells nobody anything. Fault point
+``verify.after_listing`` lies between a tier's listing and its reads.
 """
 
 from __future__ import annotations
 
 import pickle
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from tierstore.errors import IntegrityError, InvalidManifest, TierstoreError
+from tierstore.errors import IntegrityError, InvalidManifest, ObjectNotFound, TierstoreError
 from tierstore.format.manifest import FileEntry, Manifest, checkpoint_order
 from tierstore.format.verified import CHUNK, open_verified, verify_file
 from tierstore.progress import counting
+from tierstore.storage import faults
 from tierstore.storage.checksum import crc32c_update
 from tierstore.tiers.store_arg import takes_store
 from tierstore.tiers.tier import Store, Tier, TierURL
@@ -29,16 +40,24 @@ __all__ = ["FileCheck", "verify_store"]
 
 _Items = dict[str, list[tuple[str, Any]]]  # file -> (fqn, storage info) in file order
 _Progress = Callable[[int], None] | None
+_PRUNED = "un-published while verify read it (pruned, or its name committed again): not checked"
 
 
 @dataclass(frozen=True)
 class FileCheck:
+    """One file of one checkpoint in one tier: ``ok`` unless damaged (``problem`` says how).
+
+    ``pruned``: the checkpoint was un-published while verify read it and this file was gone
+    by then; it was not checked, and that is not damage (``ok`` is true).
+    """
+
     tier: str
     checkpoint: str
     file: str
     ok: bool
     problem: str | None = None
     size: int = 0
+    pruned: bool = False
 
 
 @takes_store()
@@ -51,12 +70,14 @@ def verify_store(
     """Read back every file of every (or the named) committed checkpoint in every tier.
 
     An invalid manifest (a two-level one's part missing or altered included) is reported as
-    a failed check of the file ``<manifest>``; the other checkpoints are still checked.
+    a failed check of the file ``<manifest>``; the other checkpoints are still checked. Files
+    of a checkpoint un-published while they were read are ``pruned`` (module docstring).
     """
     wanted = set(names) if names is not None else None
     results: list[FileCheck] = []
     for tier in Store.of(store).tiers:
         manifests, invalid = tier.scan_manifests()
+        faults.point("verify.after_listing")
         for err in invalid:
             if wanted is None or err.checkpoint in wanted:
                 results.append(FileCheck(tier.label, err.checkpoint or "?", "<manifest>", False, str(err)))
@@ -69,21 +90,44 @@ def verify_store(
 def _verify_checkpoint(
     tier: Tier, manifest: Manifest, progress: Callable[[str, int, int], None] | None
 ) -> list[FileCheck]:
+    gone: set[str] = set()  # files found missing: damage only if the attempt is still committed
+    checks = _checks(tier, manifest, progress, gone)
+    if gone and _unpublished(tier, manifest):
+        return [replace(c, ok=True, problem=_PRUNED, pruned=True) if c.file in gone else c for c in checks]
+    return checks
+
+
+def _checks(
+    tier: Tier, manifest: Manifest, progress: Callable[[str, int, int], None] | None, gone: set[str]
+) -> list[FileCheck]:
     try:
         files = manifest.files  # a two-level manifest reads its parts here
     except TierstoreError as err:  # this checkpoint's, reported; the next is checked
+        if isinstance(err.__cause__, ObjectNotFound):
+            gone.add("<manifest>")
         return [FileCheck(tier.label, manifest.name, "<manifest>", False, str(err))]
     tick = counting(f"{tier.role} {manifest.name}", manifest.total_size, progress)
     meta = next(f for f in files if f.path == manifest.metadata_file)  # validated: listed once
-    meta_check, items = _check_metadata(tier, manifest, meta, {f.path for f in files}, tick)
+    meta_check, items = _check_metadata(tier, manifest, meta, {f.path for f in files}, tick, gone)
     return [
-        meta_check if entry is meta else _check_file(tier, manifest, entry, items.get(entry.path, ()), tick)
+        meta_check
+        if entry is meta
+        else _check_file(tier, manifest, entry, items.get(entry.path, ()), tick, gone)
         for entry in files
     ]
 
 
+def _unpublished(tier: Tier, manifest: Manifest) -> bool:
+    """Whether ``tier`` no longer commits ``manifest``'s attempt, read now (after the reads
+    that found its files missing: prune un-publishes first, invariant 14)."""
+    try:
+        return not tier.holds(manifest)
+    except TierstoreError:  # cannot tell (unreadable, or torn now): what was found stands
+        return False
+
+
 def _check_metadata(
-    tier: Tier, manifest: Manifest, entry: FileEntry, listed: set[str], progress: _Progress
+    tier: Tier, manifest: Manifest, entry: FileEntry, listed: set[str], progress: _Progress, gone: set[str]
 ) -> tuple[FileCheck, _Items]:
     """``.metadata`` verified and loaded as a reader loads it; its items by file."""
     from tierstore.format.safe_pickle import load_metadata  # torch: `tierstore` starts without it
@@ -100,6 +144,8 @@ def _check_metadata(
             progress(len(data))
         metadata = load_metadata(bytes(data))
     except TierstoreError as err:
+        if isinstance(err, ObjectNotFound):
+            gone.add(entry.path)
         return _failed(tier, manifest, entry, str(err)), {}
     except pickle.UnpicklingError as err:
         problem = _problem(
@@ -121,7 +167,12 @@ def _check_metadata(
 
 
 def _check_file(
-    tier: Tier, manifest: Manifest, entry: FileEntry, items: Sequence[tuple[str, Any]], progress: _Progress
+    tier: Tier,
+    manifest: Manifest,
+    entry: FileEntry,
+    items: Sequence[tuple[str, Any]],
+    progress: _Progress,
+    gone: set[str],
 ) -> FileCheck:
     key = tier.file_key(manifest.name, manifest.attempt, entry.path)
     problem = _item_problem(items, entry.size)
@@ -137,6 +188,8 @@ def _check_file(
             inspect=None if blocks is None else blocks.feed,
         )
     except TierstoreError as err:  # damaged, missing or unreadable: all reported, none fatal
+        if isinstance(err, ObjectNotFound):
+            gone.add(entry.path)
         return _failed(tier, manifest, entry, str(err))
     problem = problem or (blocks.problem if blocks is not None else None)
     if problem is not None:  # the bytes are the manifest's: the metadata does not match them
