@@ -17,5 +17,5 @@ def test_throttle_caps_bytes_per_second() -> None:
     throttle = Throttle(1000.0, clock=lambda: now[0], sleep=sleep)
     for _ in range(10):
         throttle.consume(500)
-    assert now[0] == pytest.approx(4.5)  # 5000 bytes at 1000 B/s, the first chunk free
+    assert now[0] == pytest.approx(5.0)  # 5000 bytes at 1000 B/s, every chunk paid
     assert slept and all(s > 0 for s in slept)  # it waited, never a negative sleep

@@ -31,7 +31,7 @@ from tierstore.tiers.catalog import resolve
 from tierstore.tiers.migrator import MigrationConfig
 from tierstore.tiers.store_arg import takes_store
 from tierstore.tiers.tier import Store, Tier, TierURL
-from tierstore.tiers.transfer import check_copy, copy_file
+from tierstore.tiers.transfer import Throttle, check_copy, copy_file
 
 __all__ = ["restore", "restore_checkpoint", "RestoreReport", "Repair"]
 
@@ -92,6 +92,7 @@ def restore_checkpoint(
         )
     advance = counting(manifest.name, manifest.total_size, progress)
     advance(0)  # started: the bar shows before the first file is stored
+    throttle = Throttle(config.bandwidth)  # `tierstore restore --bandwidth` (it had none)
     copied: list[str] = []
     repaired: list[Repair] = []
     for entry in manifest.files:
@@ -119,6 +120,7 @@ def restore_checkpoint(
                 manifest.attempt,
                 entry,
                 chunk_size=config.chunk_size,
+                throttle=throttle,
                 progress=advance,
             )
 
