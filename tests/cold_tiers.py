@@ -10,7 +10,9 @@ scenario that involves the cold tier runs against all of these, real servers onl
 * ``gcs``: fake-gcs-server.
 
 Use the ``any_cold`` fixture (parametrized over ``KINDS``; tests/conftest.py makes it
-visible everywhere) or ``cold_of(request, kind, tmp_path)``. A
+visible everywhere) or ``cold_of(request, kind, tmp_path)``; ``switchable_cold`` gives
+every kind a way down and back (a local tier whose mount goes away, the object stores
+behind a fault proxy), for a cold tier that blips. A
 :class:`Cold` gives the URL and options the product is handed, a :class:`Tier` that
 reaches the server directly (to look behind the product's back), and for the proxied
 kinds the proxy, so a test can take the tier down (``cold.down()``).
@@ -68,9 +70,50 @@ class Cold:
             self.proxy.mode = "healthy"
 
 
-def cold_of(request: pytest.FixtureRequest, kind: str, tmp_path: Path) -> Iterator[Cold]:
-    """A fresh, empty cold tier of ``kind`` for one test."""
+class LocalSwitch:
+    """A local cold tier that can be taken away and brought back, as a mount that goes away
+    does: ``mode = "refuse"`` moves the directory above the tier aside and puts a file in
+    its place (every write fails; a listing finds nothing), ``"healthy"`` puts it back, its
+    content intact. The local kind's stand-in for a proxy's whole-server modes."""
+
+    def __init__(self, mount: Path) -> None:
+        self.mount, self.away = mount, mount.with_name(mount.name + ".away")
+        self.mount.mkdir(parents=True, exist_ok=True)
+        self._mode = "healthy"
+
+    @property
+    def mode(self) -> str:
+        return self._mode
+
+    @mode.setter
+    def mode(self, mode: str) -> None:
+        if mode not in ("healthy", "refuse"):
+            pytest.skip(f"a local cold tier cannot be put in mode {mode!r}")
+        if mode == self._mode:
+            return
+        if mode == "refuse":
+            self.mount.rename(self.away)
+            self.mount.write_text("a file where the cold tier's mount should be")
+        else:
+            self.mount.unlink()
+            self.away.rename(self.mount)
+        self._mode = mode
+
+
+def cold_of(
+    request: pytest.FixtureRequest, kind: str, tmp_path: Path, *, switchable: bool = False
+) -> Iterator[Cold]:
+    """A fresh, empty cold tier of ``kind`` for one test; ``switchable``: one that
+    :meth:`Cold.down` can take down and :meth:`Cold.up` bring back, whatever its kind (a
+    local tier through :class:`LocalSwitch`, the object stores behind a fault proxy)."""
     if kind == "local":
+        if switchable:
+            switch = LocalSwitch(tmp_path / "cold-mount")
+            try:
+                yield Cold(kind, str(switch.mount / "cold"), {}, {}, switch)
+            finally:
+                switch.mode = "healthy"
+            return
         yield Cold(kind, str(tmp_path / "cold"), {}, {})
         return
     prefix = f"run-{uuid.uuid4().hex[:8]}"
@@ -79,7 +122,7 @@ def cold_of(request: pytest.FixtureRequest, kind: str, tmp_path: Path) -> Iterat
         endpoint = request.getfixturevalue("s3_endpoint")
         bucket = request.getfixturevalue("s3_bucket")
         base = {"key": "testing", "secret": "testing", "region": "us-west-2", "retry": RETRY}
-        if kind == "s3":
+        if kind == "s3" and not switchable:
             yield Cold(
                 kind,
                 f"s3://{bucket}/{prefix}",
@@ -90,7 +133,8 @@ def cold_of(request: pytest.FixtureRequest, kind: str, tmp_path: Path) -> Iterat
         from s3_fault_proxy import FaultProxy
 
         proxy = FaultProxy(endpoint)
-        proxy.add("delay", delay=LATENCY, times=10**9)
+        if kind == "s3-slow":
+            proxy.add("delay", delay=LATENCY, times=10**9)
         try:
             yield Cold(
                 kind,
@@ -107,7 +151,23 @@ def cold_of(request: pytest.FixtureRequest, kind: str, tmp_path: Path) -> Iterat
         endpoint = request.getfixturevalue("gcs_endpoint")
         bucket = request.getfixturevalue("gcs_bucket")
         options = {"endpoint_url": endpoint, "token": "anon", "project": "test", "retry": RETRY}
-        yield Cold(kind, f"gs://{bucket}/{prefix}", options, dict(options))
+        if not switchable:
+            yield Cold(kind, f"gs://{bucket}/{prefix}", options, dict(options))
+            return
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "backends" / "gcs" / "tests"))
+        from gcs_fault_proxy import FaultProxy as GcsProxy
+
+        gcs_proxy = GcsProxy(endpoint)
+        try:
+            yield Cold(
+                kind,
+                f"gs://{bucket}/{prefix}",
+                {**options, "endpoint_url": gcs_proxy.url},
+                options,
+                gcs_proxy,
+            )
+        finally:
+            gcs_proxy.close()
         return
     raise ValueError(f"unknown cold tier kind {kind!r}")
 
@@ -115,3 +175,9 @@ def cold_of(request: pytest.FixtureRequest, kind: str, tmp_path: Path) -> Iterat
 @pytest.fixture(params=KINDS)
 def any_cold(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cold]:
     yield from cold_of(request, request.param, tmp_path)
+
+
+@pytest.fixture(params=KINDS)
+def switchable_cold(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cold]:
+    """Every kind, each one that ``down()`` takes down and ``up()`` brings back."""
+    yield from cold_of(request, request.param, tmp_path, switchable=True)

@@ -5,7 +5,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from cold_tiers import any_cold  # noqa: F401  (a fixture for every test: tests/cold_tiers.py)
+from cold_tiers import any_cold, switchable_cold  # noqa: F401  (fixtures for every test: tests/cold_tiers.py)
 
 from tierstore.storage import faults, registry
 from tierstore.storage.backend import Backend

@@ -91,6 +91,7 @@ class PruneReport:
     warnings: tuple[str, ...] = ()  # why hot copies were kept beyond the plain rules
     errors: tuple[str, ...] = ()  # checkpoints (or the whole tier) that could not be pruned
     pending: tuple[str, ...] = ()  # hot checkpoints never committed in the cold tier
+    cold_read: bool = True  # False: the cold tier could not be read, ``pending`` is unknown
 
 
 @dataclass
@@ -224,7 +225,7 @@ def prune_hot(
         manifests=listing,
         still_safe=ColdGuard(hot, cold),
     )
-    return replace(report, pending=tuple(sorted(check.pending)))
+    return replace(report, pending=tuple(sorted(check.pending)), cold_read=check.cold_read)
 
 
 def delete_data(tier: Tier, manifest: Manifest) -> int:
@@ -334,6 +335,7 @@ class ColdCheck:
     protect: frozenset[str]  # hot copies that must stay
     warnings: tuple[str, ...] = ()  # what was wrong, beyond "not migrated yet"
     pending: frozenset[str] = frozenset()  # of those, never committed in this cold tier
+    cold_read: bool = True  # False: the cold tier could not be read (``pending`` unknown)
 
 
 def check_cold_copies(hot: Tier, cold: Tier, manifests: Sequence[Manifest] | None = None) -> ColdCheck:
@@ -355,7 +357,7 @@ def check_cold_copies(hot: Tier, cold: Tier, manifests: Sequence[Manifest] | Non
     except TierstoreError as err:
         why = f"cold tier {cold.label} cannot be read ({err}); every hot checkpoint kept"
         log.warning("%s", why)
-        return ColdCheck(frozenset(m.name for m in hot_manifests), (why,))  # pending: unknown
+        return ColdCheck(frozenset(m.name for m in hot_manifests), (why,), cold_read=False)
     in_cold = {m.name: m for m in found}
     damaged = {err.checkpoint: err for err in invalid}
     protect, warnings, pending = set(), [], set()

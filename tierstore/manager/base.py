@@ -62,6 +62,7 @@ class Base:
     _pending: Future[None] | None
     _rounds: BackgroundRounds
     _quarantined: list[str]
+    _inherited: set[str] | None
     _closing: bool
     _cold_down: bool
     _reported: set[str]

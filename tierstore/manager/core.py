@@ -144,6 +144,7 @@ class CheckpointManager(Runs, Saving, Maintenance, Loading, Ending, Preempting):
             lambda full: self._maintain(prune=full), name="tierstore-prune", on_error=self._round_failed
         )
         self._quarantined: list[str] = []
+        self._inherited: set[str] | None = None  # pending from earlier jobs, once a round read cold
         self._closing = False  # close() began: rounds prune, but queue no more migrations
         self._cold_down = False  # close() found the cold tier unreachable: nothing to look up
         self._reported: set[str] = set()  # migration failures wait() raised already

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import TimeoutError
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 import torch.distributed as dist
 
@@ -15,13 +15,10 @@ from tierstore.manager.base import Base
 from tierstore.tiers.delivery import (
     PROBE_WAIT,
     await_delivery,
+    deliver,
     describe,
     undelivered,
-    unreachable,
 )
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["Ending"]
 
@@ -37,10 +34,15 @@ class Ending(Base):
         migrations (up to ``timeout`` seconds in all). ``migrations=False`` waits for the
         save alone, and so never for the cold tier.
 
+        With a ``timeout``, the wait is spent trying (docs/design.md invariant 26): a
+        migration that failed for a reason another try may cure is tried again each time
+        the cold tier answers, until the timeout; a cold tier that answers nothing for 10 s
+        in a row is not waited for. Without one, each migration is waited for once.
+
         Raises :class:`~tierstore.errors.SaveFailed` for a failed save not raised before, then
         :class:`~tierstore.errors.MigrationFailed` for checkpoints whose migration failed
-        (and that the cold tier does not hold since), each once. Pruning errors are not
-        raised: see :meth:`health`.
+        and that are still pending (not the cold tier's since, nor delivered and pruned
+        since), each once. Pruning errors are not raised: see :meth:`health`.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         self._finish_previous()
@@ -51,7 +53,7 @@ class Ending(Base):
                     pruning.result(_left(deadline))
                 except TimeoutError:
                     log.warning("pruning still running after %ss (the cold tier is slow?)", timeout)
-            await_delivery(self._migrators(), deadline)
+            self._deliver(deadline)
         self._raise_failure()
         if migrations:
             failed = {
@@ -69,32 +71,26 @@ class Ending(Base):
         preemption notice, within what is left of its grace period, and without the prune.
 
         Everything waits against one deadline, ``timeout`` seconds from now (default: the
-        manager's ``close_timeout``, 300 s), logging what it waits for; a cold tier that does
-        not answer one listing within 10 s is not waited for at all. What has not reached
-        the cold tier by then is stopped (nothing of it runs after close returns) and stays
-        committed and pending in the hot tier; close says so at ERROR, naming each
-        checkpoint and how it will be finished (the next job's manager, or
-        ``tierstore migrate``), and raises :class:`~tierstore.errors.MigrationFailed` after
-        releasing everything. A failed save raises :class:`~tierstore.errors.SaveFailed`
-        instead (it comes first), as :meth:`wait` does.
+        manager's ``close_timeout``, 300 s), logging what it waits for, and the deadline is
+        spent trying (invariant 26): a migration that failed for a reason another try may
+        cure (the cold tier down for a while, refusing, throttling) is tried again each time
+        the cold tier answers a probe. A cold tier that answers nothing for 10 s in a row is
+        not waited for any longer (after a preemption notice it is, until the grace
+        deadline). What has not reached the cold tier by then is stopped (nothing of it
+        runs after close returns) and stays committed and pending in the hot tier; close
+        says so at ERROR, naming each checkpoint and how it will be finished (the next
+        job's manager, or ``tierstore migrate``), and raises
+        :class:`~tierstore.errors.MigrationFailed` after releasing everything. A failed save
+        raises :class:`~tierstore.errors.SaveFailed` instead (it comes first), as
+        :meth:`wait` does.
         """
         deadline = self._close_deadline(
             time.monotonic() + (self.close_timeout if timeout is None else timeout)
         )
         failure: TierstoreError | None = None
         self._finish_previous()  # the last save (hot only: it never waits on the cold tier)
-        cold = self.store.cold
-        if cold is not None and any(m.pending() for m in self._migrators()):
-            # A cold tier that is down is not waited for: one listing tells (a migration
-            # would only find out after minutes of retries).
-            why = unreachable(cold, min(PROBE_WAIT, _left(deadline) or 0.0))
-            if why is not None:
-                log.error(
-                    "the cold tier %s is unreachable (%s): close() does not wait for its migrations",
-                    cold.label,
-                    why,
-                )
-                deadline, self._cold_down = time.monotonic(), True
+        if self._deliver(deadline) is not None:
+            deadline, self._cold_down = time.monotonic(), True
         try:
             self.wait(timeout=_left(deadline))
         except SaveFailed as err:
@@ -119,6 +115,26 @@ class Ending(Base):
         if failure is not None:
             raise failure
 
+    def _deliver(self, deadline: float | None) -> str | None:
+        """This process's migrations, until ``deadline``: waited for once without one, else
+        tried again while the cold tier answers (:func:`~tierstore.tiers.delivery.deliver`);
+        a cold tier that answers nothing for ``PROBE_WAIT`` seconds in a row is given up on
+        (after a preemption notice, not before the grace deadline): returns why."""
+        cold, migrators = self.store.cold, self._migrators()
+        if cold is None or not migrators or self._cold_down:
+            return None
+        if deadline is None:
+            await_delivery(migrators, None)
+            return None
+        why = deliver(migrators, cold, deadline, give_up_after=None if self.preempted else PROBE_WAIT)
+        if why is not None:
+            log.error(
+                "the cold tier %s is unreachable (%s): its migrations are not waited for any longer",
+                cold.label,
+                why,
+            )
+        return why
+
     def _release(self) -> None:
         if self._thread is not None:  # idle: wait() above saw its last save settle
             self._thread.shutdown(wait=True)
@@ -142,7 +158,9 @@ class Ending(Base):
         # After a preemption notice, the grace period bounds the lookups too.
         floor = 0.0 if self.preempted else 5.0
         lookup = 0.0 if self._cold_down else 30.0 if deadline is None else _left(deadline, floor=floor)
-        return undelivered(self._migrators(), cold, timeout=lookup)
+        return undelivered(
+            self._migrators(), cold, timeout=lookup, catalog=self.rank == 0 or not self.node_local
+        )
 
     def _migration_failed(self, failures: dict[str, str]) -> MigrationFailed:
         assert self.store.cold is not None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import time
 from concurrent.futures import Future
 
 from tierstore import _dist
@@ -19,6 +20,7 @@ from tierstore.tiers.delivery import (
     resume_pending,
 )
 from tierstore.tiers.migrator import (
+    Migrator,
     files_by_rank,
 )
 from tierstore.tiers.tier import Store
@@ -48,17 +50,32 @@ class Maintenance(Base):
     def _maintain(self, *, prune: bool) -> None:
         """One round: prune, then queue the migration of every hot checkpoint the round
         found never committed in cold and no migrator of this process works on."""
+        began = time.monotonic()  # what the round finds pending is as of (at least) now
+        read = True  # whether the round read the cold tier (else what is pending is unknown)
         if prune:
             reports = self.prune()
             pending = [name for r in reports for name in r.pending]
+            read = all(r.cold_read for r in reports)
         elif self._resumes_pending:
             assert self.store.cold is not None
-            pending = sorted(check_cold_copies(self._hot, self.store.cold).pending)
+            check = check_cold_copies(self._hot, self.store.cold)
+            pending, read = sorted(check.pending), check.cold_read
         else:
             pending = []
-        if pending and self._resumes_pending and not (self._closing or _interpreter_exiting()):
-            assert self.store.cold is not None
-            resume_pending(migrator_for(self._hot, self.store.cold, self.migration), self._hot, pending)
+        if not self._resumes_pending or self._closing or _interpreter_exiting():
+            return
+        assert self.store.cold is not None
+        migrator = migrator_for(self._hot, self.store.cold, self.migration)
+        if self._inherited is None and read:
+            # What earlier jobs left pending, as the first round that read the cold tier saw
+            # it: this manager finishes those, and its own. A checkpoint pending later that
+            # it did not save is another live job's (a second manager on this directory),
+            # which that job delivers (invariant 25).
+            self._inherited = {name for name in pending if not _saved_here(name, migrator)}
+        inherited = self._inherited or set()
+        resume = [name for name in pending if name in inherited or _saved_here(name, migrator)]
+        if resume:
+            resume_pending(migrator, self._hot, resume, since=began)
 
     def _resume_node_local(self) -> None:
         """Node-local tiers: every rank queues its own files of the checkpoints its job left
@@ -172,6 +189,11 @@ class Maintenance(Base):
             list(report.deleted),
             sorted(protect),
         )
+
+
+def _saved_here(name: str, migrator: Migrator) -> bool:
+    """Whether ``migrator`` has had a job of checkpoint ``name`` (this process saved it)."""
+    return any(s.name == name for s in migrator.status())
 
 
 def _interpreter_exiting() -> bool:

@@ -51,6 +51,7 @@ from tierstore.errors import ConfigError, SaveFailed
 from tierstore.format import layout
 from tierstore.manager.base import Base
 from tierstore.options import Preemption
+from tierstore.tiers.delivery import deliver
 from tierstore.tiers.migrator import MigrationState, Migrator
 
 __all__ = [
@@ -69,7 +70,6 @@ log = logging.getLogger(__name__)
 # the loop's own exit, interpreter shutdown. A tenth of the grace period, at most this.
 EXIT_MARGIN = 3.0
 
-_POLL = 0.02  # seconds between looks at the notice's migration
 _Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 
 
@@ -219,28 +219,25 @@ class PreemptionWatch:
 
 
 def push_to_cold(migrators: Sequence[Migrator], step: int, until: float) -> tuple[str, float | None]:
-    """Wait, until ``until`` (a ``time.monotonic()`` value), for the migration of ``step``'s
-    checkpoint by ``migrators`` to end: committed or failed, or, for a rank other than the
-    coordinator (which commits), uploaded. Older pending migrations are not waited for: the
-    notice's checkpoint is the one the relaunch resumes. What became of it, and when the wait
-    ended."""
+    """Spend until ``until`` (a ``time.monotonic()`` value) getting ``step``'s checkpoint
+    migrated by ``migrators``: committed or, for a rank other than the coordinator (which
+    commits), uploaded. A migration that fails for a reason another try may cure is tried
+    again each time the cold tier answers, until then (docs/design.md invariant 26): a cold
+    tier that refused once and came back within the grace period still gets the notice's
+    checkpoint. Older pending migrations are not waited for: the notice's checkpoint is the
+    one the relaunch resumes. What became of it, and when the wait ended."""
     if not migrators:
         return "none", None
-    status = None
-    while True:
-        states = [s for m in migrators for s in m.status() if s.step == step]
-        status = states[-1] if states else None
-        if status is not None and (
-            status.state in (MigrationState.COMMITTED, MigrationState.FAILED)
-            or (status.state is MigrationState.UPLOADED and status.rank != 0)
-        ):
-            break
-        if time.monotonic() >= until:
-            break
-        time.sleep(_POLL)
+    names = {s.name for m in migrators for s in m.status() if s.step == step}
+    if names:
+        deliver(migrators, migrators[0].cold, until, names=names, give_up_after=None)
     ended = time.monotonic()
+    states = [s for m in migrators for s in m.status() if s.step == step]
+    status = states[-1] if states else None
     if status is None:
         return "not handed to a migrator", ended
+    if any(m.delivered(status.name, status.attempt) for m in migrators):
+        return "committed", ended
     if status.state is MigrationState.COMMITTED:
         return "committed", ended
     if status.state is MigrationState.UPLOADED:

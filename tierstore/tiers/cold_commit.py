@@ -51,6 +51,8 @@ class ColdCommit:
         # since): docs/design.md invariant 10.
         self._check_in_place(manifest, by_rank, listing)
         faults.point("migrator.after_cold_check")
+        if self._pruned_since_delivered(manifest, cold_id):
+            return  # committed once and pruned by the cold policy since: not to be put back
         self._publish(manifest)
         faults.point("migrator.after_cold_publish")
         marks.mark_migrated(self.hot, manifest, cold_id)
@@ -166,18 +168,30 @@ class ColdCommit:
         listing), or until another migrator has committed this very attempt (``None``: it also
         removed the marks, so waiting on would only run into the timeout)."""
         expected = {rank: marks.files_digest(files) for rank, files in by_rank.items()}
-        seen: set[int] = set()  # remembered across rounds: each round only lists
+        # Remembered across rounds (each round only lists); the job's own rank marked its
+        # files just before (or found them marked), so its mark is seen from the start.
+        seen: set[int] = {job.rank} if job is not None and job.rank in expected else set()
         last: list[marks.MarkListing] = []
+        faults.point("migrator.before_marks_listing")
 
         def missing() -> list[int] | None:
             """Ranks still to mark; ``None`` once another migrator committed the attempt."""
             if job is not None and job.stopped:  # stop() ends the wait too, not only uploads
                 raise JobFailed(None, None, JobStopped(f"migration of {manifest.name} stopped"))
-            listing = marks.list_marks(self.cold, manifest.name, manifest.attempt)
-            last[:] = [listing]
-            seen.update(
-                rank for rank, digest in expected.items() if rank not in seen and listing.marked(rank, digest)
-            )
+            for _ in range(2):  # a mark seen before and not listed now: listed again
+                listing = marks.list_marks(self.cold, manifest.name, manifest.attempt)
+                last[:] = [listing]
+                marked = {rank for rank, digest in expected.items() if listing.marked(rank, digest)}
+                gone = seen - marked
+                if not gone:
+                    break
+            if gone:  # proven gone: another migrator's commit cleared them, or a prune took them
+                if self._committed_by_another(manifest):
+                    log.info("%s was committed in %s by another migrator", manifest.name, self.cold.label)
+                    return None
+                self._marks_deleted(manifest, sorted(gone))  # raises unless delivered and pruned
+                return None
+            seen.update(marked)
             left = [rank for rank in expected if rank not in seen]
             if not left:
                 return left
@@ -197,6 +211,44 @@ class ColdCommit:
                 left[0], None, f"no upload mark from ranks {left} after {self.config.commit_timeout:.0f}s"
             )
         return None if left is None else last[0]
+
+    def _marks_deleted(self, manifest: Manifest, ranks: list[int]) -> None:
+        """The upload marks of ``ranks`` were deleted while the commit waited, and no
+        commit of this attempt is in the cold tier: a prune of the cold tier took the
+        attempt (it was delivered once, and its policy removed it: returns, nothing more
+        to do), or something else deleted them (the job fails at once; the checkpoint
+        stays pending, and the next try uploads what is missing). Never a wait that only
+        ``commit_timeout`` ends (invariant 25)."""
+        if self._pruned_since_delivered(manifest):
+            return
+        raise JobFailed(
+            ranks[0],
+            None,
+            f"the upload marks of ranks {ranks} were deleted from the cold tier while the commit "
+            "waited for the others (a prune or gc of the cold tier); the checkpoint stays pending",
+        )
+
+    def _pruned_since_delivered(self, manifest: Manifest, cold_id: str | None = None) -> bool:
+        """Whether the hot tier records ``manifest``'s attempt as committed in this cold
+        tier, which holds no commit of it now: delivered, then pruned by the cold policy.
+        With the cold tier's identity known (``cold_id``), no cold request unless the hot
+        tier holds such a mark."""
+        try:
+            cold_id = marks.store_id(self.cold) if cold_id is None else cold_id
+            if cold_id is None or not marks.was_migrated(self.hot, manifest, cold_id):
+                return False
+            there = self.cold.find_manifest(manifest.name)
+        except TierstoreError:
+            return False
+        if there is not None and there.attempt == manifest.attempt:
+            return False
+        log.info(
+            "%s (attempt %s) was delivered to %s and pruned there since: not committed again",
+            manifest.name,
+            manifest.attempt,
+            self.cold.label,
+        )
+        return True
 
     def _committed_by_another(self, manifest: Manifest) -> bool:
         try:

@@ -1,5 +1,5 @@
 """Delivering a run's checkpoints to the cold tier: resuming what is pending, and the end of
-a run (docs/design.md invariant 22).
+a run (docs/design.md invariants 22, 25 and 26).
 
 A checkpoint committed in the hot tier and not in the cold tier is pending (invariant 12);
 whatever left it so (a killed run, a cold tier that was down, a migration that failed), the
@@ -8,13 +8,18 @@ next process that can finish it should, without waiting for a person to run
 and in bounded time, which ones it did not:
 
 * :func:`resume_pending` queues a full migration of each pending checkpoint that this
-  process's migrator is not already working on (``CheckpointManager`` calls it at start and
-  after each commit, from the pending set its prune computed anyway);
+  process's migrator is not already working on and has not delivered (``CheckpointManager``
+  calls it at start and after each commit, from the pending set its prune computed anyway);
+* :func:`deliver` spends a deadline trying: it waits for a process's migrators and, each
+  time the cold tier answers a probe, queues again what failed for a reason another try may
+  cure (``close()``, ``wait(timeout=)``, the preemption push); a cold tier that answers
+  nothing for ``PROBE_WAIT`` seconds in a row is given up on where the caller says so;
 * :func:`await_delivery` waits for a process's migrators until a deadline, telling the log
   every ``PROGRESS_EVERY`` seconds what it waits for;
-* :func:`undelivered` says which checkpoints this process handed to its migrators and are
-  not in the cold tier, and why, asking the cold tier itself before it accuses one (another
-  process may have committed it since).
+* :func:`undelivered` says which checkpoints this process handed to its migrators are
+  really pending now, and why: not one the cold tier holds (another process may have
+  committed it since), nor one delivered and pruned by the cold policy since, nor one the
+  hot tier no longer holds.
 """
 
 from __future__ import annotations
@@ -25,41 +30,54 @@ import time
 from collections.abc import Iterable, Sequence
 
 from tierstore._redact import redact_url
-from tierstore.errors import StorageError, TierstoreError
-from tierstore.format import layout
+from tierstore.errors import TierstoreError
+from tierstore.storage import faults
+from tierstore.tiers import marks
 from tierstore.tiers.migrator import MigrationState, MigrationStatus, Migrator
+from tierstore.tiers.probe import PROBE_WAIT, unreachable
 from tierstore.tiers.tier import Tier
 
 __all__ = [
     "resume_pending",
+    "deliver",
     "await_delivery",
     "undelivered",
     "describe",
     "unreachable",
     "PROGRESS_EVERY",
     "PROBE_WAIT",
+    "RETRY_PAUSE",
 ]
 
 log = logging.getLogger(__name__)
 
 PROGRESS_EVERY = 30.0  # seconds between "still waiting for ..." lines
-PROBE_WAIT = 10.0  # seconds the end of a run gives the cold tier to answer one listing
-_PROBE_THREAD = "tierstore-cold-probe"
-_DONE = (MigrationState.UPLOADED, MigrationState.COMMITTED)
+RETRY_PAUSE = 1.0  # seconds between two looks at a cold tier that did not answer
+_ACTIVE = (MigrationState.PENDING, MigrationState.UPLOADING)
 
 
-def resume_pending(migrator: Migrator, hot: Tier, pending: Iterable[str]) -> list[str]:
+def resume_pending(
+    migrator: Migrator, hot: Tier, pending: Iterable[str], *, since: float | None = None
+) -> list[str]:
     """Queue a full migration (every rank's files, from ``hot``) of each hot checkpoint named
-    in ``pending`` that ``migrator`` is not already working on; return the names queued.
-    Needs a hot tier that holds every rank's files (not node-local)."""
+    in ``pending`` that ``migrator`` is not already working on and has not delivered; return
+    the names queued. Needs a hot tier that holds every rank's files (not node-local).
+
+    ``pending`` was computed before this call (a prune round's cold check, which began at
+    ``since``, a ``time.monotonic()`` value): a migration of one of them may have committed
+    since. The migrator refuses an attempt it handles or delivered after ``since`` (one it
+    delivered before the check that still found it pending was lost by the cold tier),
+    and a job it runs asks the hot tier first whether another migrator delivered it
+    (invariant 25)."""
     wanted = set(pending)
     if not wanted:
         return []
-    queued = []
-    for manifest in hot.manifests():
-        if manifest.name in wanted and not migrator.busy(manifest.name, manifest.attempt):
-            migrator.submit_checkpoint(manifest)
-            queued.append(manifest.name)
+    faults.point("delivery.before_queue")  # the pending set is a view of the past: gated
+    queued = [
+        manifest.name
+        for manifest in hot.manifests()
+        if manifest.name in wanted and migrator.submit_checkpoint(manifest, since=since)
+    ]
     if queued:
         log.info(
             "resuming the migration of %s to %s (pending in %s)",
@@ -70,12 +88,71 @@ def resume_pending(migrator: Migrator, hot: Tier, pending: Iterable[str]) -> lis
     return queued
 
 
-def await_delivery(migrators: Sequence[Migrator], deadline: float | None) -> bool:
-    """Wait for ``migrators`` until they are idle (``True``) or ``deadline`` (a
-    ``time.monotonic()`` value) passes (``False``), logging what is left every
-    :data:`PROGRESS_EVERY` seconds."""
+def deliver(
+    migrators: Sequence[Migrator],
+    cold: Tier,
+    deadline: float | None,
+    *,
+    names: set[str] | None = None,
+    give_up_after: float | None = PROBE_WAIT,
+) -> str | None:
+    """Spend until ``deadline`` (a ``time.monotonic()`` value; ``None``: no bound) getting
+    the jobs of ``names`` (default: all) of ``migrators`` done (invariant 26).
+
+    Each round asks the cold tier one listing (bounded by ``PROBE_WAIT``). If it answers,
+    the migrators' breakers close, every job that failed for a reason another try may cure
+    is queued again (:meth:`Migrator.retry_failed`), and the round waits for the jobs, at
+    most ``PROBE_WAIT`` seconds, before it looks again. If it does not answer, the round
+    pauses ``RETRY_PAUSE`` seconds; once it has answered nothing for ``give_up_after``
+    seconds in a row (``None``: never, until the deadline) the wait ends. Returns why the
+    cold tier was given up on, or ``None`` (nothing left to try, or the deadline came).
+    """
+    down_since: float | None = None
     while True:
-        left = _unfinished(migrators)
+        if not _work_left(migrators, names):
+            return None
+        started = time.monotonic()
+        if deadline is not None and started >= deadline:
+            return None
+        wait = PROBE_WAIT if deadline is None else min(PROBE_WAIT, deadline - started)
+        why = unreachable(cold, wait)
+        if why is not None:
+            down_since = started if down_since is None else down_since
+            if give_up_after is not None and time.monotonic() - down_since >= give_up_after:
+                return why
+            time.sleep(_pause(deadline))
+            continue
+        down_since = None
+        retried = []
+        for migrator in migrators:
+            migrator.cold_answered()
+            retried += migrator.retry_failed(names)
+        if retried:
+            log.info("trying the migration of %s to %s again", ", ".join(sorted(set(retried))), cold.label)
+        round_ends = time.monotonic() + PROBE_WAIT
+        await_delivery(migrators, round_ends if deadline is None else min(deadline, round_ends), names=names)
+        if not _unfinished(migrators, names) and _work_left(migrators, names):
+            # Every job tried has ended, some failed again (another rank's failure mark, a
+            # refusal): a pause before the next look, not a busy loop.
+            time.sleep(_pause(deadline))
+
+
+def _pause(deadline: float | None) -> float:
+    return RETRY_PAUSE if deadline is None else max(0.0, min(RETRY_PAUSE, deadline - time.monotonic()))
+
+
+def _work_left(migrators: Sequence[Migrator], names: set[str] | None) -> bool:
+    return bool(_unfinished(migrators, names)) or any(m.to_retry(names) for m in migrators)
+
+
+def await_delivery(
+    migrators: Sequence[Migrator], deadline: float | None, *, names: set[str] | None = None
+) -> bool:
+    """Wait for the jobs of ``names`` (default: all) of ``migrators`` until they are idle
+    (``True``) or ``deadline`` (a ``time.monotonic()`` value) passes (``False``), logging
+    what is left every :data:`PROGRESS_EVERY` seconds."""
+    while True:
+        left = _unfinished(migrators, names)
         if not left:
             return True
         now = time.monotonic()
@@ -83,11 +160,11 @@ def await_delivery(migrators: Sequence[Migrator], deadline: float | None) -> boo
             return False
         step = PROGRESS_EVERY if deadline is None else min(PROGRESS_EVERY, deadline - now)
         ends = now + step
-        while _unfinished(migrators) and time.monotonic() < ends:  # a job ends, or the step does
+        while _unfinished(migrators, names) and time.monotonic() < ends:  # a job ends, or the step does
             for m in migrators:
                 m.wait(min(0.5, max(0.0, ends - time.monotonic())))
-        left = _unfinished(migrators)
-        if left:
+        left = _unfinished(migrators, names)
+        if left and time.monotonic() >= now + PROGRESS_EVERY - 0.5:
             lag = sum(s.lag_bytes for s in left)
             more = "" if deadline is None else f", up to {max(0.0, deadline - time.monotonic()):.0f}s more"
             log.warning(
@@ -99,36 +176,67 @@ def await_delivery(migrators: Sequence[Migrator], deadline: float | None) -> boo
             )
 
 
-def _unfinished(migrators: Sequence[Migrator]) -> list[MigrationStatus]:
-    return [s for m in migrators for s in m.pending()]
+def _unfinished(migrators: Sequence[Migrator], names: set[str] | None = None) -> list[MigrationStatus]:
+    return [s for m in migrators for s in m.pending() if names is None or s.name in names]
 
 
-def undelivered(migrators: Sequence[Migrator], cold: Tier, *, timeout: float | None) -> dict[str, str]:
-    """The checkpoints ``migrators`` were given that are not (known to be) in the cold tier
-    now, each with why: a job that failed, or one not finished. One that the cold tier
-    holds now (another migrator, or a later job, committed it) is not accused: each is
-    looked up there, within ``timeout`` seconds in all (a name whose lookup does not come
-    back in time is reported)."""
-    latest: dict[str, MigrationStatus] = {}
-    for status in (s for m in migrators for s in m.status()):
-        if status.state not in _DONE:
-            latest.setdefault(status.name, status)
+def undelivered(
+    migrators: Sequence[Migrator], cold: Tier, *, timeout: float | None, catalog: bool = True
+) -> dict[str, str]:
+    """The checkpoints ``migrators`` were given that are really pending now, each with why
+    (a job that failed, or one not finished).
+
+    An attempt a migrator delivered, or found delivered, is not; nor, looked up within
+    ``timeout`` seconds in all (a name whose lookup does not come back in time is
+    reported), one the cold tier holds now (another migrator, or a later job, committed
+    it), nor, where the migrators' hot tier holds the run's manifests (``catalog``: not a
+    node-local rank other than the coordinator), one whose hot manifest is gone or names
+    another attempt, or that the hot tier records as committed in this cold tier (the
+    cold policy pruned it since).
+    """
+    latest: dict[str, tuple[Migrator, MigrationStatus]] = {}
+    for migrator in migrators:
+        for status in migrator.status():
+            wanted = status.state in _ACTIVE or status.state is MigrationState.FAILED
+            if wanted and not migrator.delivered(status.name, status.attempt):
+                latest.setdefault(status.name, (migrator, status))
     if not latest:
         return {}
     found: dict[str, bool] = {}
 
     def look() -> None:
-        for name, status in latest.items():
-            try:
-                there = cold.find_manifest(name)
-            except TierstoreError:
-                there = None
-            found[name] = there is not None and there.attempt == status.attempt
+        cold_id: str | None = None
+        try:
+            cold_id = marks.store_id(cold)
+        except TierstoreError:
+            pass
+        for name, (migrator, status) in latest.items():
+            found[name] = _delivered(migrator.hot, cold, cold_id, status, catalog=catalog)
 
     looker = threading.Thread(target=look, name="tierstore-delivery-check", daemon=True)
     looker.start()
     looker.join(timeout)
-    return {name: _why(status) for name, status in sorted(latest.items()) if not found.get(name, False)}
+    return {name: _why(status) for name, (_, status) in sorted(latest.items()) if not found.get(name, False)}
+
+
+def _delivered(hot: Tier, cold: Tier, cold_id: str | None, status: MigrationStatus, *, catalog: bool) -> bool:
+    """Whether ``status``'s attempt is not pending: in the cold tier, or (``catalog``) gone
+    from the hot tier or marked there as committed in this cold tier."""
+    try:
+        there = cold.find_manifest(status.name)
+        if there is not None and there.attempt == status.attempt:
+            return True
+    except TierstoreError:
+        pass  # a damaged or unreadable cold manifest: the hot tier may still tell
+    if not catalog:
+        return False
+    try:
+        here = hot.find_manifest(status.name)
+        if here is None or here.attempt != status.attempt:
+            return True  # nothing of it is left to deliver from this hot tier
+        return marks.was_migrated(hot, here, cold_id)
+    except TierstoreError:
+        return False
 
 
 def _why(status: MigrationStatus) -> str:
@@ -150,56 +258,3 @@ def describe(failures: dict[str, str], hot: Tier, cold: Tier) -> str:
         f"the next job's CheckpointManager with these tiers resumes their migration, or run "
         f"`tierstore migrate --hot {redact_url(hot.url)} --cold {redact_url(cold.url)}`"
     )
-
-
-class _ProbeRetries(logging.Filter):
-    """Keeps the probe's retry warnings out of the log, remembering the last error: the
-    outcome is reported in one line (a probe left behind may retry long after)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.last: str | None = None
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.threadName != _PROBE_THREAD:
-            return True
-        error = record.args[-1] if isinstance(record.args, tuple) and record.args else None
-        if isinstance(error, BaseException):
-            self.last = error.message if isinstance(error, TierstoreError) else str(error)
-        return False
-
-
-_PROBE_RETRIES = _ProbeRetries()
-logging.getLogger("tierstore.retry").addFilter(_PROBE_RETRIES)
-
-
-def unreachable(cold: Tier, wait: float) -> str | None:
-    """Why ``cold`` cannot be listed within ``wait`` seconds; ``None`` if it can.
-
-    The listing runs on a daemon thread, left behind if it has not returned by then: a
-    backend's own retries and timeouts (minutes, for S3) suit an upload that may succeed,
-    not a question asked at a prompt or at the end of a run. Errors other than storage
-    errors (a bad URL or option) are the caller's to fix and are raised.
-    """
-    box: dict[str, BaseException | bool] = {}
-
-    def probe() -> None:
-        try:
-            next(iter(cold.backend.list(layout.manifests_prefix())), None)
-            box["ok"] = True
-        except BaseException as err:  # handed to the caller's thread
-            box["error"] = err
-
-    _PROBE_RETRIES.last = None
-    thread = threading.Thread(target=probe, name=_PROBE_THREAD, daemon=True)
-    thread.start()
-    thread.join(wait)
-    error = box.get("error")
-    if isinstance(error, StorageError):
-        return f"{type(error).__name__}: {error.message}"
-    if isinstance(error, BaseException):
-        raise error
-    if box.get("ok"):
-        return None
-    last = _PROBE_RETRIES.last
-    return f"no answer within {wait:g} s" + (f"; last error: {last}" if last else "")

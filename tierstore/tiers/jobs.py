@@ -108,6 +108,7 @@ class Job:
     failed_file: str | None = None
     listener: Callable[[int], None] | None = None
     stopped: bool = False  # set by Migrator.stop: it ends at its next chunk, or never starts
+    retryable: bool = True  # a failure another try may cure (Migrator.retry_failed)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @classmethod
@@ -132,6 +133,21 @@ class Job:
             manifest.created,
             manifest=manifest if commits else None,
             fresh=fresh,
+        )
+
+    def again(self, now: float) -> Job:
+        """The same work as a new job, to run after this one failed: it checks what is in
+        the cold tier before it uploads (not ``fresh``: the failed try may have left
+        objects, marks and a failure mark)."""
+        return Job(
+            self.name,
+            self.attempt,
+            self.step,
+            self.rank,
+            self.files,
+            self.created if self.created else now,
+            manifest=self.manifest,
+            listener=self.listener,
         )
 
     def check_stopped(self) -> None:

@@ -44,8 +44,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from tierstore.errors import (
+    CheckpointExists,
+    ConfigError,
+    IntegrityError,
+    TierstoreError,
     TransientStorageError,
+    UnsafeType,
 )
+from tierstore.format import layout
 from tierstore.format.manifest import FileEntry, Manifest
 from tierstore.progress import counting
 from tierstore.storage import faults
@@ -61,6 +67,7 @@ from tierstore.tiers.jobs import (
     files_by_rank,
     in_parallel,
 )
+from tierstore.tiers.probe import PROBE_WAIT, unreachable
 from tierstore.tiers.tier import Tier
 from tierstore.tiers.transfer import Throttle, copy_file, verified_copy
 
@@ -80,21 +87,33 @@ class Migrator(ColdCommit):
     """Migrates checkpoints hot -> cold on background threads of this process.
 
     :meth:`submit_rank`, :meth:`submit_commit` and :meth:`submit_checkpoint` only enqueue:
-    nothing they start ever raises into the caller. Jobs run in order, one checkpoint at a
-    time, each uploading up to ``config.concurrency`` files at once. :meth:`status` reports
-    every job, :meth:`wait` drains the queue, :meth:`stop` ends jobs (nothing of them runs
-    after it: a process ending gives up on them cleanly, and the tiers keep them pending).
+    nothing they start ever raises into the caller. Uploads run in order, one checkpoint at
+    a time, each up to ``config.concurrency`` files at once; a commit that must wait for
+    other ranks' marks waits on a thread of its own, so one stuck commit never holds the
+    queue. :meth:`status` reports every job, :meth:`wait` drains the queue, :meth:`stop`
+    ends jobs (nothing of them runs after it: a process ending gives up on them cleanly,
+    and the tiers keep them pending).
 
-    **An unreachable cold tier is met once, not once per queued job.** A job that failed
-    for a transient reason (retries exhausted: the cold tier down, stalled, refusing) opens
-    a breaker: for ``BREAKER_SECONDS`` the jobs behind it fail at once, sending nothing,
-    instead of each spending its own retries on a tier that is down (a queue of ten
-    checkpoints took minutes to fail). The next job after that tries again; whatever
-    failed stays pending in the tiers and is submitted again (``CheckpointManager`` does
-    after each commit and at start; ``tierstore migrate`` by hand).
+    **One job per checkpoint** (docs/design.md invariant 25). A job is never queued for an
+    attempt this migrator has queued, is running, or has delivered; a job that is not the
+    writer's own (a resumed migration) first asks the hot tier whether the attempt was
+    delivered already (its migrated mark naming this cold tier) and ends at once if so; a
+    commit whose attempt's marks are deleted while it waits (a prune of the cold tier, or
+    another migrator's commit) ends at once instead of polling until ``commit_timeout``.
+
+    **An unreachable cold tier is met once, and probed** (invariant 26). A job that failed
+    for a transient reason (retries exhausted: the cold tier down, stalled, refusing)
+    opens a breaker: the jobs behind it fail at once, sending nothing, instead of each
+    spending its own retries on a tier that is down. The breaker lets a probe through
+    (one listing, bounded by ``PROBE_WAIT``) ``FIRST_PROBE`` seconds after it opened, then
+    at doubling intervals up to ``BREAKER_SECONDS``; the job that probes runs if the tier
+    answers. Whatever failed stays pending in the tiers; :meth:`retry_failed` queues it
+    again (``CheckpointManager.close()``, ``wait(timeout=)`` and the preemption push do,
+    until their deadline; the manager after each commit; ``tierstore migrate`` by hand).
     """
 
-    BREAKER_SECONDS = 30.0
+    FIRST_PROBE = 1.0  # seconds from a transient failure to the breaker's first probe
+    BREAKER_SECONDS = 30.0  # the longest pause between two probes of a tier that is down
 
     def __init__(
         self,
@@ -110,11 +129,16 @@ class Migrator(ColdCommit):
         self._clock, self._sleep = clock, sleep
         self._throttle = Throttle(self.config.bandwidth, sleep=sleep)
         self._jobs: dict[tuple[str, str, int], Job] = {}
+        # Attempts committed here (or found committed), with when (time.monotonic()).
+        self._delivered: dict[tuple[str, str], float] = {}
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._unfinished = 0
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
-        self._unreachable: tuple[float, str] | None = None  # (since, why): the breaker
+        self._breaker = threading.Lock()
+        self._unreachable: tuple[float, str] | None = None  # (since, why): the breaker is open
+        self._next_probe = 0.0  # when the open breaker lets the next job through as a probe
+        self._probe_every = self.FIRST_PROBE
 
     # -- control ------------------------------------------------------------------------
 
@@ -127,33 +151,104 @@ class Migrator(ColdCommit):
         files: Sequence[FileEntry],
         *,
         fresh: bool = False,
-    ) -> None:
-        """Upload ``rank``'s ``files`` of an attempt and publish its upload mark.
+    ) -> bool:
+        """Upload ``rank``'s ``files`` of an attempt and publish its upload mark; ``False``
+        if a job of that rank and attempt is queued, running or done here already.
 
         ``fresh``: the caller wrote this attempt in this run (a new attempt id, so no earlier
         migrator can have uploaded, marked or failed any of it): skip the checks for that.
         """
-        self._enqueue(Job(name, attempt, step, rank, tuple(files), self._clock(), fresh=fresh))
+        return self._enqueue(Job(name, attempt, step, rank, tuple(files), self._clock(), fresh=fresh))
 
-    def submit_commit(self, manifest: Manifest, rank: int, *, fresh: bool = False) -> None:
+    def submit_commit(self, manifest: Manifest, rank: int, *, fresh: bool = False) -> bool:
         """Coordinator: upload own files, wait for every rank's mark, publish cold manifest
-        (``fresh``: as for :meth:`submit_rank`; the commit's own checks stay whole)."""
-        self._enqueue(Job.of(manifest, rank, commits=True, fresh=fresh))
+        (``fresh``: as for :meth:`submit_rank`; the commit's own checks stay whole).
+        ``False`` if this attempt is queued, running or delivered here already."""
+        if self.handles(manifest.name, manifest.attempt):
+            return False
+        return self._enqueue(Job.of(manifest, rank, commits=True, fresh=fresh))
 
-    def submit_checkpoint(self, manifest: Manifest) -> None:
+    def submit_checkpoint(self, manifest: Manifest, *, since: float | None = None) -> bool:
         """Migrate every rank's files of ``manifest`` from this hot tier and commit it, in the
         background: how a checkpoint found pending (a killed run's, or one whose migration
         failed while the cold tier was down) is finished. Checks what is already in the
-        cold tier first, as ``tierstore migrate`` does."""
+        cold tier first, as ``tierstore migrate`` does. ``False`` (nothing queued) if this
+        attempt is queued or running here, or was delivered here (``since``: after that
+        ``time.monotonic()`` value, when the look that found it pending began; one delivered
+        before that look is pending again: the cold tier lost it, wiped or re-created)."""
+        if self.handles(manifest.name, manifest.attempt, since=since):
+            return False
+        with self._cond:
+            self._delivered.pop((manifest.name, manifest.attempt), None)  # delivered again
         by_rank = sorted(files_by_rank(manifest).items())
+        queued = False
         for index, (rank, files) in enumerate(by_rank):
             last = index == len(by_rank) - 1
-            self._enqueue(Job.of(manifest, rank, files, commits=last))
+            queued |= self._enqueue(Job.of(manifest, rank, files, commits=last))
+        return queued
 
-    def busy(self, name: str, attempt: str) -> bool:
-        """Whether a job of this attempt is queued or running here."""
+    def handles(self, name: str, attempt: str, *, since: float | None = None) -> bool:
+        """Whether a job of this attempt is queued or running here, or this migrator
+        delivered it (``since``: at or after that ``time.monotonic()`` value): no other job
+        of it is wanted (invariant 25)."""
         with self._cond:
-            return any(not job.done for (n, a, _), job in self._jobs.items() if (n, a) == (name, attempt))
+            when = self._delivered.get((name, attempt))
+            if when is not None and (since is None or when >= since):
+                return True
+            return any(
+                not job.done and not job.stopped
+                for (n, a, _), job in self._jobs.items()
+                if (n, a) == (name, attempt)
+            )
+
+    busy = handles  # the name it had before it also counted delivered attempts
+
+    def retry_failed(self, names: set[str] | None = None) -> list[str]:
+        """Queue again each job of ``names`` (default: all) that failed for a reason another
+        try may cure (the cold tier down or refusing, a rank's mark that never came), not
+        for one that stays (a conflicting attempt in cold, damaged bytes, a bad option), nor
+        one :meth:`stop` ended. A job queued again checks what is in the cold tier first, so
+        nothing done is done twice. Returns the names queued."""
+        wanted = self.to_retry(names)
+        with self._cond:
+            failed = [
+                job
+                for job in self._jobs.values()
+                if job.name in wanted
+                and job.state is MigrationState.FAILED
+                and job.retryable
+                and not job.stopped
+                and (job.name, job.attempt) not in self._delivered
+            ]
+        failed.sort(key=lambda job: job.manifest is not None)  # a checkpoint's commit after its uploads
+        queued = [job.name for job in failed if self._enqueue(job.again(self._clock()))]
+        return sorted(set(queued))
+
+    def to_retry(self, names: set[str] | None = None) -> set[str]:
+        """The names of ``names`` (default: all) with a failed job :meth:`retry_failed` would
+        queue again."""
+        with self._cond:
+            return {
+                job.name
+                for job in self._jobs.values()
+                if job.state is MigrationState.FAILED
+                and job.retryable
+                and not job.stopped
+                and (names is None or job.name in names)
+                and (job.name, job.attempt) not in self._delivered
+            }
+
+    def delivered(self, name: str, attempt: str) -> bool:
+        """Whether this migrator committed this attempt, or found it committed already."""
+        with self._cond:
+            return (name, attempt) in self._delivered
+
+    def cold_answered(self) -> None:
+        """The cold tier answered (a probe of the caller's, or a job that succeeded): close
+        the breaker, so the next job is attempted."""
+        with self._breaker:
+            self._unreachable = None
+            self._probe_every = self.FIRST_PROBE
 
     def stop(self, names: set[str] | None = None) -> None:
         """End the jobs of ``names`` (default: all) that have not finished: queued ones never
@@ -164,14 +259,20 @@ class Migrator(ColdCommit):
                 if not job.done and (names is None or job.name in names):
                     job.stopped = True
 
-    def _enqueue(self, job: Job) -> None:
+    def _enqueue(self, job: Job) -> bool:
         with self._cond:
-            self._jobs[(job.name, job.attempt, job.rank)] = job
+            key = (job.name, job.attempt, job.rank)
+            current = self._jobs.get(key)
+            if current is not None and not current.stopped and not current.done:
+                log.debug("%s rank %d is queued or running here already", job.name, job.rank)
+                return False
+            self._jobs[key] = job
             self._unfinished += 1
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, name="tierstore-migrator", daemon=True)
                 self._thread.start()
         self._queue.put(job)
+        return True
 
     def status(self) -> list[MigrationStatus]:
         now = self._clock()
@@ -210,12 +311,27 @@ class Migrator(ColdCommit):
 
     def _loop(self) -> None:
         while (job := self._queue.get()) is not None:
+            commits = False
             try:
-                self.run(job)
+                commits = self._upload(job)
             finally:
-                with self._cond:
-                    self._unfinished -= 1
-                    self._cond.notify_all()
+                if commits:  # waits for other ranks' marks: never on the queue's thread
+                    threading.Thread(
+                        target=self._commit_then_end, args=(job,), name="tierstore-commit", daemon=True
+                    ).start()
+                else:
+                    self._ended()
+
+    def _commit_then_end(self, job: Job) -> None:
+        try:
+            self._finish(job)
+        finally:
+            self._ended()
+
+    def _ended(self) -> None:
+        with self._cond:
+            self._unfinished -= 1
+            self._cond.notify_all()
 
     def migrate_checkpoint(
         self, manifest: Manifest, progress: Callable[[str, int, int], None] | None = None
@@ -241,20 +357,45 @@ class Migrator(ColdCommit):
         return replace(jobs[-1].status(self._clock()), rank=None, bytes_total=total, bytes_done=total)
 
     def run(self, job: Job) -> None:
-        """Run one job to its end state, recording (never raising) failure."""
+        """Run one job to its end state on this thread, recording (never raising) failure."""
+        if self._upload(job):
+            self._finish(job)
+
+    def _upload(self, job: Job) -> bool:
+        """A job's uploads and mark; ``True`` if its cold commit is still to run (the job has
+        not ended), else it ended (uploaded, found delivered, or failed)."""
         job.state = MigrationState.UPLOADING
         try:
             if job.stopped:
                 raise JobFailed(job.rank, None, "stopped before it started")
             self._check_breaker()
+            if not job.fresh and self._delivered_already(job):
+                job.state = MigrationState.COMMITTED if job.manifest is not None else MigrationState.UPLOADED
+                job.finished = self._clock()
+                return False
             self._upload_rank(job)
-            if job.manifest is None:
-                job.state = MigrationState.UPLOADED
-            else:
-                self._commit(job.manifest, job)
-                job.state = MigrationState.COMMITTED
-            self._unreachable = None
-            log.info("migrated %s rank %d to %s (%s)", job.name, job.rank, self.cold.label, job.state.value)
+            if job.manifest is not None:
+                return True
+            job.state = MigrationState.UPLOADED
+            self.cold_answered()
+            log.info("migrated %s rank %d to %s (uploaded)", job.name, job.rank, self.cold.label)
+        except JobFailed as failure:
+            self._record_failure(job, failure)
+        except Exception as err:  # unexpected: still never into training
+            self._record_failure(job, JobFailed(job.rank, None, err))
+        job.finished = self._clock()
+        return False
+
+    def _finish(self, job: Job) -> None:
+        """A job's cold commit, once its uploads are done."""
+        assert job.manifest is not None
+        try:
+            self._commit(job.manifest, job)
+            job.state = MigrationState.COMMITTED
+            with self._cond:
+                self._delivered[(job.name, job.attempt)] = time.monotonic()
+            self.cold_answered()
+            log.info("migrated %s rank %d to %s (committed)", job.name, job.rank, self.cold.label)
         except JobFailed as failure:
             self._record_failure(job, failure)
         except Exception as err:  # unexpected: still never into training
@@ -262,22 +403,73 @@ class Migrator(ColdCommit):
         finally:
             job.finished = self._clock()
 
-    def _check_breaker(self) -> None:
-        unreachable = self._unreachable
-        if unreachable is None:
-            return
-        since, why = unreachable
-        if self._clock() - since < self.BREAKER_SECONDS:
-            raise JobFailed(
-                None,
-                None,
-                TransientStorageError(
-                    f"not attempted: the cold tier was unreachable {self._clock() - since:.0f}s ago "
-                    f"({why}); the next commit (or `tierstore migrate`) tries again",
-                    tier=self.cold.label,
-                ),
+    def _delivered_already(self, job: Job) -> bool:
+        """Whether the hot tier records this attempt as committed in this cold tier (its
+        migrated mark naming the cold tier's identity): delivered by another migrator, and
+        perhaps pruned from the cold tier by its policy since. A job that is not its writer's
+        own asks before it uploads anything (invariant 25): no cold request unless the hot
+        tier holds a migrated mark of the attempt."""
+        try:
+            if next(iter(self.hot.backend.list(layout.migrated_prefix(job.name, job.attempt))), None) is None:
+                return False
+            cold_id = marks.store_id(self.cold)
+            delivered = cold_id is not None and self.hot.backend.exists(
+                layout.migrated_key(job.name, job.attempt, cold_id)
             )
-        self._unreachable = None  # long enough: this job tries again
+        except TierstoreError as err:
+            log.debug("could not tell whether %s was delivered already: %s", job.name, err)
+            return False
+        faults.point("migrator.after_delivered_check")
+        if delivered:
+            with self._cond:
+                self._delivered[(job.name, job.attempt)] = time.monotonic()
+            log.info("%s (attempt %s) was delivered to %s already", job.name, job.attempt, self.cold.label)
+        return delivered
+
+    def _check_breaker(self) -> None:
+        with self._breaker:
+            unreachable_since = self._unreachable
+            if unreachable_since is None:
+                return
+            since, why = unreachable_since
+            now = self._clock()
+            if now < self._next_probe:
+                raise JobFailed(
+                    None,
+                    None,
+                    TransientStorageError(
+                        f"not attempted: the cold tier was unreachable {now - since:.0f}s ago ({why}); "
+                        f"it is probed again in {self._next_probe - now:.0f}s, and the job is "
+                        "tried again by the next commit, close() or `tierstore migrate`",
+                        tier=self.cold.label,
+                    ),
+                )
+            # This job is the probe: the ones behind it wait for the next.
+            self._next_probe = now + self._probe_every
+            self._probe_every = min(self._probe_every * 2, self.BREAKER_SECONDS)
+        faults.point("migrator.before_probe")
+        down = unreachable(self.cold, PROBE_WAIT)
+        if down is None:
+            log.info("the cold tier %s answers again: migrating", self.cold.label)
+            self.cold_answered()
+            return
+        raise JobFailed(
+            None,
+            None,
+            TransientStorageError(
+                f"not attempted: the cold tier is still unreachable ({down}); "
+                "the job is tried again by the next commit, close() or `tierstore migrate`",
+                tier=self.cold.label,
+            ),
+        )
+
+    def _open_breaker(self, why: str) -> None:
+        with self._breaker:
+            if self._unreachable is None:
+                now = self._clock()
+                self._unreachable = (now, why)
+                self._next_probe = now + self.FIRST_PROBE
+                self._probe_every = 2 * self.FIRST_PROBE
 
     def _record_failure(self, job: Job, failure: JobFailed) -> None:
         job.state = MigrationState.FAILED
@@ -291,6 +483,7 @@ class Migrator(ColdCommit):
             else str(failure.error)
         )
         job.failed_rank, job.failed_file = failure.rank, failure.file
+        job.retryable = _worth_retrying(failure.error) and not job.stopped
         if job.stopped:
             log.info("migration of %s to %s stopped; it stays pending", job.name, self.cold.label)
             return
@@ -302,9 +495,10 @@ class Migrator(ColdCommit):
             failure.file,
             job.error,
         )
-        transient = isinstance(failure.error, TransientStorageError)
-        if transient and self._unreachable is None:
-            self._unreachable = (self._clock(), job.error)
+        if isinstance(failure.error, TransientStorageError) and not job.error.startswith(
+            "TransientStorageError: not attempted"
+        ):
+            self._open_breaker(job.error)
         if failure.rank == job.rank:
             # Tell the coordinator not to wait for us; on a thread of its own, so a cold tier
             # out of reach spends the mark's retries there, not the queue's time.
@@ -378,3 +572,17 @@ class Migrator(ColdCommit):
             faults.point("migrator.after_file_upload")
         except Exception as err:
             raise JobFailed(job.rank, entry.path, err) from err
+
+
+def _worth_retrying(error: BaseException | str) -> bool:
+    """Whether another try of a job that failed with ``error`` may succeed: the cold tier
+    down, refusing or full, a rank that has not marked yet, bytes that changed since their
+    upload (uploaded again); not a conflicting attempt in cold, a damaged hot copy, a bad
+    option or a refused type, which stay until a person acts."""
+    if isinstance(error, JobStopped):
+        return False
+    if isinstance(error, CheckpointExists | ConfigError | PermissionError | UnsafeType):
+        return False
+    if isinstance(error, IntegrityError):
+        return "not in the cold tier as uploaded" in str(error)  # the cold copy: uploaded again
+    return True
