@@ -167,6 +167,10 @@ class _CountedWriter(ObjectWriter):
 
     def _commit(self) -> None:
         self._inner.close()
+        # The backend contract: a closed writer names the object it stored. Without it
+        # every upload mark named no versions, and the cold commit verified every file
+        # again (W = 4,096: 24,597 requests and 32 MiB read instead of 32 requests).
+        self.version = self._inner.version
 
     def _abort(self) -> None:
         self._inner.abort()

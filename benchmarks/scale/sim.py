@@ -17,6 +17,9 @@ Phases, in order, each counted per actor (rank, or the coordinator) by
 - ``prune``: after a second, one-rank checkpoint is saved and migrated (not counted), prune
   with ``keep_last(1)`` in both tiers deletes the W-rank checkpoint.
 - ``gc``: ``collect_garbage`` with no grace period.
+
+:func:`simulate_cold` runs the ``cold`` phase alone, over an attempt written straight to the
+hot tier, fresh or resumed: ``make test`` checks the cold commit's budgets at W = 4,096 with it.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import importlib
 import inspect
 import logging
 import random
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,8 +48,9 @@ from tierstore.tiers.catalog import list_checkpoints
 from tierstore.tiers.migrator import MigrationConfig, Migrator
 from tierstore.tiers.status import migration_status
 from tierstore.tiers.tier import Store, Tier
+from tierstore.tiers.transfer import copy_file
 
-__all__ = ["SimConfig", "SimRun", "simulate", "PHASES", "tree_part_ranks", "load_sample"]
+__all__ = ["SimConfig", "SimRun", "simulate", "simulate_cold", "PHASES", "tree_part_ranks", "load_sample"]
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +165,60 @@ def simulate(config: SimConfig) -> SimRun:
     return run
 
 
+def simulate_cold(config: SimConfig, *, resumed: bool = False) -> SimRun:
+    """The ``cold`` phase alone, in seconds at W = 4,096 (``make test`` checks its budgets
+    with it): DCP's planning, what makes a large W slow, is left out, and the attempt is
+    written straight to the hot tier as the writer leaves it (F files per rank, rank 0's
+    ``.metadata``, the hot manifest). Then each rank's upload job and the coordinator's
+    commit job, as the writer submits them after a save; or, ``resumed``, as a migration
+    resuming a pending checkpoint does (the manager at its start, ``tierstore migrate``),
+    after a crash that left every odd rank's files uploaded but not marked."""
+    counter = RequestCounter()
+    tiers = Tiers(config, counter)
+    try:
+        hot, cold = tiers.tier("hot"), tiers.tier("cold")
+        manifest, files = _write_attempt(hot, config)
+        if resumed:  # uncounted: what the crashed run did
+            for rank in range(1, config.world, 2):
+                for entry in files[rank]:
+                    copy_file(hot, cold, manifest.name, manifest.attempt, entry)
+        run = SimRun(
+            config, counter, manifest, files_per_rank={r: len(manifest.files_of_rank(r)) for r in files}
+        )
+        _migrate(tiers, manifest, files, "cold", resumed=resumed)
+    finally:
+        tiers.close()
+    return run
+
+
+def _write_attempt(hot: Tier, config: SimConfig) -> tuple[Manifest, dict[int, list[FileEntry]]]:
+    """A committed hot attempt of ``config.world`` ranks, and each rank's own files."""
+    name, attempt = "big", layout.new_attempt(grouped=True)  # grouped, as the raw encoding's
+    files: dict[int, list[FileEntry]] = {}
+
+    def write(path: str, rank: int, data: bytes) -> FileEntry:
+        with hot.backend.open_write(hot.file_key(name, attempt, path)) as out:
+            out.write(data)
+        return FileEntry(path, len(data), out.crc32c, rank)
+
+    for rank in range(config.world):
+        data = rank.to_bytes(4, "little") * workload.OWN_NUMEL  # 4 KiB, as a rank's tensor
+        files[rank] = [write(layout.data_file_name(rank, i), rank, data) for i in range(FILES_PER_RANK)]
+    metadata = write(layout.METADATA_FILE, 0, b"DCP's metadata, rank 0's file")
+    manifest = Manifest(
+        name=name,
+        step=1,
+        attempt=attempt,
+        world_size=config.world,
+        created=time.time(),
+        files=sorted([metadata, *(f for fs in files.values() for f in fs)], key=lambda f: (f.rank, f.path)),
+        producer="benchmarks.scale",
+        part_ranks=config.part_ranks or tree_part_ranks(),
+    )
+    hot.publish_manifest(manifest)  # the hot commit
+    return manifest, files
+
+
 def _reader(**options: Any) -> dict[str, Any]:
     """``TieredReader`` keywords for ``options``: its ``ReaderOptions`` where the tree has them."""
     try:
@@ -227,11 +286,17 @@ def _migrator(tiers: Tiers) -> Migrator:
 
 
 def _migrate(
-    tiers: Tiers, manifest: Manifest, files: Mapping[int, Sequence[FileEntry]], phase: str | None
+    tiers: Tiers,
+    manifest: Manifest,
+    files: Mapping[int, Sequence[FileEntry]],
+    phase: str | None,
+    *,
+    resumed: bool = False,
 ) -> None:
-    """Each rank's upload job (its own process's migrator), then the coordinator's commit."""
+    """Each rank's upload job (its own process's migrator), then the coordinator's commit:
+    as the writer submits them (``fresh``), or as a resumed migration does (``resumed``)."""
     counter, failed = tiers.counter, []
-    fresh = {"fresh": True} if accepts(Migrator.submit_rank, "fresh") else {}
+    fresh = {"fresh": True} if not resumed and accepts(Migrator.submit_rank, "fresh") else {}
     for rank in sorted(r for r in files if r != 0):
         migrator = _migrator(tiers)
         with counter.step(phase, rank):
