@@ -10,12 +10,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
+from actors_operator import OperatorActors
 from hypothesis import Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 from multi_actor import PROFILE, Machine
 
 
-class MultiActor(Machine):
+class MultiActor(OperatorActors, Machine):
     """Every actor of the suite on one store."""
 
 
