@@ -98,7 +98,8 @@ _ABOUT = {
         "write a committed checkpoint out as safetensors, one torch.save file or plain DCP",
         "tierstore export --hot /nvme/run1 --cold s3://ckpt/run1 --step 2000 --format safetensors "
         "--out /models/run1-2000 --strip-prefix model.",
-        "no such checkpoint, damage in every copy, or --out is not empty (nothing is written then)",
+        "no such checkpoint, damage in every copy, --out is not empty, or --force would replace "
+        "the current or home directory or a tree holding a tier (nothing is written then)",
     ),
     # du: tierstore.cli.usage
     "du": (
