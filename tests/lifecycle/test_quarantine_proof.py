@@ -31,7 +31,7 @@ from cold_tiers import Cold
 from helpers import blank, file_path, flip, load, matches, saved, unwrap
 from torch.distributed.checkpoint.api import CheckpointException
 
-from tierstore import CheckpointManager, Retention, list_checkpoints
+from tierstore import CheckpointManager, Retention, keep_last, list_checkpoints
 from tierstore.cli import main
 from tierstore.errors import (
     CheckpointExists,
@@ -44,6 +44,7 @@ from tierstore.errors import (
 )
 from tierstore.format import layout
 from tierstore.format.manifest import FileEntry, Manifest
+from tierstore.lifecycle.prune import prune_tier
 from tierstore.lifecycle.quarantine import (
     delete_quarantined,
     list_quarantined,
@@ -410,3 +411,69 @@ def test_restore_refuses_data_that_is_no_longer_whole(hot_dir: str) -> None:
     assert [q.attempt for q in list_quarantined(Store(hot_dir))] == [bad.attempt]
     delete_quarantined(Store(hot_dir), bad.name)
     assert list_quarantined(Store(hot_dir)) == []
+
+
+# -- a resume's quarantine against a prune and a restore running beside it ----------------
+
+
+def test_a_prune_that_decided_before_a_quarantine_leaves_the_quarantined_data(
+    hot_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for step in (1, 2, 3):
+        saved(hot_dir, step)
+    tier = Tier("hot", hot_dir)
+    oldest, middle = (tier.find_manifest(layout.default_name(step)) for step in (1, 2))
+    assert oldest is not None and middle is not None
+    point = faults.point
+
+    def quarantined_after_the_listing(name: str) -> None:
+        if name == "prune.after_listing":  # the prune has decided on steps 1 and 2
+            assert quarantine(Tier("hot", hot_dir), oldest, "a resume found it damaged")
+        point(name)
+
+    monkeypatch.setattr(faults, "point", quarantined_after_the_listing)
+    prune_tier(tier, keep_last(1))
+    assert [c.step for c in list_checkpoints(hot_dir)] == [3]
+    assert file_path(hot_dir, oldest).exists()  # only a person removes quarantined data
+    assert [q.attempt for q in list_quarantined(Store(hot_dir))] == [oldest.attempt]
+    assert not file_path(hot_dir, middle).exists()  # the other one pruned as planned
+
+
+def test_a_resume_quarantining_it_during_a_restore_keeps_it_recorded(
+    hot_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bad = saved(hot_dir, 2)
+    tier = Tier("hot", hot_dir)
+    quarantine(tier, bad, "found damaged")
+    point = faults.point
+
+    def quarantined_again(name: str) -> None:
+        if name == "quarantine.restore_after_publish":  # published, record not yet dropped
+            assert quarantine(Tier("hot", hot_dir), bad, "found damaged again")
+        point(name)
+
+    monkeypatch.setattr(faults, "point", quarantined_again)
+    restore_quarantined(Store(hot_dir), bad.name)
+    assert Tier("hot", hot_dir).find_manifest(bad.name) is None  # the resume's word stands
+    assert [q.attempt for q in list_quarantined(Store(hot_dir))] == [bad.attempt]  # data named
+    assert file_path(hot_dir, bad).exists()
+
+
+def test_a_restore_finishing_during_a_quarantine_leaves_it_recorded(
+    hot_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bad = saved(hot_dir, 2)
+    tier = Tier("hot", hot_dir)
+    quarantine(tier, bad, "found damaged")
+    tier.publish_manifest(bad)  # a restore interrupted after its publish
+    point = faults.point
+
+    def restored_meanwhile(name: str) -> None:
+        if name == "quarantine.after_record":  # a person's --restore drops the record here
+            restore_quarantined(Store(hot_dir), bad.name)
+        point(name)
+
+    monkeypatch.setattr(faults, "point", restored_meanwhile)
+    assert quarantine(Tier("hot", hot_dir), bad, "found damaged again")
+    assert Tier("hot", hot_dir).find_manifest(bad.name) is None
+    assert [q.attempt for q in list_quarantined(Store(hot_dir))] == [bad.attempt]  # data named

@@ -192,6 +192,12 @@ def prune_tier(
                 tally.deferred.append(manifest.name)
                 continue
             faults.point("prune.after_lease_check")
+            if tier.backend.exists(layout.quarantine_key(manifest.name, manifest.attempt)):
+                # A resume quarantined it after this prune listed it: only a person removes
+                # its data (docs/design.md invariant 21).
+                log.warning("left the data of %s in %s: it is quarantined", manifest.name, tier.label)
+                tally.deferred.append(manifest.name)
+                continue
             tally.freed += delete_data(tier, manifest)
         except TierstoreError as err:
             log.error(

@@ -58,6 +58,7 @@ from tierstore.format.manifest import MAX_MANIFEST_BYTES, FileEntry, Manifest
 from tierstore.format.verified import verify_file
 from tierstore.lifecycle.prune import delete_data
 from tierstore.storage import faults
+from tierstore.storage.backend import ObjectInfo
 from tierstore.storage.missing import proven_missing
 from tierstore.tiers.marks import not_in_place
 from tierstore.tiers.tier import Store, Tier, TierURL
@@ -90,6 +91,7 @@ class Quarantined:
     size: int  # bytes its data holds (0 if the record is unreadable)
     key: str
     manifest: Manifest | None = None  # None: the record is unreadable (kept all the same)
+    version: str | None = None  # the record's, as listed: a restore drops only this one
 
 
 def quarantine(tier: Tier, manifest: Manifest, reason: str) -> bool:
@@ -104,12 +106,14 @@ def quarantine(tier: Tier, manifest: Manifest, reason: str) -> bool:
         "when": time.time(),
         "manifest": manifest.to_json().decode(),
     }
-    try:
-        tier.backend.publish(key, json.dumps(body).encode())
-    except PublishConflict:
-        pass  # quarantined before (a crash after the record, or another rank's job)
+    record = json.dumps(body).encode()
+    _record(tier, key, record)
     faults.point("quarantine.after_record")
     done = tier.unpublish(manifest)
+    if done and not tier.backend.exists(key):
+        # A `--restore` dropped the record meanwhile, taking it for one an interrupted
+        # restore left; un-published now, the data must stay named (gc would take it).
+        _record(tier, key, record)
     if done:
         log.error(
             "quarantined checkpoint %s (attempt %s) in %s: %s; its data is kept "
@@ -122,6 +126,20 @@ def quarantine(tier: Tier, manifest: Manifest, reason: str) -> bool:
             manifest.name,
         )
     return done
+
+
+def _record(tier: Tier, key: str, record: bytes) -> None:
+    """Publish a quarantine record; one there already (a crash after the record, a restore
+    still in flight) is replaced by a fresh version, which that restore's conditional
+    delete of the version it read leaves standing."""
+    try:
+        tier.backend.publish(key, record)
+    except PublishConflict:
+        tier.backend.delete(key)
+        try:
+            tier.backend.publish(key, record)
+        except PublishConflict:
+            pass  # another resume's record of the same attempt: as good as ours
 
 
 def quarantine_proven(tier: Tier, manifest: Manifest, reason: str, failures: Sequence[BaseException]) -> bool:
@@ -203,7 +221,8 @@ def _proven_manifest(manifest: Manifest, failure: InvalidManifest) -> TierstoreE
     return None
 
 
-def _read(tier: Tier, key: str) -> Quarantined | None:
+def _read(tier: Tier, info: ObjectInfo) -> Quarantined | None:
+    key = info.key
     parsed = layout.parse_quarantine_key(key)
     if parsed is None:
         return None
@@ -219,9 +238,19 @@ def _read(tier: Tier, key: str) -> Quarantined | None:
     except ObjectNotFound:
         return None  # removed meanwhile
     except (TierstoreError, ValueError, KeyError, TypeError, RecursionError) as err:
-        return Quarantined(name, attempt, None, tier.label, f"the record is unreadable ({err})", 0.0, 0, key)
+        why = f"the record is unreadable ({err})"
+        return Quarantined(name, attempt, None, tier.label, why, 0.0, 0, key, None, info.version)
     return Quarantined(
-        name, attempt, manifest.step, tier.label, reason, when, manifest.total_size, key, manifest
+        name,
+        attempt,
+        manifest.step,
+        tier.label,
+        reason,
+        when,
+        manifest.total_size,
+        key,
+        manifest,
+        info.version,
     )
 
 
@@ -231,7 +260,7 @@ def list_quarantined(store: Store | TierURL) -> list[Quarantined]:
     found = []
     for tier in Store.of(store).tiers:
         for info in tier.backend.list(layout.quarantine_prefix()):
-            record = _read(tier, info.key)
+            record = _read(tier, info)
             if record is not None:
                 found.append(record)
     return sorted(found, key=lambda q: (q.step is None, q.step or 0, q.name, q.attempt, q.tier))
@@ -329,9 +358,29 @@ def restore_quarantined(store: Store | TierURL, name: str, attempt: str | None =
                 record.attempt,
                 tier.label,
             )
-        tier.backend.delete(record.key)
-        log.warning("restored quarantined checkpoint %s (attempt %s) in %s", name, record.attempt, tier.label)
+        if _drop(tier, record):
+            log.warning(
+                "restored quarantined checkpoint %s (attempt %s) in %s", name, record.attempt, tier.label
+            )
     return [q for _, q in chosen]
+
+
+def _drop(tier: Tier, record: Quarantined) -> bool:
+    """Delete ``record`` as it was listed; ``False`` if a resume quarantined the attempt again
+    meanwhile (a fresh record: it stands)."""
+    if record.version is None:  # a backend without versions
+        tier.backend.delete(record.key)
+        return True
+    if tier.backend.delete_if(record.key, record.version):
+        return True
+    log.error(
+        "checkpoint %s (attempt %s) was quarantined again in %s while being restored (a resume "
+        "found it damaged): it stays quarantined",
+        record.name,
+        record.attempt,
+        tier.label,
+    )
+    return False
 
 
 def _is_live(tier: Tier, manifest: Manifest) -> bool:
