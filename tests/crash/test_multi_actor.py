@@ -11,12 +11,13 @@ from contextlib import contextmanager
 
 import pytest
 from actors_operator import OperatorActors
+from actors_quarantine import QuarantineActors
 from hypothesis import Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 from multi_actor import PROFILE, Machine
 
 
-class MultiActor(OperatorActors, Machine):
+class MultiActor(OperatorActors, QuarantineActors, Machine):
     """Every actor of the suite on one store."""
 
 
