@@ -146,6 +146,9 @@ class Machine(RuleBasedStateMachine):
     adds the actors' mixins (quarantine, delivery, operator commands, ...) on top."""
 
     s3: dict[str, Any] | None = None  # set by the S3 test: endpoint, bucket, proxy
+    # Actors that upload to the cold tier while held (GC's grace must cover them); a mixin
+    # adds its own.
+    uploaders: tuple[str, ...] = ("save", "migrate")
     worlds: tuple[int, ...] = (1, 2)  # ranks a save may have
 
     def __init__(self) -> None:
@@ -295,7 +298,7 @@ class Machine(RuleBasedStateMachine):
             return Step("load", load)
         # GC's grace protects attempts still being written and copies still being uploaded
         # (by design they are no manifest's yet): zero only while no writer is in flight.
-        grace = 3600.0 if a_in_flight in ("save", "migrate") else 0.0
+        grace = 3600.0 if a_in_flight in self.uploaders else 0.0
 
         def gc(rank: int) -> None:
             collect_garbage(TierStore.of(s.hot, s.cold, cold_options=s.options), grace=grace, dry_run=False)

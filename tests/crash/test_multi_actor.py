@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
+from actors_delivery import DeliveryActors
 from actors_operator import OperatorActors
 from actors_quarantine import QuarantineActors
 from hypothesis import Phase, settings
@@ -17,14 +18,14 @@ from hypothesis.stateful import run_state_machine_as_test
 from multi_actor import PROFILE, Machine
 
 
-class MultiActor(OperatorActors, QuarantineActors, Machine):
+class MultiActor(DeliveryActors, OperatorActors, QuarantineActors, Machine):
     """Every actor of the suite on one store."""
 
 
 def _forget_the_proxy() -> None:
     """A forked actor must not keep the proxy's listening socket open: the parent could not
     refuse connections (or listen again) on that port while the child holds a copy."""
-    proxy = (MultiActor.s3 or {}).get("proxy")
+    proxy = (Machine.s3 or {}).get("proxy")
     for sock in (getattr(getattr(proxy, "_server", None), "socket", None), getattr(proxy, "_hold", None)):
         if sock is not None:
             sock.close()  # the child's copy only
@@ -43,8 +44,8 @@ def _settings(examples: int, steps: int, *, shrink: bool = True) -> settings:
     return settings(base, max_examples=max(1, base.max_examples // 4), phases=phases)  # soak: 500
 
 
-def run_local(machine: type[MultiActor] = MultiActor, config: settings | None = None) -> None:
-    machine.s3 = None
+def run_local(machine: type[Machine] = MultiActor, config: settings | None = None) -> None:
+    Machine.s3 = None
     run_state_machine_as_test(machine, settings=config or _settings(6, 6))
 
 
@@ -53,11 +54,11 @@ def s3_cold(endpoint: str, bucket: str) -> Iterator[None]:
     from s3_fault_proxy import FaultProxy
 
     proxy = FaultProxy(endpoint)
-    MultiActor.s3 = {"endpoint": endpoint, "bucket": bucket, "proxy": proxy}
+    Machine.s3 = {"endpoint": endpoint, "bucket": bucket, "proxy": proxy}  # every machine's
     try:
         yield
     finally:
-        MultiActor.s3 = None
+        Machine.s3 = None
         proxy.close()
 
 

@@ -22,7 +22,7 @@ from tierstore.tiers.migrator import (
     Migrator,
 )
 from tierstore.tiers.tier import Store, Tier
-from tierstore.tiers.workers import active_migrators
+from tierstore.tiers.workers import migrators_of
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -120,4 +120,4 @@ class Base:
         hot, cold = self._hot, self.store.cold
         if cold is None:
             return []
-        return [m for m in active_migrators() if (m.hot.url, m.cold.url) == (hot.url, cold.url)]
+        return migrators_of(hot, cold)

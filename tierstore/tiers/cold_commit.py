@@ -49,7 +49,12 @@ class ColdCommit:
         # The marks say every rank uploaded; the manifest may only vouch for bytes that are
         # verified and in place now (another actor may have removed or replaced an object
         # since): docs/design.md invariant 10.
-        self._check_in_place(manifest, by_rank, listing)
+        try:
+            self._check_in_place(manifest, by_rank, listing)
+        except JobFailed:
+            if self._pruned_since_delivered(manifest, cold_id):
+                return  # another migrator delivered it and the cold policy pruned it since
+            raise
         faults.point("migrator.after_cold_check")
         if self._pruned_since_delivered(manifest, cold_id):
             return  # committed once and pruned by the cold policy since: not to be put back

@@ -26,7 +26,7 @@ import time
 from tierstore.tiers.migrator import MigrationConfig, Migrator
 from tierstore.tiers.tier import Tier
 
-__all__ = ["migrator_for", "active_migrators", "drain", "EXIT_WAIT_ENV"]
+__all__ = ["migrator_for", "migrators_of", "active_migrators", "drain", "EXIT_WAIT_ENV"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,15 @@ def migrator_for(hot: Tier, cold: Tier, config: MigrationConfig | None = None) -
         if migrator is None:
             migrator = _MIGRATORS[key] = Migrator(hot, cold, config)
         return migrator
+
+
+def migrators_of(hot: Tier, cold: Tier) -> list[Migrator]:
+    """This process's migrator for exactly these tiers (URL and options), if it has one: not
+    one of another cold tier under the same URL (another endpoint, other credentials)."""
+    key = (_tier_id(hot), _tier_id(cold), "")
+    with _MIGRATORS_LOCK:
+        migrator = _MIGRATORS.get(key)
+    return [] if migrator is None else [migrator]
 
 
 def active_migrators() -> list[Migrator]:
