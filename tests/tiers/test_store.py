@@ -31,6 +31,7 @@ def test_store_is_accepted_wherever_urls_are(tmp_path: Path) -> None:
     store = Store(hot, cold)
     for step in (1, 2, 3):
         dcp.save(state_for(step), storage_writer=TieredWriter(store, step=step))
+    assert workers.drain(60)  # the background migrations settle: both listings see one store
     listed = list_checkpoints(store)
     assert [c.step for c in listed] == [1, 2, 3]
     assert listed == list_checkpoints(Store.of(hot, cold))  # the same store, built again from its URLs
