@@ -324,6 +324,22 @@ def test_a_manifest_part_answered_404_once_is_read_again(answers404: Armed, tmp_
         _ = found.files
 
 
+def test_a_manifest_part_is_proven_missing_in_the_tier_that_lacks_it(tmp_path: Path) -> None:
+    manifest = two_level()
+    for root in ("hot", "cold"):
+        Tier(root, str(tmp_path / root)).publish_manifest(manifest)
+    part = Tier("hot", str(tmp_path / "hot")).file_key(
+        manifest.name, manifest.attempt, manifest.parts[1].path
+    )
+    (tmp_path / "hot" / part).unlink()
+    failure = InvalidManifest("invalid manifest: part 1 is missing", checkpoint=manifest.name)
+    for root, proven in (("hot", True), ("cold", False)):
+        tier = Tier(root, str(tmp_path / root))
+        here = tier.find_manifest(manifest.name)
+        assert here is not None
+        assert isinstance(prove_damage(tier, here, [failure]), InvalidManifest) is proven, root
+
+
 def two_level(world: int = 6) -> Manifest:
     files = [FileEntry(".metadata", 900, 0xDEADBEEF, 0)] + [
         FileEntry(f"__{rank}_0.distcp", 1000 + rank, rank * 7, rank) for rank in range(world)

@@ -177,16 +177,19 @@ def prove_damage(tier: Tier, manifest: Manifest, failures: Sequence[BaseExceptio
     is a fact of the verified bytes every tier shares, and stands. Storage errors other than
     a 404 propagate: a tier that cannot answer proves nothing."""
     damage = [f for f in failures if isinstance(f, (IntegrityError, *_READ_DAMAGE))]
-    for failure in damage:
-        if isinstance(failure, _READ_DAMAGE) and failure.file is not None:
-            entry = manifest.file(failure.file)  # this tier's parts: InvalidManifest proves it
-            proven = _proven_read(tier, manifest, entry, failure) if entry is not None else failure
-        elif isinstance(failure, InvalidManifest):
-            proven = _proven_manifest(manifest, failure)
-        else:
-            proven = None if isinstance(failure, _READ_DAMAGE) else failure  # no file: unprovable
-        if proven is not None:
-            return proven
+    try:
+        for failure in damage:
+            if isinstance(failure, _READ_DAMAGE) and failure.file is not None:
+                entry = manifest.file(failure.file)  # from this tier's parts
+                proven = _proven_read(tier, manifest, entry, failure) if entry is not None else failure
+            elif isinstance(failure, InvalidManifest):
+                proven = _proven_manifest(manifest, failure)
+            else:
+                proven = None if isinstance(failure, _READ_DAMAGE) else failure  # no file: unprovable
+            if proven is not None:
+                return proven
+    except InvalidManifest as err:  # a part of this tier's manifest is missing or altered
+        return err
     return None
 
 
