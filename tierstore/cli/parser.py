@@ -80,7 +80,9 @@ _ABOUT = {
     "quarantine": (
         "list checkpoints a resume found damaged and set aside; remove or restore one",
         "tierstore quarantine --hot /nvme/run1 --cold s3://ckpt/run1 --delete step-0000002000",
-        "--delete or --restore names no quarantined checkpoint, or the name is committed again",
+        "--delete or --restore names no quarantined checkpoint, the name is committed again by "
+        "another attempt, or --delete names the attempt committed now (nothing is deleted: "
+        "--restore finishes an interrupted restore)",
     ),
     "verify-resume": (
         "load a checkpoint in fresh processes and check it restores the run",
@@ -258,12 +260,14 @@ def _quarantine_args(p: argparse.ArgumentParser) -> None:
     act.add_argument(
         "--delete",
         metavar="NAME",
-        help="remove this quarantined checkpoint's data and record (a dry run unless --yes)",
+        help="remove this quarantined checkpoint's data and record (a dry run unless --yes); "
+        "refused, deleting nothing, while the recorded attempt is the one committed",
     )
     act.add_argument(
         "--restore",
         metavar="NAME",
-        help="publish it again (the damage was not real); refused if the name is taken again",
+        help="publish it again (the damage was not real); finishes an interrupted restore; "
+        "refused if another attempt took the name, or the data is no longer whole",
     )
     p.add_argument("--attempt", help="only this attempt of NAME (as the list shows it)")
     p.add_argument("--yes", action="store_true", help="really delete (with --delete)")

@@ -163,9 +163,10 @@ class Migrator(ColdCommit):
     def submit_commit(self, manifest: Manifest, rank: int, *, fresh: bool = False) -> bool:
         """Coordinator: upload own files, wait for every rank's mark, publish cold manifest
         (``fresh``: as for :meth:`submit_rank`; the commit's own checks stay whole).
-        ``False`` if this attempt is queued, running or delivered here already."""
-        if self.handles(manifest.name, manifest.attempt):
-            return False
+        ``False`` if this rank's job of it is queued or running, or the attempt was delivered
+        here already."""
+        if self.delivered(manifest.name, manifest.attempt):
+            return False  # other ranks' jobs of it may run here (ranks sharing a process)
         return self._enqueue(Job.of(manifest, rank, commits=True, fresh=fresh))
 
     def submit_checkpoint(self, manifest: Manifest, *, since: float | None = None) -> bool:
