@@ -37,12 +37,15 @@ file-name arguments (``dirpath``, ``filename``, ``auto_insert_metric_name``,
 ``enable_version_counter``) are named in a warning when given. Optimizer states are loaded
 once the strategy built the optimizers (under DDP after the model), from the same step.
 
-Preemption: Lightning turns a SIGTERM into a ``SIGTERMException`` on every rank at the next
-batch (and exits 0); the callback then saves that step, whatever ``save_on_exception``
-says, and pushes it to the cold tier within the grace period of the manager's
-``Preemption`` (``manager_options={"preemption": Preemption(grace_seconds=90)}``; default
-30 s). ``fit(ckpt_path="last")`` in the requeued job resumes from it. A notice only another
-rank got is heard at the next save, which stops the trainer (``should_stop``).
+Preemption: while fitting, the callback takes over Lightning's SIGTERM handling
+(:mod:`tierstore.integrations._lightning_sigterm`: Lightning's own handler runs a collective
+inside the signal handler, which deadlocks when the ranks are at different points). The
+handler only records; at the end of every training batch the ranks combine what they
+recorded, and a notice on any rank makes Lightning raise ``SIGTERMException`` on every rank at
+that batch (the script exits 0); the callback then saves that step, whatever
+``save_on_exception`` says, and pushes it to the cold tier within the grace period of the
+manager's ``Preemption`` (``manager_options={"preemption": Preemption(grace_seconds=90)}``;
+default 30 s). ``fit(ckpt_path="last")`` in the requeued job resumes from it.
 """
 
 from __future__ import annotations
@@ -72,9 +75,11 @@ from torch.distributed.checkpoint.state_dict import (
 from tierstore import _dist
 from tierstore.dcp.writer import store_to_save
 from tierstore.errors import CheckpointNotFound, ConfigError, MigrationFailed, TierstoreError
+from tierstore.integrations._lightning_sigterm import SigtermTakeover
 from tierstore.lifecycle.retention import Policy, Retention, keep_all, keep_best, keep_last
 from tierstore.manager import CheckpointManager
 from tierstore.manager.legacy import LegacyManagerArgs
+from tierstore.manager.preemption import preemption_options
 from tierstore.options import deprecated
 from tierstore.tiers.catalog import list_checkpoints
 from tierstore.tiers.tier import Store, TierURL
@@ -237,6 +242,7 @@ class TierstoreCheckpoint(ModelCheckpoint):
         self._strategy: Strategy | None = None
         self._fitting = False
         self._committed: set[int] = set()  # steps the store held beyond the resumed one
+        self._sigterm = SigtermTakeover()
 
     # -- the paths Lightning passes around ------------------------------------------------
 
@@ -310,6 +316,8 @@ class TierstoreCheckpoint(ModelCheckpoint):
                 self._restore_originals[name] = getattr(strategy, name)
                 setattr(strategy, name, replacement)  # on this instance only: see docstring
         self._strategy, self._fitting = strategy, stage == "fit"
+        if self._fitting:  # before Lightning registers its handlers, which it does after setup
+            self._sigterm.install(trainer, preemption_options(self.manager_options.get("preemption", True)))
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Wait for the last save and its migration; give the strategy its loaders back."""
@@ -317,6 +325,7 @@ class TierstoreCheckpoint(ModelCheckpoint):
             setattr(self._strategy, name, original)
         self._strategy = None
         self._restore_originals.clear()
+        self._sigterm.release()
         if self.manager is not None:
             manager, self.manager = self.manager, None
             try:
@@ -339,6 +348,7 @@ class TierstoreCheckpoint(ModelCheckpoint):
                 self._save_step(trainer, trainer.global_step)  # a step saved already is only pushed
             except TierstoreError as err:
                 log.error("the save on the preemption notice failed: %s", err)
+        self._sigterm.release()
         if self.manager is not None:
             manager, self.manager = self.manager, None
             try:
@@ -380,8 +390,17 @@ class TierstoreCheckpoint(ModelCheckpoint):
         torch.save(checkpoint, buffer)
         state[_REST] = buffer.getvalue()
         self.manager.save(step, state, force=True, metrics=self._metrics(trainer))
-        if self.manager.preempted:  # another rank's notice, heard at this save: stop here too
-            trainer.should_stop = True
+        if self.manager.preempted:  # a notice heard at this save, on every rank: stop there
+            self._sigterm.stop(trainer)
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """After the cadence's save: a notice on any rank stops every rank at this batch
+        (:mod:`tierstore.integrations._lightning_sigterm`)."""
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        if self._sigterm.active and self.manager is not None and self._sigterm.heard(self.manager):
+            self._sigterm.stop(trainer)
 
     def _metrics(self, trainer: Trainer) -> dict[str, float]:
         if self.monitor is None:
