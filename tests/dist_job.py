@@ -386,7 +386,13 @@ def manager_preempt(spec: dict[str, Any]) -> None:
     """Resume (if there is a checkpoint), then train one step at a time under a manager
     watching for a preemption notice, writing ``out/progress-rank<r>`` after each step, until
     a ``save()`` acts on the notice: write the digest saved there (``preempted.json``, rank 0)
-    and each rank's report (``preempted-rank<r>.json``), close, and exit 0."""
+    and each rank's report (``preempted-rank<r>.json``), close, and exit 0.
+
+    ``reads_preempted: false``: the README's loop, which saves every step and never reads
+    ``preempted`` (rank 0 writes each saved step's digest to ``saved.json``): the manager
+    ends the process. ``fail_rank``/``fail_at``: that rank raises at that step, while the others spend
+    ``busy_seconds`` in something of their own (a validation pass) before their next
+    collective."""
     from tierstore import CheckpointManager, Preemption
 
     rank = dist.get_rank()
@@ -406,12 +412,22 @@ def manager_preempt(spec: dict[str, Any]) -> None:
     set_state_dict(model, optim, model_state_dict=msd, optim_state_dict=osd)
     resumed = {"step": start, "extra": extra["step"], "digest": digest(model, optim) if start else None}
     (out / f"resumed-rank{rank}.json").write_text(json.dumps(resumed, sort_keys=True))
+    reads = spec.get("reads_preempted", True)  # False: the README's loop, which never reads it
     for step in range(start + 1, start + 100_000):
+        if step == spec.get("fail_at") and rank == spec.get("fail_rank"):
+            raise RuntimeError(f"rank {rank} fails at step {step} (the test's doing)")
+        if step == spec.get("fail_at") and rank != spec.get("fail_rank"):
+            time.sleep(spec.get("busy_seconds", 0))  # a long validation pass, no collective in it
         train(model, optim, 1, step)
         (out / f"progress-rank{rank}").write_text(str(step))
         time.sleep(0.05)
         msd, osd = get_state_dict(model, optim)
-        if mgr.save(step, {"model": msd, "optim": osd, "extra": {"step": step}}) and mgr.preempted:
+        saved = mgr.save(step, {"model": msd, "optim": osd, "extra": {"step": step}})
+        if saved and not reads:  # the process may end at the next save()
+            d = digest(model, optim)  # a collective: every rank
+            if rank == 0:
+                (out / "saved.json").write_text(json.dumps({"step": step, "digest": d}, sort_keys=True))
+        if saved and reads and mgr.preempted:
             d = digest(model, optim)
             if rank == 0:
                 (out / "preempted.json").write_text(json.dumps({"step": step, "digest": d}, sort_keys=True))

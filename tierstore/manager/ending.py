@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import TimeoutError
 from typing import TypeVar
 
@@ -83,14 +84,27 @@ class Ending(Base):
         :class:`~tierstore.errors.MigrationFailed` after releasing everything. A failed save
         raises :class:`~tierstore.errors.SaveFailed` instead (it comes first), as
         :meth:`wait` does.
+
+        A signal that comes during close(), or after the last save, bounds it by its grace
+        period from then on. A preemption notice the loop did not take over (it never read
+        ``preempted`` once the notice's save had returned) ends the process once close is
+        done, as the signal would have without the manager (docs/training-state.md).
         """
-        deadline = self._close_deadline(
-            time.monotonic() + (self.close_timeout if timeout is None else timeout)
-        )
+        with self._acting():  # a preemption watchdog waits for it
+            self._close(timeout)
+
+    def _close(self, timeout: float | None) -> None:
+        """``close()``, with the watchdog waiting."""
+        ends = time.monotonic() + (self.close_timeout if timeout is None else timeout)
+
+        def deadline_now() -> float:  # a signal that comes during close() shortens it
+            return self._close_deadline(ends)
+
         failure: TierstoreError | None = None
         self._finish_previous()  # the last save (hot only: it never waits on the cold tier)
-        if self._deliver(deadline) is not None:
-            deadline, self._cold_down = time.monotonic(), True
+        if self._deliver(deadline_now) is not None:
+            ends, self._cold_down = time.monotonic(), True
+        deadline = deadline_now()
         try:
             self.wait(timeout=_left(deadline))
         except SaveFailed as err:
@@ -98,13 +112,14 @@ class Ending(Base):
         except MigrationFailed:
             pass  # named again below, with whatever else is left
         self._closing = True
-        if (self.rank == 0 or self.node_local) and not self._cold_down and not self.preempted:
+        deadline = deadline_now()
+        if (self.rank == 0 or self.node_local) and not self._cold_down and not self._in_grace():
             # Now that migrations drained, hot copies kept only as pending can go.
             try:  # joins a running round, which then runs one more
                 self._prune_in_background().result(_left(deadline, floor=0.0))
             except TimeoutError:
                 log.warning("final pruning still running at close's deadline; left to the next run")
-        undelivered = self._undelivered(deadline)
+        undelivered = self._undelivered(deadline_now())
         for migrator in self._migrators():
             migrator.stop(set(undelivered))  # nothing of them runs once close returns
         if undelivered:
@@ -112,10 +127,11 @@ class Ending(Base):
             log.error("%s", late)
             failure = failure or late
         self._release()
+        self._end_process_if_signalled()  # a notice the loop did not take over: as the signal would
         if failure is not None:
             raise failure
 
-    def _deliver(self, deadline: float | None) -> str | None:
+    def _deliver(self, deadline: float | Callable[[], float] | None) -> str | None:
         """This process's migrations, until ``deadline``: waited for once without one, else
         tried again while the cold tier answers (:func:`~tierstore.tiers.delivery.deliver`);
         a cold tier that answers nothing for ``PROBE_WAIT`` seconds in a row is given up on
@@ -126,7 +142,7 @@ class Ending(Base):
         if deadline is None:
             await_delivery(migrators, None)
             return None
-        why = deliver(migrators, cold, deadline, give_up_after=None if self.preempted else PROBE_WAIT)
+        why = deliver(migrators, cold, deadline, give_up_after=None if self._in_grace() else PROBE_WAIT)
         if why is not None:
             log.error(
                 "the cold tier %s is unreachable (%s): its migrations are not waited for any longer",
@@ -156,7 +172,7 @@ class Ending(Base):
         # Looking each one up in the cold tier: bounded even when close's time is spent, and
         # not at all in a cold tier close() found unreachable.
         # After a preemption notice, the grace period bounds the lookups too.
-        floor = 0.0 if self.preempted else 5.0
+        floor = 0.0 if self._in_grace() else 5.0
         lookup = 0.0 if self._cold_down else 30.0 if deadline is None else _left(deadline, floor=floor)
         return undelivered(
             self._migrators(), cold, timeout=lookup, catalog=self.rank == 0 or not self.node_local

@@ -33,12 +33,17 @@ if preemption were off.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import os
+import select
 import signal
+import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -71,6 +76,7 @@ log = logging.getLogger(__name__)
 EXIT_MARGIN = 3.0
 
 _Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
+_WATCHES: weakref.WeakSet[PreemptionWatch] = weakref.WeakSet()  # this process's live watches
 
 
 def preemption_options(preemption: Preemption | bool) -> Preemption | None:
@@ -87,13 +93,19 @@ def preemption_options(preemption: Preemption | bool) -> Preemption | None:
 
 
 class SignalWatch:
-    """Handlers for ``signals`` that record the first request (module docstring, 1)."""
+    """Handlers for ``signals`` that record the first request (module docstring, 1).
 
-    def __init__(self, signals: tuple[int, ...]) -> None:
+    ``on_signal(number)`` is called from the handler on the first request: it may set an
+    event, nothing that takes a lock the interrupted code may hold.
+    """
+
+    def __init__(self, signals: tuple[int, ...], *, on_signal: Callable[[int], None] | None = None) -> None:
         self.requested_at: float | None = None  # time.monotonic() of the first request
         self.signal: str | None = None  # its name
+        self.number: int | None = None
         self._previous: dict[int, _Handler] = {}
         self._active = True
+        self._on_signal = on_signal
         if threading.current_thread() is not threading.main_thread():
             log.warning(
                 "CheckpointManager built outside the main thread: it cannot watch %s for a "
@@ -109,17 +121,44 @@ class SignalWatch:
     def installed(self) -> bool:
         return bool(self._previous)
 
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    def previous(self, number: int) -> _Handler:
+        """The handler this one passes ``number`` on to: the one installed before it, skipping
+        every released watch's (managers opened and closed in any order: a released watch
+        still in the chain passes the signal on, never takes its default action)."""
+        handler = self._previous.get(number)
+        seen: set[int] = set()
+        while (
+            isinstance(getattr(handler, "__self__", None), SignalWatch)
+            and getattr(handler, "__func__", None) is SignalWatch._handle
+            and id(handler.__self__) not in seen  # type: ignore[union-attr]
+        ):
+            watch: SignalWatch = handler.__self__  # type: ignore[union-attr]
+            if watch.active:
+                break
+            seen.add(id(watch))
+            handler = watch._previous.get(number)
+        return handler
+
     def _handle(self, number: int, frame: FrameType | None) -> None:
-        previous = self._previous.get(number)
-        if not self._active and previous in (signal.SIG_DFL, None):
-            # Released, but called still (a handler installed after ours kept it): do what
-            # the signal did before the manager, its default action.
-            signal.signal(number, signal.SIG_DFL)
-            os.kill(os.getpid(), number)
+        previous = self.previous(number)
+        if not self._active:
+            if previous in (signal.SIG_DFL, None):
+                # Released, but called still (a handler installed after ours kept it): do
+                # what the signal did before the manager, its default action.
+                signal.signal(number, signal.SIG_DFL)
+                os.kill(os.getpid(), number)
+            elif callable(previous):
+                previous(number, frame)
             return
-        if self._active and self.requested_at is None:
+        if self.requested_at is None:
             self.requested_at = time.monotonic()
-            self.signal = signal.Signals(number).name
+            self.signal, self.number = signal.Signals(number).name, number
+            if self._on_signal is not None:
+                self._on_signal(number)
         if callable(previous):  # a handler of the user's, or of a manager built before
             previous(number, frame)
 
@@ -136,7 +175,34 @@ class SignalWatch:
             return
         for number, previous in self._previous.items():
             if signal.getsignal(number) == self._handle and previous is not None:
-                signal.signal(number, previous)
+                signal.signal(number, self.previous(number))
+
+
+def end_process(number: int, why: str) -> None:
+    """Take ``number``'s default action (end the process, as the signal would have without
+    the manager), after flushing the logs and standard streams; ``os._exit`` if the signal
+    does not end it (one whose default action is to be ignored)."""
+    log.warning("%s: ending the process (%s's default action)", why, signal.Signals(number).name)
+    for handler in logging.getLogger().handlers + logging.getLogger("tierstore").handlers:
+        try:
+            handler.flush()
+        except Exception:  # a broken handler must not keep the process alive
+            pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(number, signal.SIG_DFL)
+    else:  # the watchdog: Python sets handlers from the main thread only, the C library from any
+        try:
+            ctypes.CDLL(None).signal(number, ctypes.c_void_p(0))  # SIG_DFL
+        except (OSError, AttributeError):
+            os._exit(128 + number)
+    os.kill(os.getpid(), number)
+    time.sleep(1.0)  # delivered on return from the kill, at the latest here
+    os._exit(128 + number)
 
 
 @dataclass(frozen=True)
@@ -176,13 +242,32 @@ class PreemptionReport:
 
 class PreemptionWatch:
     """The watch and the combine across ranks (module docstring, 1 and 2), for whatever saves
-    on a notice: :class:`Preempting` and ``tierstore.integrations.torchtitan``."""
+    on a notice: :class:`Preempting` and ``tierstore.integrations.torchtitan``.
+
+    **The watchdog** (module docstring, 5): a daemon thread, woken by the handler's first
+    request, that takes the signal's default action half the exit margin after :meth:`until`
+    (the manager's own save, push and close on the notice are never cut short) unless the loop took
+    over (:meth:`take_over`: it read ``preempted`` after a notice was acted on) or the watch
+    was released: a rank that never gets to another ``save()`` (stuck in a collective with a
+    peer that died, say) still ends before the scheduler's SIGKILL, as the signal would have
+    ended it without the manager.
+    """
 
     def __init__(self, options: Preemption) -> None:
         self.options = options
-        self.signals = SignalWatch(options.signals)
+        self._signalled = threading.Event()  # set by the handler: nothing else touches it
+        self._released = threading.Event()
+        self.taken_over = False  # the loop read ``preempted`` after a notice: it decides now
+        self.acting = False  # the manager is saving, pushing or closing on the notice
+        self.signals = SignalWatch(options.signals, on_signal=lambda number: self._signalled.set())
         self.deadline: float | None = None  # time.monotonic() of the grace period's end, once seen
         self._group: Any = None
+        _WATCHES.add(self)
+        self._raw: tuple[float, int] | None = None  # (when, number): a signal heard through the pipe
+        self._wake: tuple[int, int] | None = None  # the wakeup pipe: read end, write end
+        if self.signals.installed:
+            self._wake_on_signal()
+            threading.Thread(target=self._watchdog, name="tierstore-preemption-watchdog", daemon=True).start()
         if _dist.initialized() and dist.get_world_size() > 1:
             # Every rank builds its watch with the manager, so every rank joins (a collective).
             self._group = dist.new_group(backend="gloo")
@@ -206,13 +291,116 @@ class PreemptionWatch:
             self.deadline = time.monotonic() - since + self.options.grace_seconds
         return since
 
+    def grace_deadline(self) -> float | None:
+        """The end of the grace period: of the notice combined across ranks, else of this
+        rank's own signal (one that came after the last ``save()``); ``None`` without one."""
+        if self.deadline is not None:
+            return self.deadline
+        if self.signals.requested_at is not None:
+            return self.signals.requested_at + self.options.grace_seconds
+        return None
+
+    def margin(self) -> float:
+        """Seconds kept back from the grace period for what follows the push."""
+        return min(EXIT_MARGIN, self.options.grace_seconds / 10)
+
     def until(self) -> float:
         """When what follows the push must begin: the deadline less the exit margin."""
-        assert self.deadline is not None, "no notice seen"
-        return self.deadline - min(EXIT_MARGIN, self.options.grace_seconds / 10)
+        deadline = self.grace_deadline()
+        assert deadline is not None, "no notice seen"
+        return deadline - self.margin()
+
+    def in_grace(self) -> bool:
+        """Whether a notice came (here or on any rank) and its grace period bounds every wait:
+        the process is to end by then. Only a loop that took over and went on past the end
+        of the period is out of it (the notice was not the end, after all)."""
+        deadline = self.grace_deadline()
+        if deadline is None:
+            return False
+        return not self._loop_took_over() or time.monotonic() < deadline
+
+    def take_over(self) -> None:
+        """The loop read ``preempted`` after a notice was acted on: it ends the run itself
+        (and may go on); the watchdog and the manager's own end of the process stand down."""
+        self.taken_over = True
+
+    def _loop_took_over(self) -> bool:
+        """This watch's loop, or another live watch's in this process, took over."""
+        return self.taken_over or any(w.taken_over for w in list(_WATCHES) if not w._released.is_set())
+
+    def _wake_on_signal(self) -> None:
+        """Have the C library's handler write each signal's number to a pipe the watchdog
+        reads (``signal.set_wakeup_fd``), unless something else (an asyncio loop) has the
+        wakeup already: a main thread blocked in C (a collective with a peer that died)
+        never runs the Python handler, and the watchdog must hear the signal all the same."""
+        try:
+            read, write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            before = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        except ValueError:  # not the main thread
+            before = -2
+        if before != -1:  # taken by someone else (or none could be set): theirs stays
+            if before >= 0:
+                signal.set_wakeup_fd(before)
+            os.close(read)
+            os.close(write)
+            return
+        self._wake = (read, write)
+
+    def _heard(self, wait: float) -> bool:
+        """Whether one of the watched signals came (the handler ran, or the C library wrote
+        its number to the wakeup pipe), waiting at most ``wait`` seconds."""
+        if self._signalled.is_set():
+            return True
+        wake = self._wake  # release() may drop it meanwhile: this thread keeps its own copy
+        if wake is None:
+            return self._signalled.wait(wait)
+        try:
+            ready, _, _ = select.select([wake[0]], [], [], wait)
+            data = os.read(wake[0], 512) if ready else b""
+        except (OSError, ValueError):  # released and closed meanwhile
+            return self._signalled.is_set()
+        for number in data:
+            if number in self.options.signals and self._raw is None:
+                self._raw = (time.monotonic(), number)
+        return self._raw is not None or self._signalled.is_set()
+
+    def _watchdog(self) -> None:
+        while not self._heard(1.0):
+            if self._released.is_set():
+                return
+        while not self._released.is_set() and not self._loop_took_over():
+            # Half the exit margin after the push's and close()'s own deadline: the manager
+            # acting on the notice (its save, its push, close()) is never cut short by it.
+            deadline = self.grace_deadline()
+            if deadline is None:  # heard through the pipe only: the main thread is blocked
+                assert self._raw is not None
+                deadline = self._raw[0] + self.options.grace_seconds
+            now = time.monotonic()
+            left = deadline - self.margin() / 2 - now
+            if left <= 0 and self.acting and now < deadline:
+                left = min(0.05, deadline - now)  # the manager's own close: to the very end
+            elif left <= 0:
+                number = self.signals.number or (self._raw[1] if self._raw else self.options.signals[0])
+                end_process(
+                    number,
+                    f"preemption notice ({signal.Signals(number).name}): the grace period is ending "
+                    "and the loop neither stopped on `manager.preempted` nor reached another save()",
+                )
+            self._released.wait(min(left, 1.0))
 
     def release(self) -> None:
+        self._released.set()
         self.signals.release()
+        if self._wake is not None and threading.current_thread() is threading.main_thread():
+            current = signal.set_wakeup_fd(-1)
+            if current != self._wake[1]:  # someone set theirs since: it stays
+                signal.set_wakeup_fd(current)
+            for fd in self._wake:
+                os.close(fd)
+            self._wake = None
         if self._group is not None:
             dist.destroy_process_group(self._group)
             self._group = None
@@ -260,8 +448,49 @@ class Preempting(Base):
     @property
     def preempted(self) -> bool:
         """Whether a save acted on a preemption notice: the loop should stop (it is ``True``
-        on every rank after the same ``save()`` call)."""
+        on every rank after the same ``save()`` call).
+
+        Reading it once it is ``True`` hands the end of the run to the loop: the manager no
+        longer ends the process itself (module docstring, 5). A loop that never reads it
+        gets the process ended at its next ``save()`` or ``close()``, or at the grace
+        deadline, as the signal would have ended it without the manager.
+        """
+        if self._preempted and self._watch is not None:
+            self._watch.take_over()
         return self._preempted
+
+    def _in_grace(self) -> bool:
+        """A notice came, here or on any rank (acted on or not), and its grace period runs."""
+        return self._watch is not None and self._watch.in_grace()
+
+    def _end_if_notice_ignored(self) -> None:
+        """The loop went on after a notice without reading ``preempted``: end the run (close
+        within what is left of the grace period), then the process, as the signal would have."""
+        watch = self._watch
+        if watch is None or not self._preempted or watch.taken_over:
+            return
+        log.warning(
+            "preemption notice (%s): the loop went on without stopping on `manager.preempted`; "
+            "closing the run",
+            watch.signal or "another rank's signal",
+        )
+        self.close()  # ends the process once it has closed (Ending.close)
+        self._end_process_if_signalled()
+
+    def _end_process_if_signalled(self) -> None:
+        """After ``close()``: a notice that came (here, or acted on from any rank) and that
+        the loop did not take over ends the process now."""
+        watch = self._watch
+        if watch is None or watch.taken_over or watch.grace_deadline() is None:
+            return
+        if not (self._preempted or watch.signals.requested_at is not None):
+            return
+        number = watch.signals.number or watch.options.signals[0]
+        end_process(
+            number,
+            f"preemption notice ({watch.signal or 'another rank'}) and the run closed without the "
+            "loop stopping on `manager.preempted`",
+        )
 
     def _preemption_seen(self) -> float | None:
         """Seconds since the earliest request on any rank; ``None`` if there is none (or the
@@ -270,11 +499,30 @@ class Preempting(Base):
             return None
         return self._watch.seen()
 
+    @contextlib.contextmanager
+    def _acting(self) -> Iterator[None]:
+        """The manager acts on a notice (its save and push, ``close()``): the watchdog waits."""
+        watch = self._watch
+        if watch is None:
+            yield
+            return
+        before, watch.acting = watch.acting, True
+        try:
+            yield
+        finally:
+            watch.acting = before
+
     def _save_on_preemption(
         self, step: int, state: dict[str, Any], metrics: Mapping[str, float], since: float
     ) -> bool:
         """Save ``step`` now, to the hot tier and then, within the grace period, the cold
         tier; record and log what it managed (module docstring, 3)."""
+        with self._acting():
+            return self._save_on_notice(step, state, metrics, since)
+
+    def _save_on_notice(
+        self, step: int, state: dict[str, Any], metrics: Mapping[str, float], since: float
+    ) -> bool:
         watch = self._watch
         assert watch is not None and watch.deadline is not None
         grace = watch.options.grace_seconds
@@ -312,9 +560,11 @@ class Preempting(Base):
         return True
 
     def _close_deadline(self, deadline: float) -> float:
-        """``close()``'s deadline: no later than the grace period's, less the exit margin."""
-        if self._watch is None or self._watch.deadline is None:
+        """``close()``'s deadline: no later than the grace period's, less the exit margin,
+        while one runs (a signal that comes during close() shortens it from then on)."""
+        if not self._in_grace():
             return deadline
+        assert self._watch is not None
         return min(deadline, self._watch.until())
 
     def _release_watch(self) -> None:

@@ -57,6 +57,7 @@ class Saving(Base):
         and ``CheckpointInfo.metrics``; the coordinator's are the ones recorded. Invalid
         metrics raise :class:`~tierstore.errors.ConfigError` before anything is saved.
         """
+        self._end_if_notice_ignored()  # a notice acted on, and the loop went on: the run ends
         since = self._preemption_seen()  # every call: combined across ranks (preemption.py)
         if not (force or since is not None or self.should_save(step)):
             return False
@@ -264,8 +265,8 @@ class Saving(Base):
         with self._lock:
             self._saves_ok += 1
             self._last_saved_step = step
-        if (self.rank == 0 or self.node_local) and not self.preempted:
-            self._prune_in_background()  # after a notice, the next run prunes
+        if (self.rank == 0 or self.node_local) and not self._in_grace():
+            self._prune_in_background()  # in a notice's grace period, the next run prunes
 
 
 def _chain(source: Future[Any] | None, target: Future[None]) -> None:

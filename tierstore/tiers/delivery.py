@@ -24,10 +24,11 @@ and in bounded time, which ones it did not:
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from tierstore._redact import redact_url
 from tierstore.errors import TierstoreError
@@ -47,6 +48,7 @@ __all__ = [
     "PROGRESS_EVERY",
     "PROBE_WAIT",
     "RETRY_PAUSE",
+    "Deadline",
 ]
 
 log = logging.getLogger(__name__)
@@ -88,10 +90,27 @@ def resume_pending(
     return queued
 
 
+Deadline = float | Callable[[], float] | None  # a time.monotonic() value, or what gives it now
+
+
+def _now(deadline: Deadline) -> float | None:
+    return deadline() if callable(deadline) else deadline
+
+
+def _passed(deadline: Deadline) -> bool:
+    now = _now(deadline)
+    return now is not None and time.monotonic() >= now
+
+
+def _sooner(deadline: Deadline, bound: float) -> float:
+    now = _now(deadline)
+    return bound if now is None else min(now, bound)
+
+
 def deliver(
     migrators: Sequence[Migrator],
     cold: Tier,
-    deadline: float | None,
+    deadline: Deadline,
     *,
     names: set[str] | None = None,
     give_up_after: float | None = PROBE_WAIT,
@@ -107,20 +126,21 @@ def deliver(
     seconds in a row (``None``: never, until the deadline) the wait ends. Returns why the
     cold tier was given up on, or ``None`` (nothing left to try, or the deadline came).
     """
+    due = deadline
     down_since: float | None = None
     while True:
         if not _work_left(migrators, names):
             return None
-        started = time.monotonic()
+        started, deadline = time.monotonic(), _now(due)  # it may move closer: a signal came
         if deadline is not None and started >= deadline:
             return None
         wait = PROBE_WAIT if deadline is None else min(PROBE_WAIT, deadline - started)
-        why = unreachable(cold, wait)
+        why = unreachable(cold, wait, give_up=functools.partial(_passed, due))
         if why is not None:
             down_since = started if down_since is None else down_since
             if give_up_after is not None and time.monotonic() - down_since >= give_up_after:
                 return why
-            time.sleep(_pause(deadline))
+            _rest(due)
             continue
         down_since = None
         retried = []
@@ -129,16 +149,18 @@ def deliver(
             retried += migrator.retry_failed(names)
         if retried:
             log.info("trying the migration of %s to %s again", ", ".join(sorted(set(retried))), cold.label)
-        round_ends = time.monotonic() + PROBE_WAIT
-        await_delivery(migrators, round_ends if deadline is None else min(deadline, round_ends), names=names)
+        await_delivery(migrators, functools.partial(_sooner, due, time.monotonic() + PROBE_WAIT), names=names)
         if not _unfinished(migrators, names) and _work_left(migrators, names):
             # Every job tried has ended, some failed again (another rank's failure mark, a
             # refusal): a pause before the next look, not a busy loop.
-            time.sleep(_pause(deadline))
+            _rest(due)
 
 
-def _pause(deadline: float | None) -> float:
-    return RETRY_PAUSE if deadline is None else max(0.0, min(RETRY_PAUSE, deadline - time.monotonic()))
+def _rest(deadline: Deadline) -> None:
+    """Pause ``RETRY_PAUSE`` seconds, or until ``deadline`` (which may move closer)."""
+    ends = time.monotonic() + RETRY_PAUSE
+    while not _passed(deadline) and (left := ends - time.monotonic()) > 0:
+        time.sleep(min(0.1, left))
 
 
 def _work_left(migrators: Sequence[Migrator], names: set[str] | None) -> bool:
@@ -146,22 +168,23 @@ def _work_left(migrators: Sequence[Migrator], names: set[str] | None) -> bool:
 
 
 def await_delivery(
-    migrators: Sequence[Migrator], deadline: float | None, *, names: set[str] | None = None
+    migrators: Sequence[Migrator], deadline: Deadline, *, names: set[str] | None = None
 ) -> bool:
     """Wait for the jobs of ``names`` (default: all) of ``migrators`` until they are idle
-    (``True``) or ``deadline`` (a ``time.monotonic()`` value) passes (``False``), logging
-    what is left every :data:`PROGRESS_EVERY` seconds."""
+    (``True``) or ``deadline`` (a ``time.monotonic()`` value, or a callable giving it now)
+    passes (``False``), logging what is left every :data:`PROGRESS_EVERY` seconds."""
+    due = deadline
     while True:
         left = _unfinished(migrators, names)
         if not left:
             return True
-        now = time.monotonic()
+        now, deadline = time.monotonic(), _now(due)
         if deadline is not None and now >= deadline:
             return False
         step = PROGRESS_EVERY if deadline is None else min(PROGRESS_EVERY, deadline - now)
         ends = now + step
-        while _unfinished(migrators, names) and time.monotonic() < ends:  # a job ends, or the step does
-            for m in migrators:
+        while _unfinished(migrators, names) and time.monotonic() < min(ends, _now(due) or ends):
+            for m in migrators:  # a job ends, the step does, or the deadline moves closer
                 m.wait(min(0.5, max(0.0, ends - time.monotonic())))
         left = _unfinished(migrators, names)
         if left and time.monotonic() >= now + PROGRESS_EVERY - 0.5:

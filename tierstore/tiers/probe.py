@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 
 from tierstore.errors import StorageError, TierstoreError
 from tierstore.format import layout
@@ -42,12 +44,13 @@ _PROBE_RETRIES = _ProbeRetries()
 logging.getLogger("tierstore.retry").addFilter(_PROBE_RETRIES)
 
 
-def unreachable(cold: Tier, wait: float) -> str | None:
+def unreachable(cold: Tier, wait: float, *, give_up: Callable[[], bool] | None = None) -> str | None:
     """Why ``cold`` cannot be listed within ``wait`` seconds; ``None`` if it can.
 
     The listing runs on a daemon thread, left behind if it has not returned by then: a
     backend's own retries and timeouts (minutes, for S3) suit an upload that may succeed,
-    not a question asked at a prompt or at the end of a run. Errors other than storage
+    not a question asked at a prompt or at the end of a run. ``give_up()``, asked every
+    0.1 s, ends the wait sooner (a deadline that moved closer). Errors other than storage
     errors (a bad URL or option) are the caller's to fix and are raised.
     """
     box: dict[str, BaseException | bool] = {}
@@ -62,7 +65,9 @@ def unreachable(cold: Tier, wait: float) -> str | None:
     _PROBE_RETRIES.last = None
     thread = threading.Thread(target=probe, name=_PROBE_THREAD, daemon=True)
     thread.start()
-    thread.join(wait)
+    ends = time.monotonic() + wait
+    while thread.is_alive() and time.monotonic() < ends and not (give_up is not None and give_up()):
+        thread.join(min(0.1, max(0.0, ends - time.monotonic())))
     error = box.get("error")
     if isinstance(error, StorageError):
         return f"{type(error).__name__}: {error.message}"
