@@ -32,13 +32,13 @@ from gates import Gate
 from gates import exited as forking_exited
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule
-from multi_actor import CONFIG, MIGRATION, SURFACED, Step
+from multi_actor import CONFIG, MIGRATION, SURFACED, Machine, Step
 from stats import STATS
 
 from tierstore.errors import MigrationFailed
 from tierstore.format import layout
-from tierstore.lifecycle.prune import check_cold_copies
-from tierstore.lifecycle.retention import Retention, keep_all
+from tierstore.lifecycle.prune import check_cold_copies, plan_prune
+from tierstore.lifecycle.retention import Retention, keep_all, keep_last
 from tierstore.tiers import marks
 from tierstore.tiers.delivery import resume_pending
 from tierstore.tiers.migrator import Migrator
@@ -131,6 +131,27 @@ class DeliveryActors:
         if not faulted or self._wire_a in BLIPS:
             assert how == "delivered", f"a run's end left {left} pending after a blip ({self._wire_a})"
 
+    # -- what a prune beside them may take ------------------------------------------------
+
+    _threads_go_on = False  # A is a manager or a round: its other threads run while one is held
+
+    def plan_prune(self, hot_keep: int | None, cold_keep: int | None) -> tuple[set[str], set[str]]:
+        """The machine plans a prune from the store as it will list it, A being held. A run's
+        end or a round is held on one thread while its others go on (a migration of what
+        it resumed, its own commit): the cold tier the prune lists may hold any of the hot
+        tier's pending checkpoints as well, so what it may drop is what keep_last drops
+        from that listing with all of them committed (adding checkpoints only pushes more
+        out). Hot prunes are not run beside them (A's own save may land in the listing)."""
+        machine: Any = self
+        if not self._threads_go_on:
+            return Machine.plan_prune(machine, hot_keep, cold_keep)
+        assert hot_keep is None, "no hot prune beside a run's end or a round"
+        cold, hot = machine.tier("cold"), machine.tier("hot")
+        listed = {m.name: m for m in cold.manifests()}
+        may_land = [m for m in hot.manifests() if m.name not in listed]
+        doomed, _ = plan_prune([*listed.values(), *may_land], keep_last(cold_keep or 1), now=time.time())
+        return set(), {m.name for m in doomed}
+
     # -- rules -----------------------------------------------------------------------------
 
     _wire_a = "none"
@@ -138,21 +159,33 @@ class DeliveryActors:
     @rule(
         data=st.data(),
         pick=st.integers(0, 1 << 16),
-        b=st.sampled_from(("migrate", "prune", "prune-cold", "save", "gc", "load")),
+        b=st.sampled_from(("migrate", "prune-cold", "save", "gc", "load")),
         wire_a=st.sampled_from(("none", "refuse", "stall", "slowdown", "deny-writes")),
     )
     def close_held_while_another_runs(self, data: st.DataObject, pick: int, b: str, wire_a: str) -> None:
         """A run's end held where its delivery decides, another actor run to its end; then
         the cold tier blips (S3) while it finishes."""
-        self._wire_a = wire_a if self.proxy is not None else "none"  # type: ignore[attr-defined]
-        self.force(data, "close", CLOSE[pick % len(CLOSE)], b, "none", wire_a, "release")  # type: ignore[attr-defined]
+        machine: Any = self
+        self._wire_a = wire_a if machine.proxy is not None else "none"
+        self._threads_go_on = True
+        try:
+            machine.force(data, "close", CLOSE[pick % len(CLOSE)], b, "none", wire_a, "release")
+        finally:
+            self._threads_go_on = False
 
     @rule(
-        data=st.data(), pick=st.integers(0, 1 << 16), b=st.sampled_from(("migrate", "saves", "prune", "gc"))
+        data=st.data(),
+        pick=st.integers(0, 1 << 16),
+        b=st.sampled_from(("migrate", "saves", "prune-cold", "gc")),
     )
     def deliver_held_while_another_runs(self, data: st.DataObject, pick: int, b: str) -> None:
+        machine: Any = self
         self._wire_a = "none"
-        self.force(data, "deliver", DELIVER[pick % len(DELIVER)], b, "none", "none", "release")  # type: ignore[attr-defined]
+        self._threads_go_on = True
+        try:
+            machine.force(data, "deliver", DELIVER[pick % len(DELIVER)], b, "none", "none", "release")
+        finally:
+            self._threads_go_on = False
 
     @rule(data=st.data(), first=st.sampled_from(DELIVER[:2]))
     def deliver_between_two_actors(self, data: st.DataObject, first: str) -> None:
@@ -163,7 +196,11 @@ class DeliveryActors:
         for migrate in (False, True):
             setup = machine.actor("save", data, migrate=migrate)
             machine.check(setup, forking.run(setup.fn, world=setup.world), faulted=False)
-        self.force_twice(data, "deliver", first, "migrate", "migrator.before_marks_listing", "prune-cold")
+        self._threads_go_on = True
+        try:
+            self.force_twice(data, "deliver", first, "migrate", "migrator.before_marks_listing", "prune-cold")
+        finally:
+            self._threads_go_on = False
 
     def force_twice(self, data: st.DataObject, a: str, first: str, b1: str, second: str, b2: str) -> None:
         """A held at ``first`` while ``b1`` runs to its end, then at ``second`` while ``b2``
