@@ -127,7 +127,7 @@ class TieredCheckpointManager(CheckpointManager):  # type: ignore[misc]
         self._closed = False
         self._built: Store | None = None
         self._force_save = False
-        self.preempted = False
+        self._preempted = False
         self.preemption: PreemptionReport | None = None
         options = Preemption(grace_seconds=config.preemption_grace_seconds) if config.preemption else None
         super().__init__(config, **kwargs)
@@ -192,28 +192,40 @@ class TieredCheckpointManager(CheckpointManager):  # type: ignore[misc]
         return result
 
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
-        since = self._watch.seen() if self._watch is not None and not self.preempted else None
+        since = self._watch.seen() if self._watch is not None and not self._preempted else None
         if since is None:  # every step: combined across ranks (tierstore.manager.preemption)
             return bool(super()._save(curr_step, last_step))
         watch = self._watch
         assert watch is not None and watch.deadline is not None
         signalled = time.monotonic() - since
         log.warning("preemption notice (%s): saving step %d now", watch.signal or "another rank's", curr_step)
-        self.preempted, self._force_save = True, True
+        self._preempted, self._force_save = True, True
+        watch.acting = True  # the watchdog waits for the save and the push
         try:  # a full checkpoint, to resume from: never the last step's model-only one
             saved = bool(super()._save(curr_step, last_step=False))
             self.maybe_wait_for_saving()  # committed in the hot tier
+            hot_seconds = time.monotonic() - signalled
+            migrator = self._migrator()
+            cold, ended = push_to_cold([migrator] if migrator else [], curr_step, watch.until())
         finally:
-            self._force_save = False
-        hot_seconds = time.monotonic() - signalled
-        migrator = self._migrator()
-        cold, ended = push_to_cold([migrator] if migrator else [], curr_step, watch.until())
+            self._force_save, watch.acting = False, False
         self.preemption = PreemptionReport(
             curr_step, f"step-{curr_step}", watch.signal, watch.options.grace_seconds, hot_seconds, cold,
             None if ended is None else ended - signalled, watch.deadline - time.monotonic(),
         )  # fmt: skip
         log.warning("%s", self.preemption.summary())
         return saved
+
+    @property
+    def preempted(self) -> bool:
+        """Whether a save acted on a preemption notice: the trainer should stop
+        (``should_continue_training()`` returning ``... and not self.checkpointer.preempted``).
+        Reading it once it is ``True`` hands the end of the run to the trainer; a trainer
+        that never reads it is ended at the grace deadline, as the signal would have ended
+        it (tierstore.manager.preemption)."""
+        if self._preempted and self._watch is not None:
+            self._watch.take_over()
+        return self._preempted
 
     def _should_save(self, curr_step: int, last_step: bool = False) -> bool:
         return self._force_save or bool(super()._should_save(curr_step, last_step))
