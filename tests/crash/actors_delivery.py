@@ -149,7 +149,7 @@ class DeliveryActors:
         cold, hot = machine.tier("cold"), machine.tier("hot")
         listed = {m.name: m for m in cold.manifests()}
         may_land = [m for m in hot.manifests() if m.name not in listed]
-        doomed, _ = plan_prune([*listed.values(), *may_land], keep_last(cold_keep or 1), now=time.time())
+        doomed = plan_prune([*listed.values(), *may_land], keep_last(cold_keep or 1), now=time.time())[0]
         return set(), {m.name for m in doomed}
 
     # -- rules -----------------------------------------------------------------------------
