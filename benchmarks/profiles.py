@@ -51,6 +51,9 @@ class Profile:
     preemption_size: int = 256 * MiB
     preemption_reps: int = 5  # best of these per kind, with the spread
     preemption_grace: float = 30.0  # the default Preemption(grace_seconds=)
+    # ... and from the signal to the exit, per training loop: 2 ranks, model + AdamW state
+    preemption_exit_size: int = 64 * MiB
+    preemption_exit_reps: int = 3  # best of these per loop, with the spread (a rep: 40 s on 2 cores)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -107,6 +110,8 @@ FULL = Profile(
     perf_saves=10,
     preemption_size=1 * GiB,
     preemption_reps=7,
+    preemption_exit_size=256 * MiB,
+    preemption_exit_reps=5,
 )
 
 # Every suite end to end in a few minutes, at sizes too small for its figures to mean anything:
@@ -140,6 +145,8 @@ SMOKE = Profile(
     perf_loop_reps=2,
     preemption_size=32 * MiB,
     preemption_reps=1,
+    preemption_exit_size=8 * MiB,
+    preemption_exit_reps=1,
 )
 
 PROFILES = {p.name: p for p in (QUICK, FULL, SMOKE)}

@@ -263,7 +263,8 @@ def suite_perf(bench: Bench) -> dict[str, Any]:
 
 def suite_preemption(bench: Bench) -> dict[str, Any]:
     """The save on a preemption notice against a plain sync save of the same state,
-    with a local and an S3 cold tier; the share of the grace period the push leaves."""
+    with a local and an S3 cold tier; the share of the grace period the push leaves. Then
+    from the signal to the exit of a 2-rank job, per training loop (preemption_exit)."""
     profile = bench.profile
     print(
         f"  preemption: {profile.preemption_size // MiB} MiB, one process, best of "
@@ -283,6 +284,18 @@ def suite_preemption(bench: Bench) -> dict[str, Any]:
     }
     result = dict(bench.module("preemption", spec))
     bench.fresh_bucket()
+    print(
+        f"  preemption: signal to exit, 2 ranks, {profile.preemption_exit_size // MiB} MiB, best of "
+        f"{profile.preemption_exit_reps}: the README's loop, the preempted loop, Lightning, torchtitan",
+        flush=True,
+    )
+    exits = {
+        "bytes": profile.preemption_exit_size,
+        "reps": profile.preemption_exit_reps,
+        "grace": profile.preemption_grace,
+        "scratch": str(bench.scratch / "preemption-exit"),
+    }
+    result["exit"] = bench.module("preemption_exit", exits)
     return result
 
 
