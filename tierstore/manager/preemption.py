@@ -8,8 +8,10 @@ The protocol, on every rank:
    :class:`~tierstore.Preemption`'s signals that notes the first request's time and calls the
    handler that was there before it if that is a Python function. It does nothing else: a
    signal handler runs between two bytecodes of whatever the main thread was doing (holding
-   the logging lock, or inside a collective), so it takes no lock and starts no I/O. The
-   default action (ending the process) is not taken: the loop decides when to stop.
+   the logging lock, or inside a collective), so it takes no lock and starts no I/O; it sets
+   an event the watchdog (5) waits on. It does not end the process then: the step is saved
+   first (3), and the process ends after (5). A closed manager's handler still in the chain
+   is skipped (managers opened and closed in any order).
 2. **Every ``save()`` combines the request across ranks**, the cadence's skipped steps
    included: one all-reduce (MAX) of "seconds since the signal, or -1" on a gloo group of the
    manager's own (DCP's async saves run collectives on the save group from a background
@@ -24,7 +26,16 @@ The protocol, on every rank:
    WARNING). ``save()`` returns ``True`` and ``preempted`` is ``True`` on every rank, so
    ``if manager.save(step, state) and manager.preempted: break`` stops every rank at one step.
 4. **``close()`` keeps to the same deadline** and skips the final prune (the next run prunes);
-   it releases the handlers, re-installing the ones that were there before.
+   it releases the handlers, re-installing the ones that were there before. A signal that
+   comes after the last save, or during ``close()``, bounds it by its grace period from then.
+5. **The process ends**, as the signal would have ended it without the manager, unless the
+   loop takes over by reading ``preempted`` once the notice's save returned (it stops, or
+   goes on and keeps its retention once the grace period is over): a loop that never reads
+   it has the run closed at its next ``save()`` or ``close()``, then the signal's default
+   action (:func:`end_process`); a rank that never gets to another ``save()`` (stuck, or
+   busy when torchrun's agent signals it) is ended by :class:`PreemptionWatch`'s watchdog
+   half the exit margin before the grace deadline, unless the manager is still acting on
+   the notice.
 
 Off with ``CheckpointManager(preemption=False)``. A manager built outside the main thread
 cannot install handlers (Python allows it only there): it says so at WARNING and saves as
