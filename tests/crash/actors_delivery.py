@@ -24,6 +24,7 @@ stale job re-committing what the cold policy removed).
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 import forking
@@ -150,7 +151,21 @@ class DeliveryActors:
         listed = {m.name: m for m in cold.manifests()}
         may_land = [m for m in hot.manifests() if m.name not in listed]
         doomed = plan_prune([*listed.values(), *may_land], keep_last(cold_keep or 1), now=time.time())[0]
+        # What it must drop whatever landed: the plan from the listing alone (adding
+        # checkpoints never saves one keep_last drops). Judged by check_prune_cold.
+        self._must_drop = frozenset(Machine.plan_prune(machine, None, cold_keep)[1])
         return set(), {m.name for m in doomed}
+
+    _must_drop: frozenset[str] = frozenset()
+
+    def check_prune_cold(self, step: Step, outcome: forking.Outcome, *, faulted: bool) -> None:
+        """Beside a run's end or a round, a cold prune may drop up to its plan with every
+        pending checkpoint landed, and must drop at least its plan from the listing alone."""
+        machine: Any = self
+        if self._threads_go_on:
+            machine.may_vanish["cold"] |= step.doomed[1]
+            step = replace(step, doomed=(set(), set(self._must_drop)))
+        Machine.check_generic(machine, step, outcome, faulted=faulted)
 
     # -- rules -----------------------------------------------------------------------------
 

@@ -310,8 +310,14 @@ class QuarantineActors:
         )
         if done == "done":
             live, recorded = self._q_live(role, name, attempt), self._q_has_record(role, name, attempt)
-            # Restored, or quarantined again by a resume meanwhile: never neither.
-            self._q_promise(live != recorded, f"restore of {name}: published {live}, recorded {recorded}")
+            # Restored, or quarantined again by a resume meanwhile: never neither, unless a
+            # prune beside it took the checkpoint by policy once it was restored (the soak
+            # found the restore of a planted record done before the prune it ran beside).
+            pruned = name in self.may_vanish[role]  # type: ignore[attr-defined]
+            self._q_promise(
+                live != recorded or (pruned and not live and not recorded),
+                f"restore of {name}: published {live}, recorded {recorded}",
+            )
 
     def _q_rerun_restore(self, role: str, name: str, attempt: str) -> None:
         """A restore killed anywhere, even between its publish and its record delete, is

@@ -492,6 +492,10 @@ class Machine(RuleBasedStateMachine):
         if extra is not None:
             extra(step, outcome, faulted=faulted)
             return
+        self.check_generic(step, outcome, faulted=faulted)
+
+    def check_generic(self, step: Step, outcome: forking.Outcome, *, faulted: bool) -> None:
+        """What the machine's own actors promised (a mixin's check may end with this)."""
         if step.kind.startswith("prune"):
             self.may_vanish["hot"] |= step.doomed[0]
             self.may_vanish["cold"] |= step.doomed[1]
