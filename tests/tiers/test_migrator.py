@@ -238,8 +238,9 @@ def test_rerun_skips_what_is_already_uploaded_and_verified(tiers, flaky_cold) ->
 
 
 def test_stop_ends_a_commit_waiting_for_marks_and_the_jobs_behind_it(tmp_path: Path) -> None:
-    """What close() gives up on never runs on: a commit waiting for a rank's mark ends, and
-    the queued jobs never start (issue 22, item 4)."""
+    """What close() gives up on never runs on: a commit waiting for a rank's mark ends (issue
+    22, item 4). The commit waits on a thread of its own (issue 34), so the job queued behind
+    it may have run before the stop; if it had not, it never starts."""
     import time
 
     from test_cold_commit_scale import rank_job, write_attempt
@@ -248,10 +249,10 @@ def test_stop_ends_a_commit_waiting_for_marks_and_the_jobs_behind_it(tmp_path: P
     from tierstore.tiers.tier import Tier
 
     hot, cold = Tier("hot", str(tmp_path / "hot")), Tier("cold", str(tmp_path / "cold"))
-    manifest = write_attempt(hot, world=2)  # rank 1 never uploads: the commit waits for it
+    manifest = write_attempt(hot, world=3)  # rank 1 never uploads: the commit waits for it
     migrator = Migrator(hot, cold, MigrationConfig(poll_interval=0.05, commit_timeout=600))
     commit = rank_job(manifest, 0, commit=True)
-    queued = rank_job(manifest, 1)
+    queued = rank_job(manifest, 2)
     migrator._enqueue(commit)
     migrator._enqueue(queued)
     deadline = time.monotonic() + 10
@@ -262,5 +263,7 @@ def test_stop_ends_a_commit_waiting_for_marks_and_the_jobs_behind_it(tmp_path: P
     assert migrator.wait(15), "stopped jobs still running"
     assert time.monotonic() - started < 12
     assert commit.state is MigrationState.FAILED and "stopped" in (commit.error or "")
-    assert queued.state is MigrationState.FAILED and "stopped" in (queued.error or "")
+    assert queued.state is MigrationState.UPLOADED or (
+        queued.state is MigrationState.FAILED and "stopped" in (queued.error or "")
+    ), queued
     assert cold.find_manifest(manifest.name) is None
