@@ -15,10 +15,11 @@ import torch.distributed as dist
 
 from tierstore import _dist
 from tierstore.dcp.writer import store_to_save
-from tierstore.errors import ConfigError, SaveFailed
+from tierstore.errors import ConfigError, SaveFailed, StorageError
 from tierstore.lifecycle.retention import Retention
 from tierstore.lifecycle.rounds import BackgroundRounds
 from tierstore.manager import legacy as legacy_args
+from tierstore.manager import writable
 from tierstore.manager.ending import Ending
 from tierstore.manager.health import Health
 from tierstore.manager.legacy import LegacyManagerArgs
@@ -138,6 +139,7 @@ class CheckpointManager(Runs, Saving, Maintenance, Loading, Ending, Preempting):
         self.rank = _dist.rank_world()[0]
         self._owns_group = process_group is None and self.distributed
         self.group = dist.new_group(backend="gloo") if self._owns_group else process_group
+        self._check_hot_writable()  # a read-only or foreign hot directory: refused now, every rank
         self._check_runs()  # another run's checkpoints in the hot tier: warned about, once
         self._pending: Future[None] | None = None  # settles once the save is recorded
         self._rounds = BackgroundRounds(
@@ -166,6 +168,15 @@ class CheckpointManager(Runs, Saving, Maintenance, Loading, Ending, Preempting):
         elif self.node_local and self.store.cold is not None:
             self._resume_node_local()
         self._watch_preemption(preemption)  # last: nothing after it can fail and leave handlers
+
+    def _check_hot_writable(self) -> None:
+        try:
+            writable.check_writable(self._hot, self.group, every_rank=self.node_local)
+        except StorageError:
+            if self._owns_group and self.group is not None:
+                dist.destroy_process_group(self.group)
+                self.group = None
+            raise
 
     def should_save(self, step: int) -> bool:
         if self.save_every is None:

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from tierstore.dcp.failures import save_failed
 from tierstore.dcp.writer import TieredWriter
-from tierstore.errors import ConfigError
+from tierstore.errors import ConfigError, SaveFailed
 from tierstore.format.manifest_format import check_metrics
 from tierstore.manager.base import Base
 from tierstore.staging import AlreadyStaged, ReusedStaging, resolve_stateful, staging_options
@@ -48,9 +48,15 @@ class Saving(Base):
         """Checkpoint ``state`` as ``step`` if the cadence wants it (or ``force``); ``True`` if saved.
 
         Returns once the state is copied (unless ``StagingOptions(overlap=True)``): training may change
-        it from then on. Raises :class:`~tierstore.errors.SaveFailed` if the previous
-        (background) save failed; this save is then not started (call again to save). A
-        synchronous save, or a copy of the state, that fails raises it at once.
+        it from then on. A synchronous save, or a copy of the state, that fails raises
+        :class:`~tierstore.errors.SaveFailed` at once. If the previous (background) save
+        failed, this save still goes ahead, and once it is under way (its state copied,
+        unless ``overlap=True``) the previous failure is raised:
+        :class:`~tierstore.errors.SaveFailed` whose ``step`` is the failed one's, not
+        ``step``, so a loop that catches it and goes on misses no save (a full disk that
+        frees up saves the very next step). If this save fails at
+        once too, its own failure is raised instead; the earlier one stays logged and
+        counted in :meth:`health`. Either way each failure is raised once.
 
         ``metrics`` (``{"val_loss": 0.41}``: at most 64 names, finite numbers) are recorded
         in this checkpoint's manifest, for :class:`~tierstore.lifecycle.retention.keep_best`
@@ -67,7 +73,19 @@ class Saving(Base):
         writer = self._writer(step, metrics)  # a step no manifest can record raises here
         start = time.perf_counter()
         self._finish_previous()  # block the next save only until the previous flush is done
-        self._raise_failure()
+        # A failed background save is raised, but only once this step's save is under way:
+        # skipping it lost every other step while a disk was full or two jobs shared a
+        # directory (issue 38), and a rank that skips leaves the others in its collectives.
+        previous = self._take_failure()
+        self._start_save(step, state, writer)
+        self.stalls[step] = time.perf_counter() - start
+        if previous is not None:
+            raise _went_ahead(previous, step)
+        return True
+
+    def _start_save(self, step: int, state: dict[str, Any], writer: TieredWriter) -> None:
+        """Start (or, synchronous, make) the save of ``step``, as ``staging`` says; a failure
+        seen on the caller's thread is raised here, one of the background save later."""
         if not self.staging.async_save:
             self._save_sync(step, state, writer)
         elif self.staging.overlap:
@@ -85,8 +103,6 @@ class Saving(Base):
             self._staging, self._pending = staged, Future()
             self._start_async(step, state, writer, staged, self._pending)
             self.wait_staged()
-        self.stalls[step] = time.perf_counter() - start
-        return True
 
     def _save_copied_here(self, step: int, state: dict[str, Any], writer: TieredWriter) -> None:
         """The default save: only the copy of the state on the caller's thread, into the reused
@@ -251,9 +267,13 @@ class Saving(Base):
             self._saves_failed += 1
             self._unraised = failure
 
-    def _raise_failure(self) -> None:
+    def _take_failure(self) -> SaveFailed | None:
         with self._lock:
             failure, self._unraised = self._unraised, None
+        return failure
+
+    def _raise_failure(self) -> None:
+        failure = self._take_failure()
         if failure is not None:
             raise failure
 
@@ -267,6 +287,16 @@ class Saving(Base):
             self._last_saved_step = step
         if (self.rank == 0 or self.node_local) and not self._in_grace():
             self._prune_in_background()  # in a notice's grace period, the next run prunes
+
+
+def _went_ahead(failure: SaveFailed, step: int) -> SaveFailed:
+    """``failure``, saying that the save of ``step`` went ahead all the same."""
+    said = SaveFailed(
+        f"{failure.message}; the save of step {step} went ahead all the same (do not save that step again)",
+        **failure.context,
+    )
+    said.__cause__ = failure.__cause__
+    return said
 
 
 def _chain(source: Future[Any] | None, target: Future[None]) -> None:

@@ -55,6 +55,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from tierstore._dist import rank_world
 from tierstore.errors import ConfigError
+from tierstore.resume._arguments import check_arguments
 
 __all__ = [
     "TrainingState",
@@ -87,12 +88,17 @@ class TrainingState:
         scheduler: an LR scheduler (anything with ``state_dict``/``load_state_dict``).
         sampler: the data position: a :class:`tierstore.resume.data.ResumableSampler` or
             :class:`~tierstore.resume.data.ResumableLoader`, or any ``Stateful`` whose state is the
-            same on every rank.
+            same on every rank. A plain ``DataLoader`` or ``Sampler`` keeps no position and is
+            refused.
         step: the step counter; set ``state.step`` after each step.
         seed: base seed for reseeding the RNG after a change of world size.
         extra: more ``Stateful`` objects whose state is the same on every rank.
         exclude: parts (of :data:`PARTS`) to leave out of the checkpoint and of the load.
         options: ``StateDictOptions`` for the model and optimizer state dicts.
+
+    Every argument whose part is saved is checked here, by what a save and a load call on it:
+    one they could not use raises :class:`~tierstore.errors.ConfigError` now, naming it and
+    what to pass instead, not at the first save.
     """
 
     def __init__(
@@ -114,11 +120,15 @@ class TrainingState:
         self.sampler = sampler
         self.step = step
         self.seed = seed
-        self.extra = dict(extra or {})
+        if isinstance(exclude, str):  # frozenset("rng") would be {"r", "n", "g"}
+            raise ConfigError(f"exclude takes a collection of parts, e.g. exclude=({exclude!r},)")
         self.exclude = frozenset(exclude)
         unknown = self.exclude - set(PARTS)
         if unknown:
             raise ConfigError(f"unknown parts to exclude {sorted(unknown)}; parts are {PARTS}")
+        saved = set(PARTS) - self.exclude
+        check_arguments(saved, model, optimizer, scheduler, sampler, extra, options)
+        self.extra = dict(extra or {})
         self.options = options
 
     def _has(self, part: str) -> bool:
