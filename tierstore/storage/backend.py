@@ -15,6 +15,15 @@ root URL. tierstore needs only these guarantees, stated once here:
   attempt, and a migrator replacing an object replaces it with the same verified bytes.
   ``write()`` takes any buffer (bytes, memoryview of tensor or numpy memory) and never copies
   it into a new bytes object.
+* **Acknowledged bytes and resumed writes**: :meth:`ObjectWriter.report_stored` has a
+  callback told of the bytes the store acknowledged holding as the write goes (each part of an
+  S3 multipart upload, each chunk of a GCS resumable one; every other backend: the whole
+  object when ``close()`` returns). :meth:`ObjectWriter.suspend` stops a write like
+  ``abort()`` but leaves what the store acknowledged (S3's pending upload, GCS's session), as
+  a killed process does; a later write of the same key may reuse it, only where it proves
+  that the store holds the very bytes written now (S3: each part's size and CRC32C or MD5;
+  GCS: the CRC32C of the bytes its session confirmed), and verifies the object whole as every
+  write does. A backend that cannot reuse anything discards on ``suspend()``.
 * **Deferred directory durability**: ``open_write(key, defer_dir_sync=True)`` lets a backend
   whose publication needs a directory fsync (local) leave that fsync to
   :meth:`Backend.sync_dirs`, which makes the entries of all the given keys durable at once
@@ -111,6 +120,8 @@ class ObjectWriter(abc.ABC):
         self.crc32c = 0
         self.closed = False
         self.version: str | None = None  # the stored object's version, set by close()
+        self.stored = 0  # bytes the store acknowledged holding (report_stored); size after close()
+        self._report: Callable[[int], None] | None = None
         # The storage error a write raised. Callers that write through C++ (torch.save)
         # get a generic RuntimeError back from it; this keeps the real one to re-raise.
         self.failure: TierstoreError | None = None
@@ -149,11 +160,35 @@ class ObjectWriter(abc.ABC):
         if not self.closed:
             self.closed = True
             self._commit()
+            self._stored(self.size - self.stored)  # what no part acknowledged: all of it, stored
 
     def abort(self) -> None:
         if not self.closed:
             self.closed = True
             self._abort()
+
+    def suspend(self) -> None:
+        """Stop without storing the object, as ``abort()`` does, but leave what the store
+        acknowledged for a later write of this key to reuse once verified (module docstring);
+        the default discards it."""
+        if not self.closed:
+            self.closed = True
+            self._suspend()
+
+    def report_stored(self, callback: Callable[[int], None] | None) -> None:
+        """Call ``callback(n)`` each time the store acknowledges holding ``n`` more bytes of
+        this object: as parts are confirmed where the backend reports them
+        (:meth:`_stored`), and whatever is left once ``close()`` stored the object. Called
+        on the thread that calls ``write()`` and ``close()``; an exception it raises fails
+        that call. A part held is not the object: ``close()`` may still fail."""
+        self._report = callback
+
+    def _stored(self, n: int) -> None:
+        """Backends call this as the store acknowledges ``n`` more bytes (``report_stored``)."""
+        if n > 0:
+            self.stored += n
+            if self._report is not None:
+                self._report(n)
 
     def __enter__(self) -> ObjectWriter:
         return self
@@ -177,6 +212,10 @@ class ObjectWriter(abc.ABC):
 
     @abc.abstractmethod
     def _abort(self) -> None: ...
+
+    def _suspend(self) -> None:
+        """Keep what can be resumed; backends that resume override it."""
+        self._abort()
 
 
 class Backend(abc.ABC):

@@ -75,7 +75,9 @@ class _FsspecWriter(ObjectWriter):
     def _abort(self) -> None:
         try:
             discard = getattr(self._stream, "discard", None)  # buffered object-store writers
-            if callable(discard):
+            # A local file (autocommit) refuses discard() with a RuntimeError, which replaced
+            # the error that made us abort; its temporary is removed below instead.
+            if callable(discard) and not getattr(self._stream, "autocommit", False):
                 discard()
             else:
                 self._stream.close()

@@ -623,6 +623,10 @@ class LocalBackend(Backend):
         while not os.path.isdir(directory):
             directory = os.path.dirname(directory)
         st = os.statvfs(directory)
+        if st.f_flag & os.ST_RDONLY:
+            # Unwritable, not full: no free-space check may call it NoSpaceLeft (issue 38, a
+            # small read-only mount); the write itself fails, "Read-only file system".
+            return None
         return st.f_bavail * st.f_frsize
 
     def local_path(self, key: str) -> str:

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from tierstore.errors import ObjectNotFound, PublishConflict, StorageError, UnsafePath
+from tierstore.errors import ObjectNotFound, PublishConflict, StorageError, TransientStorageError, UnsafePath
 from tierstore.storage.backend import Backend, crc32c_update
 
 __all__ = ["BackendContract", "in_background", "returns_within"]
@@ -88,6 +88,34 @@ class BackendContract:
                 raise RuntimeError("writer died")
         assert backend.read_bytes("ab/kept") == b"verified copy"
         assert [i.key for i in backend.list("ab/")] == ["ab/kept"]
+
+    def test_report_stored_counts_every_byte_once_never_ahead_of_the_writes(self, backend: Backend) -> None:
+        data = _payload(self.large_size // 4, seed=7)
+        counts: list[int] = []
+        with backend.open_write("rep/obj") as out:
+            out.report_stored(counts.append)
+            for start in range(0, len(data), 1 << 20):
+                out.write(memoryview(data)[start : start + (1 << 20)])
+                assert sum(counts) <= out.size
+        assert sum(counts) == out.stored == len(data) and all(n > 0 for n in counts)
+        assert backend.read_bytes("rep/obj") == data
+
+    def test_a_suspended_write_stores_nothing_and_reuses_nothing_for_other_bytes(
+        self, backend: Backend
+    ) -> None:
+        size = self.large_size // 2
+        out = backend.open_write("sus/obj")
+        out.write(_payload(size, seed=8)[: size - 1])  # parts acknowledged, the last held back
+        out.suspend()
+        assert not backend.exists("sus/obj")
+        other = _payload(size, seed=9)
+        try:
+            with backend.open_write("sus/obj") as again:
+                again.write(other)
+        except TransientStorageError:  # the store holds bytes it cannot replace: sent again whole
+            with backend.open_write("sus/obj") as again:
+                again.write(other)
+        assert backend.read_bytes("sus/obj") == other
 
     def test_write_over_existing_key_replaces_it_whole_on_close(self, backend: Backend) -> None:
         old, new = _payload(150_000, seed=1), _payload(300_000, seed=2)

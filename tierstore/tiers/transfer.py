@@ -82,24 +82,30 @@ def copy_file(
     """Stream ``entry`` from ``src`` to ``dst``; durable and verified when it returns, with
     the version of the object stored (``None`` where the backend reports none).
 
-    ``progress(n)`` counts bytes the destination holds: it is called once, with the file's
-    size, after the destination's writer acknowledged the whole object (``close()``). Bytes
-    read from the source and handed to the writer are not stored yet (an object store
-    buffers them, or holds them as parts of an upload not completed), so they are reported
-    only to ``sent(n)``, per chunk, which may raise to stop the copy (the write is aborted).
+    ``progress(n)`` counts bytes the destination acknowledged holding
+    (:meth:`~tierstore.storage.backend.ObjectWriter.report_stored`): each part of a multipart
+    or resumable upload as the store confirms it, else the whole file once the writer's
+    ``close()`` stored it. A copy that fails takes back what it counted (``progress(-n)``), so
+    a file copied again counts its bytes once. Bytes read from the source and handed to the
+    writer are not stored yet (an object store buffers them), so they are reported only to
+    ``sent(n)``, per chunk, which may raise to stop the copy.
 
     The source bytes are checked against the manifest (size, CRC32C) as they stream, so a
     file damaged in the source tier is never copied as if it were good (the write is aborted
     with the :class:`ChecksumMismatch` naming the source tier); the destination writer's
-    ``close()`` makes the copy durable and checks what the destination stored.
+    ``close()`` makes the copy durable and checks what the destination stored. Any other
+    failure suspends the write: what the destination acknowledged stays for the next copy
+    of the file to reuse, checked against the source bytes (docs/design.md invariant 12).
     """
     src_key = src.file_key(name, attempt, entry.path)
     dst_key = dst.file_key(name, attempt, entry.path)
     # Reused across chunks, and no larger than the file needs (as verify_file's): zeroing
     # 8 MiB for a 4 KiB shard cost more than its whole copy.
     buffer = memoryview(bytearray(min(chunk_size, max(entry.size, 1 << 16))))
+    counted = _Counted(progress)
     with open_verified(src.backend, src_key, entry, checkpoint=name, tier=src.label) as stream:
         writer = dst.backend.open_write(dst_key)
+        writer.report_stored(counted)
         try:
             while n := stream.readinto(buffer):
                 with throttle.sending(n) if throttle is not None else nullcontext():
@@ -108,13 +114,35 @@ def copy_file(
                     sent(n)
                 faults.point("transfer.after_chunk")
             stream.finish()
-        except BaseException:
-            writer.abort()
+            writer.close()
+        except BaseException as err:
+            counted.take_back()
+            if isinstance(err, ChecksumMismatch) and err.tier == src.label:
+                writer.abort()  # the source is damaged: nothing of it is worth keeping
+            else:
+                writer.suspend()  # both no-ops once close() ran: the writer cleaned up itself
             raise
-        writer.close()
-    if progress is not None:
-        progress(entry.size)  # acknowledged: the object is there, whole
     return writer.version
+
+
+class _Counted:
+    """``progress``, remembering what it passed on: a failed copy takes it back."""
+
+    def __init__(self, progress: Progress | None) -> None:
+        self.progress, self.n = progress, 0
+
+    def __call__(self, n: int) -> None:
+        if self.progress is not None:
+            self.progress(n)
+        self.n += n  # after the call: a count the callback refused (by raising) is not kept
+
+    def take_back(self) -> None:
+        if self.n and self.progress is not None:
+            try:
+                self.progress(-self.n)
+            except Exception:  # a callback that refuses (a stopped job): the copy's error wins
+                pass
+        self.n = 0
 
 
 def has_verified_copy(

@@ -32,6 +32,7 @@ from tierstore.storage.backend import Backend, ObjectInfo, ObjectWriter, check_k
 from tierstore_gcs._errors import exception_error, response_error
 from tierstore_gcs._http import CONNECT_TIMEOUT, READ_TIMEOUT, Buffer, ClientBuildError, Response, Transport
 from tierstore_gcs._reader import RangeReader
+from tierstore_gcs._sessions import DEFAULT_SESSION_DIR, SessionFile
 from tierstore_gcs._wire import PART_QUANTUM, decode_crc32c, multipart_body, parse_time, parse_url
 from tierstore_gcs._writer import GCSWriter
 
@@ -83,7 +84,10 @@ class GCSBackend(Backend):
     of 256 KiB), ``gcsfs_options`` (passed to ``gcsfs.GCSFileSystem``), ``retry`` (a
     :class:`tierstore.retry.RetryPolicy`; default :data:`tierstore.retry.DEFAULT`), and
     ``connect_timeout`` / ``read_timeout`` in seconds per request (default 30 / 120): how
-    long a stalled server can hold one request before it is retried.
+    long a stalled server can hold one request before it is retried; ``session_dir``, where
+    resumable uploads are recorded so that a rerun goes on where a killed one stopped
+    (default ``~/.cache/tierstore/gcs-sessions``; ``None``: not recorded; see
+    :mod:`tierstore_gcs._sessions`).
 
     Writes stream: objects up to ``part_size`` go up in one request, larger ones as a
     resumable upload, one part in memory at a time. Every upload is verified against the
@@ -107,6 +111,7 @@ class GCSBackend(Backend):
         retry: retry_mod.RetryPolicy | None = None,
         connect_timeout: float = CONNECT_TIMEOUT,
         read_timeout: float = READ_TIMEOUT,
+        session_dir: str | os.PathLike[str] | None = DEFAULT_SESSION_DIR,
         **options: Any,
     ) -> None:
         super().__init__(url)
@@ -122,6 +127,7 @@ class GCSBackend(Backend):
             connect_timeout=connect_timeout,
             read_timeout=read_timeout,
         )
+        self.session_dir = None if session_dir is None else os.path.expanduser(os.fspath(session_dir))
 
     # -- names and requests ------------------------------------------------------------
 
@@ -344,6 +350,16 @@ class GCSBackend(Backend):
             missing=f"bucket {self.bucket!r}",
         )
         return response.json()
+
+    def _session_file(self, key: str) -> SessionFile | None:
+        """Where a write of ``key`` records its resumable session (``None``: not recorded)."""
+        if self.session_dir is None:
+            return None
+        try:
+            endpoint = self._transport.endpoint()
+        except ClientBuildError:  # the upload's first request reports it
+            return None
+        return SessionFile(self.session_dir, endpoint, self.bucket, self._name(key))
 
     def _start_session(self, key: str) -> str:
         """A resumable upload session for ``key``; its URL is a secret (see ``_http``)."""

@@ -80,6 +80,10 @@ class Transport:
                 self._pid = os.getpid()
             return self._fs
 
+    def endpoint(self) -> str:
+        """Where requests go: ``endpoint_url``, else ``STORAGE_EMULATOR_HOST``, else Google."""
+        return str(self._filesystem()._location)
+
     def request(
         self,
         method: str,

@@ -131,6 +131,11 @@ class FaultProxy(ServerModes):
                 s for s in self._state.seen if (method is None or s.method == method) and contains in s.path
             ]
 
+    def in_flight(self, kind: str) -> int:
+        """Requests of ``kind`` (``"part"``, or a method) forwarded and not yet answered."""
+        with self._state.lock:
+            return self._state.in_flight.get(kind, 0)
+
     def peak_in_flight(self, kind: str) -> int:
         with self._state.lock:
             return self._state.peak.get(kind, 0)

@@ -130,7 +130,9 @@ class S3Backend(Backend):
     ``max_concurrency`` parts in flight, so a write holds about
     ``part_size * (max_concurrency + 1)`` bytes whatever the object's size (and at most
     10,000 parts: 156 GiB at 16 MiB). Every upload carries a client-side CRC32C that S3
-    verifies; ``close()`` then checks the stored size and CRC32C. ``publish`` is one
+    verifies; ``close()`` then checks the stored size and CRC32C. A multipart write resumes
+    the pending upload that an interrupted write of its key left, reusing a stored part only
+    where it holds the same bytes (:mod:`tierstore_s3._resume`). ``publish`` is one
     PutObject with ``If-None-Match: *`` whose user metadata names the call, so that a 412
     after a lost answer is told apart: our own object (success) or a rival's (conflict).
     Retries are :mod:`tierstore.retry`'s alone; botocore's and s3fs's are switched off.

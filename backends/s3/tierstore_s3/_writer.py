@@ -4,19 +4,33 @@ Memory: the part being filled plus at most ``max_concurrency`` parts in flight, 
 ``part_size * (max_concurrency + 1)`` bytes whatever the object's size. A part is shipped
 only when more bytes follow it, so an object of exactly ``part_size`` is one PutObject and
 the last part of a multipart upload is never empty.
+
+Each part S3 acknowledged is reported (``ObjectWriter.report_stored``) on the writer's own
+thread, as the next part is shipped or the upload completes. A multipart write resumes the
+pending upload an interrupted write of its key left, reusing only parts proved to hold its
+bytes (:mod:`tierstore_s3._resume`); ``suspend()``, and a failure another try may cure,
+leave the upload pending for that.
 """
 
 from __future__ import annotations
 
 import io
 import logging
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
-from tierstore.errors import ChecksumMismatch, StorageError, TierstoreError
+from tierstore.errors import (
+    ChecksumMismatch,
+    ObjectNotFound,
+    StorageError,
+    TierstoreError,
+    TransientStorageError,
+)
 from tierstore.storage.backend import ObjectWriter, crc32c_update
 from tierstore_s3 import _checksum
 from tierstore_s3._errors import client_error_code
+from tierstore_s3._resume import StoredPart, find_pending
 
 if TYPE_CHECKING:
     from tierstore_s3._backend import S3Backend
@@ -27,14 +41,32 @@ log = logging.getLogger(__name__)
 
 MAX_PARTS = 10_000  # S3's limit per multipart upload
 
+_Finished = tuple[dict[str, Any], int]  # a part as CompleteMultipartUpload names it, and its size
+
 
 class _MultipartUpload:
-    """One multipart upload; parts go up on a small pool, each retried as a unit."""
+    """One multipart upload, new or resumed; parts go up on a small pool, each retried as a
+    unit, and ``on_part(size)`` hears of each part S3 holds (on the writer's thread)."""
 
-    def __init__(self, backend: S3Backend, key: str) -> None:
+    def __init__(self, backend: S3Backend, key: str, on_part: Callable[[int], None]) -> None:
         self._backend = backend
         self._key = key
         self._full = backend.full_key(key)
+        self._on_part = on_part
+        pending = find_pending(backend, key)
+        self.upload_id: str = pending.upload_id if pending is not None else self._create()
+        self._stored: dict[int, StoredPart] = dict(pending.parts) if pending is not None else {}
+        self.reused = 0  # parts of the pending upload found to hold our bytes, not sent again
+        self.vanished = False  # completed or aborted by someone else before we completed it
+        self.part_crcs: list[int] = []
+        self._done: list[dict[str, Any]] = []
+        self._pending: set[Future[_Finished]] = set()
+        self._pool = ThreadPoolExecutor(backend.max_concurrency, thread_name_prefix="tierstore-s3-part")
+        self._aborted = False  # abort(): send nothing more
+        self._stopping = False  # stop(): finish the requests in hand, retry none
+
+    def _create(self) -> str:
+        backend, key = self._backend, self._key
         extra = {"ChecksumType": "FULL_OBJECT"} if backend.full_object_checksum else {}
         created = backend.retrying(
             "start multipart upload",
@@ -43,24 +75,27 @@ class _MultipartUpload:
                 "create_multipart_upload", key, Key=self._full, ChecksumAlgorithm="CRC32C", **extra
             ),
         )
-        self.upload_id: str = created["UploadId"]
-        self.part_crcs: list[int] = []
-        self._done: list[dict[str, Any]] = []
-        self._pending: set[Future[dict[str, Any]]] = set()
-        self._pool = ThreadPoolExecutor(backend.max_concurrency, thread_name_prefix="tierstore-s3-part")
-        self._aborted = False
         log.debug("started multipart upload of %s in %s", key, backend.label)
+        return str(created["UploadId"])
 
     def wait_for_slot(self) -> None:
         """Block until fewer than ``max_concurrency`` parts are in flight."""
         self._settle(below=self._backend.max_concurrency)
 
     def _settle(self, *, below: int) -> None:
-        """Collect finished parts until fewer than ``below`` are in flight; a part that
-        failed for good raises here."""
-        while self._pending and len(self._pending) >= below:
-            finished, self._pending = wait(self._pending, return_when=FIRST_COMPLETED)
-            self._done.extend(future.result() for future in finished)
+        """Collect the parts finished so far, and more until fewer than ``below`` are in
+        flight, reporting each; a part that failed for good raises here."""
+        while self._pending:
+            blocking = len(self._pending) >= below
+            finished, self._pending = wait(
+                self._pending, timeout=None if blocking else 0, return_when=FIRST_COMPLETED
+            )
+            if not finished:
+                return
+            for future in finished:
+                entry, size = future.result()
+                self._done.append(entry)
+                self._on_part(size)
 
     def submit(self, part: _Part) -> None:
         number = len(self.part_crcs) + 1
@@ -72,14 +107,25 @@ class _MultipartUpload:
                 tier=self._backend.label,
             )
         self.part_crcs.append(part.crc)
+        stored = self._stored.pop(number, None)
+        if stored is not None and part.held_by(stored):
+            entry = {"PartNumber": number, "ETag": stored.etag, "ChecksumCRC32C": _checksum.encode(part.crc)}
+            self._done.append(entry)
+            self.reused += 1
+            self._on_part(part.size)
+            return
         self._pending.add(self._pool.submit(self._upload_part, number, part))
 
-    def _upload_part(self, number: int, part: _Part) -> dict[str, Any]:
+    def _upload_part(self, number: int, part: _Part) -> _Finished:
         backend, encoded = self._backend, _checksum.encode(part.crc)
 
+        tries = 0
+
         def attempt() -> Any:
-            if self._aborted:  # stop retrying: abort() is waiting for this thread
-                raise StorageError("multipart upload aborted", key=self._key, tier=backend.label)
+            nonlocal tries
+            tries += 1
+            if self._aborted or (self._stopping and tries > 1):  # abort()/stop() wait for this thread
+                raise StorageError("multipart upload stopped", key=self._key, tier=backend.label)
             return backend.call(
                 "upload_part",
                 self._key,
@@ -91,8 +137,19 @@ class _MultipartUpload:
                 ChecksumCRC32C=encoded,
             )
 
-        answer = backend.retrying(f"upload part {number}", self._key, attempt)
-        return {"PartNumber": number, "ETag": answer["ETag"], "ChecksumCRC32C": encoded}
+        try:
+            answer = backend.retrying(f"upload part {number}", self._key, attempt)
+        except StorageError as err:
+            if client_error_code(err) != "NoSuchUpload" or self._stopping:
+                raise
+            # Another writer of this key (it resumed our upload, or we resumed its) completed
+            # or aborted it, or gc did: its parts are gone, and this write can only start over.
+            raise TransientStorageError(
+                "the multipart upload is gone (completed or aborted elsewhere): the object is sent again",
+                key=self._key,
+                tier=backend.label,
+            ) from err
+        return {"PartNumber": number, "ETag": answer["ETag"], "ChecksumCRC32C": encoded}, part.size
 
     def complete(self, crc: int) -> None:
         self._settle(below=1)
@@ -116,18 +173,34 @@ class _MultipartUpload:
                     **extra,
                 )
             except TierstoreError as err:
-                # An earlier attempt may have completed it and lost the answer; the
-                # verification that follows decides (docs/design.md invariant 12).
-                if tries == 1 or client_error_code(err) != "NoSuchUpload":
+                # An earlier attempt may have completed it and lost the answer, or (at the
+                # first attempt) another writer of this key that resumed the same upload
+                # completed it: the verification that follows decides (design.md invariant 12).
+                if client_error_code(err) != "NoSuchUpload":
                     raise
+                self.vanished = tries == 1
 
         self._backend.retrying("complete multipart upload", self._key, attempt)
+        if self.reused:
+            log.info(
+                "completed %s in %s reusing %d of %d parts already stored",
+                self._key,
+                self._backend.label,
+                self.reused,
+                len(parts),
+            )
+
+    def stop(self) -> None:
+        """Stop sending parts once those in hand are sent (none is retried); the upload stays
+        pending, with what S3 holds of it."""
+        self._stopping = True
+        self._pool.shutdown(wait=True, cancel_futures=self._aborted)  # submitted parts: in hand
+        self._pending = set()
 
     def abort(self) -> None:
         """Stop the upload and free its parts; best effort, never raises."""
         self._aborted = True
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        self._pending = set()
+        self.stop()
         try:
             self._backend.abort_upload(self._key, self.upload_id)
         except Exception as err:  # an unaborted upload costs storage, not correctness
@@ -162,6 +235,11 @@ class _Part:
         self.size += len(piece)
         self.crc = crc32c_update(self.crc, piece)
 
+    def held_by(self, stored: StoredPart) -> bool:
+        """Whether ``stored`` (a part S3 holds) holds this part's bytes."""
+        with self._body.getbuffer() as view, view[: self.size] as body:
+            return stored.holds(self.size, self.crc, body)
+
     def body(self) -> io.BytesIO:
         """The request body, rewound: each (re)try sends it from the start."""
         self._body.truncate(self.size)
@@ -189,7 +267,7 @@ class S3ObjectWriter(ObjectWriter):
 
     def _ship_part(self, *, last: bool = False) -> None:
         if self._upload is None:
-            self._upload = _MultipartUpload(self._backend, self.key)
+            self._upload = _MultipartUpload(self._backend, self.key, self._stored)
         # Wait for a free slot before starting the next part, so at most
         # max_concurrency + 1 parts exist (module docstring).
         self._upload.wait_for_slot()
@@ -207,11 +285,35 @@ class S3ObjectWriter(ObjectWriter):
             else:
                 self._ship_part(last=True)
                 self._upload.complete(self.crc32c)
+                if self._upload.vanished:
+                    self._found_completed()
+                    return
                 part_crcs = self._upload.part_crcs
             self._verify(part_crcs)
-        except BaseException:
-            self._discard()
+        except BaseException as err:
+            if isinstance(err, TierstoreError) and not isinstance(err, TransientStorageError):
+                self._discard()
+            else:  # another try may cure it (or the process is going): keep the parts for it
+                self._suspend()
             raise
+
+    def _found_completed(self) -> None:
+        """Our upload was completed by another writer of this key: the key must hold these
+        bytes now (size and full-object CRC32C), or this write starts over. Nothing is
+        deleted here: whatever the key holds was not stored by this write."""
+        try:
+            head = self._backend.head(self.key)
+        except ObjectNotFound:
+            head = {}
+        stored = _checksum.full_object_crc32c(head) if head else None
+        if not head or int(head["ContentLength"]) != self.size or stored != self.crc32c:
+            raise TransientStorageError(
+                "the multipart upload was completed or aborted elsewhere, and the key does not "
+                "hold these bytes: the object is sent again",
+                key=self.key,
+                tier=self._backend.label,
+            )
+        self.version = _checksum.etag(head)
 
     def _verify(self, part_crcs: list[int]) -> None:
         """Size and stored CRC32C must be what we wrote (docs/design.md invariant 2)."""
@@ -262,3 +364,8 @@ class S3ObjectWriter(ObjectWriter):
         self._part = _Part()
         if self._upload is not None:
             self._upload.abort()
+
+    def _suspend(self) -> None:
+        self._part = _Part()
+        if self._upload is not None:
+            self._upload.stop()
