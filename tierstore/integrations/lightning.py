@@ -243,6 +243,11 @@ class TierstoreCheckpoint(ModelCheckpoint):
         self._fitting = False
         self._committed: set[int] = set()  # steps the store held beyond the resumed one
         self._sigterm = SigtermTakeover()
+        # The step whose batch ended last and the monitored value Lightning held then, before
+        # any validation or epoch end at that step (_reported); the score the save under way
+        # is ranked by (_update_best_and_save).
+        self._held: tuple[int, object] | None = None
+        self._ranked: float | None = None
 
     # -- the paths Lightning passes around ------------------------------------------------
 
@@ -316,6 +321,7 @@ class TierstoreCheckpoint(ModelCheckpoint):
                 self._restore_originals[name] = getattr(strategy, name)
                 setattr(strategy, name, replacement)  # on this instance only: see docstring
         self._strategy, self._fitting = strategy, stage == "fit"
+        self._held = None
         if self._fitting:  # before Lightning registers its handlers, which it does after setup
             self._sigterm.install(trainer, preemption_options(self.manager_options.get("preemption", True)))
 
@@ -373,6 +379,8 @@ class TierstoreCheckpoint(ModelCheckpoint):
 
     def _save_step(self, trainer: Trainer, step: int) -> None:
         assert self.manager is not None, "setup() makes the manager"
+        if self.save_last:  # the newest checkpoint is this one: the state it saves says so
+            self.last_model_path = self.step_path(step)  # (Lightning sets it after a top-k save)
         # The dict trainer.save_checkpoint would write, without writing it.
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(self.save_weights_only)
         state: dict[str, Any] = {"state_dict": checkpoint.pop("state_dict")}
@@ -398,24 +406,62 @@ class TierstoreCheckpoint(ModelCheckpoint):
     ) -> None:
         """After the cadence's save: a notice on any rank stops every rank at this batch
         (:mod:`tierstore.integrations._lightning_sigterm`)."""
+        if self.monitor is not None and (self._held is None or self._held[0] != trainer.global_step):
+            self._held = (trainer.global_step, trainer.callback_metrics.get(self.monitor))
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         if self._sigterm.active and self.manager is not None and self._sigterm.heard(self.manager):
             self._sigterm.stop(trainer)
 
+    def _update_best_and_save(
+        self, current: torch.Tensor, trainer: Trainer, monitor_candidates: dict[str, torch.Tensor]
+    ) -> None:
+        self._ranked = float(current)
+        try:
+            super()._update_best_and_save(current, trainer, monitor_candidates)
+        finally:
+            self._ranked = None
+
     def _metrics(self, trainer: Trainer) -> dict[str, float]:
+        """What a save records of the monitored metric (docs/integrations.md, "Metrics"): the
+        score ``ModelCheckpoint`` ranks it by, when it ranks it (so that ``keep_best`` keeps what
+        ``best_k_models`` names); for any other save (the preemption save, ``save_on_exception``'s,
+        ``save_last``'s own) the value Lightning reported at this step, and none when what it
+        holds was reported at an earlier step (a validation before the preemption notice)."""
         if self.monitor is None:
             return {}
-        value = self._monitor_candidates(trainer).get(self.monitor)
+        value = self._ranked if self._ranked is not None else self._reported(trainer)
         if value is None or not math.isfinite(float(value)):
             return {}  # such a checkpoint is never among keep_best's best
         return {self.monitor: float(value)}
 
+    def _reported(self, trainer: Trainer) -> Any:
+        """The monitored value if Lightning reported it at this step; ``None`` if it is the one
+        it held when this step's batch ended: at a save after that (a validation or an epoch end
+        at this step, a notice or an exception in a later batch of this step) it dates from an
+        earlier step. Lightning hands every ``callback_metrics`` entry it reports as a new
+        tensor (and a training step's at every read), so an unchanged object was not reported
+        again. ``step`` and ``epoch`` come from the trainer when not logged: always current."""
+        value = trainer.callback_metrics.get(cast(str, self.monitor))
+        if value is None:
+            return self._monitor_candidates(trainer).get(cast(str, self.monitor))
+        held = self._held
+        return None if held is not None and held[0] == trainer.global_step and value is held[1] else value
+
     def _remove_checkpoint(self, trainer: Trainer, filepath: str) -> None:
         """Nothing to delete: the retention policy prunes after each commit."""
 
-    @staticmethod
-    def _link_checkpoint(trainer: Trainer, filepath: str, linkpath: str) -> None:
-        """``save_last="link"``: the last checkpoint is the step's checkpoint already saved."""
+    # An instance method where Lightning's is static: it calls it on the instance
+    # (self._link_checkpoint), and the last path is this callback's own state.
+    def _link_checkpoint(self, trainer: Trainer, filepath: str, linkpath: str) -> None:  # type: ignore[override]
+        """``save_last="link"`` at a step not saved: the last checkpoint is ``filepath``, the
+        newest one saved (Lightning had named ``linkpath``, this step's, which does not exist)."""
+        self.last_model_path = filepath
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """``ModelCheckpoint``'s state, whatever ``dirpath`` this run resolved: the paths it holds
+        name the store's steps (:meth:`step_path`), not files under a directory (Lightning keeps
+        only ``best_model_path`` when ``dirpath`` changed, as it does with ``default_root_dir``)."""
+        super().load_state_dict({**state_dict, "dirpath": self.dirpath})
 
     # -- resuming --------------------------------------------------------------------------
 
