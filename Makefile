@@ -17,7 +17,7 @@ PYTEST_ARGS ?=
 # a file's fixtures (its S3 and GCS servers) start once; TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 
-.PHONY: demo test bench bench-full bench-smoke bench-perf bench-scale soak lint clean venv
+.PHONY: demo test bench bench-full bench-smoke bench-perf bench-scale soak lint wheels clean venv
 
 venv: $(STAMP)
 
@@ -86,6 +86,17 @@ lint: $(STAMP)
 	$(BIN)/lint-imports
 	$(BIN)/mypy
 	$(BIN)/mypy --strict --ignore-missing-imports backends/s3/tierstore_s3 backends/gcs/tierstore_gcs
+
+# The three distributions (tierstore, tierstore-s3, tierstore-gcs), wheel and sdist, into dist/:
+# no package index holds a release yet. `build` makes each wheel from its sdist, so what a
+# stale build/ folder holds never gets in. It needs no torch: only `build` goes into .venv
+# (created if missing), not into what make test installs.
+wheels:
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q build
+	rm -rf dist
+	$(foreach d,. backends/s3 backends/gcs,$(BIN)/python -m build -q --outdir dist $(d) &&) true
+	@ls dist/*.whl
 
 clean:
 	rm -rf demo-run bench-scratch .pytest_cache .hypothesis

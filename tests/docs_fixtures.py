@@ -579,6 +579,99 @@ def _check_tc(ns: dict[str, Any], ctx: Ctx) -> None:
     assert _same(dict(loaded["model"]), saved), "the checkpoint in cold is not the saved state"
 
 
+# -- docs/first-week.md: the page walked in order, as a reader follows it ---------------------------
+
+FIRST_WEEK = ROOT / "docs" / "first-week.md"
+_RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_LOSS = re.compile(r"^step (\d+): loss (\S+)$", re.M)
+
+
+def _offline(ctx: Ctx) -> dict[str, Any]:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the model is built from a config: nothing to fetch
+    return {}
+
+
+def _check_first_week_script(ns: dict[str, Any], ctx: Ctx) -> None:
+    """Run once, uninterrupted: every 5th step saved, ``keep_last(2)`` hot, ``keep_last(3)`` cold."""
+    from tierstore import list_checkpoints
+
+    assert ns["start"] == 0 and ns["step"] == 20
+    assert [c.step for c in list_checkpoints(ctx.hot)] == [15, 20]
+    assert [c.step for c in list_checkpoints(Store(cold=ctx.cold))] == [10, 15, 20]
+    assert (ctx.tmp / "gpt2-config" / "config.json").is_file()
+
+
+def _bash(script: str, cwd: Path, env: dict[str, str]) -> str:
+    import subprocess
+
+    proc = subprocess.run(
+        ["bash", "-e", "-c", script], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, f"{script}\nexit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-6000:]}"
+    return proc.stdout
+
+
+def _first_week(ctx: Ctx) -> dict[str, Any]:
+    """Everything docs/first-week.md does before its last block: its script saved as
+    ``train.py``, each shell block after the script run by bash here (the install before it is
+    ``make venv``, which ``make test`` ran), with a user's environment (no torchrun variables;
+    the venv's ``python`` and ``tierstore`` first on PATH). Beside it the same script runs
+    uninterrupted, into tiers of its own: the preempted and the resumed runs must print its
+    losses, step for step. The export's words the page quotes are checked here too."""
+    _offline(ctx)
+    script = python_blocks(FIRST_WEEK)[0].source
+    (ctx.tmp / "train.py").write_text(localize(script, ctx))
+    env = {k: v for k, v in os.environ.items() if k not in _RANK_ENV}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    shell = [body for _, info, body, _ in fenced(FIRST_WEEK.read_text()) if info in ("sh", "bash")][1:]
+    out = [
+        _bash(body.replace("/nvme/run1", ctx.hot).replace("s3://bucket/run1", ctx.cold), ctx.tmp, env)
+        for body in shell
+    ]
+
+    runs, _, exported = out
+    assert "preempted: step 6 saved" in runs and "training from step 7" in runs, runs
+    straight = ctx.tmp / "straight"
+    straight.mkdir()
+    (straight / "train.py").write_text(
+        script.replace('"/nvme/run1"', repr(str(straight / "nvme"))).replace(
+            '"s3://bucket/run1"', repr(f"s3://{ctx.bucket}/straight")
+        )
+    )
+    uninterrupted = dict(_LOSS.findall(_bash("python train.py", straight, env)))
+    assert sorted(map(int, uninterrupted)) == list(range(1, 21)), uninterrupted
+    assert dict(_LOSS.findall(runs)) == {s: loss for s, loss in uninterrupted.items() if s != "6"}, (
+        runs,
+        uninterrupted,
+    )
+    for said in (
+        "exported the model's weights, under train.model.",
+        "left out 103 keys not under train.model.",
+        "left out lm_head.weight: tied to transformer.wte.weight",
+        "exported step-0000000020 (step 20) as safetensors",
+    ):
+        assert said in exported, exported
+    return {}
+
+
+def _check_first_week_loaded(ns: dict[str, Any], ctx: Ctx) -> None:
+    """``from_pretrained`` found every weight where it belongs (the tied head tied again), and
+    they are step 20's, as the checkpoint holds them."""
+    import torch
+
+    import tierstore
+
+    info, model = ns["info"], ns["model"]
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")), (
+        info
+    )
+    assert model.lm_head.weight is model.transformer.wte.weight
+    tierstore.export(ctx.hot, format="torch", out=ctx.tmp / "saved", strip_prefix="train.model.", step=20)
+    saved = torch.load(ctx.tmp / "saved" / "state_dict.pt", weights_only=True)
+    assert saved.keys() == model.state_dict().keys()
+    assert all(torch.equal(value, saved[key]) for key, value in model.state_dict().items())
+
+
 Setup = Callable[[Ctx], dict[str, Any]]
 Check = Callable[[dict[str, Any], Ctx], None]
 
@@ -640,6 +733,8 @@ SETUPS: dict[tuple[str, int], tuple[str, Setup | None, Check | None]] = {
         _preempted_at_7,
         _check_checkpoint(7, cold=True),
     ),
+    ("docs/first-week.md", 0): ("import os", _offline, _check_first_week_script),
+    ("docs/first-week.md", 1): ("import torch", _first_week, _check_first_week_loaded),
 }
 
 
@@ -663,6 +758,8 @@ LAUNCHED: dict[tuple[str, int], Launch] = {
     ("docs/integrations.md", 1): Launch(),
     # A __main__ guard, and torch_checkpointing's writer process, spawned from the script.
     ("docs/integrations.md", 2): Launch(),
+    # The whole page walked first (_first_week): seven fresh interpreters, past the worker's 180 s.
+    ("docs/first-week.md", 1): Launch(timeout=600.0),
 }
 
 

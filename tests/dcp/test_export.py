@@ -138,7 +138,7 @@ def test_shards_index_and_strip_prefix(hot_dir: str, tmp_path: Path) -> None:
         "model-00003-of-00003.safetensors",
         SAFETENSORS_INDEX,
     )
-    assert report.outside_prefix == ("other",) and report.skipped == ("step",)
+    assert report.outside_prefix == ("other", "step") and report.skipped == ()
     tensors = read_safetensors(tmp_path / "st")
     assert set(tensors) == {f"layer{i}.weight" for i in range(5)}
     assert all(same(tensors[k], state["train"]["model"][k]) for k in tensors)
@@ -279,17 +279,20 @@ def test_a_two_rank_fsdp2_checkpoint_exports_the_full_state_in_every_format(tmp_
     assert len(want) > 20
 
     # Each rank saved half of every parameter; the export is the whole of it, in one process.
-    tierstore.export(hot, format="safetensors", out=tmp_path / "st", max_shard_size=20_000)
+    tierstore.export(hot, format="safetensors", out=tmp_path / "st", max_shard_size=20_000, all_keys=True)
     tensors = read_safetensors(tmp_path / "st")
     assert len(list((tmp_path / "st").glob("model-*-of-*.safetensors"))) > 1
     assert {k: tensor_digest(t) for k, t in tensors.items()} == want
 
-    model_only = tierstore.export(hot, format="safetensors", out=tmp_path / "model", strip_prefix="model.")
-    tensors = read_safetensors(tmp_path / "model")
-    assert {f"model.{k}": tensor_digest(t) for k, t in tensors.items()} == {
-        k: v for k, v in want.items() if k.startswith("model.")
-    }
-    assert all(key.startswith("optim.") or key == "extra.step" for key in model_only.outside_prefix)
+    # By default the model's weights, its prefix found; the same given as strip_prefix.
+    for out, given in (("model", None), ("given", "model.")):
+        model_only = tierstore.export(hot, format="safetensors", out=tmp_path / out, strip_prefix=given)
+        tensors = read_safetensors(tmp_path / out)
+        assert {f"model.{k}": tensor_digest(t) for k, t in tensors.items()} == {
+            k: v for k, v in want.items() if k.startswith("model.")
+        }
+        assert model_only.prefix == "model."
+        assert all(key.startswith("optim.") or key == "extra.step" for key in model_only.outside_prefix)
 
     tierstore.export(hot, format="torch", out=tmp_path / "pt")
     loaded = torch.load(tmp_path / "pt" / TORCH_FILE, weights_only=True)

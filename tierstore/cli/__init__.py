@@ -2,9 +2,11 @@
 
 Exit codes: 0 success; 1 the operation failed, found damage (``verify``, ``gc``), left
 something unmigrated (``migrate``, ``status``), a tier path does not exist, or the cold tier
-could not be reached; 2 bad usage; 130 interrupted (Ctrl-C). The options, help texts and
-examples are in :mod:`tierstore.cli.parser`; docs/operations.md, "Command reference", lists
-them too.
+could not be reached; 2 bad usage (an option, or a tier URL no installed backend serves);
+130 interrupted (Ctrl-C). Every error is reported by :func:`_run` (argparse's by :func:`main`)
+through :func:`tierstore.cli.common.say_error`: one line on stderr, one JSON object under
+``--json``. The options, help texts and examples are in :mod:`tierstore.cli.parser`;
+docs/operations.md, "Command reference", lists them too.
 """
 
 from __future__ import annotations
@@ -16,14 +18,15 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from tierstore.cli.checks import CommandFailed, require_tiers
+from tierstore.cli.checks import CommandFailed, require_backends, require_tiers
+from tierstore.cli.common import say_error
 from tierstore.cli.copy import cmd_cp
 from tierstore.cli.export import cmd_export
 from tierstore.cli.inspect import cmd_ls, cmd_quarantine, cmd_show, cmd_status, cmd_verify
 from tierstore.cli.operate import cmd_gc, cmd_migrate, cmd_prune, cmd_restore, cmd_verify_resume
 from tierstore.cli.parser import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_USAGE, UsageError, build_parser
 from tierstore.cli.usage import cmd_du
-from tierstore.errors import TierstoreError
+from tierstore.errors import BackendNotFound, TierstoreError
 from tierstore.progress import ProgressDisplay, size_text
 
 __all__ = ["main", "COMMANDS"]
@@ -96,8 +99,8 @@ def _interrupted(args: argparse.Namespace) -> int:
         committed=len(committed),
         uncommitted=f" ({', '.join(uncommitted)} not committed)" if uncommitted else "",
     )
-    print(f"tierstore {args.command}: interrupted: {done}; {resume}", file=sys.stderr, flush=True)
-    return EXIT_INTERRUPTED
+    message = f"interrupted: {done}; {resume}"
+    return say_error(args.command, args.json, "KeyboardInterrupt", message, EXIT_INTERRUPTED)
 
 
 _REDELIVER = 0.5  # seconds after a Ctrl-C that it is raised again, until one is caught
@@ -122,7 +125,12 @@ def _on_sigint(signum: int, frame: object) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser(COMMANDS).parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = build_parser(COMMANDS).parse_args(argv)
+    except UsageError as err:  # argparse's own: its usage line, then the error, as it prints them
+        command = next((a for a in argv if a in COMMANDS), None)
+        return say_error(command, "--json" in argv, err.error, str(err), EXIT_USAGE, plain=err.usage)
     if threading.current_thread() is threading.main_thread():
         # Interrupted by Ctrl-C even where the shell started us with SIGINT ignored.
         signal.signal(signal.SIGINT, _on_sigint)
@@ -135,21 +143,26 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    """The command, and every error it ends with reported in one place (:func:`say_error`)."""
+    command, as_json = args.command, args.json
     try:
         if args.hot is None and args.cold is None:
             raise UsageError("give --hot and/or --cold")
         if args.command in ("migrate", "restore", "status") and not (args.hot and args.cold):
             raise UsageError("--hot and --cold are both required")
+        require_backends({"hot": args.hot, "cold": args.cold, "to": getattr(args, "to", None)})
         require_tiers({"hot": args.hot, "cold": args.cold}, _CREATES.get(args.command))
         return int(args.func(args))
     except UsageError as err:
-        print(f"tierstore {args.command}: {err}", file=sys.stderr)
-        return EXIT_USAGE
+        return say_error(command, as_json, err.error, str(err), EXIT_USAGE, where=err.where)
     except CommandFailed as err:
-        print(f"tierstore {args.command}: {err}", file=sys.stderr)
-        return EXIT_ERROR
+        return say_error(command, as_json, "CommandFailed", str(err), EXIT_ERROR, where=err.where)
     except TierstoreError as err:
-        print(f"tierstore: {type(err).__name__}: {err}", file=sys.stderr)
-        return EXIT_ERROR
+        # a URL no backend serves met after require_backends is a usage error all the same
+        code = EXIT_USAGE if isinstance(err, BackendNotFound) else EXIT_ERROR
+        plain = f"tierstore: {type(err).__name__}: {err}"
+        return say_error(
+            command, as_json, type(err).__name__, err.message, code, plain=plain, where=err.context
+        )
     except KeyboardInterrupt:
         return _interrupted(args)

@@ -11,7 +11,7 @@ from dataclasses import asdict
 from typing import Any
 
 from tierstore._redact import redact_url
-from tierstore.cli.parser import UsageError
+from tierstore.cli.parser import EXIT_ERROR, UsageError
 from tierstore.errors import CheckpointNotFound
 from tierstore.lifecycle.quarantine import list_quarantined
 from tierstore.progress import size_text
@@ -26,6 +26,7 @@ __all__ = [
     "metrics_text",
     "run_text",
     "structure_text",
+    "say_error",
     "say_unreachable",
     "require_named",
     "require_picked",
@@ -85,12 +86,38 @@ def metrics_text(metrics: Mapping[str, float]) -> str:
     return " ".join(f"{name}={value:.6g}" for name, value in sorted(metrics.items()))
 
 
-def say_unreachable(args: argparse.Namespace, why: str) -> None:
-    print(
-        f"tierstore {args.command}: the cold tier {redact_url(args.cold)} is unreachable "
-        f"({why}); showing the hot tier only",
-        file=sys.stderr,
-    )
+def say_error(
+    command: str | None,
+    as_json: bool,
+    error: str,
+    message: str,
+    code: int,
+    *,
+    plain: str | None = None,
+    where: Mapping[str, Any] | None = None,
+) -> int:
+    """Report an error of ``command`` on stderr, the one way every error of the command is
+    reported; ``code``, the exit code, is returned. As text, ``plain`` (by default the line
+    ``tierstore COMMAND: message``; argparse's usage and error lines for its own errors); under
+    ``--json`` one line, one JSON object: ``error`` (a type name), ``message``, ``exit_code``,
+    ``command`` and what ``where`` holds (``tier``, ``checkpoint``, ``file``, ... as the error
+    carries them). Stdout keeps only results, so that a script reads it as JSON whatever
+    happened."""
+    if as_json:
+        body = {"error": error, "message": message, "exit_code": code, "command": command}
+        body.update((k, v) for k, v in (where or {}).items() if k not in body)
+        print(json.dumps(body, default=str), file=sys.stderr, flush=True)
+    else:
+        print(plain or f"tierstore {command}: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+def say_unreachable(args: argparse.Namespace, why: str) -> int:
+    """The cold tier did not answer: the command showed the hot tier alone (exit 1)."""
+    cold = redact_url(args.cold)
+    message = f"the cold tier {cold} is unreachable ({why}); showing the hot tier only"
+    where = {"tier": f"cold {cold}"}
+    return say_error(args.command, args.json, "ColdTierUnreachable", message, EXIT_ERROR, where=where)
 
 
 def require_named(store: Store, name: str | None) -> None:

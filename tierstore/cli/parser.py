@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Mapping
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import Any, NoReturn
 
 from tierstore.lifecycle.gc import DEFAULT_GRACE
 from tierstore.lifecycle.retention import keep_best
@@ -30,7 +30,22 @@ COLD_WAIT = 5.0  # seconds `ls` and `status` wait for the cold tier before repor
 
 
 class UsageError(Exception):
-    """Options that cannot work together or are missing (exit 2, like argparse's own)."""
+    """Options that cannot work together or are missing, or a tier URL no installed backend
+    serves (exit 2, like argparse's own). ``error`` names the type ``--json`` reports (the
+    :class:`~tierstore.errors.ConfigError` a tier URL raised, say); ``where`` the tier it is
+    about; ``usage``, for the errors argparse found, its text as it prints them."""
+
+    def __init__(self, message: str, *, error: str = "UsageError", usage: str = "", **where: str) -> None:
+        super().__init__(message)
+        self.error, self.usage, self.where = error, usage, where
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, its usage errors raised as :class:`UsageError` (not printed and exited):
+    :mod:`tierstore.cli` reports every error in one place, as JSON under ``--json``."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message, usage=f"{self.format_usage()}{self.prog}: error: {message}")
 
 
 Command = Callable[[argparse.Namespace], int]
@@ -99,7 +114,7 @@ _ABOUT = {
     "export": (
         "write a committed checkpoint out as safetensors, one torch.save file or plain DCP",
         "tierstore export --hot /nvme/run1 --cold s3://ckpt/run1 --step 2000 --format safetensors "
-        "--out /models/run1-2000 --strip-prefix model.",
+        "--out /models/run1-2000 --config /models/base/config.json",
         "no such checkpoint, damage in every copy, --out is not empty, or --force would replace "
         "the current or home directory or a tree holding a tier (nothing is written then)",
     ),
@@ -122,8 +137,19 @@ def _epilog(name: str) -> str:
     return (
         f"example:\n  {example}\n\n"
         f"exit codes:\n  0    success\n  1    {failure}\n  2    usage error\n"
-        f"  130  interrupted (Ctrl-C); running the command again finishes the job"
+        f"  130  interrupted (Ctrl-C); running the command again finishes the job\n\n"
+        f"{_USAGE_AND_JSON}"
     )
+
+
+# What the exit-code table of each command adds (docs/operations.md, "Command reference").
+_USAGE_AND_JSON = (
+    "2 is an unknown, missing or contradicting option, or a tier URL that no installed backend\n"
+    "serves: a mistyped one (s3:/bucket/run), an unknown scheme, a plugin not installed.\n"
+    "With --json, an error is one line of JSON on stderr (stdout holds results only):\n"
+    '{"error": TYPE, "message": ..., "exit_code": N, "command": ...}, with "tier",\n'
+    '"checkpoint" and "file" where the error names them.'
+)
 
 
 def _version() -> str:
@@ -148,7 +174,11 @@ def _store_args(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="cold backend option, repeatable, e.g. endpoint_url=http://minio:9000",
     )
-    p.add_argument("--json", action="store_true", help="machine-readable output on stdout, no progress")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="machine-readable output on stdout, no progress; an error is one line of JSON on stderr",
+    )
 
 
 def _pick_args(p: argparse.ArgumentParser, what: str) -> None:
@@ -323,11 +353,30 @@ def _export_args(p: argparse.ArgumentParser) -> None:
         help="a new or empty local directory, outside every tier (never a tier's directory, "
         "one inside a tier or one above a tier)",
     )
-    p.add_argument(
+    which = p.add_mutually_exclusive_group()
+    which.add_argument(
         "--strip-prefix",
         metavar="P",
-        help="only keys under P, with P taken off (e.g. model.); the others are left out and "
-        "counted (safetensors and torch)",
+        help="only keys under P, with P taken off (e.g. train.model.); the others are left out and "
+        "counted (safetensors and torch; safetensors without it: the model's weights, their "
+        "prefix found from the keys and named in the output)",
+    )
+    which.add_argument(
+        "--all",
+        action="store_true",
+        dest="all_keys",
+        help="safetensors: every tensor of the checkpoint, optimizer state included, by its full key",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float16", "float32", "float64"),
+        help="cast the floating tensors to this dtype (safetensors and torch)",
+    )
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="a Hugging Face config.json to copy into --out (checked to be a JSON object), so "
+        "that from_pretrained(DIR) loads it as it is (safetensors)",
     )
     p.add_argument(
         "--max-shard-size",
@@ -368,11 +417,13 @@ _EXTRA: dict[str, Callable[[argparse.ArgumentParser], None]] = {
 
 def build_parser(commands: Mapping[str, Command]) -> argparse.ArgumentParser:
     """The parser of ``tierstore``; ``commands`` maps each subcommand to its function."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="tierstore",
         description="Inspect and operate a tierstore store.",
-        epilog="exit codes: 0 success, 1 failure or damage found, 2 usage error, 130 interrupted.\n"
-        "`tierstore COMMAND --help` shows each command's options and an example.",
+        epilog="exit codes: 0 success, 1 failure or damage found, 2 usage error (an option, or a "
+        "tier URL no\ninstalled backend serves), 130 interrupted; with --json, an error is one "
+        "line of JSON on stderr.\n"
+        "`tierstore COMMAND --help` shows each command's options, an example and its exit codes.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")

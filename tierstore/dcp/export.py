@@ -7,18 +7,23 @@ tier holding the checkpoint, every byte verified as in every load. It is written
 * ``safetensors``: Hugging Face's layout, ``model.safetensors`` or shards
   ``model-00001-of-0000N.safetensors`` of at most ``max_shard_size`` bytes each (one larger
   tensor is a shard of its own), plus ``model.safetensors.index.json``; tensors only, by
-  their flat DCP key (``model.embed.weight``), less ``strip_prefix``; each shard is loaded on
-  its own, so memory holds one shard, not the whole state; written by the ``safetensors``
-  library (``pip install 'tierstore[export]'``);
+  their flat DCP key less ``strip_prefix``. Without ``strip_prefix`` the model's weights
+  only, its prefix found from the keys (``train.model.`` for ``CheckpointManager`` with a
+  ``TrainingState``), the second name of a tied weight left out (both: ``_model_keys``), so
+  that with ``config`` (a ``config.json`` copied in) ``from_pretrained(out)`` loads it as it
+  is; ``all_keys`` writes every tensor. ``dtype`` casts floating tensors. Each shard is
+  loaded on its own, so memory holds one shard, not the whole state; written by the
+  ``safetensors`` library (``pip install 'tierstore[export]'``);
 * ``torch``: one ``torch.save`` file, ``state_dict.pt``: the state nested as it was saved
   (DCP's ``dcp_to_torch_save``), or with ``strip_prefix`` a flat ``{key: value}`` dict of
-  the keys under it (a ``pytorch_model.bin``);
+  the keys under it (a ``pytorch_model.bin``); ``dtype`` casts its floating tensors;
 * ``dcp``: a plain DCP checkpoint (``FileSystemWriter``'s layout) that
   ``dcp.FileSystemReader(out)`` reads.
 
 Everything is written into a fresh directory next to ``out`` and renamed into place last, so
 ``out`` never shows half an export; a failed export leaves ``out`` as it was. An existing
-non-empty ``out`` is refused unless ``force``, which replaces it whole.
+non-empty ``out`` is refused unless ``force``, which replaces it whole. The directory and its
+files get the modes the umask gives (0777 and 0666 less it), ready to share.
 
 ``out`` is never a tier's directory, one inside a tier or one above a tier (docs/design.md,
 "commands never delete a tier root"): refused, ``force`` or not, before anything is read.
@@ -29,8 +34,8 @@ holding any tierstore tier, this store's or another's. Both are checked again ri
 
 from __future__ import annotations
 
-import json
 import os
+import secrets
 import shutil
 import tempfile
 from collections.abc import Callable, Collection, Iterable
@@ -38,14 +43,25 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
 
+from tierstore.dcp._export_files import (
+    CONFIG_FILE,
+    SAFETENSORS_INDEX,
+    TORCH_FILE,
+    Writing,
+    flat,
+    read_config,
+    shards,
+    strip,
+    write_dcp,
+    write_safetensors,
+    write_torch,
+)
+from tierstore.dcp._model_keys import digest, model_prefix, tie_candidates, ties
 from tierstore.dcp.failures import rank_errors
 from tierstore.dcp.reader import TieredReader
 from tierstore.errors import ConfigError, TierstoreError
@@ -56,13 +72,28 @@ from tierstore.storage import faults
 from tierstore.tiers.roots import refuse_overlap, relation, tier_below
 from tierstore.tiers.tier import Store, Tier, TierURL
 
-__all__ = ["export", "ExportReport", "FORMATS", "DEFAULT_SHARD_SIZE", "INSTALL_EXPORT"]
+__all__ = [
+    "export",
+    "ExportReport",
+    "FORMATS",
+    "DTYPES",
+    "DEFAULT_SHARD_SIZE",
+    "INSTALL_EXPORT",
+    "SAFETENSORS_INDEX",
+    "TORCH_FILE",
+    "CONFIG_FILE",
+    "read_config",
+]
 
 FORMATS = ("safetensors", "torch", "dcp")
+DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
 DEFAULT_SHARD_SIZE = 5 * 10**9  # Hugging Face's default "5GB"
 INSTALL_EXPORT = "pip install 'tierstore[export]'"
-TORCH_FILE = "state_dict.pt"
-SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
 @dataclass(frozen=True)
@@ -70,8 +101,11 @@ class ExportReport:
     """What :func:`export` wrote: the checkpoint, where, and what it left out.
 
     ``files`` are the names written in ``out``; ``keys`` the entries written, ``bytes`` their
-    tensors' bytes; ``skipped`` the entries that are not tensors (safetensors holds tensors
-    only); ``outside_prefix`` the keys not under ``strip_prefix``, left out.
+    tensors' bytes (as written: after ``dtype``); ``skipped`` the entries under the prefix
+    that are not tensors (safetensors holds tensors only); ``prefix`` the prefix stripped,
+    given or found (``None``: every key kept); ``outside_prefix`` the keys not under it, left
+    out; ``tied`` each tied weight's second name left out, with the name it is tied to (both
+    as written); ``dtype`` the cast, if any.
     """
 
     name: str
@@ -84,6 +118,9 @@ class ExportReport:
     bytes: int
     skipped: tuple[str, ...]
     outside_prefix: tuple[str, ...]
+    prefix: str | None
+    tied: tuple[tuple[str, str], ...]
+    dtype: str | None
 
 
 def export(
@@ -94,6 +131,9 @@ def export(
     step: int | None = None,
     format: str = "safetensors",
     strip_prefix: str | None = None,
+    all_keys: bool = False,
+    dtype: str | None = None,
+    config: str | os.PathLike[str] | None = None,
     max_shard_size: int = DEFAULT_SHARD_SIZE,
     force: bool = False,
     thread_count: int = 1,
@@ -102,50 +142,49 @@ def export(
     """Export a committed checkpoint (``name``, else the newest of ``step``, else the newest)
     of ``store`` into the local directory ``out`` as ``format`` (module docstring).
 
+    ``strip_prefix``: only the keys under it, with it taken off (safetensors without it: the
+    model's prefix, found; ``all_keys``: every tensor). ``dtype``: a name of :data:`DTYPES`,
+    the floating tensors cast to it. ``config``: a ``config.json`` file copied into ``out``
+    (safetensors).
+
     Raises :class:`~tierstore.ConfigError` for bad arguments (a URL or a non-empty directory
     as ``out`` without ``force``, an ``out`` that is a tier's directory, inside or above one,
-    one ``force`` must not replace, an unknown format, a prefix no key is under, safetensors
-    not installed), and what any load raises for a checkpoint that is not there or damaged in
+    one ``force`` must not replace, an unknown format or dtype, a prefix no key is under,
+    more than one model to choose from, a config that is not a JSON object, safetensors not
+    installed), and what any load raises for a checkpoint that is not there or damaged in
     every tier (naming checkpoint, file and tier); ``out`` is then left as it was.
     """
-    if format not in FORMATS:
-        raise ConfigError(f"export format {format!r} is not one of {', '.join(FORMATS)}")
-    if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int) or max_shard_size < 1:
-        raise ConfigError(f"max_shard_size must be a positive number of bytes, not {max_shard_size!r}")
-    if strip_prefix is not None and not strip_prefix:
-        raise ConfigError("strip_prefix must be a non-empty key prefix, e.g. 'model.'")
-    if strip_prefix is not None and format == "dcp":
-        raise ConfigError("strip_prefix is for format safetensors or torch: a dcp export keeps every key")
+    _check(format, max_shard_size, strip_prefix, all_keys, dtype, config)
+    cast = DTYPES[dtype] if dtype is not None else None
+    config_bytes = read_config(config) if config is not None else None
     store = Store.of(store)
     target = _target(out, force, store.tiers)
     save_file = _safetensors_writer() if format == "safetensors" else None
     options = ReaderOptions(thread_count=thread_count)
     metadata, manifest = _open(TieredReader(store, name=name, step=step, options=options))
-    tensors, others = _entries(metadata)
-    wanted, outside = _under(tensors if format == "safetensors" else [*tensors, *others], strip_prefix)
-    if not wanted:
-        raise ConfigError(
-            f"no {'tensor' if format == 'safetensors' else 'key'} of the checkpoint is under "
-            f"the prefix {strip_prefix!r}; its keys begin {sorted(tensors)[:3]}",
-            checkpoint=manifest.name,
-        )
-    sizes = {key: _nbytes(metadata, key) for key in wanted}
-    advance = counting(f"export {manifest.name}", sum(sizes.values()), progress)
+    pick = _select(metadata, format, strip_prefix, all_keys, manifest.name)
 
-    def load(keys: Collection[str]) -> dict[str, Any]:
+    def load(keys: Collection[str], advance: Callable[[int], None]) -> dict[str, Any]:
         reader = TieredReader(store, name=manifest.name, options=options)
         return _load(reader, manifest, keys, advance)
 
-    parent = os.path.dirname(target) or "."
-    os.makedirs(parent, exist_ok=True)
-    work = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.export-", dir=parent)
+    tied = _tied(metadata, pick, manifest.name, max_shard_size, load, progress) if save_file else {}
+    wanted = [key for key in pick.wanted if key not in tied]
+    sizes = {key: _nbytes(metadata, key, cast) for key in wanted}
+    advance = counting(f"export {manifest.name}", sum(_nbytes(metadata, key) for key in wanted), progress)
+    work = _workdir(target)
+    writing = Writing(work, pick.prefix, cast, lambda keys: load(keys, advance))
     try:
         if save_file is not None:
-            files = _write_safetensors(work, wanted, sizes, strip_prefix, max_shard_size, load, save_file)
+            files = write_safetensors(writing, wanted, sizes, max_shard_size, save_file)
         elif format == "torch":
-            files = _write_torch(work, wanted, strip_prefix, load)
+            files = write_torch(writing, wanted)
         else:
-            files = _write_dcp(work, load(wanted))
+            files = write_dcp(work, writing.load(wanted))
+        if config_bytes is not None:
+            with open(os.path.join(work, CONFIG_FILE), "wb") as f:
+                f.write(config_bytes)
+            files.append(CONFIG_FILE)
         faults.point("export.before_replace")
         _target(out, force, store.tiers)  # what is there now, not what was there before the load
         _into_place(work, target)
@@ -161,9 +200,99 @@ def export(
         files=tuple(files),
         keys=len(wanted),
         bytes=sum(sizes.values()),
-        skipped=tuple(sorted(others)) if format == "safetensors" else (),
-        outside_prefix=tuple(sorted(outside)),
+        skipped=pick.skipped,
+        outside_prefix=pick.outside,
+        prefix=pick.prefix,
+        tied=tuple((strip(key, pick.prefix), strip(first, pick.prefix)) for key, first in tied.items()),
+        dtype=dtype,
     )
+
+
+def _check(
+    format: str,
+    max_shard_size: int,
+    strip_prefix: str | None,
+    all_keys: bool,
+    dtype: str | None,
+    config: str | os.PathLike[str] | None,
+) -> None:
+    if format not in FORMATS:
+        raise ConfigError(f"export format {format!r} is not one of {', '.join(FORMATS)}")
+    if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int) or max_shard_size < 1:
+        raise ConfigError(f"max_shard_size must be a positive number of bytes, not {max_shard_size!r}")
+    if strip_prefix is not None and not strip_prefix:
+        raise ConfigError("strip_prefix must be a non-empty key prefix, e.g. 'train.model.'")
+    if strip_prefix is not None and format == "dcp":
+        raise ConfigError("strip_prefix is for format safetensors or torch: a dcp export keeps every key")
+    if all_keys and (strip_prefix is not None or format != "safetensors"):
+        raise ConfigError(
+            "all_keys is for format safetensors without strip_prefix: torch keeps every key unless "
+            "given strip_prefix, dcp every key"
+        )
+    if dtype is not None and (dtype not in DTYPES or format == "dcp"):
+        raise ConfigError(
+            f"dtype {dtype!r}: give one of {', '.join(DTYPES)}, for format safetensors or torch "
+            "(a dcp export keeps the checkpoint as it is)"
+        )
+    if config is not None and format != "safetensors":
+        raise ConfigError("config is for format safetensors: the directory from_pretrained loads")
+
+
+@dataclass(frozen=True)
+class _Selection:
+    """What an export writes (``wanted``), the prefix it strips and what it leaves out."""
+
+    wanted: list[str]
+    prefix: str | None
+    outside: tuple[str, ...]
+    skipped: tuple[str, ...]
+
+
+def _select(
+    metadata: Metadata, format: str, strip_prefix: str | None, all_keys: bool, name: str
+) -> _Selection:
+    tensors, others = _entries(metadata)
+    prefix = strip_prefix
+    if format == "safetensors" and prefix is None and not all_keys:
+        prefix = model_prefix(tensors)
+    wanted, outside = _under(tensors if format == "safetensors" else [*tensors, *others], prefix)
+    if not wanted:
+        raise ConfigError(
+            f"no {'tensor' if format == 'safetensors' else 'key'} of the checkpoint is under "
+            f"the prefix {prefix!r}; its keys begin {sorted(tensors)[:3]}",
+            checkpoint=name,
+        )
+    skipped: list[str] = []
+    if format == "safetensors":  # entries under the prefix that are not tensors; the rest are outside it
+        skipped, beside = _under(others, prefix)
+        outside += beside
+    return _Selection(wanted, prefix, tuple(sorted(outside)), tuple(sorted(skipped)))
+
+
+def _tied(
+    metadata: Metadata,
+    pick: _Selection,
+    name: str,
+    cap: int,
+    load: Callable[[Collection[str], Callable[[int], None]], dict[str, Any]],
+    progress: ProgressCallback | None,
+) -> dict[str, str]:
+    """``{second name: first}`` of the model's tied weights (``_model_keys``), their
+    candidates read a batch of at most ``cap`` bytes at a time and compared by digest."""
+    if pick.prefix is None:
+        return {}
+    candidates = tie_candidates(metadata, pick.wanted, pick.prefix)
+    keys = candidates.keys
+    if not keys:
+        return {}
+    sizes = {key: _nbytes(metadata, key) for key in keys}
+    advance = counting(f"export {name}: tied weights", sum(sizes.values()), progress)
+    digests: dict[str, str] = {}
+    for batch in shards(keys, sizes, cap):
+        loaded = flat(load(batch, advance))
+        digests.update({key: digest(loaded[key]) for key in batch})
+        del loaded
+    return ties(candidates, digests)
 
 
 def _target(out: str | os.PathLike[str], force: bool, tiers: list[Tier]) -> str:
@@ -244,11 +373,15 @@ def _under(keys: Iterable[str], prefix: str | None) -> tuple[list[str], list[str
     return [k for k in keys if k.startswith(prefix)], [k for k in keys if not k.startswith(prefix)]
 
 
-def _nbytes(metadata: Metadata, key: str) -> int:
+def _nbytes(metadata: Metadata, key: str, cast: torch.dtype | None = None) -> int:
+    """The bytes of the tensor at ``key``, cast to ``cast`` if it is floating."""
     value = metadata.state_dict_metadata[key]
     if not isinstance(value, TensorStorageMetadata):
         return 0
-    return value.size.numel() * torch.empty((), dtype=value.properties.dtype).element_size()
+    dtype = value.properties.dtype
+    if cast is not None and dtype.is_floating_point:
+        dtype = cast
+    return value.size.numel() * torch.empty((), dtype=dtype).element_size()
 
 
 class _Planner(_EmptyStateDictLoadPlanner):
@@ -286,77 +419,26 @@ def _load(
     return state
 
 
-def _flat(state: dict[str, Any]) -> dict[str, Any]:
-    flat, _ = flatten_state_dict(state)
-    return flat
-
-
-def _shards(keys: list[str], sizes: dict[str, int], cap: int) -> list[list[str]]:
-    shards: list[list[str]] = [[]]
-    used = 0
-    for key in keys:
-        if shards[-1] and used + sizes[key] > cap:
-            shards.append([])
-            used = 0
-        shards[-1].append(key)
-        used += sizes[key]
-    return shards
-
-
-def _write_safetensors(
-    work: str,
-    keys: list[str],
-    sizes: dict[str, int],
-    prefix: str | None,
-    cap: int,
-    load: Callable[[Collection[str]], dict[str, Any]],
-    save_file: Callable[..., None],
-) -> list[str]:
-    shards = _shards(keys, sizes, cap)
-    count = len(shards)
-    weight_map: dict[str, str] = {}
-    files: list[str] = []
-    for i, shard in enumerate(shards, 1):
-        file = "model.safetensors" if count == 1 else f"model-{i:05d}-of-{count:05d}.safetensors"
-        flat = _flat(load(shard))
-        tensors = {_strip(key, prefix): flat[key].contiguous() for key in shard}
+def _workdir(target: str) -> str:
+    """A fresh directory next to ``target`` to write the export in, made as ``mkdir`` makes
+    one: 0777 less the umask (``tempfile.mkdtemp``'s 0700 became the export's mode: issue 38)."""
+    parent = os.path.dirname(target)
+    os.makedirs(parent, exist_ok=True)
+    while True:
+        work = os.path.join(parent, f".{os.path.basename(target)}.export-{secrets.token_hex(4)}")
         try:
-            save_file(tensors, os.path.join(work, file), metadata={"format": "pt"})
-        except Exception as err:  # a dtype safetensors has no name for, say
-            raise ConfigError(f"safetensors cannot hold this checkpoint's tensors: {err}", file=file) from err
-        del flat, tensors
-        weight_map.update({_strip(key, prefix): file for key in shard})
-        files.append(file)
-    index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": dict(sorted(weight_map.items()))}
-    with open(os.path.join(work, SAFETENSORS_INDEX), "w") as f:
-        json.dump(index, f, indent=2)
-        f.write("\n")
-    return [*files, SAFETENSORS_INDEX]
-
-
-def _strip(key: str, prefix: str | None) -> str:
-    return key[len(prefix) :] if prefix else key
-
-
-def _write_torch(
-    work: str, keys: list[str], prefix: str | None, load: Callable[[Collection[str]], dict[str, Any]]
-) -> list[str]:
-    state = load(keys)
-    if prefix is not None:
-        flat = _flat(state)
-        state = {_strip(key, prefix): flat[key] for key in keys}
-    torch.save(state, os.path.join(work, TORCH_FILE))
-    return [TORCH_FILE]
-
-
-def _write_dcp(work: str, state: dict[str, Any]) -> list[str]:
-    _save_state_dict(state, storage_writer=FileSystemWriter(work), no_dist=True)
-    return sorted(os.listdir(work))
+            os.mkdir(work)
+            return work
+        except FileExistsError:
+            continue
 
 
 def _into_place(work: str, target: str) -> None:
-    """``work`` renamed to ``target`` (a directory already there, empty or forced, replaced)."""
+    """``work`` renamed to ``target`` (a directory already there, empty or forced, replaced),
+    each file given the mode the umask gives a new file: the safetensors library writes 0600."""
+    mode = os.stat(work).st_mode & 0o666  # 0777 & ~umask (_workdir), less the execute bits
     for name in os.listdir(work):
+        os.chmod(os.path.join(work, name), mode)
         _fsync(os.path.join(work, name))
     _fsync(work)
     if os.path.lexists(target):
