@@ -102,7 +102,9 @@ def test_failed_migrations_show_in_health_and_saves_still_commit(tmp_path: Path)
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the cold tier's directory should be")
     hot = str(tmp_path / "hot")
-    manager = CheckpointManager(hot, str(blocker / "cold"), save_every=1, migration=FAST)
+    # close() spends close_timeout retrying a cold tier that refuses (invariant 26): 3 s
+    # here, not the default 300 s, for a path a file blocks
+    manager = CheckpointManager(hot, str(blocker / "cold"), save_every=1, migration=FAST, close_timeout=3)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for step in (1, 2, 3):
