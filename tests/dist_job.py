@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from tierstore import Retention, Store, TieredReader, TieredWriter
-from tierstore.tiers.status import wait_for_migrations
+from tierstore.migration.status import wait_for_migrations
 
 warnings.filterwarnings("ignore")
 
@@ -291,8 +291,8 @@ def manager_cold_down(spec: dict[str, Any]) -> None:
     the same error on every rank, none left waiting; then ``close(timeout=T)`` after a save
     returns in about T, not once per wait inside it."""
     from tierstore import CheckpointManager
+    from tierstore.migration.migrator import MigrationConfig
     from tierstore.retry import RetryPolicy
-    from tierstore.tiers.migrator import MigrationConfig
 
     rank, out = dist.get_rank(), Path(spec["out"])
     retry = RetryPolicy(attempts=2, deadline=2.0, initial=0.01, maximum=0.05)
@@ -339,8 +339,8 @@ def manager_node_local_resume(spec: dict[str, Any]) -> None:
     them at start."""
     from tierstore import CheckpointManager, list_checkpoints
     from tierstore.errors import MigrationFailed
+    from tierstore.migration.migrator import MigrationConfig
     from tierstore.retry import RetryPolicy
-    from tierstore.tiers.migrator import MigrationConfig
 
     rank, out = dist.get_rank(), Path(spec["out"])
     retry = RetryPolicy(attempts=2, deadline=2.0, initial=0.01, maximum=0.05)

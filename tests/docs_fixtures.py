@@ -834,7 +834,7 @@ def run_as_main(request: dict[str, Any]) -> None:
 def _tear_down(ns: dict[str, Any], ctx: Ctx) -> None:
     """Close what the block left open, so the next block starts from a quiet process."""
     from tierstore import CheckpointManager
-    from tierstore.tiers.workers import drain
+    from tierstore.migration.workers import drain
 
     for value in list(ns.values()):
         if isinstance(value, CheckpointManager):

@@ -48,9 +48,9 @@ from tierstore import (
 from tierstore.errors import MigrationFailed
 from tierstore.format import layout
 from tierstore.lifecycle.quarantine import list_quarantined
+from tierstore.migration.migrator import MigrationConfig
+from tierstore.migration.status import migration_status
 from tierstore.retry import RetryPolicy
-from tierstore.tiers.migrator import MigrationConfig
-from tierstore.tiers.status import migration_status
 from tierstore.tiers.tier import Store, Tier
 
 FAST = MigrationConfig(

@@ -333,7 +333,7 @@ def tc_storage(tmp_path: Path) -> object:
 
 def tc_committed(tmp_path: Path, data: bytes) -> tuple[object, Path]:
     """A checkpoint ``step_5`` of one file, committed in hot and migrated to cold."""
-    from tierstore.tiers import workers
+    from tierstore.migration import workers
 
     storage = tc_storage(tmp_path)
     hot = tmp_path / "hot"

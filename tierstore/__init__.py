@@ -44,16 +44,16 @@ from tierstore.lifecycle.retention import (
     keep_steps,
     keep_within,
 )
+from tierstore.migration.copy import copy_checkpoint
+from tierstore.migration.migrator import MigrationConfig
+from tierstore.migration.restore import restore
+from tierstore.migration.status import migrate_pending, migration_status, wait_for_migrations
 from tierstore.options import Preemption, ReaderOptions, Run, StagingOptions, WriterOptions
 from tierstore.resume.cadence import TimeCadence, optimal_interval
 from tierstore.resume.check import Probe, verify_resume
 from tierstore.resume.data import ResumableLoader, ResumableSampler
 from tierstore.storage.registry import register_backend
 from tierstore.tiers.catalog import CheckpointInfo, list_checkpoints
-from tierstore.tiers.copy import copy_checkpoint
-from tierstore.tiers.migrator import MigrationConfig
-from tierstore.tiers.restore import restore
-from tierstore.tiers.status import migrate_pending, migration_status, wait_for_migrations
 from tierstore.tiers.tier import Store
 
 if TYPE_CHECKING:
@@ -75,11 +75,11 @@ _LAZY = {
 # Names the package exported before it kept one name per job: they still work, for one
 # release, with a DeprecationWarning saying where they live (or what does their job).
 _MOVED = {  # module -> the names that now live only there
-    "tierstore.tiers.restore": ("restore_checkpoint", "RestoreReport"),
+    "tierstore.migration.restore": ("restore_checkpoint", "RestoreReport"),
     "tierstore.resume.check": ("verify_checkpoint",),
     "tierstore.manager": ("Health",),
     "tierstore.format.manifest": ("Manifest", "FileEntry"),
-    "tierstore.tiers.migrator": ("MigrationState", "MigrationStatus"),
+    "tierstore.migration.migrator": ("MigrationState", "MigrationStatus"),
     "tierstore.resume.cadence": ("CadencePlan",),
     "tierstore.resume.report": ("ResumeReport",),
     "tierstore.errors": (

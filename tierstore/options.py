@@ -14,7 +14,7 @@ a handful of parameters plus nested option dataclasses.
   period it saves within (:mod:`tierstore.manager.preemption`).
 - :class:`Run`: the run a :class:`~tierstore.CheckpointManager` saves and resumes, and whether
   a store holding another run's checkpoints is an error (``CheckpointManager(run=)``).
-- :class:`~tierstore.MigrationConfig` (:mod:`tierstore.tiers.jobs`): how a process migrates.
+- :class:`~tierstore.MigrationConfig` (:mod:`tierstore.migration.jobs`): how a process migrates.
 - :class:`~tierstore.Retention` (:mod:`tierstore.lifecycle.retention`): what each tier keeps.
 
 The module imports no torch, so ``from tierstore import WriterOptions`` stays cheap.

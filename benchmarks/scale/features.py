@@ -52,7 +52,7 @@ _PROBES: dict[str, tuple[str, Callable[[], bool]]] = {
     ),
     "fresh uploads": (
         "Migrator.submit_rank(fresh=)",
-        lambda: "fresh" in _source("tierstore.tiers.migrator", "Migrator"),
+        lambda: "fresh" in _source("tierstore.migration.migrator", "Migrator"),
     ),
     "resolve once": (
         "reader broadcasts the resolved checkpoint",

@@ -42,13 +42,13 @@ from tierstore.format.manifest import FileEntry, Manifest
 from tierstore.lifecycle.gc import collect_garbage
 from tierstore.lifecycle.prune import prune
 from tierstore.lifecycle.retention import keep_last
+from tierstore.migration.migrator import MigrationConfig, Migrator
+from tierstore.migration.status import migration_status
+from tierstore.migration.transfer import copy_file
 from tierstore.storage.backend import Backend
 from tierstore.storage.registry import open_backend
 from tierstore.tiers.catalog import list_checkpoints
-from tierstore.tiers.migrator import MigrationConfig, Migrator
-from tierstore.tiers.status import migration_status
 from tierstore.tiers.tier import Store, Tier
-from tierstore.tiers.transfer import copy_file
 
 __all__ = ["SimConfig", "SimRun", "simulate", "simulate_cold", "PHASES", "tree_part_ranks", "load_sample"]
 

@@ -25,8 +25,8 @@ from tierstore.dcp.export import export
 from tierstore.errors import ConfigError
 from tierstore.format import layout
 from tierstore.lifecycle.scrub import verify_store
+from tierstore.migration.status import migrate_pending
 from tierstore.storage import faults
-from tierstore.tiers.status import migrate_pending
 from tierstore.tiers.tier import Store
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

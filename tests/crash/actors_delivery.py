@@ -40,9 +40,9 @@ from tierstore.errors import MigrationFailed
 from tierstore.format import layout
 from tierstore.lifecycle.prune import check_cold_copies, plan_prune
 from tierstore.lifecycle.retention import Retention, keep_all, keep_last
+from tierstore.migration.delivery import resume_pending
+from tierstore.migration.migrator import Migrator
 from tierstore.tiers import marks
-from tierstore.tiers.delivery import resume_pending
-from tierstore.tiers.migrator import Migrator
 from tierstore.tiers.tier import Store as TierStore
 
 __all__ = ["DeliveryActors"]

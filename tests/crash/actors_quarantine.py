@@ -69,9 +69,9 @@ from tierstore.lifecycle.quarantine import (
     quarantine_proven,
     restore_quarantined,
 )
+from tierstore.migration.transfer import has_verified_copy
 from tierstore.tiers.tier import Store as TierStore
 from tierstore.tiers.tier import Tier
-from tierstore.tiers.transfer import has_verified_copy
 
 __all__ = ["QuarantineActors", "QStep", "QUARANTINE", "RESTORE", "DELETE"]
 

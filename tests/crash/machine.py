@@ -40,10 +40,10 @@ from tierstore.format import layout
 from tierstore.lifecycle.gc import collect_garbage, find_garbage
 from tierstore.lifecycle.prune import pending_in_cold, plan_prune, prune
 from tierstore.lifecycle.retention import Policy, keep_every, keep_last
-from tierstore.tiers.migrator import MigrationState
-from tierstore.tiers.status import migrate_pending, migration_status
+from tierstore.migration.migrator import MigrationState
+from tierstore.migration.status import migrate_pending, migration_status
+from tierstore.migration.transfer import has_verified_copy
 from tierstore.tiers.tier import Tier
-from tierstore.tiers.transfer import has_verified_copy
 
 Op = Callable[[str, str, int], Any]  # (hot, cold, rank) -> result
 

@@ -11,8 +11,8 @@ from helpers import unwrap  # noqa: F401  (re-exported for the crash tests)
 
 from tierstore import ReaderOptions, TieredReader, TieredWriter
 from tierstore.errors import IntegrityError, StorageError
+from tierstore.migration.migrator import MigrationConfig
 from tierstore.retry import RetryPolicy
-from tierstore.tiers.migrator import MigrationConfig
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 

@@ -60,12 +60,12 @@ from tierstore.format.manifest import Manifest
 from tierstore.lifecycle.gc import collect_garbage
 from tierstore.lifecycle.prune import pending_in_cold, plan_prune, prune, prune_hot, prune_tier
 from tierstore.lifecycle.retention import keep_last
+from tierstore.migration.migrator import MigrationState
+from tierstore.migration.status import migrate_pending, migration_status
+from tierstore.migration.transfer import has_verified_copy
 from tierstore.retry import RetryPolicy
-from tierstore.tiers.migrator import MigrationState
-from tierstore.tiers.status import migrate_pending, migration_status
 from tierstore.tiers.tier import Store as TierStore
 from tierstore.tiers.tier import Tier
-from tierstore.tiers.transfer import has_verified_copy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "backends" / "s3" / "tests"))
 

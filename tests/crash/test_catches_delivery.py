@@ -28,9 +28,9 @@ from stats import STATS
 from test_multi_actor import s3_cold
 from test_suite_catches_bugs import generated
 
-from tierstore.tiers import delivery
-from tierstore.tiers.jobs import JobFailed
-from tierstore.tiers.migrator import Migrator
+from tierstore.migration import delivery
+from tierstore.migration.jobs import JobFailed
+from tierstore.migration.migrator import Migrator
 
 
 class DeliveryOnly(DeliveryActors, Machine):

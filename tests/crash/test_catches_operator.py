@@ -31,7 +31,7 @@ from test_suite_catches_bugs import generated
 
 from tierstore.dcp import export as export_mod
 from tierstore.lifecycle import scrub
-from tierstore.tiers.transfer import Throttle
+from tierstore.migration.transfer import Throttle
 
 
 def only(*rules: str, **overrides: Any) -> type[MultiActor]:

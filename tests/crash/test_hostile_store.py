@@ -52,12 +52,12 @@ from tierstore.format.manifest import _checksum
 from tierstore.lifecycle.gc import collect_garbage
 from tierstore.lifecycle.prune import prune
 from tierstore.lifecycle.retention import keep_last
+from tierstore.migration.migrator import MigrationState
+from tierstore.migration.restore import restore
+from tierstore.migration.status import migrate_pending, migration_status
 from tierstore.storage.backend import crc32c_update
 from tierstore.storage.local import LocalBackend
 from tierstore.tiers import marks
-from tierstore.tiers.migrator import MigrationState
-from tierstore.tiers.restore import restore
-from tierstore.tiers.status import migrate_pending, migration_status
 
 PROFILE = settings.get_profile(os.environ.get("TIERSTORE_CRASH_PROFILE", "ci"))
 # Families share the profile's budget in CI (about a minute in all); soak runs each in full.

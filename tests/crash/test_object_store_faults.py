@@ -18,8 +18,8 @@ from stats import STATS
 from tierstore import ReaderOptions, TieredReader, TieredWriter, list_checkpoints
 from tierstore.format import layout
 from tierstore.lifecycle.scrub import verify_store
+from tierstore.migration.migrator import MigrationConfig, MigrationState
 from tierstore.retry import RetryPolicy
-from tierstore.tiers.migrator import MigrationConfig, MigrationState
 
 pytest.importorskip("tierstore_s3", reason="the S3 backend is installed by make test")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "backends" / "s3" / "tests"))

@@ -18,7 +18,7 @@ from tierstore.format import layout
 from tierstore.lifecycle.gc import collect_garbage
 from tierstore.lifecycle.prune import prune
 from tierstore.lifecycle.retention import keep_last
-from tierstore.tiers.status import migrate_pending, migration_status
+from tierstore.migration.status import migrate_pending, migration_status
 
 
 def save(hot: str, step: int, cold: str | None = None) -> None:

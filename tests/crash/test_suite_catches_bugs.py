@@ -248,8 +248,8 @@ class HostileUploads(Machine):
 
 
 def test_multi_actor_machine_catches_a_cold_commit_that_checks_sizes_only(monkeypatch) -> None:
+    from tierstore.migration.migrator import Migrator
     from tierstore.tiers import marks
-    from tierstore.tiers.migrator import Migrator
 
     # The old commit (sizes from a listing) and the old resume check (a mark and sizes).
     monkeypatch.setattr(Migrator, "_proved", lambda self, *args: True)

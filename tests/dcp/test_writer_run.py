@@ -27,7 +27,7 @@ from tierstore import Store, TieredWriter, WriterOptions, _dist, list_checkpoint
 from tierstore.dcp import structure
 from tierstore.errors import ConfigError
 from tierstore.format import layout
-from tierstore.tiers.migrator import MigrationConfig
+from tierstore.migration.migrator import MigrationConfig
 from tierstore.tiers.tier import Tier
 
 JOB_VARIABLES = [variable for variable, _ in _dist._JOB_VARIABLES]

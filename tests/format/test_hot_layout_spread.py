@@ -19,8 +19,8 @@ from tierstore.errors import ConfigError
 from tierstore.format import layout
 from tierstore.format.manifest import Manifest
 from tierstore.lifecycle.gc import find_garbage
+from tierstore.migration.migrator import MigrationConfig
 from tierstore.retry import RetryPolicy
-from tierstore.tiers.migrator import MigrationConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

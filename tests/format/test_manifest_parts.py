@@ -26,9 +26,9 @@ from tierstore.errors import ConfigError, IntegrityError, InvalidManifest
 from tierstore.format import layout
 from tierstore.format import manifest_format as fmt
 from tierstore.format.manifest import FileEntry, Manifest, PartRef, _checksum
+from tierstore.migration.migrator import MigrationConfig
 from tierstore.retry import RetryPolicy
 from tierstore.storage.backend import Backend, ObjectInfo
-from tierstore.tiers.migrator import MigrationConfig
 from tierstore.tiers.tier import Store, Tier
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -23,7 +23,7 @@ from tierstore.format import layout
 from tierstore.format.manifest import Manifest, _checksum
 from tierstore.format.verified import verify_file
 from tierstore.lifecycle.scrub import verify_store
-from tierstore.tiers.restore import restore
+from tierstore.migration.restore import restore
 from tierstore.tiers.tier import Tier
 
 

@@ -25,7 +25,7 @@ from launch import run_job
 
 from tierstore import Store, list_checkpoints
 from tierstore.errors import ConfigError
-from tierstore.tiers.status import migrate_pending
+from tierstore.migration.status import migrate_pending
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -257,7 +257,7 @@ def test_torch_checkpointing_two_ranks_commit_by_manifest_migrate_and_load(tmp_p
 
 
 def tc_save(tmp_path: Path, name: str, value: float) -> None:
-    from tierstore.tiers import workers
+    from tierstore.migration import workers
 
     manager = tc_manager(tmp_path)
     manager.save(str(tmp_path / "hot" / name), {"model": {"w": torch.full((4,), value)}})

@@ -11,8 +11,8 @@ from helpers import assert_every_listed_checkpoint_loads, save
 from tierstore import Store
 from tierstore.format import layout
 from tierstore.lifecycle.gc import collect_garbage, find_garbage
-from tierstore.tiers.migrator import MigrationConfig
-from tierstore.tiers.status import wait_for_migrations
+from tierstore.migration.migrator import MigrationConfig
+from tierstore.migration.status import wait_for_migrations
 from tierstore.tiers.tier import Tier
 
 FAST = MigrationConfig(poll_interval=0.01)

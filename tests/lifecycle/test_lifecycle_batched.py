@@ -23,10 +23,10 @@ from tierstore.format import layout
 from tierstore.format.manifest import FileEntry, Manifest
 from tierstore.lifecycle.prune import prune, prune_node_local, prune_tier
 from tierstore.lifecycle.retention import keep_all, keep_last
+from tierstore.migration.status import migration_status
 from tierstore.storage.backend import ObjectInfo
 from tierstore.storage.checksum import crc32c_update
 from tierstore.storage.local import LocalBackend
-from tierstore.tiers.status import migration_status
 from tierstore.tiers.tier import Store, Tier
 
 

@@ -16,9 +16,9 @@ from tierstore.format import layout
 from tierstore.lifecycle.gc import collect_garbage, find_garbage
 from tierstore.lifecycle.prune import prune, prune_tier
 from tierstore.lifecycle.retention import keep_last, keep_steps
+from tierstore.migration.migrator import MigrationConfig
+from tierstore.migration.status import migrate_pending, wait_for_migrations
 from tierstore.tiers import leases
-from tierstore.tiers.migrator import MigrationConfig
-from tierstore.tiers.status import migrate_pending, wait_for_migrations
 from tierstore.tiers.tier import Tier
 
 FAST = MigrationConfig(poll_interval=0.01)

@@ -53,11 +53,11 @@ from tierstore.lifecycle.quarantine import (
     quarantine_proven,
     restore_quarantined,
 )
+from tierstore.migration.migrator import MigrationConfig
 from tierstore.retry import RetryPolicy
 from tierstore.storage import faults
 from tierstore.storage.backend import ObjectInfo
 from tierstore.storage.local import LocalBackend
-from tierstore.tiers.migrator import MigrationConfig
 from tierstore.tiers.tier import Store, Tier
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "backends" / "gcs" / "tests"))

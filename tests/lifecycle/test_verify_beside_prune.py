@@ -26,11 +26,11 @@ from tierstore.format.manifest import FileEntry, Manifest
 from tierstore.lifecycle.prune import prune
 from tierstore.lifecycle.retention import keep_last
 from tierstore.lifecycle.scrub import FileCheck, verify_store
+from tierstore.migration.migrator import MigrationConfig
+from tierstore.migration.status import migrate_pending
 from tierstore.retry import RetryPolicy
 from tierstore.storage import faults
 from tierstore.storage.checksum import crc32c_update
-from tierstore.tiers.migrator import MigrationConfig
-from tierstore.tiers.status import migrate_pending
 from tierstore.tiers.tier import Store, Tier
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -15,9 +15,9 @@ import torch
 
 from tierstore import CheckpointManager, StagingOptions, list_checkpoints
 from tierstore.errors import BackendNotFound, CheckpointExists, MigrationFailed, NoSpaceLeft, SaveFailed
+from tierstore.migration.migrator import MigrationConfig
 from tierstore.retry import RetryPolicy
 from tierstore.storage import faults
-from tierstore.tiers.migrator import MigrationConfig
 
 FAST = MigrationConfig(
     chunk_size=4096,

@@ -29,8 +29,8 @@ from cold_tiers import Cold
 from tierstore import CheckpointManager, Preemption, Retention, Store, TieredReader, list_checkpoints
 from tierstore.errors import ConfigError
 from tierstore.format import layout
+from tierstore.migration.migrator import MigrationConfig
 from tierstore.storage import faults
-from tierstore.tiers.migrator import MigrationConfig
 
 FAST = MigrationConfig(poll_interval=0.05)
 

@@ -47,9 +47,9 @@ from tierstore import (
 )
 from tierstore.errors import ConfigError, MigrationFailed
 from tierstore.format import layout
+from tierstore.migration.migrator import MigrationConfig
 from tierstore.retry import RetryPolicy
 from tierstore.storage.local import LocalBackend
-from tierstore.tiers.migrator import MigrationConfig
 from tierstore.tiers.tier import Tier
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

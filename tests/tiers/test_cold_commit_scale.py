@@ -6,7 +6,7 @@ forwarding wrapper around the cold backend (every call reaches the real backend)
 the HTTP requests themselves are counted too, from botocore's ``before-send`` event.
 
 Proof that the counts fail with the old code path: run this file with HEAD's
-``tierstore/tiers/migrator.py`` and ``marks.py`` (2W requests per polling round, a HEAD per
+``tierstore/migration/migrator.py`` and ``marks.py`` (2W requests per polling round, a HEAD per
 file at the commit, W single deletes; 3 + 4F requests per rank upload).
 """
 
@@ -23,12 +23,12 @@ import pytest
 
 from tierstore.format import layout
 from tierstore.format.manifest import FileEntry, Manifest
+from tierstore.migration.migrator import Job, MigrationConfig, MigrationState, Migrator
+from tierstore.migration.status import migrate_pending
 from tierstore.retry import RetryPolicy
 from tierstore.storage.backend import Backend, ObjectInfo, ObjectWriter
 from tierstore.storage.checksum import crc32c_update
 from tierstore.tiers import marks
-from tierstore.tiers.migrator import Job, MigrationConfig, MigrationState, Migrator
-from tierstore.tiers.status import migrate_pending
 from tierstore.tiers.tier import Store, Tier
 
 W, F = 64, 2

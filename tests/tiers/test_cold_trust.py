@@ -30,12 +30,12 @@ from tierstore.format import layout
 from tierstore.format.manifest import FileEntry
 from tierstore.lifecycle.prune import prune
 from tierstore.lifecycle.retention import keep_last
+from tierstore.migration.migrator import Job as _Job
+from tierstore.migration.migrator import MigrationConfig, MigrationState, Migrator
+from tierstore.migration.status import migrate_pending, migration_status
 from tierstore.retry import RetryPolicy
 from tierstore.storage.local import LocalBackend
 from tierstore.tiers import marks
-from tierstore.tiers.migrator import Job as _Job
-from tierstore.tiers.migrator import MigrationConfig, MigrationState, Migrator
-from tierstore.tiers.status import migrate_pending, migration_status
 from tierstore.tiers.tier import Tier
 
 FAST = MigrationConfig(
@@ -141,7 +141,7 @@ def test_second_migrator_that_is_throttled_never_deletes_a_committed_object(
 
 
 def _upload_without_check(migrator: Migrator, job: _Job, entry: FileEntry) -> None:
-    import tierstore.tiers.migrator as mod
+    import tierstore.migration.migrator as mod
 
     original = mod.verified_copy
     mod.verified_copy = lambda *a, **k: None  # type: ignore[assignment]

@@ -22,13 +22,13 @@ from tierstore import TieredReader, TieredWriter
 from tierstore.format.manifest import FileEntry, Manifest
 from tierstore.lifecycle.prune import prune
 from tierstore.lifecycle.retention import keep_last, keep_none
+from tierstore.migration.migrator import Job, MigrationConfig, MigrationState, Migrator
+from tierstore.migration.status import migrate_pending
+from tierstore.migration.transfer import has_verified_copy
 from tierstore.retry import RetryPolicy
 from tierstore.storage import faults
 from tierstore.tiers import marks
-from tierstore.tiers.migrator import Job, MigrationConfig, MigrationState, Migrator
-from tierstore.tiers.status import migrate_pending
 from tierstore.tiers.tier import Store, Tier
-from tierstore.tiers.transfer import has_verified_copy
 
 FAST = MigrationConfig(
     chunk_size=4096,
@@ -154,7 +154,7 @@ def test_a_copy_replaced_while_it_is_read_back_is_not_verified(
 ) -> None:
     """Where the store has no checksum of its own, verifying means reading back: an object
     replaced during that read is not the object that was verified."""
-    from tierstore.tiers import transfer
+    from tierstore.migration import transfer
 
     hot_root, cold_root = str(tmp_path / "hot"), str(tmp_path / "cold")
     manifest = saved(hot_root, 1)

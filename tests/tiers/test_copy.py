@@ -1,4 +1,4 @@
-"""Copying one committed checkpoint to another tier (tierstore.tiers.copy, issue 26 item 2):
+"""Copying one committed checkpoint to another tier (tierstore.migration.copy, issue 26 item 2):
 verified on the way, committed at the destination last, resumable after SIGKILL, never over
 another attempt, and leaving the source's own migration state alone. The command's exit codes
 and lines: tests/cli/test_cli_copy.py."""
@@ -30,10 +30,10 @@ from tierstore import (
 )
 from tierstore.errors import ChecksumMismatch
 from tierstore.format import layout
+from tierstore.migration.migrator import MigrationConfig, MigrationState
+from tierstore.migration.status import migrate_pending
 from tierstore.retry import RetryPolicy
 from tierstore.storage import faults
-from tierstore.tiers.migrator import MigrationConfig, MigrationState
-from tierstore.tiers.status import migrate_pending
 
 FAST = MigrationConfig(
     chunk_size=4096,

@@ -39,11 +39,11 @@ from tierstore.errors import MigrationFailed
 from tierstore.format import layout
 from tierstore.format.manifest import Manifest
 from tierstore.lifecycle.prune import prune_tier
+from tierstore.migration.delivery import resume_pending, undelivered
+from tierstore.migration.migrator import MigrationConfig, MigrationState, Migrator
+from tierstore.migration.status import migrate_pending
 from tierstore.retry import RetryPolicy
 from tierstore.storage import faults
-from tierstore.tiers.delivery import resume_pending, undelivered
-from tierstore.tiers.migrator import MigrationConfig, MigrationState, Migrator
-from tierstore.tiers.status import migrate_pending
 from tierstore.tiers.tier import Store, Tier
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "crash"))

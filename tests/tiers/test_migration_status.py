@@ -1,4 +1,4 @@
-"""The tiers' view of migration (tierstore.tiers.status): waiting for migrations, and
+"""The tiers' view of migration (tierstore.migration.status): waiting for migrations, and
 finishing pending ones with progress."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 from helpers import save
 
 from tierstore import Store
-from tierstore.tiers.migrator import MigrationConfig, MigrationState
-from tierstore.tiers.status import migrate_pending, migration_status, wait_for_migrations
+from tierstore.migration.migrator import MigrationConfig, MigrationState
+from tierstore.migration.status import migrate_pending, migration_status, wait_for_migrations
 
 QUICK = MigrationConfig(chunk_size=4096, poll_interval=0.01)  # nothing fails here: default retries
 

@@ -20,9 +20,9 @@ from helpers import file_path, flip, load, load_error, matches, save
 from tierstore import Store, TieredReader, list_checkpoints
 from tierstore.format import layout
 from tierstore.format.manifest import FileEntry, Manifest
+from tierstore.migration.migrator import MigrationConfig, MigrationState, Migrator
+from tierstore.migration.status import migrate_pending, migration_status, wait_for_migrations
 from tierstore.retry import RetryPolicy
-from tierstore.tiers.migrator import MigrationConfig, MigrationState, Migrator
-from tierstore.tiers.status import migrate_pending, migration_status, wait_for_migrations
 from tierstore.tiers.tier import Tier
 
 FAST = MigrationConfig(
@@ -164,7 +164,7 @@ SAVE_SCRIPT = """
 import sys, torch, torch.distributed.checkpoint as dcp, warnings
 warnings.filterwarnings("ignore")
 from tierstore import TieredWriter
-from tierstore.tiers.migrator import MigrationConfig
+from tierstore.migration.migrator import MigrationConfig
 hot, cold = sys.argv[1], sys.argv[2]
 g = torch.Generator().manual_seed(1)
 state = {"w": torch.randn(200, 50, generator=g), "extra": {"step": 1}}
@@ -245,7 +245,7 @@ def test_stop_ends_a_commit_waiting_for_marks_and_the_jobs_behind_it(tmp_path: P
 
     from test_cold_commit_scale import rank_job, write_attempt
 
-    from tierstore.tiers.migrator import MigrationConfig, MigrationState, Migrator
+    from tierstore.migration.migrator import MigrationConfig, MigrationState, Migrator
     from tierstore.tiers.tier import Tier
 
     hot, cold = Tier("hot", str(tmp_path / "hot")), Tier("cold", str(tmp_path / "cold"))

@@ -22,9 +22,9 @@ from helpers import save
 from tierstore.errors import ObjectNotFound
 from tierstore.format import layout
 from tierstore.format.manifest import Manifest
-from tierstore.tiers.migrator import MigrationConfig, MigrationState
-from tierstore.tiers.restore import restore_checkpoint
-from tierstore.tiers.status import migrate_pending
+from tierstore.migration.migrator import MigrationConfig, MigrationState
+from tierstore.migration.restore import restore_checkpoint
+from tierstore.migration.status import migrate_pending
 from tierstore.tiers.tier import Store, Tier
 
 BIG = (512, 1024)  # 2 MiB of data a checkpoint

@@ -1,4 +1,4 @@
-"""Restoring the hot tier from the cold one (tierstore.tiers.restore) after losing it, and
+"""Restoring the hot tier from the cold one (tierstore.migration.restore) after losing it, and
 replacing a damaged hot file. Finer-grained repairs: tests/tiers/test_restore_repair.py."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from helpers import file_path, load, matches, save
 
 from tierstore import Store, list_checkpoints
 from tierstore.format import layout
+from tierstore.migration.migrator import MigrationConfig
+from tierstore.migration.restore import restore
+from tierstore.migration.status import wait_for_migrations
 from tierstore.retry import RetryPolicy
-from tierstore.tiers.migrator import MigrationConfig
-from tierstore.tiers.restore import restore
-from tierstore.tiers.status import wait_for_migrations
 
 FAST = MigrationConfig(
     chunk_size=4096,

@@ -15,7 +15,7 @@ from tierstore import ReaderOptions, Store
 from tierstore.errors import ChecksumMismatch
 from tierstore.format import layout
 from tierstore.format.manifest import Manifest
-from tierstore.tiers.restore import restore, restore_checkpoint
+from tierstore.migration.restore import restore, restore_checkpoint
 from tierstore.tiers.tier import Tier
 
 

@@ -23,7 +23,7 @@ from tierstore import (
     migration_status,
     prune,
 )
-from tierstore.tiers import workers
+from tierstore.migration import workers
 
 
 def test_store_is_accepted_wherever_urls_are(tmp_path: Path) -> None:

@@ -39,9 +39,9 @@ from tierstore import (
 from tierstore.lifecycle.gc import find_garbage
 from tierstore.lifecycle.quarantine import delete_quarantined, restore_quarantined
 from tierstore.lifecycle.scrub import verify_store
+from tierstore.migration.restore import restore_checkpoint
 from tierstore.resume.check import verify_checkpoint
 from tierstore.tiers.catalog import latest_checkpoint
-from tierstore.tiers.restore import restore_checkpoint
 
 NOW = time.time() + 10.0  # one "now" for every GC scan, so two scans compare equal
 

@@ -1,10 +1,10 @@
-"""The migration bandwidth cap (tierstore.tiers.transfer.Throttle), on an injected clock."""
+"""The migration bandwidth cap (tierstore.migration.transfer.Throttle), on an injected clock."""
 
 from __future__ import annotations
 
 import pytest
 
-from tierstore.tiers.transfer import Throttle
+from tierstore.migration.transfer import Throttle
 
 
 def test_throttle_caps_bytes_per_second() -> None:

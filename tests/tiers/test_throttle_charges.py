@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from helpers import saved
 
+from tierstore.migration.transfer import Throttle, copy_file
 from tierstore.tiers.tier import Tier
-from tierstore.tiers.transfer import Throttle, copy_file
 
 MIB = 2**20
 

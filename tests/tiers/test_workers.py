@@ -1,4 +1,4 @@
-"""This process's migrators (tierstore.tiers.workers): one per tier pair, none in a forked
+"""This process's migrators (tierstore.migration.workers): one per tier pair, none in a forked
 child, drained on request; the old import path still works, with a warning."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from pathlib import Path
 
 from helpers import save
 
-from tierstore.tiers.migrator import MigrationConfig, MigrationState
+from tierstore.migration.migrator import MigrationConfig, MigrationState
+from tierstore.migration.workers import active_migrators, drain, migrator_for
 from tierstore.tiers.tier import Tier
-from tierstore.tiers.workers import active_migrators, drain, migrator_for
 
 
 def test_one_migrator_per_pair_of_tiers(tmp_path: Path) -> None:

@@ -15,8 +15,8 @@ from urllib.parse import unquote, urlparse
 from tierstore._redact import redact_url
 from tierstore.cli.parser import UsageError
 from tierstore.errors import ConfigError
+from tierstore.migration.delivery import unreachable
 from tierstore.storage.registry import backend_class, split_scheme
-from tierstore.tiers.delivery import unreachable
 from tierstore.tiers.tier import Tier
 
 __all__ = ["CommandFailed", "require_backends", "require_tiers", "cold_unreachable"]
@@ -68,5 +68,5 @@ def require_tiers(urls: dict[str, str | None], creates: str | None) -> None:
 
 def cold_unreachable(cold: Tier | None, wait: float) -> str | None:
     """Why the cold tier cannot be listed within ``wait`` seconds; ``None`` if it can
-    (:func:`tierstore.tiers.delivery.unreachable`)."""
+    (:func:`tierstore.migration.delivery.unreachable`)."""
     return None if cold is None else unreachable(cold, wait)

@@ -14,9 +14,9 @@ from tierstore._redact import redact_url
 from tierstore.cli.parser import EXIT_ERROR, UsageError
 from tierstore.errors import CheckpointNotFound
 from tierstore.lifecycle.quarantine import list_quarantined
+from tierstore.migration.migrator import MigrationConfig
 from tierstore.progress import size_text
 from tierstore.tiers.catalog import resolve
-from tierstore.tiers.migrator import MigrationConfig
 from tierstore.tiers.tier import Store, Tier
 
 __all__ = [

@@ -1,5 +1,5 @@
 """``tierstore cp``: copy one committed checkpoint to another tier, verified
-(:func:`tierstore.tiers.copy.copy_checkpoint`)."""
+(:func:`tierstore.migration.copy.copy_checkpoint`)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import argparse
 from tierstore._redact import redact_url
 from tierstore.cli.common import migration_config, options_of, require_picked, said_json, store_of
 from tierstore.cli.parser import EXIT_OK, UsageError
+from tierstore.migration.copy import copy_checkpoint
 from tierstore.progress import size_text
-from tierstore.tiers.copy import copy_checkpoint
 from tierstore.tiers.roots import local_path, overlap
 
 __all__ = ["cmd_cp"]

@@ -26,10 +26,10 @@ from tierstore.format import layout
 from tierstore.format.manifest import Manifest
 from tierstore.lifecycle.quarantine import delete_quarantined, restore_quarantined
 from tierstore.lifecycle.scrub import verify_store
+from tierstore.migration.migrator import MigrationState
+from tierstore.migration.status import migration_status
 from tierstore.progress import size_text
 from tierstore.tiers.catalog import list_checkpoints, resolve
-from tierstore.tiers.migrator import MigrationState
-from tierstore.tiers.status import migration_status
 from tierstore.tiers.tier import Store, Tier
 
 

@@ -22,10 +22,10 @@ from tierstore.cli.parser import EXIT_ERROR, EXIT_OK, UsageError
 from tierstore.lifecycle.gc import collect_garbage
 from tierstore.lifecycle.prune import prune
 from tierstore.lifecycle.retention import Policy, keep_all, keep_every, keep_last, keep_within
+from tierstore.migration.migrator import MigrationState
+from tierstore.migration.restore import restore_checkpoint
+from tierstore.migration.status import migrate_pending
 from tierstore.progress import size_text
-from tierstore.tiers.migrator import MigrationState
-from tierstore.tiers.restore import restore_checkpoint
-from tierstore.tiers.status import migrate_pending
 from tierstore.tiers.tier import Store
 
 

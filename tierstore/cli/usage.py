@@ -11,9 +11,9 @@ from tierstore._redact import redact_url
 from tierstore.cli.checks import cold_unreachable
 from tierstore.cli.common import say_unreachable, store_of
 from tierstore.cli.parser import EXIT_ERROR, EXIT_OK
+from tierstore.migration.migrator import MigrationState, MigrationStatus
+from tierstore.migration.status import migration_status
 from tierstore.progress import size_text
-from tierstore.tiers.migrator import MigrationState, MigrationStatus
-from tierstore.tiers.status import migration_status
 from tierstore.tiers.tier import Store
 from tierstore.tiers.usage import TierUsage, tier_usage
 

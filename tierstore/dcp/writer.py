@@ -17,7 +17,7 @@ Call order (DCP's, across ranks) and what each step does here:
 
 With a cold tier, each rank hands the files it wrote to this process's background migrator
 as soon as they are durable, and the coordinator hands it the commit once the hot manifest
-is published (see :mod:`tierstore.tiers.migrator`). Nothing in migration can fail the save, and
+is published (see :mod:`tierstore.migration.migrator`). Nothing in migration can fail the save, and
 no step of a save sends a request to the cold tier: a cold tier that is slow, stalled,
 unreachable or denying writes never delays or fails a save (docs/design.md invariant 9).
 The cold tier's own "never overwrite a committed checkpoint" check happens at the cold
@@ -60,11 +60,11 @@ from tierstore.format import encoding as raw
 from tierstore.format import layout
 from tierstore.format import manifest_format as fmt
 from tierstore.format.manifest import FileEntry, Manifest
+from tierstore.migration.migrator import MigrationConfig, Migrator
+from tierstore.migration.workers import migrator_for
 from tierstore.options import WriterOptions
 from tierstore.storage import faults
-from tierstore.tiers.migrator import MigrationConfig, Migrator
 from tierstore.tiers.tier import Store, Tier, TierURL
-from tierstore.tiers.workers import migrator_for
 
 if TYPE_CHECKING:
     from typing import Unpack  # Python 3.11; the annotations are never evaluated

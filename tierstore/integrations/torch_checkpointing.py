@@ -62,9 +62,9 @@ from tierstore.errors import CheckpointExists, ChecksumMismatch, ConfigError, In
 from tierstore.format import layout
 from tierstore.format.manifest import FileEntry, Manifest
 from tierstore.format.verified import VerifiedStream, open_verified, verify_file
+from tierstore.migration import workers
 from tierstore.storage.backend import ObjectWriter
 from tierstore.storage.registry import split_scheme
-from tierstore.tiers import workers
 from tierstore.tiers.tier import Store, Tier
 
 __all__ = ["TieredStorageConfig", "TieredStorage"]

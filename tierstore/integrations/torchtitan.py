@@ -71,12 +71,12 @@ from tierstore.lifecycle.prune import check_cold_copies, prune
 from tierstore.lifecycle.retention import keep_last
 from tierstore.lifecycle.rounds import BackgroundRounds
 from tierstore.manager.preemption import PreemptionReport, PreemptionWatch, push_to_cold
+from tierstore.migration.delivery import await_delivery, describe, resume_pending, undelivered
+from tierstore.migration.migrator import Migrator
+from tierstore.migration.workers import migrator_for
 from tierstore.options import Preemption
 from tierstore.tiers.catalog import CheckpointInfo, list_checkpoints
-from tierstore.tiers.delivery import await_delivery, describe, resume_pending, undelivered
-from tierstore.tiers.migrator import Migrator
 from tierstore.tiers.tier import Store
-from tierstore.tiers.workers import migrator_for
 
 __all__ = ["TieredCheckpointManager"]
 

@@ -15,15 +15,15 @@ from tierstore.errors import SaveFailed
 from tierstore.lifecycle.prune import PruneReport
 from tierstore.lifecycle.retention import Retention
 from tierstore.lifecycle.rounds import BackgroundRounds
-from tierstore.options import Run, StagingOptions, WriterOptions
-from tierstore.staging import ReusedStaging
-from tierstore.tiers import runlock
-from tierstore.tiers.migrator import (
+from tierstore.migration.migrator import (
     MigrationConfig,
     Migrator,
 )
+from tierstore.migration.workers import migrators_of
+from tierstore.options import Run, StagingOptions, WriterOptions
+from tierstore.staging import ReusedStaging
+from tierstore.tiers import runlock
 from tierstore.tiers.tier import Store, Tier
-from tierstore.tiers.workers import migrators_of
 
 if TYPE_CHECKING:
     from collections.abc import Sequence

@@ -28,13 +28,13 @@ from tierstore.manager.maintenance import Maintenance
 from tierstore.manager.preemption import Preempting
 from tierstore.manager.runs import Runs, run_of
 from tierstore.manager.saving import Saving
-from tierstore.options import Preemption, Run, StagingOptions, WriterOptions
-from tierstore.staging import ReusedStaging
-from tierstore.tiers import runlock
-from tierstore.tiers.migrator import (
+from tierstore.migration.migrator import (
     MigrationConfig,
     MigrationState,
 )
+from tierstore.options import Preemption, Run, StagingOptions, WriterOptions
+from tierstore.staging import ReusedStaging
+from tierstore.tiers import runlock
 from tierstore.tiers.tier import Store, TierURL
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from tierstore.errors import MigrationFailed, SaveFailed, TierstoreError
 from tierstore.manager.base import Base
-from tierstore.tiers.delivery import (
+from tierstore.migration.delivery import (
     PROBE_WAIT,
     await_delivery,
     deliver,
@@ -133,7 +133,7 @@ class Ending(Base):
 
     def _deliver(self, deadline: float | Callable[[], float] | None) -> str | None:
         """This process's migrations, until ``deadline``: waited for once without one, else
-        tried again while the cold tier answers (:func:`~tierstore.tiers.delivery.deliver`);
+        tried again while the cold tier answers (:func:`~tierstore.migration.delivery.deliver`);
         a cold tier that answers nothing for ``PROBE_WAIT`` seconds in a row is given up on
         (after a preemption notice, not before the grace deadline): returns why."""
         cold, migrators = self.store.cold, self._migrators()

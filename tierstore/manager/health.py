@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tierstore.tiers.migrator import MigrationStatus
+from tierstore.migration.migrator import MigrationStatus
 
 __all__ = ["Health"]
 

@@ -15,16 +15,16 @@ from tierstore.format.manifest import Manifest, checkpoint_order
 from tierstore.lifecycle.prune import PruneReport, check_cold_copies, prune, prune_tier
 from tierstore.lifecycle.retention import Policy, keep_none, within_run
 from tierstore.manager.base import Base
-from tierstore.tiers import marks
-from tierstore.tiers.delivery import (
+from tierstore.migration.delivery import (
     resume_pending,
 )
-from tierstore.tiers.migrator import (
+from tierstore.migration.migrator import (
     Migrator,
     files_by_rank,
 )
+from tierstore.migration.workers import migrator_for
+from tierstore.tiers import marks
 from tierstore.tiers.tier import Store
-from tierstore.tiers.workers import migrator_for
 
 __all__ = ["Maintenance"]
 

@@ -66,9 +66,9 @@ from tierstore import _dist
 from tierstore.errors import ConfigError, SaveFailed
 from tierstore.format import layout
 from tierstore.manager.base import Base
+from tierstore.migration.delivery import deliver
+from tierstore.migration.migrator import MigrationState, Migrator
 from tierstore.options import Preemption
-from tierstore.tiers.delivery import deliver
-from tierstore.tiers.migrator import MigrationState, Migrator
 
 __all__ = [
     "SignalWatch",

@@ -19,16 +19,16 @@ from tierstore.dcp.reader import TieredReader
 from tierstore.dcp.writer import TieredWriter
 from tierstore.format import layout
 from tierstore.manager import CheckpointManager
+from tierstore.migration import migrator as migrator_module
+from tierstore.migration.jobs import Job, JobFailed, MigrationConfig, MigrationState
+from tierstore.migration.migrator import Migrator
+from tierstore.migration.status import migrate_pending
+from tierstore.migration.workers import active_migrators
 from tierstore.retry import RetryPolicy
 from tierstore.testing.backend_contract import returns_within
 from tierstore.testing.server_modes import MODES, ServerModes
-from tierstore.tiers import migrator as migrator_module
 from tierstore.tiers.catalog import list_checkpoints
-from tierstore.tiers.jobs import Job, JobFailed, MigrationConfig, MigrationState
-from tierstore.tiers.migrator import Migrator
-from tierstore.tiers.status import migrate_pending
 from tierstore.tiers.tier import Store, Tier
-from tierstore.tiers.workers import active_migrators
 
 __all__ = ["COLD_MODES", "ColdTierContract", "ProxiedCold"]
 

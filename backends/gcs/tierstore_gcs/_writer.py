@@ -301,7 +301,7 @@ class GCSWriter(ObjectWriter):
         # Never delete the key here: the failed request may have created the object (our
         # own bytes, CRC32C-checked by GCS), but another migrator of the same checkpoint may
         # have stored its verified copy there too, and a delete cannot tell them apart.
-        # Nothing vouches for an object until it is checked in place (tierstore.tiers.migrator).
+        # Nothing vouches for an object until it is checked in place (tierstore.migration.migrator).
         self._forget()
         if self._session is not None:
             self._backend._cancel_session(self.key, self._session)

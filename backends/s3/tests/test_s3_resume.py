@@ -21,9 +21,9 @@ from s3_test_support import FAST_RETRY, PART, backend_options
 
 from tierstore import Store
 from tierstore.format.manifest import Manifest
+from tierstore.migration.jobs import MigrationConfig, MigrationState
+from tierstore.migration.status import migrate_pending
 from tierstore.storage.backend import crc32c_update
-from tierstore.tiers.jobs import MigrationConfig, MigrationState
-from tierstore.tiers.status import migrate_pending
 from tierstore.tiers.tier import Tier
 from tierstore_s3 import S3Backend
 from tierstore_s3._checksum import encode

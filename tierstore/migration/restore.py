@@ -26,12 +26,12 @@ from tierstore.errors import (
 )
 from tierstore.format import layout
 from tierstore.format.manifest import FileEntry, Manifest
+from tierstore.migration.migrator import MigrationConfig
+from tierstore.migration.transfer import Throttle, check_copy, copy_file
 from tierstore.progress import counting
 from tierstore.tiers.catalog import resolve
-from tierstore.tiers.migrator import MigrationConfig
 from tierstore.tiers.store_arg import takes_store
 from tierstore.tiers.tier import Store, Tier, TierURL
-from tierstore.tiers.transfer import Throttle, check_copy, copy_file
 
 __all__ = ["restore", "restore_checkpoint", "RestoreReport", "Repair"]
 

@@ -1,7 +1,7 @@
 """Copy one committed checkpoint from a store to another tier (``tierstore cp``), verified.
 
 A copy is a migration whose destination plays the cold role: the migrator's own machinery
-(:class:`~tierstore.tiers.migrator.Migrator`) streams each file from the source, checks every
+(:class:`~tierstore.migration.migrator.Migrator`) streams each file from the source, checks every
 byte against the manifest's size and CRC32C as it goes, has the destination's writer check what
 it stored, publishes each rank's upload mark in the destination, proves every file in place
 there and only then publishes the manifest, last and exclusively (docs/design.md invariants 2,
@@ -40,13 +40,13 @@ from tierstore.errors import (
     TierstoreError,
 )
 from tierstore.format.manifest import Manifest
+from tierstore.migration.jobs import Job, JobFailed, MigrationConfig, MigrationState, files_by_rank
+from tierstore.migration.migrator import Migrator
 from tierstore.progress import ProgressCallback
 from tierstore.storage import faults
 from tierstore.storage.backend import Backend
 from tierstore.tiers import leases, marks
 from tierstore.tiers.catalog import resolve
-from tierstore.tiers.jobs import Job, JobFailed, MigrationConfig, MigrationState, files_by_rank
-from tierstore.tiers.migrator import Migrator
 from tierstore.tiers.tier import Store, Tier, TierURL
 
 __all__ = ["copy_checkpoint", "CopyReport"]
@@ -181,7 +181,7 @@ class _Copier(Migrator):
         )
 
     def _commit(self, manifest: Manifest, job: Job | None = None) -> None:
-        # Migrator's cold commit (tiers.cold_commit), less the migrated mark in the source
+        # Migrator's cold commit (migration.cold_commit), less the migrated mark in the source
         # (module docstring) and the store identity (a destination is not any store's cold tier).
         by_rank = files_by_rank(manifest)
         listing = self._await_marks(manifest, by_rank, job)

@@ -2,7 +2,7 @@
 
 A backend's own retries and timeouts (minutes, for S3) suit an upload that may succeed, not
 a question asked at a prompt, at the end of a run, or by the migrator's breaker deciding
-whether to let a job through (:mod:`tierstore.tiers.migrator`). :func:`unreachable` asks
+whether to let a job through (:mod:`tierstore.migration.migrator`). :func:`unreachable` asks
 once, on a daemon thread it leaves behind if no answer comes in time.
 """
 

@@ -4,7 +4,7 @@ It waits until one listing of the upload marks shows every rank marked for exact
 of the manifest, proves every file in place with the bytes that were verified (by the listed
 CRC32C, by the object versions the marks name, or by verifying it again), publishes the cold
 manifest exclusively, marks the hot attempt migrated and clears the marks. A mixin of
-:class:`tierstore.tiers.migrator.Migrator`, which supplies the tiers, config and sleep.
+:class:`tierstore.migration.migrator.Migrator`, which supplies the tiers, config and sleep.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from collections.abc import Callable, Sequence
 
 from tierstore.errors import CheckpointExists, ChecksumMismatch, IntegrityError, TierstoreError
 from tierstore.format.manifest import FileEntry, Manifest
+from tierstore.migration.jobs import Job, JobFailed, JobStopped, MigrationConfig, files_by_rank, in_parallel
+from tierstore.migration.transfer import verified_copy
 from tierstore.storage import faults
 from tierstore.storage.backend import ObjectInfo
 from tierstore.tiers import marks
-from tierstore.tiers.jobs import Job, JobFailed, JobStopped, MigrationConfig, files_by_rank, in_parallel
 from tierstore.tiers.tier import Tier
-from tierstore.tiers.transfer import verified_copy
 
 __all__ = ["ColdCommit"]
 
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 
 class ColdCommit:
-    """The cold commit of :class:`~tierstore.tiers.migrator.Migrator` (module docstring)."""
+    """The cold commit of :class:`~tierstore.migration.migrator.Migrator` (module docstring)."""
 
     hot: Tier
     cold: Tier

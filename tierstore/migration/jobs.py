@@ -1,8 +1,8 @@
 """What the migrator works on: its configuration, one rank's share of a checkpoint (a
 :class:`Job`) and the status it reports, and the failures a job ends in.
 
-Values and small helpers only; the worker that runs jobs is :mod:`tierstore.tiers.migrator`,
-its cold commit :mod:`tierstore.tiers.cold_commit`.
+Values and small helpers only; the worker that runs jobs is :mod:`tierstore.migration.migrator`,
+its cold commit :mod:`tierstore.migration.cold_commit`.
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ class Job:
 
 
 class JobStopped(Exception):
-    """Raised inside a job that :meth:`~tierstore.tiers.migrator.Migrator.stop` ended (never retried)."""
+    """Raised inside a job that :meth:`~tierstore.migration.migrator.Migrator.stop` ended (never retried)."""
 
 
 class JobFailed(Exception):
@@ -210,7 +210,7 @@ def in_parallel(calls: Sequence[Callable[[], None]], width: int) -> list[BaseExc
 
     Not a ``ThreadPoolExecutor``: the interpreter joins its threads at exit, so an upload
     stuck on a stalled cold tier would hold the training process's exit forever, whatever
-    ``TIERSTORE_EXIT_WAIT`` says. Daemon threads leave that bound to :mod:`tierstore.tiers.workers`.
+    ``TIERSTORE_EXIT_WAIT`` says. Daemon threads leave that bound to :mod:`tierstore.migration.workers`.
     """
     errors: list[BaseException | None] = [None] * len(calls)
     todo = iter(range(len(calls)))

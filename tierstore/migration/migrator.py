@@ -22,15 +22,15 @@ marks, the data listing (one prefix, or the attempt's hashed prefixes where the 
 spreads keys), the identity read, the publish and ``W/1000`` batch deletes.
 
 The tiers are the only durable state. A checkpoint with a hot manifest and no cold manifest
-is *pending*; :func:`tierstore.tiers.status.migrate_pending` (``tierstore migrate``) finishes it
+is *pending*; :func:`tierstore.migration.status.migrate_pending` (``tierstore migrate``) finishes it
 from any process, later, skipping ranks whose mark exists and files already stored intact. Failures are
 retried (:mod:`tierstore.retry`), then recorded (status, log, and a failure mark
 ``rank-<r>.failed.json`` that stops the coordinator waiting) and never raised into training.
 
-This module is the worker; its cold commit (step 2) is :mod:`tierstore.tiers.cold_commit`,
-what it works on :mod:`tierstore.tiers.jobs`. What the marks are and when one counts is
+This module is the worker; its cold commit (step 2) is :mod:`tierstore.migration.cold_commit`,
+what it works on :mod:`tierstore.migration.jobs`. What the marks are and when one counts is
 :mod:`tierstore.tiers.marks`; which migrator a process uses, and draining it at exit,
-:mod:`tierstore.tiers.workers`.
+:mod:`tierstore.migration.workers`.
 """
 
 from __future__ import annotations
@@ -53,11 +53,8 @@ from tierstore.errors import (
 )
 from tierstore.format import layout
 from tierstore.format.manifest import FileEntry, Manifest
-from tierstore.progress import counting
-from tierstore.storage import faults
-from tierstore.tiers import marks
-from tierstore.tiers.cold_commit import ColdCommit
-from tierstore.tiers.jobs import (
+from tierstore.migration.cold_commit import ColdCommit
+from tierstore.migration.jobs import (
     Job,
     JobFailed,
     JobStopped,
@@ -67,9 +64,12 @@ from tierstore.tiers.jobs import (
     files_by_rank,
     in_parallel,
 )
-from tierstore.tiers.probe import PROBE_WAIT, unreachable
+from tierstore.migration.probe import PROBE_WAIT, unreachable
+from tierstore.migration.transfer import Throttle, copy_file, verified_copy
+from tierstore.progress import counting
+from tierstore.storage import faults
+from tierstore.tiers import marks
 from tierstore.tiers.tier import Tier
-from tierstore.tiers.transfer import Throttle, copy_file, verified_copy
 
 __all__ = [
     "MigrationConfig",

@@ -23,7 +23,7 @@ import os
 import threading
 import time
 
-from tierstore.tiers.migrator import MigrationConfig, Migrator
+from tierstore.migration.migrator import MigrationConfig, Migrator
 from tierstore.tiers.tier import Tier
 
 __all__ = ["migrator_for", "migrators_of", "active_migrators", "drain", "EXIT_WAIT_ENV"]

@@ -3,7 +3,7 @@ cold, finishing them now (``tierstore migrate``), and waiting until none is left
 
 Everything here reads the state the tiers hold (manifests, upload marks, failure marks,
 "migrated" marks), so it works from a monitoring job or another node as well as from the
-process that saved. The background copying itself is :mod:`tierstore.tiers.migrator`.
+process that saved. The background copying itself is :mod:`tierstore.migration.migrator`.
 
 Status lists both tiers' manifests (roots only, each parsed once by its tier: they never
 change once published) and checks each checkpoint's hot migrated mark; for a checkpoint still
@@ -20,12 +20,12 @@ from dataclasses import replace
 
 from tierstore.errors import InvalidManifest
 from tierstore.format.manifest import Manifest, checkpoint_order
+from tierstore.migration.migrator import MigrationConfig, MigrationState, MigrationStatus, Migrator
+from tierstore.migration.workers import drain
 from tierstore.retry import polling
 from tierstore.tiers import marks
-from tierstore.tiers.migrator import MigrationConfig, MigrationState, MigrationStatus, Migrator
 from tierstore.tiers.store_arg import takes_store
 from tierstore.tiers.tier import Store, Tier, TierURL
-from tierstore.tiers.workers import drain
 
 __all__ = ["migration_status", "migrate_pending", "wait_for_migrations"]
 

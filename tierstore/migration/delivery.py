@@ -32,10 +32,10 @@ from collections.abc import Callable, Iterable, Sequence
 
 from tierstore._redact import redact_url
 from tierstore.errors import TierstoreError
+from tierstore.migration.migrator import MigrationState, MigrationStatus, Migrator
+from tierstore.migration.probe import PROBE_WAIT, unreachable
 from tierstore.storage import faults
 from tierstore.tiers import marks
-from tierstore.tiers.migrator import MigrationState, MigrationStatus, Migrator
-from tierstore.tiers.probe import PROBE_WAIT, unreachable
 from tierstore.tiers.tier import Tier
 
 __all__ = [
