@@ -197,7 +197,9 @@ class within_run(Policy):
 
 
 DEFAULT_HOT: Policy = keep_last(2)
-DEFAULT_COLD: Policy = keep_last(3)
+# The durable tier deletes nothing the user did not ask it to (Orbax keeps everything by
+# default too): a default that pruned it took milestones with it (issue 36, item 4).
+DEFAULT_COLD: Policy = keep_all()
 
 
 @dataclass(frozen=True)
@@ -205,9 +207,10 @@ class Retention:
     """What each tier keeps (:class:`~tierstore.CheckpointManager`'s ``retention=``).
 
     Args:
-        hot: the hot tier's policy (default: the last 2).
-        cold: the cold tier's policy (default: the last 3; add milestones with
-            ``keep_last(3) | keep_every(1000)``).
+        hot: the hot tier's policy (default: the last 2, a rolling window).
+        cold: the cold tier's policy (default: keep everything, :class:`keep_all`; the
+            durable tier deletes only what a policy given here says, e.g.
+            ``keep_last(3) | keep_every(1000)`` for recent history and milestones).
         hot_min_free: before each save, if the hot tier has less free space than this many
             bytes (``"auto"``, the default: 1.1x the newest checkpoint), prune it down to what
             the invariants force (the newest, and checkpoints not yet in cold) and warn;

@@ -54,8 +54,8 @@ class CheckpointManager(Runs, Saving, Maintenance, Loading, Ending, Preempting):
     Args:
         hot, cold: the store's tiers (URLs), or a :class:`~tierstore.Store` as ``hot``.
         retention: what each tier keeps, and how far a full hot tier is pruned beyond its
-            policy (:class:`~tierstore.Retention`; default: hot keeps the last 2, cold the
-            last 3).
+            policy (:class:`~tierstore.Retention`; default: hot keeps the last 2, cold keeps
+            everything).
         save_every: an int (every N steps), a callable ``step -> bool`` (e.g. a
             :class:`tierstore.resume.cadence.TimeCadence`), or ``None`` to save whenever asked.
         hot_options / cold_options: options for the tiers' backends.
