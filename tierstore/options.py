@@ -44,6 +44,7 @@ __all__ = [
     "StagingOptions",
     "Preemption",
     "Run",
+    "ManagerOptions",
     "Encoding",
     "StagingMode",
     "StagingBuffers",
@@ -318,3 +319,26 @@ def deprecated(owner: str, argument: str, instead: str, *, stacklevel: int) -> N
         f" with {argument}=: pass {instead} (the argument goes in the next release)",
         stacklevel=stacklevel + 1,
     )
+
+
+@dataclass(frozen=True)
+class ManagerOptions:
+    """What :class:`~tierstore.CheckpointManager` itself needs beyond the store, its cadence
+    and the options of its parts (``CheckpointManager(options=)``).
+
+    Args:
+        close_timeout: the most seconds ``close()`` waits for migrations, pruning and checks
+            in all (default 300); what is left then stays pending in the hot tier and
+            ``close()`` raises :class:`~tierstore.errors.MigrationFailed`.
+        process_group: the group for the checkpoint collectives; by default (``None``) the
+            manager makes a gloo group of its own, so they never interleave with training's.
+    """
+
+    close_timeout: float = 300.0
+    process_group: Any = None
+
+    def __post_init__(self) -> None:
+        timeout = self.close_timeout
+        if isinstance(timeout, bool) or not (isinstance(timeout, (int, float)) and 0 <= timeout < math.inf):
+            raise ConfigError(f"close_timeout must be a number of seconds >= 0, got {timeout!r}")
+        object.__setattr__(self, "close_timeout", float(timeout))
