@@ -45,8 +45,8 @@ from tierstore import (
     Store,
     TrainingState,
     list_checkpoints,
-    optimal_interval,
 )
+from tierstore.resume.cadence import optimal_interval
 
 CTX, VOCAB, BATCH = 32, 256, 8
 

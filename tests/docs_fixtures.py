@@ -713,7 +713,7 @@ SETUPS: dict[tuple[str, int], tuple[str, Setup | None, Check | None]] = {
         None,
     ),
     ("docs/migration.md", 3): (
-        "from tierstore import Store, migration_status, wait_for_migrations",
+        "from tierstore import Store, migration_status",
         lambda ctx: _committed(ctx, cold=True),
         None,
     ),
@@ -721,13 +721,17 @@ SETUPS: dict[tuple[str, int], tuple[str, Setup | None, Check | None]] = {
     ("docs/operations.md", 2): ("import torch", None, _check_best),
     ("docs/plugins.md", 0): ("import pytest", _plugin, _check_plugin),
     ("docs/training-state.md", 0): (
-        "from tierstore import (CheckpointManager, ResumableLoader, ResumableSampler, TimeCadence,",
+        "from tierstore import CheckpointManager, ResumableLoader, ResumableSampler, TrainingState",
         _training,
         _check_checkpoint(500, cold=True),
     ),
     ("docs/training-state.md", 1): ("from tierstore import ResumePlanner", _trained, _check_loaded),
     ("docs/training-state.md", 2): ("from tierstore import Probe", _probed, _check_report),
-    ("docs/training-state.md", 3): ("from tierstore import TimeCadence, optimal_interval", _cadence, None),
+    ("docs/training-state.md", 3): (
+        "from tierstore.resume.cadence import TimeCadence, optimal_interval",
+        _cadence,
+        None,
+    ),
     ("docs/training-state.md", 4): (
         'manager = CheckpointManager("/nvme/run1", "s3://bucket/run1", save_every=500)',
         _preempted_at_7,

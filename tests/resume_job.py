@@ -205,7 +205,7 @@ def op_verify(spec: dict[str, Any]) -> None:
 
 def op_cadence(spec: dict[str, Any]) -> None:
     """TimeCadence with a different clock per rank: the ranks must still decide alike."""
-    from tierstore import TimeCadence
+    from tierstore.resume.cadence import TimeCadence
 
     rank = dist.get_rank()
     now = [0.0]

@@ -1,67 +1,94 @@
-"""The package's face (issue 23 item 6): one name per job, in three groups, and the names it
-exported before still work for one release, each with a DeprecationWarning saying where it
-lives now."""
+"""The package's face (issue 36): about thirty names, one per job, in three groups (core,
+operations, errors), pinned here; a name the package does not export is an AttributeError
+saying which module holds it. tierstore 0.1.0 is the first release, so no old name lingers."""
 
 from __future__ import annotations
 
 import importlib
-import warnings
 
 import pytest
 
 import tierstore
 
-OLD = [
-    "latest_checkpoint",
-    "find_garbage",
-    "restore_checkpoint",
-    "verify_checkpoint",
-    "Health",
-    "Manifest",
-    "FileEntry",
-    "MigrationState",
-    "MigrationStatus",
-    "RestoreReport",
-    "CadencePlan",
-    "ResumeReport",
-    "BackendNotFound",
-    "PublishConflict",
-    "UnsafeType",
-    "InvalidManifest",
-    "ChecksumMismatch",
-]
+CORE = {
+    "__version__",
+    "TieredWriter",
+    "TieredReader",
+    "CheckpointManager",
+    "Store",
+    "list_checkpoints",
+    "WriterOptions",
+    "ReaderOptions",
+    "StagingOptions",
+    "MigrationConfig",
+    "Preemption",
+    "Run",
+    "Retention",
+    "keep_last",
+    "keep_every",
+    "TrainingState",
+    "ResumePlanner",
+    "ResumableSampler",
+    "ResumableLoader",
+}
+OPERATIONS = {
+    "prune",
+    "collect_garbage",
+    "migrate_pending",
+    "migration_status",
+    "restore",
+    "export",
+    "verify_resume",
+    "Probe",
+}
+ERRORS = {
+    "TierstoreError",
+    "ConfigError",
+    "StorageError",
+    "IntegrityError",
+    "CheckpointNotFound",
+    "CheckpointExists",
+    "SaveFailed",
+    "MigrationFailed",
+}
+
+# Names that live only in their modules (some exported by the package before issue 36).
+ELSEWHERE = {
+    "CheckpointInfo": "tierstore.tiers.catalog",
+    "keep_steps": "tierstore.lifecycle.retention",
+    "keep_within": "tierstore.lifecycle.retention",
+    "keep_best": "tierstore.lifecycle.retention",
+    "keep_all": "tierstore.lifecycle.retention",
+    "list_quarantined": "tierstore.lifecycle.quarantine",
+    "wait_for_migrations": "tierstore.migration.status",
+    "copy_checkpoint": "tierstore.migration.copy",
+    "restore_checkpoint": "tierstore.migration.restore",
+    "TimeCadence": "tierstore.resume.cadence",
+    "optimal_interval": "tierstore.resume.cadence",
+    "register_backend": "tierstore.storage.registry",
+    "Health": "tierstore.manager",
+    "Manifest": "tierstore.format.manifest",
+    "MigrationStatus": "tierstore.migration.migrator",
+}
 
 
-def test_the_public_api_is_about_thirty_names_one_per_job() -> None:
-    # The constructors' options objects are part of their constructor's job, not jobs of their own.
-    options = {
-        "WriterOptions",
-        "ReaderOptions",
-        "StagingOptions",
-        "Retention",
-        "MigrationConfig",
-        "Preemption",
-        "Run",
-    }
-    assert len(set(tierstore.__all__) - options) <= 39
-    assert not set(OLD) & set(tierstore.__all__)
+def test_the_public_api_is_core_operations_and_errors() -> None:
+    assert set(tierstore.__all__) == CORE | OPERATIONS | ERRORS
+    assert len(tierstore.__all__) == len(set(tierstore.__all__)) == 35
     assert set(dir(tierstore)) == set(tierstore.__all__)
     for name in tierstore.__all__:
         assert getattr(tierstore, name) is not None
 
 
-@pytest.mark.parametrize("name", OLD)
-def test_an_old_name_works_with_a_warning_naming_its_place(name: str) -> None:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        value = getattr(tierstore, name)
-    assert [w.category for w in caught] == [DeprecationWarning]
-    message = str(caught[0].message)
-    assert f"tierstore.{name} is deprecated" in message
-    module = tierstore._DEPRECATED[name][0]
-    assert value is getattr(importlib.import_module(module), name)
+@pytest.mark.parametrize("name", sorted(ELSEWHERE))
+def test_a_name_not_exported_is_an_attribute_error_naming_its_module(name: str) -> None:
+    module = ELSEWHERE[name]
+    with pytest.raises(AttributeError, match=f"import it from {module}"):
+        getattr(tierstore, name)
+    assert getattr(importlib.import_module(module), name) is not None
 
 
-def test_an_unknown_name_is_an_attribute_error() -> None:
-    with pytest.raises(AttributeError, match="no_such_name"):
-        tierstore.no_such_name  # noqa: B018
+@pytest.mark.parametrize("name", ["latest_checkpoint", "find_garbage", "no_such_name"])
+def test_an_unknown_name_is_an_attribute_error(name: str) -> None:
+    with pytest.raises(AttributeError, match=name):
+        getattr(tierstore, name)

@@ -339,7 +339,7 @@ def test_dir_lists_the_public_api_and_nothing_else() -> None:
 
 
 def test_time_cadence_repr() -> None:
-    from tierstore import TimeCadence
+    from tierstore.resume.cadence import TimeCadence
 
     plain = TimeCadence(600, clock=lambda: 0.0, check_every=10)
     assert repr(plain) == "TimeCadence(interval=600.0, check_every=10, saves=0)"

@@ -40,7 +40,6 @@ from tierstore import (
     Retention,
     TieredReader,
     TieredWriter,
-    keep_all,
     keep_every,
     keep_last,
     list_checkpoints,
@@ -48,6 +47,7 @@ from tierstore import (
 from tierstore.errors import MigrationFailed
 from tierstore.format import layout
 from tierstore.lifecycle.quarantine import list_quarantined
+from tierstore.lifecycle.retention import keep_all
 from tierstore.migration.migrator import MigrationConfig
 from tierstore.migration.status import migration_status
 from tierstore.retry import RetryPolicy

@@ -32,11 +32,11 @@ from tierstore import (
     TieredReader,
     TieredWriter,
     WriterOptions,
-    keep_all,
     keep_last,
 )
 from tierstore.format import layout
 from tierstore.format.manifest import Manifest
+from tierstore.lifecycle.retention import keep_all
 
 DEPRECATED = r"tierstore\.[A-Za-z_]+ is deprecated"
 

@@ -5,15 +5,16 @@
     import torch.distributed.checkpoint as dcp
     from tierstore import TieredWriter, TieredReader
 
-    dcp.async_save(state, storage_writer=TieredWriter(hot="/nvme/run1", step=1200))
-    dcp.load(state, storage_reader=TieredReader(hot="/nvme/run1"))  # newest committed
+    dcp.async_save(state, storage_writer=TieredWriter("/nvme/run1", step=1200))
+    dcp.load(state, storage_reader=TieredReader("/nvme/run1"))  # newest committed
 
 The public API is one name per job, in three groups (docs/index.md): the core (saving,
 loading, the manager, retention, resume), operations on a store, and the errors one catches.
-Every other error is in :mod:`tierstore.errors`, and the types of reports in the module that
-returns them. Names that need torch (the DCP writer and reader, ``export``, the manager,
-``TrainingState``) are imported on first use, so the ``tierstore`` command and storage-only
-tools start without importing torch.
+Every other error is in :mod:`tierstore.errors`, the types of reports in the module that
+returns them, and the rest (more retention policies, the cadence, the less common operations)
+in their modules, each named in docs/index.md. Names that need torch (the DCP writer and
+reader, ``export``, the manager, ``TrainingState``) are imported on first use, so the
+``tierstore`` command and storage-only tools start without importing torch.
 """
 
 from __future__ import annotations
@@ -34,26 +35,14 @@ from tierstore.errors import (
 )
 from tierstore.lifecycle.gc import collect_garbage
 from tierstore.lifecycle.prune import prune
-from tierstore.lifecycle.quarantine import list_quarantined
-from tierstore.lifecycle.retention import (
-    Retention,
-    keep_all,
-    keep_best,
-    keep_every,
-    keep_last,
-    keep_steps,
-    keep_within,
-)
-from tierstore.migration.copy import copy_checkpoint
+from tierstore.lifecycle.retention import Retention, keep_every, keep_last
 from tierstore.migration.migrator import MigrationConfig
 from tierstore.migration.restore import restore
-from tierstore.migration.status import migrate_pending, migration_status, wait_for_migrations
+from tierstore.migration.status import migrate_pending, migration_status
 from tierstore.options import Preemption, ReaderOptions, Run, StagingOptions, WriterOptions
-from tierstore.resume.cadence import TimeCadence, optimal_interval
 from tierstore.resume.check import Probe, verify_resume
 from tierstore.resume.data import ResumableLoader, ResumableSampler
-from tierstore.storage.registry import register_backend
-from tierstore.tiers.catalog import CheckpointInfo, list_checkpoints
+from tierstore.tiers.catalog import list_checkpoints
 from tierstore.tiers.tier import Store
 
 if TYPE_CHECKING:
@@ -72,29 +61,24 @@ _LAZY = {
     "export": "tierstore.dcp.export",
 }
 
-# Names the package exported before it kept one name per job: they still work, for one
-# release, with a DeprecationWarning saying where they live (or what does their job).
-_MOVED = {  # module -> the names that now live only there
+# Public names that are not the package's (one job among many, a report's type, a policy
+# most runs never name), and where they live: only so that an AttributeError says where.
+_ELSEWHERE = {
+    "tierstore.tiers.catalog": ("CheckpointInfo",),
+    "tierstore.lifecycle.retention": ("keep_steps", "keep_within", "keep_best", "keep_all"),
+    "tierstore.lifecycle.quarantine": ("list_quarantined",),
+    "tierstore.migration.status": ("wait_for_migrations",),
+    "tierstore.migration.copy": ("copy_checkpoint",),
     "tierstore.migration.restore": ("restore_checkpoint", "RestoreReport"),
+    "tierstore.migration.migrator": ("MigrationState", "MigrationStatus"),
+    "tierstore.resume.cadence": ("TimeCadence", "optimal_interval", "CadencePlan"),
     "tierstore.resume.check": ("verify_checkpoint",),
+    "tierstore.resume.report": ("ResumeReport",),
+    "tierstore.storage.registry": ("register_backend",),
     "tierstore.manager": ("Health",),
     "tierstore.format.manifest": ("Manifest", "FileEntry"),
-    "tierstore.migration.migrator": ("MigrationState", "MigrationStatus"),
-    "tierstore.resume.cadence": ("CadencePlan",),
-    "tierstore.resume.report": ("ResumeReport",),
-    "tierstore.errors": (
-        "BackendNotFound",
-        "PublishConflict",
-        "UnsafeType",
-        "InvalidManifest",
-        "ChecksumMismatch",
-    ),
 }
-_DEPRECATED = {  # old name -> (its module, what to use instead)
-    "latest_checkpoint": ("tierstore.tiers.catalog", "list_checkpoints(...)[-1]"),
-    "find_garbage": ("tierstore.lifecycle.gc", "collect_garbage(..., dry_run=True).garbage"),
-    **{name: (module, f"{module}.{name}") for module, names in _MOVED.items() for name in names},
-}
+_WHERE = {name: module for module, names in _ELSEWHERE.items() for name in names}
 
 
 def __getattr__(name: str) -> Any:
@@ -102,12 +86,11 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value
         return value
-    if name in _DEPRECATED:
-        module, instead = _DEPRECATED[name]
-        from tierstore.options import warn_deprecated
-
-        warn_deprecated(name, f": use {instead} (the old name goes in the next release)", stacklevel=2)
-        return getattr(importlib.import_module(module), name)
+    if name in _WHERE:
+        raise AttributeError(
+            f"module 'tierstore' has no attribute {name!r}: import it from {_WHERE[name]} "
+            f"(from {_WHERE[name]} import {name})"
+        )
     raise AttributeError(f"module 'tierstore' has no attribute {name!r}")
 
 
@@ -122,41 +105,30 @@ __all__ = [
     "TieredWriter",
     "TieredReader",
     "CheckpointManager",
+    "Store",
+    "list_checkpoints",
     "WriterOptions",
     "ReaderOptions",
     "StagingOptions",
+    "MigrationConfig",
     "Preemption",
     "Run",
-    "Store",
-    "list_checkpoints",
-    "CheckpointInfo",
     "Retention",
     "keep_last",
     "keep_every",
-    "keep_steps",
-    "keep_within",
-    "keep_best",
-    "keep_all",
     "TrainingState",
     "ResumePlanner",
-    "ResumableLoader",
     "ResumableSampler",
-    "TimeCadence",
-    "optimal_interval",
+    "ResumableLoader",
     # operations on a store
     "prune",
     "collect_garbage",
     "migrate_pending",
     "migration_status",
-    "wait_for_migrations",
     "restore",
-    "copy_checkpoint",
-    "list_quarantined",
     "export",
     "verify_resume",
     "Probe",
-    "MigrationConfig",
-    "register_backend",
     # the errors one catches (every error: tierstore.errors)
     "TierstoreError",
     "ConfigError",

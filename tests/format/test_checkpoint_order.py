@@ -16,9 +16,10 @@ import pytest
 import torch.distributed.checkpoint as dcp
 from helpers import save, state_for
 
-from tierstore import CheckpointManager, Retention, StagingOptions, TieredWriter, keep_all, list_checkpoints
+from tierstore import CheckpointManager, Retention, StagingOptions, TieredWriter, list_checkpoints
 from tierstore.format import layout
 from tierstore.format.manifest import checkpoint_order
+from tierstore.lifecycle.retention import keep_all
 from tierstore.lifecycle.scrub import verify_store
 from tierstore.storage.local import LocalBackend
 from tierstore.tiers.tier import Tier

@@ -311,9 +311,10 @@ def test_a_manager_option_it_does_not_take_fails_when_the_callback_is_built(tmp_
 
 
 def test_retention_defaults_to_what_model_checkpoint_keeps_and_takes_its_old_form(tmp_path: Path) -> None:
-    from tierstore import Retention, keep_all, keep_last
+    from tierstore import Retention, keep_last
     from tierstore.errors import ConfigError
     from tierstore.integrations.lightning import TierstoreCheckpoint
+    from tierstore.lifecycle.retention import keep_all
 
     hot = str(tmp_path / "hot")
     assert TierstoreCheckpoint(hot).retention == Retention(hot=keep_last(1), cold=keep_last(1))

@@ -43,10 +43,10 @@ from tierstore import (
     _dist,
     keep_last,
     list_checkpoints,
-    list_quarantined,
 )
 from tierstore.errors import ConfigError, MigrationFailed
 from tierstore.format import layout
+from tierstore.lifecycle.quarantine import list_quarantined
 from tierstore.migration.migrator import MigrationConfig
 from tierstore.retry import RetryPolicy
 from tierstore.storage.local import LocalBackend

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierstore import CheckpointManager, Retention, StagingOptions, keep_all, list_checkpoints
+from tierstore import CheckpointManager, Retention, StagingOptions, list_checkpoints
 from tierstore.errors import CheckpointExists, NoSpaceLeft, SaveFailed
+from tierstore.lifecycle.retention import keep_all
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 

@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from tierstore import CheckpointManager, Retention, keep_all, keep_last, list_checkpoints, prune
+from tierstore import CheckpointManager, Retention, keep_last, list_checkpoints, prune
+from tierstore.lifecycle.retention import keep_all
 from tierstore.migration.migrator import MigrationConfig
 from tierstore.retry import RetryPolicy
 from tierstore.tiers.tier import Store

@@ -24,12 +24,12 @@ from tierstore import (
     CheckpointNotFound,
     Store,
     TieredReader,
-    copy_checkpoint,
     list_checkpoints,
     migration_status,
 )
 from tierstore.errors import ChecksumMismatch
 from tierstore.format import layout
+from tierstore.migration.copy import copy_checkpoint
 from tierstore.migration.migrator import MigrationConfig, MigrationState
 from tierstore.migration.status import migrate_pending
 from tierstore.retry import RetryPolicy

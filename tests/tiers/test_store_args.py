@@ -28,18 +28,17 @@ from tierstore import (
     collect_garbage,
     keep_last,
     list_checkpoints,
-    list_quarantined,
     migrate_pending,
     migration_status,
     prune,
     restore,
     verify_resume,
-    wait_for_migrations,
 )
 from tierstore.lifecycle.gc import find_garbage
-from tierstore.lifecycle.quarantine import delete_quarantined, restore_quarantined
+from tierstore.lifecycle.quarantine import delete_quarantined, list_quarantined, restore_quarantined
 from tierstore.lifecycle.scrub import verify_store
 from tierstore.migration.restore import restore_checkpoint
+from tierstore.migration.status import wait_for_migrations
 from tierstore.resume.check import verify_checkpoint
 from tierstore.tiers.catalog import latest_checkpoint
 
