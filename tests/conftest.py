@@ -44,4 +44,13 @@ def out_dir(tmp_path: Path) -> Path:
     return out
 
 
+@pytest.fixture
+def cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty working directory for one test: what a mistyped URL must not create there."""
+    here = tmp_path / "cwd"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    return here
+
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -1,7 +1,9 @@
 """The `tierstore` command's errors (issue 38, item 5): under ``--json`` each is one JSON object
 on stderr (stdout holds results only), naming its type, message, exit code and, where the error
 carries them, the tier, checkpoint or file; a tier URL that no installed backend serves
-(mistyped, unknown scheme, plugin missing or broken) is a usage error, exit 2."""
+(mistyped, unknown scheme, plugin missing or broken) is a usage error, exit 2. A mistyped cold
+URL (``s3:/b/r``) names the URL meant and creates nothing, not even for ``migrate``, which
+creates a missing cold tier (issue 22, item 5)."""
 
 from __future__ import annotations
 
@@ -166,3 +168,26 @@ def test_a_tier_url_no_installed_backend_serves_is_a_usage_error(
     body = json_error(capsys, 2, *args)
     assert body["error"] == error and said in body["message"] and body["command"] == args[0], body
     assert body["tier"].split()[0] in ("hot", "cold", "to"), body
+
+
+def test_the_cli_refuses_a_mistyped_cold_url_and_creates_nothing(
+    tmp_path: Path, cwd: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    hot = tmp_path / "hot"
+    save(str(hot), 1)
+    # migrate creates a missing cold tier: it must not create ./s3:/b/r
+    assert main(["migrate", "--hot", str(hot), "--cold", "s3:/b/r"]) in (1, 2)
+    err = capsys.readouterr().err
+    assert "s3:/b/r" in err and "s3://b/r" in err
+    assert main(["ls", "--hot", str(hot), "--cold", "s3:/b/r"]) in (1, 2)
+    assert "s3:/b/r" in capsys.readouterr().err
+    assert list(cwd.iterdir()) == []
+
+
+def test_the_cli_ls_names_the_meant_url(
+    tmp_path: Path, cwd: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    hot = tmp_path / "hot"
+    hot.mkdir()
+    assert main(["ls", "--hot", str(hot), "--cold", "s3:/b/r"]) in (1, 2)
+    assert "s3://b/r" in capsys.readouterr().err

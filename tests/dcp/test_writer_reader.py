@@ -175,6 +175,17 @@ def test_writer_needs_a_name(hot_dir: str) -> None:
     assert isinstance(unwrap(info.value), ConfigError) and "not a checkpoint name" in str(info.value)
 
 
+def test_a_step_above_the_manifest_limit_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    from tierstore.format import manifest_format
+
+    hot, limit = tmp_path / "hot", 1 << 62
+    with pytest.raises(ConfigError, match=str(limit)):
+        dcp.save(state_for(1), storage_writer=TieredWriter(str(hot), step=limit + 1))
+    assert not [p for p in hot.rglob("*") if p.is_file()]
+    TieredWriter(str(hot), step=limit)  # the limit itself is a step
+    assert limit == manifest_format.MAX_STEP
+
+
 # -- reading: not found, corruption, hostile input ---------------------------------------
 
 

@@ -2,7 +2,9 @@
 
 A local tier stamps object mtimes with this machine's kernel clock, so the store's time here is
 real time; the reader's clock is skewed through ``leases.take(now=...)`` and the passage of
-store time through ``os.utime`` on the lease object.
+store time through ``os.utime`` on the lease object. A lease whose mtime lies far in the
+future (a hostile or mistaken store) holds no longer than its ttl; one a little ahead, some
+clock skew, still protects its load.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from tierstore.tiers import leases
 from tierstore.tiers.tier import Tier
 
 HOUR = 3600.0
+YEAR = 365 * 24 * HOUR
 
 
 def store_with_two(tmp_path: Path) -> tuple[str, Tier, str]:
@@ -38,6 +41,11 @@ def age(hot: str, key: str, seconds: float) -> None:
     """Make the store say the lease was published ``seconds`` ago."""
     then = time.time() - seconds
     os.utime(Path(hot, key), (then, then))
+
+
+def to_future(hot: str, key: str, seconds: float) -> None:
+    """Make the store say the lease was published ``seconds`` from now (a clock far ahead)."""
+    age(hot, key, -seconds)
 
 
 def test_a_reader_clock_hours_behind_still_protects_its_load(tmp_path: Path) -> None:
@@ -108,3 +116,39 @@ def test_no_lease_outlives_max_ttl_and_hostile_ones_never_raise(tmp_path: Path) 
     age(hot, deep, leases.DEFAULT_TTL + HOUR)
     assert leases.live_leases(tier, name) == []
     assert {g.key for g in find_garbage(hot, grace=0)} == {forever, deep}
+
+
+# -- a lease whose mtime lies far in the future (issue 22, item 5) ---------------------------
+
+
+def test_a_lease_stamped_far_in_the_future_does_not_block_prune(tmp_path: Path) -> None:
+    hot, tier, name = store_with_two(tmp_path)
+    held = leases.take(tier, name, ttl=60.0)
+    assert held is not None
+    to_future(hot, held.key, YEAR)
+    assert leases.live_leases(tier, name) == []  # no lease holds more than its ttl
+    [report] = prune(hot, hot_policy=keep_last(1))
+    assert report.deleted == (name,) and report.deferred == ()
+    assert not Path(hot, layout.checkpoint_prefix(name)).exists()
+
+
+def test_a_lease_stamped_far_in_the_future_does_not_block_gc(tmp_path: Path) -> None:
+    hot, tier, name = store_with_two(tmp_path)
+    held = leases.take(tier, name, ttl=60.0)
+    assert held is not None
+    [report] = prune(hot, hot_policy=keep_last(1))  # un-published; a live load keeps the data
+    assert report.deferred == (name,)
+    to_future(hot, held.key, YEAR)
+    gc = collect_garbage(hot, grace=0, dry_run=False)
+    assert (held.key, "expired lease") in [(g.key, g.reason) for g in gc.garbage]
+    assert not Path(hot, layout.checkpoint_prefix(name)).exists()
+
+
+def test_a_lease_a_little_ahead_still_protects_its_load(tmp_path: Path) -> None:
+    hot, tier, name = store_with_two(tmp_path)
+    held = leases.take(tier, name, ttl=600.0)
+    assert held is not None
+    to_future(hot, held.key, 30.0)  # a stamp some clock skew ahead: still an honest lease
+    assert leases.live_leases(tier, name) == [held.key]
+    [report] = prune(hot, hot_policy=keep_last(1))
+    assert report.deferred == (name,)
