@@ -12,15 +12,15 @@ from typing import TYPE_CHECKING, Any
 from tierstore.errors import ObjectNotFound, StorageError
 
 if TYPE_CHECKING:
-    from tierstore_gcs._backend import GCSBackend
+    from tierstore_gcs._client import GCSClient
 
 __all__ = ["RangeReader"]
 
 
 class RangeReader(io.RawIOBase):
-    def __init__(self, backend: GCSBackend, key: str, size: int, generation: str, block_size: int) -> None:
+    def __init__(self, client: GCSClient, key: str, size: int, generation: str, block_size: int) -> None:
         super().__init__()
-        self._backend = backend
+        self._client = client
         self._key = key
         self._size = size
         self._generation = generation
@@ -36,12 +36,12 @@ class RangeReader(io.RawIOBase):
         self._block = b""  # hold one block at a time, not two
         stop = min(self._pos + self._block_size, self._size)
         try:
-            self._block = self._backend._read_range(self._key, self._generation, self._pos, stop)
+            self._block = self._client.read_range(self._key, self._generation, self._pos, stop)
         except ObjectNotFound as err:
             # The generation we opened is gone: the key was replaced or deleted mid-read. Say
             # so, rather than "no such object" for a key that may well exist (as S3 does).
             raise StorageError(
-                "object changed while being read", key=self._key, tier=self._backend.label
+                "object changed while being read", key=self._key, tier=self._client.label
             ) from err
         self._block_start = self._pos
 

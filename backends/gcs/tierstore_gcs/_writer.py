@@ -38,7 +38,7 @@ from tierstore_gcs._sessions import SessionFile, Tracked
 from tierstore_gcs._wire import PART_QUANTUM
 
 if TYPE_CHECKING:
-    from tierstore_gcs._backend import GCSBackend
+    from tierstore_gcs._client import GCSClient
 
 __all__ = ["GCSWriter"]
 
@@ -59,10 +59,10 @@ def _persisted(response: Response) -> int:
 
 
 class GCSWriter(ObjectWriter):
-    def __init__(self, backend: GCSBackend, key: str) -> None:
+    def __init__(self, client: GCSClient, key: str) -> None:
         super().__init__(key)
-        self._backend = backend
-        self._part = backend.part_size
+        self._client = client
+        self._part = client.part_size
         self._buf = bytearray()
         self._filled = 0  # bytes at the front of _buf, not yet confirmed by GCS
         self._offset = 0  # object offset of _buf[0]
@@ -82,7 +82,7 @@ class GCSWriter(ObjectWriter):
     def _write(self, view: memoryview) -> None:
         if not self._looked:
             self._looked = True
-            self._record = self._backend._session_file(self.key)
+            self._record = self._client.session_file(self.key)
             self._resume = self._record.load() if self._record is not None else None
         if self._resume is not None:
             view = self._skip(view)
@@ -121,12 +121,12 @@ class GCSWriter(ObjectWriter):
                 f"upload: the recorded resumable session holds {tracked.offset} bytes other "
                 "than these; the object is sent again",
                 key=self.key,
-                tier=self._backend.label,
+                tier=self._client.label,
             )
         self._session, self._started, self._adopted = tracked.session, tracked.started, True
         self._offset = self._persisted = tracked.offset
         self._sent_crc = tracked.crc32c
-        log.info("resuming an upload of %s in %s at byte %d", self.key, self._backend.label, tracked.offset)
+        log.info("resuming an upload of %s in %s at byte %d", self.key, self._client.label, tracked.offset)
         self._stored(tracked.offset)
 
     def _forget(self) -> None:
@@ -140,7 +140,7 @@ class GCSWriter(ObjectWriter):
     def _send_parts(self) -> None:
         """Upload every whole 256 KiB of the buffer; keep the rest at its front."""
         if self._session is None:
-            self._session = self._backend._start_session(self.key)
+            self._session = self._client.start_session(self.key)
             self._started = time.time()
         end = self._offset + self._filled
         while end - self._persisted >= PART_QUANTUM:
@@ -169,11 +169,11 @@ class GCSWriter(ObjectWriter):
             return self._progress(response, stop, total)
 
         try:
-            return self._backend._retrying("upload", self.key, once)
+            return self._client.retrying("upload", self.key, once)
         except _SessionUnusable as err:
             self._forget()
             raise TransientStorageError(
-                f"{err.message}; the object is sent again", key=self.key, tier=self._backend.label
+                f"{err.message}; the object is sent again", key=self.key, tier=self._client.label
             ) from err
 
     def _confirmed(self, before: int) -> None:
@@ -191,7 +191,7 @@ class GCSWriter(ObjectWriter):
         start = self._persisted
         span = f"bytes {start}-{stop - 1}" if stop > start else "bytes *"
         view = memoryview(self._buf)[start - self._offset : stop - self._offset]
-        return self._backend._request(
+        return self._client.request(
             "upload",
             self.key,
             "PUT",
@@ -202,7 +202,7 @@ class GCSWriter(ObjectWriter):
         )
 
     def _progress(self, response: Response, stop: int, total: int | None) -> dict[str, Any] | None:
-        label = self._backend.label
+        label = self._client.label
         if response.status != 308:
             if total is None:
                 raise StorageError(
@@ -231,17 +231,17 @@ class GCSWriter(ObjectWriter):
         if total is not None and ambiguous:
             # The lost final attempt may have completed the object: what is stored is
             # checked against our size and CRC32C like any other answer.
-            return self._backend._metadata_once(self.key, what="upload read-back")
+            return self._client.metadata_once(self.key, what="upload read-back")
         if self._adopted:  # the bytes before the buffer were never at hand: start over
             raise _SessionUnusable(
                 "upload: the resumed session no longer exists (expired or cancelled)",
                 key=self.key,
-                tier=self._backend.label,
+                tier=self._client.label,
             )
         raise StorageError(
             "upload: the resumable session no longer exists (expired or cancelled)",
             key=self.key,
-            tier=self._backend.label,
+            tier=self._client.label,
         )
 
     def _finish(self) -> dict[str, Any]:
@@ -259,8 +259,8 @@ class GCSWriter(ObjectWriter):
         if self._session is not None:
             return self._finish()
         data = memoryview(self._buf)[: self._filled]
-        return self._backend._retrying(
-            "upload", self.key, lambda: self._backend._upload_small(self.key, data, self.crc32c)
+        return self._client.retrying(
+            "upload", self.key, lambda: self._client.upload_small(self.key, data, self.crc32c)
         )
 
     def _commit(self) -> None:
@@ -271,7 +271,7 @@ class GCSWriter(ObjectWriter):
                     f"upload: the recorded resumable session holds more bytes ({self._resume.offset}) "
                     f"than this object has ({self.size}); the object is sent again",
                     key=self.key,
-                    tier=self._backend.label,
+                    tier=self._client.label,
                 )
             resource = self._upload()
         except BaseException as err:
@@ -284,7 +284,7 @@ class GCSWriter(ObjectWriter):
         self._forget()  # the session is spent
         # Durable and complete only once what GCS stored matches (docs/design.md invariant 2).
         try:
-            self._backend._verify(self.key, resource, self.size, self.crc32c)
+            self._client.verify(self.key, resource, self.size, self.crc32c)
         except ChecksumMismatch as err:
             if not self._adopted:
                 raise
@@ -292,7 +292,7 @@ class GCSWriter(ObjectWriter):
                 "upload: the resumed session stored other bytes than these (deleted); "
                 "the object is sent again",
                 key=self.key,
-                tier=self._backend.label,
+                tier=self._client.label,
             ) from err
         generation = resource.get("generation")
         self.version = str(generation) if generation else None  # the generation just checked
@@ -304,7 +304,7 @@ class GCSWriter(ObjectWriter):
         # Nothing vouches for an object until it is checked in place (tierstore.migration.migrator).
         self._forget()
         if self._session is not None:
-            self._backend._cancel_session(self.key, self._session)
+            self._client.cancel_session(self.key, self._session)
 
     def _abort(self) -> None:
         self._buf = bytearray()

@@ -1,8 +1,8 @@
 """``S3Backend``: a tier in an S3 bucket (or any S3-compatible store) through s3fs.
 
-Why one module of about 480 lines: it is the backend contract's every operation mapped to S3
-(conditional writes and deletes, versions as ETags, full-object CRC32C); the writer and the
-reader are their own modules.
+The backend contract's every operation mapped to S3 (conditional writes and deletes, versions
+as ETags, full-object CRC32C); the requests themselves go through :mod:`tierstore_s3._client`,
+which the writer and the reader, modules of their own, use too.
 """
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ import io
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from functools import partial
-from typing import Any, BinaryIO, TypeVar
-from urllib.parse import urlparse
+from typing import Any, BinaryIO
 
 import s3fs
 from botocore.exceptions import BotoCoreError
 from fsspec.asyn import sync
 
+from tierstore._redact import redact_url
 from tierstore.errors import (
     ConfigError,
     ObjectNotFound,
@@ -33,6 +33,7 @@ from tierstore.errors import (
 from tierstore.retry import DEFAULT, RetryPolicy
 from tierstore.storage.backend import Backend, ObjectInfo, ObjectWriter, check_key, crc32c_update
 from tierstore_s3 import _checksum
+from tierstore_s3._client import S3Client, make_fs, split_url
 from tierstore_s3._errors import _TRANSIENT_CODES, client_error_code, translate
 from tierstore_s3._reader import open_ranged
 from tierstore_s3._writer import S3ObjectWriter
@@ -40,87 +41,13 @@ from tierstore_s3._writer import S3ObjectWriter
 __all__ = ["S3Backend"]
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 MiB = 1 << 20
 MIN_PART_SIZE = 5 * MiB  # S3's floor for every part but the last
 MAX_PART_SIZE = 5 * 1024 * MiB
-# tierstore.retry is the one retry policy (docs/design.md, Conventions): botocore and s3fs must not retry
-# underneath it, or a conditional PUT could be resent without us knowing (design.md invariant 12).
-_NO_CLIENT_RETRIES = {"mode": "standard", "total_max_attempts": 1}
 _PUBLISH_TOKEN = "tierstore-publish"  # user metadata (x-amz-meta-*) set by publish
 DELETE_BATCH = 1000  # S3's limit of keys per DeleteObjects request
 CLOSE_TIMEOUT = 5.0  # seconds close() waits for the client to close its connections
-
-
-def _split_url(url: str) -> tuple[str, str]:
-    parsed = urlparse(url)
-    if "@" in parsed.netloc:  # never echo it: the part before "@" may be a secret
-        raise ConfigError(
-            "credentials do not belong in an S3 tier URL: pass key=/secret= or use the AWS credential chain"
-        )
-    if parsed.scheme != "s3" or not parsed.netloc or parsed.query or parsed.fragment:
-        raise ConfigError(f"not an S3 tier URL (s3://bucket[/prefix]): {url!r}")
-    prefix = parsed.path.strip("/")
-    if prefix:
-        try:
-            check_key(prefix)
-        except UnsafePath as err:
-            raise ConfigError(f"unsafe prefix in S3 tier URL {url!r}") from err
-    return parsed.netloc, prefix
-
-
-def _make_fs(
-    endpoint_url: str | None,
-    key: str | None,
-    secret: str | None,
-    token: str | None,
-    profile: str | None,
-    region: str | None,
-    extra: Mapping[str, Any],
-) -> s3fs.S3FileSystem:
-    """An s3fs filesystem: explicit settings where given, else the standard AWS chain."""
-    options: dict[str, Any] = {"skip_instance_cache": True, "use_listings_cache": False}
-    options.update(extra)
-    explicit = {
-        "endpoint_url": endpoint_url,
-        "key": key,
-        "secret": secret,
-        "token": token,
-        "profile": profile,
-    }
-    options.update({name: value for name, value in explicit.items() if value is not None})
-    if region is not None:
-        options["client_kwargs"] = {**options.get("client_kwargs", {}), "region_name": region}
-    options["config_kwargs"] = {**options.get("config_kwargs", {}), "retries": _NO_CLIENT_RETRIES}
-    fs = s3fs.S3FileSystem(**options)
-    fs.retries = 1  # s3fs's own retry loop: one attempt
-    # Build the client now, not inside the first write: a bad profile or region fails
-    # here, and a stream's memory is not charged with loading botocore's models.
-    fs.connect()
-    _require_parameters(fs)
-    return fs
-
-
-# s3fs silently drops request parameters its botocore does not know: an old botocore would
-# turn the exclusive publish into a plain overwrite. Refuse to run on one.
-_REQUIRED = {
-    "PutObject": ("IfNoneMatch", "ChecksumCRC32C"),
-    "CreateMultipartUpload": ("ChecksumType",),
-    "CompleteMultipartUpload": ("ChecksumType", "ChecksumCRC32C"),
-}
-
-
-def _require_parameters(fs: s3fs.S3FileSystem) -> None:
-    model = fs.s3.meta.service_model
-    for operation, names in _REQUIRED.items():
-        known = model.operation_model(operation).input_shape.members
-        missing = [name for name in names if name not in known]
-        if missing:
-            raise ConfigError(
-                f"this botocore's S3 {operation} lacks {missing}: upgrade "
-                "s3fs/aiobotocore to a 2025 or later botocore"
-            )
 
 
 class S3Backend(Backend):
@@ -166,86 +93,87 @@ class S3Backend(Backend):
         s3fs_options: Mapping[str, Any] | None = None,
         **options: Any,
     ) -> None:
-        super().__init__(url)
         if options:
             raise ConfigError(f"unknown options for an S3 tier: {sorted(options)}")
         if not MIN_PART_SIZE <= part_size <= MAX_PART_SIZE:
             raise ConfigError(f"part_size must be between 5 MiB and 5 GiB, got {part_size}")
         if max_concurrency < 1:
             raise ConfigError(f"max_concurrency must be >= 1, got {max_concurrency}")
-        self.bucket, self.prefix = _split_url(url)
-        self.part_size = part_size
-        self.max_concurrency = max_concurrency
-        self.full_object_checksum = full_object_checksum
-        self.retry = retry
-        self._closed = False
+        bucket, prefix = split_url(url)
         try:
-            self._fs = _make_fs(endpoint_url, key, secret, token, profile, region, dict(s3fs_options or {}))
+            fs = make_fs(endpoint_url, key, secret, token, profile, region, dict(s3fs_options or {}))
         except ConfigError:
             raise
         except (TypeError, ValueError, BotoCoreError) as err:
             raise ConfigError(f"cannot set up S3 tier {url!r}: {type(err).__name__}: {err}") from err
+        self.client = S3Client(
+            fs,
+            bucket,
+            prefix,
+            redact_url(url),
+            part_size=part_size,
+            max_concurrency=max_concurrency,
+            full_object_checksum=full_object_checksum,
+            retry=retry,
+        )
+        super().__init__(url)  # after the client: it holds the label
+        self._closed = False
 
-    # -- plumbing shared with the writer and reader -------------------------------------
+    # The settings, as the client holds them.
 
-    def full_key(self, key: str) -> str:
-        check_key(key, tier=self.label)
-        return f"{self.prefix}/{key}" if self.prefix else key
+    @property
+    def label(self) -> str:
+        return self.client.label
 
-    def call(self, method: str, key: str, **params: Any) -> Any:
-        """One S3 request about ``key``; failures come out as tierstore errors."""
-        try:
-            return self._fs.call_s3(method, Bucket=self.bucket, **params)
-        except Exception as err:
-            failure = translate(err, key=key, tier=self.label)
-            if failure is err:
-                raise
-            raise failure from err
-
-    def retrying(self, what: str, key: str, fn: Callable[[], T]) -> T:
-        """Run the idempotent unit ``fn`` under the retry policy."""
-        return self.retry.call(fn, what=f"S3 {what} of {key!r} in {self.label}")
+    @label.setter
+    def label(self, label: str) -> None:  # the registry names the tier ("hot s3://...")
+        self.client.label = label
 
     @property
     def fs(self) -> s3fs.S3FileSystem:
-        return self._fs
+        return self.client.fs
 
-    def head(self, key: str) -> dict[str, Any]:
-        full = self.full_key(key)
-        answer: dict[str, Any] = self.retrying(
-            "head", key, lambda: self.call("head_object", key, Key=full, ChecksumMode="ENABLED")
-        )
-        return answer
+    @property
+    def bucket(self) -> str:
+        return self.client.bucket
 
-    def put(self, key: str, body: bytes | BinaryIO, crc: int, **conditions: Any) -> Any:
-        """One PutObject (not retried here) carrying our CRC32C for S3 to check."""
-        return self.call(
-            "put_object",
-            key,
-            Key=self.full_key(key),
-            Body=body,
-            ChecksumAlgorithm="CRC32C",
-            ChecksumCRC32C=_checksum.encode(crc),
-            **conditions,
-        )
+    @property
+    def prefix(self) -> str:
+        return self.client.prefix
+
+    @property
+    def part_size(self) -> int:
+        return self.client.part_size
+
+    @property
+    def max_concurrency(self) -> int:
+        return self.client.max_concurrency
+
+    @property
+    def full_object_checksum(self) -> bool:
+        return self.client.full_object_checksum
+
+    @property
+    def retry(self) -> RetryPolicy:
+        return self.client.retry
 
     # -- the contract -------------------------------------------------------------------
 
     def open_write(self, key: str, *, defer_dir_sync: bool = False) -> ObjectWriter:
-        self.full_key(key)
-        return S3ObjectWriter(key, self)
+        self.client.full_key(key)
+        return S3ObjectWriter(key, self.client)
 
     def open_read(self, key: str) -> BinaryIO:
-        return open_ranged(self, key, self.head(key))
+        return open_ranged(self.client, key, self.client.head(key))
 
     def open_range(self, key: str, offset: int, length: int) -> BinaryIO:
         """One ranged GetObject, fetched whole before any byte is handed out (one retried
         unit, never a stream resumed halfway)."""
-        full = self.full_key(key)
+        full = self.client.full_key(key)
         if length <= 0:
-            self.head(key)  # still: a missing key is ObjectNotFound
+            self.client.head(key)  # still: a missing key is ObjectNotFound
             return io.BytesIO(b"")
-        data = self.retrying(
+        data = self.client.retrying(
             f"read of bytes {offset}-{offset + length - 1}",
             key,
             lambda: self._get_range(key, full, offset, length),
@@ -258,9 +186,9 @@ class S3Backend(Backend):
         let a delete in between turn "no such object" (what a caller acts on: a mark or
         manifest removed since it was listed) into a read error; one GET reads either the
         object as it is or nothing."""
-        full = self.full_key(key)
+        full = self.client.full_key(key)
         wanted = None if limit is None else limit + 1
-        data = self.retrying("read", key, lambda: self._get_range(key, full, 0, wanted))
+        data = self.client.retrying("read", key, lambda: self._get_range(key, full, 0, wanted))
         if limit is not None and len(data) > limit:
             raise ObjectTooLarge(f"object larger than {limit} bytes", key=key, tier=self.label)
         return data
@@ -268,7 +196,7 @@ class S3Backend(Backend):
     def _get_range(self, key: str, full: str, offset: int, length: int | None) -> bytes:
         """``length`` bytes from ``offset`` (``None``: the whole object, no range asked)."""
         try:
-            return bytes(sync(self._fs.loop, self._fetch_range, key, full, offset, length))
+            return bytes(sync(self.client.fs.loop, self._fetch_range, key, full, offset, length))
         except Exception as err:
             if client_error_code(err) == "InvalidRange":  # 416: the range starts past the end
                 return b""
@@ -279,7 +207,7 @@ class S3Backend(Backend):
 
     async def _fetch_range(self, key: str, full: str, offset: int, length: int | None) -> bytes:
         ranged = {} if length is None else {"Range": f"bytes={offset}-{offset + length - 1}"}
-        answer = await self._fs._call_s3("get_object", Bucket=self.bucket, Key=full, **ranged)
+        answer = await self.client.fs._call_s3("get_object", Bucket=self.bucket, Key=full, **ranged)
         async with answer["Body"] as body:
             data: bytes = await body.read()
         if length is None and answer.get("ContentLength") not in (None, len(data)):
@@ -302,7 +230,7 @@ class S3Backend(Backend):
 
         def attempt() -> None:
             try:
-                self.put(key, data, crc, IfNoneMatch="*", Metadata={_PUBLISH_TOKEN: token})
+                self.client.put(key, data, crc, IfNoneMatch="*", Metadata={_PUBLISH_TOKEN: token})
             except PublishConflict:
                 # The 412 may answer a resend of our own PUT whose first answer was lost:
                 # our retry, or aiohttp's silent resend of a PUT on a dropped keep-alive
@@ -311,7 +239,7 @@ class S3Backend(Backend):
                     raise
                 log.info("publish of %s in %s: an earlier send had landed", key, self.label)
 
-        self.retrying("publish", key, attempt)
+        self.client.retrying("publish", key, attempt)
 
     def _published_by(self, key: str, token: str, size: int, crc: int) -> bool:
         """Whether ``key`` holds the object that the publish named ``token`` sent.
@@ -320,7 +248,7 @@ class S3Backend(Backend):
         racing publishers exactly one wins); size and CRC32C confirm its bytes.
         """
         try:
-            head = self.head(key)
+            head = self.client.head(key)
         except ObjectNotFound as err:  # removed since the 412: the publish may go ahead
             raise TransientStorageError(
                 "object vanished after a conflicting publish", key=key, tier=self.label
@@ -330,20 +258,22 @@ class S3Backend(Backend):
         return bool(ours and int(head["ContentLength"]) == size and stored_crc in (None, crc))
 
     def stat(self, key: str) -> ObjectInfo:
-        head = self.head(key)
+        head = self.client.head(key)
         return _info(key, int(head["ContentLength"]), head, crc32c=_checksum.full_object_crc32c(head))
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         if prefix and not prefix.endswith("/"):
             raise ValueError(f"list prefix must be '' or end with '/': {prefix!r}")
         root = f"{self.prefix}/" if self.prefix else ""
-        start = f"{self.full_key(prefix.rstrip('/'))}/" if prefix else root
+        start = f"{self.client.full_key(prefix.rstrip('/'))}/" if prefix else root
         token: str | None = None
         while True:
             params: dict[str, Any] = {"Prefix": start}
             if token:
                 params["ContinuationToken"] = token
-            page = self.retrying("list", prefix, partial(self.call, "list_objects_v2", prefix, **params))
+            page = self.client.retrying(
+                "list", prefix, partial(self.client.call, "list_objects_v2", prefix, **params)
+            )
             yield from self._page_infos(page, root)
             token = page.get("NextContinuationToken") if page.get("IsTruncated") else None
             if not token:
@@ -360,21 +290,21 @@ class S3Backend(Backend):
             yield _info(rel, int(obj["Size"]), obj)
 
     def delete(self, key: str) -> None:
-        full = self.full_key(key)
+        full = self.client.full_key(key)
         try:
-            self.retrying("delete", key, lambda: self.call("delete_object", key, Key=full))
+            self.client.retrying("delete", key, lambda: self.client.call("delete_object", key, Key=full))
         except ObjectNotFound:
             pass
 
     def delete_if(self, key: str, version: str) -> bool:
         """One DeleteObject with ``If-Match`` the ETag: S3 itself compares (412: another
         object). A store that ignores ``If-Match`` deletes unconditionally."""
-        full = self.full_key(key)
+        full = self.client.full_key(key)
         try:
-            self.retrying(
+            self.client.retrying(
                 "conditional delete",
                 key,
-                lambda: self.call("delete_object", key, Key=full, IfMatch=f'"{version}"'),
+                lambda: self.client.call("delete_object", key, Key=full, IfMatch=f'"{version}"'),
             )
         except ObjectNotFound:
             return True
@@ -387,7 +317,7 @@ class S3Backend(Backend):
         again is harmless). A key S3 could not delete raises the error naming it."""
         batch: builtins.list[str] = []
         for key in keys:
-            self.full_key(key)  # reject an unsafe key before any request
+            self.client.full_key(key)  # reject an unsafe key before any request
             batch.append(key)
             if len(batch) == DELETE_BATCH:
                 self._delete_batch(batch)
@@ -396,10 +326,10 @@ class S3Backend(Backend):
             self._delete_batch(batch)
 
     def _delete_batch(self, keys: builtins.list[str]) -> None:
-        by_full = {self.full_key(key): key for key in keys}
+        by_full = {self.client.full_key(key): key for key in keys}
 
         def attempt() -> None:
-            answer = self.call(
+            answer = self.client.call(
                 "delete_objects",
                 keys[0],
                 Delete={"Objects": [{"Key": full} for full in by_full], "Quiet": True},
@@ -417,7 +347,7 @@ class S3Backend(Backend):
                 raise TransientStorageError(text, key=key, tier=self.label)
             raise StorageError(text, key=key, tier=self.label)
 
-        self.retrying(f"batch delete ({len(keys)} keys, from)", keys[0], attempt)
+        self.client.retrying(f"batch delete ({len(keys)} keys, from)", keys[0], attempt)
 
     def abort_stale_uploads(
         self, *, older_than: float, dry_run: bool = True, now: float | None = None
@@ -432,7 +362,7 @@ class S3Backend(Backend):
         ]
         if stale and not dry_run:
             for key, upload_id in stale:
-                self.abort_upload(key, upload_id)
+                self.client.abort_upload(key, upload_id)
             log.info("aborted %d stale multipart uploads in %s", len(stale), self.label)
         return [key for key, _ in stale]
 
@@ -441,8 +371,8 @@ class S3Backend(Backend):
         markers: dict[str, str] = {}
         while True:
             params = {"Prefix": root, **markers}
-            page = self.retrying(
-                "list uploads", "", partial(self.call, "list_multipart_uploads", "", **params)
+            page = self.client.retrying(
+                "list uploads", "", partial(self.client.call, "list_multipart_uploads", "", **params)
             )
             for upload in page.get("Uploads", []):
                 started = upload["Initiated"].timestamp()
@@ -451,29 +381,16 @@ class S3Backend(Backend):
                 return
             markers = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
 
-    def abort_upload(self, key: str, upload_id: str) -> None:
-        """Abort one multipart upload; one already gone counts as aborted."""
-        full = f"{self.prefix}/{key}" if self.prefix else key
-        try:
-            self.retrying(
-                "abort multipart upload",
-                key,
-                lambda: self.call("abort_multipart_upload", key, Key=full, UploadId=upload_id),
-            )
-        except StorageError as err:
-            if client_error_code(err) != "NoSuchUpload":  # gone already: fine
-                raise
-
     def close(self) -> None:
         """Close the client and its connections before returning. s3fs's own close gives the
         client 0.1 s, then closes the connector from this thread, which only schedules each
         socket's close on the event loop: on a loaded machine a connection outlived
         ``close()``. Waited here up to :data:`CLOSE_TIMEOUT` seconds; s3fs's path after that."""
-        creator = getattr(self._fs, "_s3creator", None)
+        creator = getattr(self.client.fs, "_s3creator", None)
         if creator is None or self._closed:
             return
         self._closed = True
-        loop = self._fs.loop
+        loop = self.client.fs.loop
         if loop is not None and loop.is_running():
             try:
                 sync(loop, creator.__aexit__, None, None, None, timeout=CLOSE_TIMEOUT)

@@ -17,7 +17,7 @@ from tierstore.errors import PublishConflict, StorageError, TransientStorageErro
 from tierstore_s3._errors import translate
 
 if TYPE_CHECKING:
-    from tierstore_s3._backend import S3Backend
+    from tierstore_s3._client import S3Client
 
 __all__ = ["open_ranged"]
 
@@ -26,11 +26,11 @@ _CHUNK = 1 << 20
 
 
 class _RangedReader(io.RawIOBase):
-    def __init__(self, backend: S3Backend, key: str, size: int, etag: str | None) -> None:
+    def __init__(self, client: S3Client, key: str, size: int, etag: str | None) -> None:
         super().__init__()
-        self._backend = backend
+        self._client = client
         self._key = key
-        self._full = backend.full_key(key)
+        self._full = client.full_key(key)
         self._size = size
         self._etag = etag
         self._view = memoryview(b"")
@@ -41,15 +41,15 @@ class _RangedReader(io.RawIOBase):
         return True
 
     def _end(self, start: int) -> int:
-        return min(start + self._backend.part_size, self._size)
+        return min(start + self._client.part_size, self._size)
 
     async def _get(self, start: int, end: int) -> bytearray:
         conditions = {"IfMatch": self._etag} if self._etag else {}
         # fsspec's async API is its underscore-named coroutines: run on s3fs's loop, a
         # range can be fetched ahead without a thread of its own.
-        answer = await self._backend.fs._call_s3(
+        answer = await self._client.fs._call_s3(
             "get_object",
-            Bucket=self._backend.bucket,
+            Bucket=self._client.bucket,
             Key=self._full,
             Range=f"bytes={start}-{end - 1}",
             **conditions,
@@ -69,22 +69,22 @@ class _RangedReader(io.RawIOBase):
             raise TransientStorageError(
                 f"range of bytes {start}-{end - 1} came back with {filled} bytes",
                 key=self._key,
-                tier=self._backend.label,
+                tier=self._client.label,
             )
         return data
 
     def _start(self, start: int) -> Future[bytearray]:
         coroutine = self._get(start, self._end(start))
-        return asyncio.run_coroutine_threadsafe(coroutine, self._backend.fs.loop)
+        return asyncio.run_coroutine_threadsafe(coroutine, self._client.fs.loop)
 
     def _result(self, future: Future[bytearray]) -> bytearray:
         try:
             return future.result()
         except Exception as err:
-            failure = translate(err, key=self._key, tier=self._backend.label)
+            failure = translate(err, key=self._key, tier=self._client.label)
             if isinstance(failure, PublishConflict):  # the If-Match pin failed
                 failure = StorageError(
-                    "object changed while being read", key=self._key, tier=self._backend.label
+                    "object changed while being read", key=self._key, tier=self._client.label
                 )
             if failure is err:
                 raise
@@ -100,7 +100,7 @@ class _RangedReader(io.RawIOBase):
             return self._result(future)
 
         what = f"read of bytes {start}-{self._end(start) - 1}"
-        data = self._backend.retrying(what, self._key, attempt)
+        data = self._client.retrying(what, self._key, attempt)
         self._fetched = self._end(start)
         if self._fetched < self._size:
             self._ahead = self._start(self._fetched)
@@ -132,7 +132,7 @@ class _RangedReader(io.RawIOBase):
         super().close()
 
 
-def open_ranged(backend: S3Backend, key: str, head: dict[str, Any]) -> BinaryIO:
+def open_ranged(client: S3Client, key: str, head: dict[str, Any]) -> BinaryIO:
     """A buffered stream over ``key``, whose HeadObject answer is ``head``."""
-    raw = _RangedReader(backend, key, int(head["ContentLength"]), head.get("ETag"))
+    raw = _RangedReader(client, key, int(head["ContentLength"]), head.get("ETag"))
     return io.BufferedReader(raw, buffer_size=_BUFFER)

@@ -28,7 +28,7 @@ from tierstore_s3 import _checksum
 from tierstore_s3._errors import client_error_code
 
 if TYPE_CHECKING:
-    from tierstore_s3._backend import S3Backend
+    from tierstore_s3._client import S3Client
 
 __all__ = ["Pending", "StoredPart", "find_pending"]
 
@@ -60,33 +60,33 @@ class Pending:
     parts: dict[int, StoredPart]
 
 
-def find_pending(backend: S3Backend, key: str) -> Pending | None:
-    """The newest pending upload of ``key`` that a write with this backend's checksum
+def find_pending(client: S3Client, key: str) -> Pending | None:
+    """The newest pending upload of ``key`` that a write with this client's checksum
     settings can complete, with its parts; ``None`` if there is none or S3 will not say."""
     try:
-        for upload_id in _uploads_of(backend, key):
-            parts = _parts_of(backend, key, upload_id)
+        for upload_id in _uploads_of(client, key):
+            parts = _parts_of(client, key, upload_id)
             if parts is not None:
                 log.info(
                     "resuming a multipart upload of %s in %s: %d parts stored, each checked "
                     "against the bytes before it is reused",
                     key,
-                    backend.label,
+                    client.label,
                     len(parts),
                 )
                 return Pending(upload_id, parts)
     except TierstoreError as err:  # no permission to list, or the store is down: start over
-        log.debug("no resume of %s in %s: %s", key, backend.label, err)
+        log.debug("no resume of %s in %s: %s", key, client.label, err)
     return None
 
 
-def _uploads_of(backend: S3Backend, key: str) -> list[str]:
+def _uploads_of(client: S3Client, key: str) -> list[str]:
     """Upload ids of ``key``'s pending uploads of our checksum kind, the newest first."""
-    full = backend.full_key(key)
-    page = backend.retrying(
-        "list uploads", key, partial(backend.call, "list_multipart_uploads", key, Prefix=full)
+    full = client.full_key(key)
+    page = client.retrying(
+        "list uploads", key, partial(client.call, "list_multipart_uploads", key, Prefix=full)
     )
-    kind = "FULL_OBJECT" if backend.full_object_checksum else "COMPOSITE"
+    kind = "FULL_OBJECT" if client.full_object_checksum else "COMPOSITE"
     found = [
         upload
         for upload in page.get("Uploads", [])
@@ -104,17 +104,17 @@ def _started(upload: dict[str, Any]) -> float:
     return initiated.timestamp() if initiated is not None else 0.0
 
 
-def _parts_of(backend: S3Backend, key: str, upload_id: str) -> dict[int, StoredPart] | None:
+def _parts_of(client: S3Client, key: str, upload_id: str) -> dict[int, StoredPart] | None:
     """Every part of the upload, ``None`` if it is gone (completed or aborted meanwhile)."""
-    full = backend.full_key(key)
+    full = client.full_key(key)
     parts: dict[int, StoredPart] = {}
     marker: dict[str, Any] = {}
     while True:
         try:
-            page = backend.retrying(
+            page = client.retrying(
                 "list parts",
                 key,
-                partial(backend.call, "list_parts", key, Key=full, UploadId=upload_id, **marker),
+                partial(client.call, "list_parts", key, Key=full, UploadId=upload_id, **marker),
             )
         except TierstoreError as err:
             if client_error_code(err) == "NoSuchUpload":

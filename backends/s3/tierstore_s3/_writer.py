@@ -33,7 +33,7 @@ from tierstore_s3._errors import client_error_code
 from tierstore_s3._resume import StoredPart, find_pending
 
 if TYPE_CHECKING:
-    from tierstore_s3._backend import S3Backend
+    from tierstore_s3._client import S3Client
 
 __all__ = ["S3ObjectWriter"]
 
@@ -48,12 +48,12 @@ class _MultipartUpload:
     """One multipart upload, new or resumed; parts go up on a small pool, each retried as a
     unit, and ``on_part(size)`` hears of each part S3 holds (on the writer's thread)."""
 
-    def __init__(self, backend: S3Backend, key: str, on_part: Callable[[int], None]) -> None:
-        self._backend = backend
+    def __init__(self, client: S3Client, key: str, on_part: Callable[[int], None]) -> None:
+        self._client = client
         self._key = key
-        self._full = backend.full_key(key)
+        self._full = client.full_key(key)
         self._on_part = on_part
-        pending = find_pending(backend, key)
+        pending = find_pending(client, key)
         self.upload_id: str = pending.upload_id if pending is not None else self._create()
         self._stored: dict[int, StoredPart] = dict(pending.parts) if pending is not None else {}
         self.reused = 0  # parts of the pending upload found to hold our bytes, not sent again
@@ -61,26 +61,26 @@ class _MultipartUpload:
         self.part_crcs: list[int] = []
         self._done: list[dict[str, Any]] = []
         self._pending: set[Future[_Finished]] = set()
-        self._pool = ThreadPoolExecutor(backend.max_concurrency, thread_name_prefix="tierstore-s3-part")
+        self._pool = ThreadPoolExecutor(client.max_concurrency, thread_name_prefix="tierstore-s3-part")
         self._aborted = False  # abort(): send nothing more
         self._stopping = False  # stop(): finish the requests in hand, retry none
 
     def _create(self) -> str:
-        backend, key = self._backend, self._key
-        extra = {"ChecksumType": "FULL_OBJECT"} if backend.full_object_checksum else {}
-        created = backend.retrying(
+        client, key = self._client, self._key
+        extra = {"ChecksumType": "FULL_OBJECT"} if client.full_object_checksum else {}
+        created = client.retrying(
             "start multipart upload",
             key,
-            lambda: backend.call(
+            lambda: client.call(
                 "create_multipart_upload", key, Key=self._full, ChecksumAlgorithm="CRC32C", **extra
             ),
         )
-        log.debug("started multipart upload of %s in %s", key, backend.label)
+        log.debug("started multipart upload of %s in %s", key, client.label)
         return str(created["UploadId"])
 
     def wait_for_slot(self) -> None:
         """Block until fewer than ``max_concurrency`` parts are in flight."""
-        self._settle(below=self._backend.max_concurrency)
+        self._settle(below=self._client.max_concurrency)
 
     def _settle(self, *, below: int) -> None:
         """Collect the parts finished so far, and more until fewer than ``below`` are in
@@ -101,10 +101,10 @@ class _MultipartUpload:
         number = len(self.part_crcs) + 1
         if number > MAX_PARTS:
             raise StorageError(
-                f"object needs more than {MAX_PARTS} parts of {self._backend.part_size} bytes; "
+                f"object needs more than {MAX_PARTS} parts of {self._client.part_size} bytes; "
                 "raise the tier's part_size",
                 key=self._key,
-                tier=self._backend.label,
+                tier=self._client.label,
             )
         self.part_crcs.append(part.crc)
         stored = self._stored.pop(number, None)
@@ -117,7 +117,7 @@ class _MultipartUpload:
         self._pending.add(self._pool.submit(self._upload_part, number, part))
 
     def _upload_part(self, number: int, part: _Part) -> _Finished:
-        backend, encoded = self._backend, _checksum.encode(part.crc)
+        client, encoded = self._client, _checksum.encode(part.crc)
 
         tries = 0
 
@@ -125,8 +125,8 @@ class _MultipartUpload:
             nonlocal tries
             tries += 1
             if self._aborted or (self._stopping and tries > 1):  # abort()/stop() wait for this thread
-                raise StorageError("multipart upload stopped", key=self._key, tier=backend.label)
-            return backend.call(
+                raise StorageError("multipart upload stopped", key=self._key, tier=client.label)
+            return client.call(
                 "upload_part",
                 self._key,
                 Key=self._full,
@@ -138,7 +138,7 @@ class _MultipartUpload:
             )
 
         try:
-            answer = backend.retrying(f"upload part {number}", self._key, attempt)
+            answer = client.retrying(f"upload part {number}", self._key, attempt)
         except StorageError as err:
             if client_error_code(err) != "NoSuchUpload" or self._stopping:
                 raise
@@ -147,7 +147,7 @@ class _MultipartUpload:
             raise TransientStorageError(
                 "the multipart upload is gone (completed or aborted elsewhere): the object is sent again",
                 key=self._key,
-                tier=backend.label,
+                tier=client.label,
             ) from err
         return {"PartNumber": number, "ETag": answer["ETag"], "ChecksumCRC32C": encoded}, part.size
 
@@ -156,7 +156,7 @@ class _MultipartUpload:
         self._pool.shutdown()
         parts = sorted(self._done, key=lambda part: part["PartNumber"])
         extra: dict[str, Any] = {}
-        if self._backend.full_object_checksum:
+        if self._client.full_object_checksum:
             extra = {"ChecksumType": "FULL_OBJECT", "ChecksumCRC32C": _checksum.encode(crc)}
         tries = 0
 
@@ -164,7 +164,7 @@ class _MultipartUpload:
             nonlocal tries
             tries += 1
             try:
-                self._backend.call(
+                self._client.call(
                     "complete_multipart_upload",
                     self._key,
                     Key=self._full,
@@ -180,12 +180,12 @@ class _MultipartUpload:
                     raise
                 self.vanished = tries == 1
 
-        self._backend.retrying("complete multipart upload", self._key, attempt)
+        self._client.retrying("complete multipart upload", self._key, attempt)
         if self.reused:
             log.info(
                 "completed %s in %s reusing %d of %d parts already stored",
                 self._key,
-                self._backend.label,
+                self._client.label,
                 self.reused,
                 len(parts),
             )
@@ -202,13 +202,13 @@ class _MultipartUpload:
         self._aborted = True
         self.stop()
         try:
-            self._backend.abort_upload(self._key, self.upload_id)
+            self._client.abort_upload(self._key, self.upload_id)
         except Exception as err:  # an unaborted upload costs storage, not correctness
             log.warning(
                 "could not abort multipart upload of %s in %s (its parts stay until "
                 "garbage collection or a lifecycle rule removes them): %s",
                 self._key,
-                self._backend.label,
+                self._client.label,
                 err,
             )
 
@@ -250,14 +250,14 @@ class _Part:
 class S3ObjectWriter(ObjectWriter):
     """Streams one object to S3 (see the module docstring)."""
 
-    def __init__(self, key: str, backend: S3Backend) -> None:
+    def __init__(self, key: str, client: S3Client) -> None:
         super().__init__(key)
-        self._backend = backend
+        self._client = client
         self._part = _Part()  # the first part grows: most objects are small
         self._upload: _MultipartUpload | None = None
 
     def _write(self, view: memoryview) -> None:
-        part_size = self._backend.part_size
+        part_size = self._client.part_size
         while view:
             if self._part.size >= part_size:
                 self._ship_part()
@@ -267,19 +267,19 @@ class S3ObjectWriter(ObjectWriter):
 
     def _ship_part(self, *, last: bool = False) -> None:
         if self._upload is None:
-            self._upload = _MultipartUpload(self._backend, self.key, self._stored)
+            self._upload = _MultipartUpload(self._client, self.key, self._stored)
         # Wait for a free slot before starting the next part, so at most
         # max_concurrency + 1 parts exist (module docstring).
         self._upload.wait_for_slot()
         self._upload.submit(self._part)
-        self._part = _Part(0 if last else self._backend.part_size)
+        self._part = _Part(0 if last else self._client.part_size)
 
     def _commit(self) -> None:
         try:
             if self._upload is None:
                 part, self._part = self._part, _Part()
-                self._backend.retrying(
-                    "upload", self.key, lambda: self._backend.put(self.key, part.body(), self.crc32c)
+                self._client.retrying(
+                    "upload", self.key, lambda: self._client.put(self.key, part.body(), self.crc32c)
                 )
                 part_crcs: list[int] = []
             else:
@@ -302,7 +302,7 @@ class S3ObjectWriter(ObjectWriter):
         bytes now (size and full-object CRC32C), or this write starts over. Nothing is
         deleted here: whatever the key holds was not stored by this write."""
         try:
-            head = self._backend.head(self.key)
+            head = self._client.head(self.key)
         except ObjectNotFound:
             head = {}
         stored = _checksum.full_object_crc32c(head) if head else None
@@ -311,13 +311,13 @@ class S3ObjectWriter(ObjectWriter):
                 "the multipart upload was completed or aborted elsewhere, and the key does not "
                 "hold these bytes: the object is sent again",
                 key=self.key,
-                tier=self._backend.label,
+                tier=self._client.label,
             )
         self.version = _checksum.etag(head)
 
     def _verify(self, part_crcs: list[int]) -> None:
         """Size and stored CRC32C must be what we wrote (docs/design.md invariant 2)."""
-        head = self._backend.head(self.key)
+        head = self._client.head(self.key)
         size = int(head["ContentLength"])
         if size != self.size:
             self._remove_bad(head)
@@ -333,17 +333,17 @@ class S3ObjectWriter(ObjectWriter):
         that object (``If-Match`` its ETag): no good copy of anything has its size or CRC32C,
         and a good copy another migrator puts there meanwhile has another ETag and stays."""
         try:
-            self._backend.call(
-                "delete_object", self.key, Key=self._backend.full_key(self.key), IfMatch=head["ETag"]
+            self._client.call(
+                "delete_object", self.key, Key=self._client.full_key(self.key), IfMatch=head["ETag"]
             )
         except Exception as err:  # best effort: the mismatch is raised all the same
-            log.warning("left a damaged upload %s in %s: %s", self.key, self._backend.label, err)
+            log.warning("left a damaged upload %s in %s: %s", self.key, self._client.label, err)
 
     def _mismatch(self, what: str, expected: str, actual: str) -> ChecksumMismatch:
         return ChecksumMismatch(
             f"uploaded object's {what} differs: expected {expected}, S3 holds {actual}",
             key=self.key,
-            tier=self._backend.label,
+            tier=self._client.label,
             expected=expected,
             actual=actual,
         )
