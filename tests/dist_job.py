@@ -149,10 +149,9 @@ def load(spec: dict[str, Any]) -> None:
         msd, osd = get_state_dict(model, optim)
         state = {"model": msd, "optim": osd, "extra": {"step": -1}}
         reader = TieredReader(
-            **tiers(spec),
+            Store.of(**tiers(spec), node_local=spec.get("node_local", False)),
             step=entry.get("step"),
             name=entry.get("name"),
-            node_local=spec.get("node_local", False),
         )
         dcp.load(state, storage_reader=reader)
         set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])

@@ -91,7 +91,10 @@ def every_cold_checkpoint_loads(cold: Cold) -> None:
     for step in steps(cold):
         target = blank()
         dcp.load(
-            target, storage_reader=TieredReader(None, cold.url, step=step, cold_options=cold.direct_options)
+            target,
+            storage_reader=TieredReader(
+                Store.of(None, cold.url, cold_options=cold.direct_options), step=step
+            ),
         )
         assert torch.equal(target["w"], state(step)["w"]) and int(target["step"]) == step
 

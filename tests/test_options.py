@@ -5,13 +5,11 @@ FileSystemWriter's arguments still work without one, and one option given both w
 from __future__ import annotations
 
 import dataclasses
-import json
 import pickle
 import subprocess
 import sys
 import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -36,9 +34,6 @@ from tierstore import (
 )
 from tierstore.format import layout
 from tierstore.format.manifest import Manifest
-from tierstore.lifecycle.retention import keep_all
-
-DEPRECATED = r"tierstore\.[A-Za-z_]+ is deprecated"
 
 
 class Identity(StreamTransformExtension):
@@ -60,20 +55,6 @@ class Identity(StreamTransformExtension):
 
     def transform_from(self, input: IO[bytes]) -> IO[bytes]:
         return input
-
-
-@contextmanager
-def deprecations() -> Iterator[list[str]]:
-    """Collect tierstore's DeprecationWarnings (as messages) raised inside, every one."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        messages: list[str] = []
-        yield messages
-    messages.extend(
-        str(w.message)
-        for w in caught
-        if issubclass(w.category, DeprecationWarning) and "tierstore." in str(w.message)
-    )
 
 
 def committed(writer: TieredWriter) -> Manifest:
@@ -254,141 +235,6 @@ def test_filesystem_writer_extensions_are_folded_and_choose_the_dcp_encoding(tmp
     assert (writer.encoding, writer.extensions) == ("dcp", (ext,))
 
 
-# -- the old keywords: same behaviour, one warning each, for one release ------------------------
-
-
-def test_the_old_writer_keywords_save_as_the_options_do_and_warn_once(tmp_path: Path) -> None:
-    old, new = str(tmp_path / "old"), str(tmp_path / "new")
-    with deprecations() as warned:
-        writer = TieredWriter(old, step=1, encoding="dcp", manifest_part_ranks=3, max_files_per_dir=5)
-    assert sorted(warned) == sorted(
-        f"tierstore.TieredWriter is deprecated with {name}=: pass options=WriterOptions({name}=...) "
-        "(the argument goes in the next release)"
-        for name in ("encoding", "manifest_part_ranks", "max_files_per_dir")
-    )
-    assert writer.options == WriterOptions(encoding="dcp", manifest_part_ranks=3, max_files_per_dir=5)
-    with deprecations() as warned:
-        dcp.save(state_for(1), storage_writer=writer)
-    assert warned == []  # once, where it was built
-    options = WriterOptions(encoding="dcp", manifest_part_ranks=3, max_files_per_dir=5)
-    current = TieredWriter(new, step=1, options=options)
-    dcp.save(state_for(1), storage_writer=current)
-    assert committed(writer).encoding == committed(current).encoding == "dcp"
-    assert (
-        (writer.manifest_part_ranks, writer.max_files_per_dir) == (current.manifest_part_ranks, 5) == (3, 5)
-    )
-    assert loads_as_plain_dcp(old, writer, 1) and loads_as_plain_dcp(new, current, 1)
-
-
-def test_the_old_reader_keywords_load_as_the_options_do_and_warn_once(tmp_path: Path) -> None:
-    hot = str(tmp_path / "hot")
-    dcp.save(state_for(1), storage_writer=TieredWriter(hot, step=1))
-    with deprecations() as warned:
-        reader = TieredReader(hot, lease=False, thread_count=2, resolve_once=False)
-    assert sorted(m.split(":")[0] for m in warned) == [
-        f"tierstore.TieredReader is deprecated with {name}="
-        for name in ("lease", "resolve_once", "thread_count")
-    ]
-    assert reader.options == ReaderOptions(thread_count=2, lease=False)
-    assert (reader.thread_count, reader.lease, reader.resolve_once) == (2, False, False)
-    with deprecations() as warned:
-        state = blank()
-        dcp.load(state, storage_reader=reader)
-    assert warned == [] and reader.manifest is not None and reader.manifest.step == 1
-    assert_same(state, state_for(1))
-    current = TieredReader(hot, options=ReaderOptions(thread_count=2, lease=False))
-    assert (current.thread_count, current.lease, current.resolve_once) == (2, False, False)
-    with (
-        pytest.warns(DeprecationWarning),
-        pytest.raises(ConfigError, match=r"got lease=False and options=ReaderOptions\(lease=False\)"),
-    ):
-        TieredReader(hot, lease=False, options=ReaderOptions(lease=False))
-
-
-def test_a_deprecation_points_at_the_caller(tmp_path: Path) -> None:
-    with pytest.warns(DeprecationWarning, match=DEPRECATED) as caught:
-        TieredWriter(str(tmp_path), step=1, encoding="raw")
-    with pytest.warns(DeprecationWarning, match=DEPRECATED) as managed:
-        CheckpointManager(str(tmp_path), async_mode="thread").close()
-    assert {Path(w.filename).name for w in [*caught, *managed]} == {Path(__file__).name}
-
-
-def test_the_old_manager_keywords_save_as_the_options_do_and_warn_once(tmp_path: Path) -> None:
-    hot = str(tmp_path / "hot")
-    with deprecations() as warned:
-        manager = CheckpointManager(
-            hot,
-            save_every=1,
-            retention=Retention(hot=keep_all(), hot_min_free=None),
-            async_save=True,
-            async_mode="thread",
-            staging="fresh",
-            writer_options={"encoding": "dcp", "thread_count": 2, "overwrite": True},
-        )
-    assert [m.split(":")[0] for m in warned] == [
-        f"tierstore.CheckpointManager is deprecated with {name}="
-        for name in ("staging", "async_save", "async_mode", "writer_options")
-    ]
-    assert manager.staging == StagingOptions(async_save=True, mode="thread", buffers="fresh")
-    assert manager.writer == WriterOptions(encoding="dcp", thread_count=2)
-    with deprecations() as warned:
-        for step in (1, 2):
-            manager.save(step, state_for(step))
-        manager.close()
-    assert warned == []  # not again at each save
-    assert manager.staging_allocated == {}  # fresh buffers: the reused ones were not made
-    assert [m.step for m in tierstore.list_checkpoints(hot)] == [1, 2]
-    manifest = json.loads(Path(hot, layout.manifest_key(layout.default_name(2))).read_bytes())
-    assert "encoding" not in manifest  # dcp-encoded, as the flat manifest writes it
-    assert_same(load(hot, step=2)[0], state_for(2))
-
-
-def test_the_old_overlap_and_sync_keywords_fold_into_staging_options(tmp_path: Path) -> None:
-    hot = str(tmp_path / "hot")
-    with pytest.warns(DeprecationWarning, match="overlap_staging=: pass staging=StagingOptions"):
-        manager = CheckpointManager(hot, retention=Retention(hot_min_free=None), overlap_staging=True)
-    assert manager.staging == StagingOptions(overlap=True)
-    manager.save(1, state_for(1))
-    manager.wait_staged()
-    manager.close()
-    with pytest.warns(DeprecationWarning, match="async_save=: pass staging=StagingOptions"):
-        manager = CheckpointManager(hot, retention=Retention(hot_min_free=None), async_save=False)
-    assert manager.staging == StagingOptions(async_save=False)
-    manager.save(2, state_for(2))
-    assert [m.step for m in tierstore.list_checkpoints(hot)] == [1, 2]  # committed when save() returned
-    manager.close()
-    assert [m.step for m in tierstore.list_checkpoints(hot)] == [1, 2]
-    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="overlap needs"):
-        CheckpointManager(hot, staging="fresh", overlap_staging=True)  # type: ignore[arg-type]
-
-
-def test_the_old_retention_keywords_fold_into_retention_and_prune_as_it_does(tmp_path: Path) -> None:
-    hot = str(tmp_path / "hot")
-    with deprecations() as warned:
-        manager = CheckpointManager(
-            hot,
-            hot_policy=keep_last(1),
-            cold_policy=None,  # the old default: as Retention's
-            hot_min_free=None,
-            staging=StagingOptions(async_save=False),
-        )
-    assert [m.split(":")[0] for m in warned] == [
-        f"tierstore.CheckpointManager is deprecated with {name}="
-        for name in ("hot_policy", "cold_policy", "hot_min_free")
-    ]
-    assert manager.retention == Retention(hot=keep_last(1), hot_min_free=None)
-    for step in (1, 2, 3):
-        manager.save(step, state_for(step))
-    manager.close()
-    assert [m.step for m in tierstore.list_checkpoints(hot)] == [3]  # pruned by the folded policy
-
-
-def test_an_unknown_old_writer_option_is_still_a_config_error_naming_it(tmp_path: Path) -> None:
-    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="thread_cont"):
-        CheckpointManager(str(tmp_path / "hot"), writer_options={"thread_cont": 2})
-    assert not (tmp_path / "hot").exists()
-
-
 # -- one option given both ways ----------------------------------------------------------------
 
 
@@ -404,10 +250,6 @@ def test_an_unknown_old_writer_option_is_still_a_config_error_naming_it(tmp_path
                 hot, step=1, _extensions=[Identity()], options=WriterOptions(extensions=[Identity()])
             ),
             r"got _extensions=.* and options=WriterOptions\(extensions=",
-        ),
-        (
-            lambda hot: TieredWriter(hot, step=1, encoding="dcp", options=WriterOptions(encoding="raw")),
-            r"got encoding='dcp' and options=WriterOptions\(encoding='raw'\)",
         ),
         (
             lambda hot: CheckpointManager(hot, async_mode="process", staging=StagingOptions(mode="process")),
@@ -429,7 +271,6 @@ def test_an_unknown_old_writer_option_is_still_a_config_error_naming_it(tmp_path
     ids=[
         "fs-argument",
         "extensions",
-        "old-writer-keyword",
         "old-manager-keyword",
         "writer_options",
         "retention",
@@ -439,10 +280,8 @@ def test_one_option_given_both_ways_is_a_config_error(
     tmp_path: Path, build: Callable[[str], Any], message: str
 ) -> None:
     hot = str(tmp_path / "hot")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # the old keywords' own, tested above
-        with pytest.raises(ConfigError, match=message):
-            build(hot)
+    with pytest.raises(ConfigError, match=message):
+        build(hot)
     assert not Path(hot).exists()
 
 

@@ -28,12 +28,11 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
 from benchmarks.infra.launch import ROOT, module_main
 from benchmarks.infra.measure import MiB, Record, cpu_seconds, now
 from benchmarks.infra.servers import REGION, ServerProcess
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 PROXY = ROOT / "backends" / "s3" / "tests" / "s3_fault_proxy.py"
 MODES = ("healthy", "refuse", "stall", "deny_writes")
@@ -79,7 +78,9 @@ class Bench:
             "secret": "testing",
             "region": REGION,
         }
-        return TieredWriter(hot, f"s3://{self.spec['bucket']}/{name}", step=step, cold_options=options)
+        return TieredWriter(
+            Store.of(hot, f"s3://{self.spec['bucket']}/{name}", cold_options=options), step=step
+        )
 
     def save(self, kind: str, mode: str | None, against: str, state: dict[str, Any], step: int) -> Record:
         name = label(kind, mode, against)

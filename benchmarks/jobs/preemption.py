@@ -32,7 +32,7 @@ import torch
 
 from benchmarks.infra.launch import module_main
 from benchmarks.infra.measure import MiB, Record, now
-from tierstore import CheckpointManager, Preemption, Retention, StagingOptions
+from tierstore import CheckpointManager, Preemption, Retention, StagingOptions, Store
 
 TENSOR = 16 * MiB
 KINDS = ("sync", "notice", "notice_in_flight")
@@ -50,7 +50,7 @@ def one(kind: str, hot: Path, cold: dict[str, Any], size: int, grace: float, rep
     if kind == "sync":
         sync = StagingOptions(async_save=False)
         with CheckpointManager(
-            str(hot), url, cold_options=options, staging=sync, retention=retention, preemption=False
+            Store(str(hot), url, cold_options=options), staging=sync, retention=retention, preemption=False
         ) as manager:
             state = state_of(size, 1)
             start = now()
@@ -59,9 +59,7 @@ def one(kind: str, hot: Path, cold: dict[str, Any], size: int, grace: float, rep
             manager.wait()  # its migration, untimed: the next measurement starts clean
         return record
     manager = CheckpointManager(
-        str(hot),
-        url,
-        cold_options=options,
+        Store(str(hot), url, cold_options=options),
         save_every=10**9,
         retention=retention,
         preemption=Preemption(grace_seconds=grace),

@@ -14,10 +14,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from benchmarks.infra.servers import REGION, S3Target
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
-
-from benchmarks.infra.servers import REGION, S3Target
 
 CKPT = "ckpt"  # the checkpoint name inside each tierstore store
 SAVERS = ("disk", "fsw", "tiered", "fsspec", "s3torch")
@@ -69,7 +68,9 @@ def _tiered_writer(variant: str, where: Where) -> StorageWriter:
 
     # The cold tier only under async_save: the sync variant measures the hot write alone.
     if is_async(variant) and where.s3 is not None and where.target is not None:
-        return TieredWriter(where.local, where.s3, name=CKPT, cold_options=where.target.tier_options())
+        return TieredWriter(
+            Store.of(where.local, where.s3, cold_options=where.target.tier_options()), name=CKPT
+        )
     return TieredWriter(where.local, name=CKPT)
 
 
@@ -115,7 +116,7 @@ def make_reader(
         return TieredReader(local["tiered"], None, name=CKPT)
     assert target is not None, f"{variant} needs S3"
     if kind == "tiered_cold":
-        return TieredReader(None, s3["tiered"], name=CKPT, cold_options=target.tier_options())
+        return TieredReader(Store.of(None, s3["tiered"], cold_options=target.tier_options()), name=CKPT)
     if kind == "fsspec_cold":
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 

@@ -42,6 +42,7 @@ from tierstore.lifecycle.prune import check_cold_copies, plan_prune
 from tierstore.lifecycle.retention import Retention, keep_all, keep_last
 from tierstore.migration.delivery import resume_pending
 from tierstore.migration.migrator import Migrator
+from tierstore.options import ManagerOptions
 from tierstore.tiers import marks
 from tierstore.tiers.tier import Store as TierStore
 
@@ -102,13 +103,11 @@ class DeliveryActors:
             from tierstore import CheckpointManager
 
             manager = CheckpointManager(
-                s.hot,
-                s.cold,
-                cold_options=s.options,
+                TierStore(s.hot, s.cold, cold_options=s.options),
                 retention=Retention(hot=keep_all(), cold=keep_all(), hot_min_free=None),
                 migration=CONFIG,
                 preemption=False,
-                close_timeout=CLOSE_TIMEOUT,
+                options=ManagerOptions(close_timeout=CLOSE_TIMEOUT),
             )
             manager.save(step, model.state_for(step), force=True)
             try:

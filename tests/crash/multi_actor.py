@@ -242,10 +242,8 @@ class Machine(RuleBasedStateMachine):
                 states = []
                 for step in range(first_step, first_step + count):
                     writer = TieredWriter(
-                        s.hot,
-                        s.cold if migrate else None,
+                        TierStore.of(s.hot, s.cold if migrate else None, cold_options=s.options),
                         step=step,
-                        cold_options=s.options,
                         migration=CONFIG,
                     )
                     states = model.save_and_migrate(writer, step, mode, 90)
@@ -289,7 +287,7 @@ class Machine(RuleBasedStateMachine):
                     return None
                 target = model.blank()
                 reader = TieredReader(
-                    s.hot, s.cold, cold_options=s.options, options=ReaderOptions(lease=True)
+                    TierStore.of(s.hot, s.cold, cold_options=s.options), options=ReaderOptions(lease=True)
                 )
                 dcp.load(target, storage_reader=reader)
                 assert reader.manifest is not None
@@ -549,7 +547,9 @@ class Machine(RuleBasedStateMachine):
                     TieredReader(s.hot, None, name=name, options=ReaderOptions(lease=False))
                     if role == "hot"
                     else TieredReader(
-                        None, s.cold, name=name, cold_options=s.direct, options=ReaderOptions(lease=False)
+                        TierStore.of(None, s.cold, cold_options=s.direct),
+                        name=name,
+                        options=ReaderOptions(lease=False),
                     )
                 )
                 try:

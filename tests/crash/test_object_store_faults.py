@@ -65,10 +65,8 @@ def proxied_tiers(tmp_path: Path, s3_bucket: str, proxy: FaultProxy) -> dict[str
 
 def save(proxied_tiers: dict[str, Any], step: int) -> TieredWriter:
     writer = TieredWriter(
-        proxied_tiers["hot"],
-        proxied_tiers["cold"],
+        Store.of(proxied_tiers["hot"], proxied_tiers["cold"], cold_options=proxied_tiers["cold_options"]),
         step=step,
-        cold_options=proxied_tiers["cold_options"],
         migration=CONFIG,
     )
     dcp.save(state_for(step), storage_writer=writer)
@@ -80,10 +78,8 @@ def assert_cold_copy_is_whole(proxied_tiers: dict[str, Any], step: int) -> None:
     dcp.load(
         target,
         storage_reader=TieredReader(
-            None,
-            proxied_tiers["cold"],
+            Store.of(None, proxied_tiers["cold"], cold_options=proxied_tiers["cold_options"]),
             step=step,
-            cold_options=proxied_tiers["cold_options"],
             options=ReaderOptions(lease=False),
         ),
     )

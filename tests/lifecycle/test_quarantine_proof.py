@@ -198,7 +198,9 @@ def manager(hot: str, cold: Cold | None = None) -> CheckpointManager:
     retention = Retention(hot_min_free=None)
     if cold is None:
         return CheckpointManager(hot, retention=retention)
-    return CheckpointManager(hot, cold.url, cold_options=cold.options, migration=FAST, retention=retention)
+    return CheckpointManager(
+        Store(hot, cold.url, cold_options=cold.options), migration=FAST, retention=retention
+    )
 
 
 def damage_hot_copy(hot: str, name: str) -> None:

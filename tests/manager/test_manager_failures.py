@@ -16,6 +16,7 @@ import torch
 from tierstore import CheckpointManager, StagingOptions, list_checkpoints
 from tierstore.errors import BackendNotFound, CheckpointExists, MigrationFailed, NoSpaceLeft, SaveFailed
 from tierstore.migration.migrator import MigrationConfig
+from tierstore.options import ManagerOptions
 from tierstore.retry import RetryPolicy
 from tierstore.storage import faults
 
@@ -104,7 +105,9 @@ def test_failed_migrations_show_in_health_and_saves_still_commit(tmp_path: Path)
     hot = str(tmp_path / "hot")
     # close() spends close_timeout retrying a cold tier that refuses (invariant 26): 3 s
     # here, not the default 300 s, for a path a file blocks
-    manager = CheckpointManager(hot, str(blocker / "cold"), save_every=1, migration=FAST, close_timeout=3)
+    manager = CheckpointManager(
+        hot, str(blocker / "cold"), save_every=1, migration=FAST, options=ManagerOptions(close_timeout=3)
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for step in (1, 2, 3):

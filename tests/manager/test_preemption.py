@@ -64,7 +64,7 @@ def test_the_save_after_a_signal_saves_that_step_in_both_tiers_and_the_loop_stop
 ) -> None:
     hot = str(tmp_path / "hot")
     manager = CheckpointManager(
-        hot, any_cold.url, cold_options=any_cold.options, save_every=100, migration=FAST
+        Store(hot, any_cold.url, cold_options=any_cold.options), save_every=100, migration=FAST
     )
     stopped = None
     for step in range(1, 50):
@@ -131,7 +131,9 @@ def test_with_the_cold_tier_down_the_push_and_close_keep_to_the_grace_period(
     hot = str(tmp_path / "hot")
     grace = 4.0
     manager = CheckpointManager(
-        hot, cold.url, cold_options=cold.options, save_every=100, preemption=Preemption(grace_seconds=grace)
+        Store(hot, cold.url, cold_options=cold.options),
+        save_every=100,
+        preemption=Preemption(grace_seconds=grace),
     )
     cold.down("stall")  # every request hangs: the slowest way for a cold tier to fail
     os.kill(os.getpid(), signal.SIGTERM)

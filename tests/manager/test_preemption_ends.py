@@ -129,7 +129,8 @@ def test_a_torchrun_worker_whose_peer_failed_ends_within_the_grace_period(tmp_pa
 
 SCRIPT = """
 import json, os, sys, time, torch
-from tierstore import CheckpointManager, Preemption, Retention, keep_last
+from tierstore import CheckpointManager, Preemption, Retention, Store, keep_last
+from tierstore.options import ManagerOptions
 spec = json.loads(sys.argv[1])
 def state(step): return {"w": torch.arange(4096, dtype=torch.float32) * step}
 """
@@ -167,7 +168,7 @@ def run_script(
 
 README_LOOP = """
 manager = CheckpointManager(
-    spec["hot"], spec["cold"], cold_options=spec["cold_options"], save_every=10,
+    Store(spec["hot"], spec["cold"], cold_options=spec["cold_options"]), save_every=10,
     retention=Retention(hot=keep_last(2), cold=keep_last(3), hot_min_free=None),
     preemption=Preemption(grace_seconds=spec["grace"]),
 )
@@ -215,7 +216,8 @@ def test_a_process_that_never_reaches_another_save_ends_at_the_grace_deadline(tm
 
 CLOSING = """
 manager = CheckpointManager(
-    spec["hot"], spec["cold"], cold_options=spec["cold_options"], close_timeout=60,
+    Store(spec["hot"], spec["cold"], cold_options=spec["cold_options"]),
+    options=ManagerOptions(close_timeout=60),
     retention=Retention(hot_min_free=None), preemption=Preemption(grace_seconds=spec["grace"]),
 )
 manager.save(1, state(1), force=True)

@@ -59,7 +59,10 @@ def replace_same_size(cold: Cold, manifest: Manifest, entry: FileEntry) -> None:
 
 def loads_from_cold_alone(cold: Cold, step: int) -> bool:
     target = blank()
-    dcp.load(target, storage_reader=TieredReader(None, cold.url, step=step, cold_options=cold.direct_options))
+    dcp.load(
+        target,
+        storage_reader=TieredReader(Store.of(None, cold.url, cold_options=cold.direct_options), step=step),
+    )
     return matches(target, step)
 
 

@@ -42,6 +42,7 @@ from tierstore.lifecycle.prune import prune_tier
 from tierstore.migration.delivery import resume_pending, undelivered
 from tierstore.migration.migrator import MigrationConfig, MigrationState, Migrator
 from tierstore.migration.status import migrate_pending
+from tierstore.options import ManagerOptions
 from tierstore.retry import RetryPolicy
 from tierstore.storage import faults
 from tierstore.tiers.tier import Store, Tier
@@ -240,9 +241,7 @@ def state(step: int) -> dict[str, Any]:
 def manager(hot: Path, cold: Cold, **options: Any) -> CheckpointManager:
     given = options.pop("retention", Retention())
     return CheckpointManager(
-        str(hot),
-        cold.url,
-        cold_options=cold.options,
+        Store(str(hot), cold.url, cold_options=cold.options),
         migration=FAST,
         retention=dataclasses.replace(given, hot_min_free=None),
         **options,
@@ -252,7 +251,9 @@ def manager(hot: Path, cold: Cold, **options: Any) -> CheckpointManager:
 def test_close_spends_its_deadline_trying_after_a_blip(switchable_cold: Cold, tmp_path: Path) -> None:
     """The cold tier refuses the run's migration, then is healthy: close() tries again and
     delivers (it gave up after 0.4 s of its 300, raising MigrationFailed)."""
-    run = manager(tmp_path / "hot", switchable_cold, close_timeout=60, preemption=False)
+    run = manager(
+        tmp_path / "hot", switchable_cold, options=ManagerOptions(close_timeout=60), preemption=False
+    )
     switchable_cold.down()
     run.save(1, state(1))
     run.wait(migrations=False)
@@ -268,7 +269,9 @@ def test_close_with_the_cold_tier_down_still_ends_and_names_what_it_left(
 ) -> None:
     """The other side: a cold tier that stays down is tried until the deadline, or given up
     on after 10 s without an answer; close() then raises naming the checkpoint."""
-    run = manager(tmp_path / "hot", switchable_cold, close_timeout=15, preemption=False)
+    run = manager(
+        tmp_path / "hot", switchable_cold, options=ManagerOptions(close_timeout=15), preemption=False
+    )
     switchable_cold.down()
     run.save(1, state(1))
     started = time.monotonic()

@@ -64,7 +64,7 @@ def test_store_and_urls_together_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="either a Store or tier URLs"):
         Store.of(store, str(tmp_path / "cold"))
     with pytest.raises(ConfigError, match="either a Store or tier URLs"):
-        TieredWriter(store, hot_options={"x": 1})
+        TieredWriter(store, str(tmp_path / "cold"))
     with pytest.raises(ConfigError, match="at least one tier"):
         Store()
 

@@ -49,7 +49,7 @@ def test_the_constructors_take_node_local_from_a_store_given_them(tmp_path: Path
         assert not manager.node_local and manager.catalog is shared
     for build in (
         lambda: TieredWriter(str(tmp_path / "hot"), step=1, node_local=True),
-        lambda: CheckpointManager(str(tmp_path / "hot"), node_local=True),
+        lambda: CheckpointManager(Store(str(tmp_path / "hot"), node_local=True)),
         lambda: TieredReader(str(tmp_path / "hot"), node_local=True),
     ):
         with pytest.raises(ConfigError, match="needs both a hot and a cold tier"):

@@ -50,7 +50,6 @@ default 30 s). ``fit(ckpt_path="last")`` in the requeued job resumes from it.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import io
 import logging
@@ -78,9 +77,8 @@ from tierstore.errors import CheckpointNotFound, ConfigError, MigrationFailed, T
 from tierstore.integrations._lightning_sigterm import SigtermTakeover
 from tierstore.lifecycle.retention import Policy, Retention, keep_all, keep_best, keep_last
 from tierstore.manager import CheckpointManager
-from tierstore.manager.legacy import LegacyManagerArgs
 from tierstore.manager.preemption import preemption_options
-from tierstore.options import deprecated
+from tierstore.manager.removed import REPLACED
 from tierstore.tiers.catalog import list_checkpoints
 from tierstore.tiers.tier import Store, TierURL
 
@@ -88,7 +86,6 @@ __all__ = ["TierstoreCheckpoint", "policy_for"]
 
 log = logging.getLogger(__name__)
 
-_RETENTION_KEYWORDS = {"hot_policy": "hot", "cold_policy": "cold"}  # the old form of retention=
 _STEP_PREFIX = "tierstore://step="  # what Lightning's paths name (best_model_path, ...)
 _OLD_STEP_PREFIX = "tierstore:step="  # step_path's older form, still resumed from
 _STEP_IN_NAME = re.compile(r"(?:^|[^A-Za-z0-9_])step=(\d+)")
@@ -100,35 +97,27 @@ def _check_manager_options(options: Mapping[str, Any]) -> None:
     """Refuse, when the callback is built, a ``manager_options`` key that
     :class:`~tierstore.CheckpointManager` does not take: the manager itself is built in
     ``setup()``, once the trainer runs, and a typo must not wait for that."""
-    taken = set(inspect.signature(CheckpointManager).parameters) | set(LegacyManagerArgs.__annotations__)
-    own = {"hot", "cold", "retention", *_RETENTION_KEYWORDS}
-    taken -= {"legacy", *own}
+    taken = set(inspect.signature(CheckpointManager).parameters) - {"hot", "cold", "retention", "removed"}
     unknown = sorted(set(options) - taken)
-    if unknown:
+    if not unknown:
+        return
+    if unknown[0] in REPLACED:
         raise TypeError(
             f"TierstoreCheckpoint(manager_options=) got {unknown[0]!r}, which CheckpointManager "
-            f"does not take (it takes {', '.join(sorted(taken))}); retention is the callback's "
-            "own argument"
+            f"no longer takes: pass {REPLACED[unknown[0]]} (a Store goes as the callback's hot)"
         )
+    raise TypeError(
+        f"TierstoreCheckpoint(manager_options=) got {unknown[0]!r}, which CheckpointManager "
+        f"does not take (it takes {', '.join(sorted(taken))}); retention is the callback's "
+        "own argument"
+    )
 
 
-def _retention(given: Retention | None, policy: Policy, options: dict[str, Any]) -> Retention:
-    """``given``, or both tiers keeping ``policy``; the old per-tier keywords, popped from
-    ``options``, are folded in with a ``DeprecationWarning``."""
+def _retention(given: Retention | None, policy: Policy) -> Retention:
+    """``given``, or both tiers keeping ``policy``."""
     if given is not None and not isinstance(given, Retention):
         raise ConfigError(f"TierstoreCheckpoint(retention=) takes a Retention, got {type(given).__name__}")
-    retention = given or Retention(hot=policy, cold=policy)
-    for argument, field in _RETENTION_KEYWORDS.items():
-        if argument in options:
-            deprecated("TierstoreCheckpoint", argument, f"retention=Retention({field}=...)", stacklevel=3)
-            value = options.pop(argument)
-            if given is not None:
-                raise ConfigError(
-                    f"TierstoreCheckpoint got {argument}= and retention=: give {field} once, in retention"
-                )
-            if value is not None:
-                retention = dataclasses.replace(retention, **{field: value})
-    return retention
+    return given or Retention(hot=policy, cold=policy)
 
 
 def policy_for(monitor: str | None, save_top_k: int, mode: str, save_last: object) -> Policy:
@@ -202,11 +191,11 @@ class TierstoreCheckpoint(ModelCheckpoint):
         hot, cold: the store's tiers (URLs), or a :class:`~tierstore.Store` as ``hot``. The hot
             tier must be a local directory for ``ckpt_path="last"`` (Lightning checks it exists).
         retention: what each tier keeps (:class:`~tierstore.Retention`); by default both
-            keep what ``ModelCheckpoint`` would (:func:`policy_for`). ``hot_policy=`` and
-            ``cold_policy=``, its old form, work for one release with a ``DeprecationWarning``.
+            keep what ``ModelCheckpoint`` would (:func:`policy_for`).
         manager_options: further :class:`~tierstore.CheckpointManager` arguments
             (``staging=StagingOptions(...)``, ``writer=WriterOptions(...)``, ``migration``,
-            ``hot_options``, ...); a key the manager does not take is a ``TypeError`` here.
+            ``options=ManagerOptions(...)``, ...); a key the manager does not take is a
+            ``TypeError`` here (tier options go on a :class:`~tierstore.Store` as ``hot``).
         **checkpoint_options: ``ModelCheckpoint``'s arguments (``monitor``, ``mode``,
             ``save_top_k``, ``save_last``, ``every_n_train_steps``, ``every_n_epochs``, ...).
     """
@@ -220,20 +209,18 @@ class TierstoreCheckpoint(ModelCheckpoint):
         manager_options: Mapping[str, Any] | None = None,
         **checkpoint_options: Any,
     ) -> None:
-        old_keywords = {k: checkpoint_options.pop(k) for k in _RETENTION_KEYWORDS if k in checkpoint_options}
+        for old in ("hot_policy", "cold_policy"):
+            if old in checkpoint_options:
+                raise TypeError(f"TierstoreCheckpoint() no longer takes {old}=: pass {REPLACED[old]}")
         _warn_unused(checkpoint_options)
         super().__init__(**checkpoint_options)
         options = dict(manager_options or {})
         self.store = store_to_save(
-            hot,
-            cold,
-            hot_options=options.pop("hot_options", None),
-            cold_options=options.pop("cold_options", None),
-            owner="TierstoreCheckpoint",
+            hot, cold, hot_options=None, cold_options=None, owner="TierstoreCheckpoint"
         )
         _check_manager_options(options)
         policy = policy_for(self.monitor, self.save_top_k, self.mode, self.save_last)
-        self.retention = _retention(retention, policy, old_keywords)
+        self.retention = _retention(retention, policy)
         self.manager_options = options
         self.manager: CheckpointManager | None = None  # made in setup(): it needs the group
         self._saved_step: int | None = None

@@ -48,7 +48,6 @@ class Base:
     migration: MigrationConfig | None
     close_timeout: float
     writer: WriterOptions
-    _overwrite: bool  # DCP's overwrite, from the old writer_options: only its message says it
     staging: StagingOptions
     distributed: bool
     rank: int

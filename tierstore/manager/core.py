@@ -7,9 +7,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -18,59 +18,51 @@ from tierstore.dcp.writer import store_to_save
 from tierstore.errors import ConfigError, SaveFailed, StorageError
 from tierstore.lifecycle.retention import Retention
 from tierstore.lifecycle.rounds import BackgroundRounds
-from tierstore.manager import legacy as legacy_args
 from tierstore.manager import writable
 from tierstore.manager.ending import Ending
 from tierstore.manager.health import Health
-from tierstore.manager.legacy import LegacyManagerArgs
 from tierstore.manager.loading import Loading
 from tierstore.manager.maintenance import Maintenance
 from tierstore.manager.preemption import Preempting
+from tierstore.manager.removed import refuse_removed
 from tierstore.manager.runs import Runs, run_of
 from tierstore.manager.saving import Saving
 from tierstore.migration.migrator import (
     MigrationConfig,
     MigrationState,
 )
-from tierstore.options import Preemption, Run, StagingOptions, WriterOptions
+from tierstore.options import ManagerOptions, Preemption, Run, StagingOptions, WriterOptions
 from tierstore.staging import ReusedStaging
 from tierstore.tiers import runlock
 from tierstore.tiers.tier import Store, TierURL
-
-if TYPE_CHECKING:
-    from typing import Unpack  # Python 3.11; the annotations are never evaluated
 
 __all__ = ["CheckpointManager", "DEFAULT_CLOSE_TIMEOUT"]
 
 log = logging.getLogger(__name__)
 
 Cadence = Callable[[int], bool]
-DEFAULT_CLOSE_TIMEOUT = 300.0  # seconds close() waits for migrations, in all
+_T = TypeVar("_T")
+DEFAULT_CLOSE_TIMEOUT = ManagerOptions().close_timeout  # seconds close() waits for migrations, in all
 
 
 class CheckpointManager(Runs, Saving, Maintenance, Loading, Ending, Preempting):
     """Save every ``save_every`` steps, resume from the newest checkpoint, keep tiers pruned.
 
     Args:
-        hot, cold: the store's tiers (URLs), or a :class:`~tierstore.Store` as ``hot``.
+        hot, cold: the store's tiers (URLs or paths), or a :class:`~tierstore.Store` as
+            ``hot`` where tier options or node-local hot tiers are needed
+            (``Store(hot, cold, cold_options=..., node_local=True)``).
         retention: what each tier keeps, and how far a full hot tier is pruned beyond its
             policy (:class:`~tierstore.Retention`; default: hot keeps the last 2, cold keeps
             everything).
         save_every: an int (every N steps), a callable ``step -> bool`` (e.g. a
             :class:`tierstore.resume.cadence.TimeCadence`), or ``None`` to save whenever asked.
-        hot_options / cold_options: options for the tiers' backends.
-        node_local: the hot tier is per node (see ``TieredReader``); ``None`` (the default):
-            as a ``Store`` given as ``hot`` says, else ``False``.
         migration: how this process migrates to the cold tier (:class:`~tierstore.MigrationConfig`).
-        process_group: group for checkpoint collectives; by default a new gloo group.
         writer: how each save is written (:class:`~tierstore.WriterOptions`: threads,
             encoding, ...).
         staging: how the state is taken off the training loop
             (:class:`~tierstore.StagingOptions`: ``dcp.async_save`` or ``dcp.save``, thread
             or process, reused or fresh buffers, overlap).
-        close_timeout: the most seconds :meth:`close` waits for migrations, pruning and
-            checks in all (default 300); what is left then stays pending in the hot tier
-            and :meth:`close` raises :class:`~tierstore.errors.MigrationFailed`.
         preemption: save on a scheduler's preemption notice (default ``True``: SIGTERM, a 30 s
             grace period; a :class:`~tierstore.Preemption` names other signals and another
             period; ``False``: off). The next ``save()`` after the signal saves that step on
@@ -79,10 +71,14 @@ class CheckpointManager(Runs, Saving, Maintenance, Loading, Ending, Preempting):
         run: the run it saves for and resumes: a name (``Run(name)``) or a
             :class:`~tierstore.Run`; ``load_latest`` then resumes only that run's checkpoints
             (:mod:`tierstore.manager.runs`). ``None`` (default): the newest, whoever saved it.
-        **legacy: the keywords these options replaced (``hot_policy``, ``cold_policy``,
-            ``hot_min_free``, ``async_save``, ``async_mode``, ``overlap_staging``,
-            ``writer_options``, and ``staging`` as a string), accepted
-            for one release with a ``DeprecationWarning`` (:mod:`tierstore.manager.legacy`).
+        options: what the manager itself needs beyond these
+            (:class:`~tierstore.ManagerOptions`: ``close_timeout``, 300 s by default, the
+            most seconds :meth:`close` waits for migrations, pruning and checks in all;
+            ``process_group``, by default a new gloo group).
+
+    An argument of an older form (``hot_options=``, ``node_local=``, ``hot_policy=``,
+    ``async_mode=``, ``writer_options=``, ``close_timeout=``, ...) is a ``TypeError`` naming
+    the form that replaced it (:mod:`tierstore.manager.removed`).
 
     ``stalls`` maps each saved step to the seconds ``save()`` blocked the caller;
     ``staging_allocated`` maps it to the bytes of staging buffers that save allocated: the
@@ -94,51 +90,39 @@ class CheckpointManager(Runs, Saving, Maintenance, Loading, Ending, Preempting):
         hot: TierURL | Store,
         cold: TierURL | None = None,
         *,
-        retention: Retention | None = None,
         save_every: int | Cadence | None = None,
-        hot_options: Mapping[str, Any] | None = None,
-        cold_options: Mapping[str, Any] | None = None,
-        node_local: bool | None = None,
-        migration: MigrationConfig | None = None,
-        process_group: Any = None,
-        writer: WriterOptions | None = None,
-        staging: StagingOptions | None = None,
-        close_timeout: float = DEFAULT_CLOSE_TIMEOUT,
-        preemption: Preemption | bool = True,
+        retention: Retention | None = None,
         run: str | Run | None = None,
-        **legacy: Unpack[LegacyManagerArgs],
+        preemption: Preemption | bool = True,
+        staging: StagingOptions | None = None,
+        writer: WriterOptions | None = None,
+        migration: MigrationConfig | None = None,
+        options: ManagerOptions | None = None,
+        **removed: Any,
     ) -> None:
-        legacy_args.check_names(legacy)
+        refuse_removed(removed)
         self.run = run_of(run)
-        self.retention = legacy_args.retention(retention, legacy)
-        self.staging = legacy_args.staging_options(staging, legacy)
-        self.writer, self._overwrite = legacy_args.writer_options(writer, legacy)
+        self.retention = _given("retention", retention, Retention)
+        self.staging = _given("staging", staging, StagingOptions)
+        self.writer = _given("writer", writer, WriterOptions)
+        options = _given("options", options, ManagerOptions)
         if isinstance(save_every, int) and save_every <= 0:
             raise ConfigError(f"save_every must be positive, got {save_every}")
-        if not (isinstance(close_timeout, (int, float)) and 0 <= close_timeout < float("inf")):
-            raise ConfigError(f"close_timeout must be a number of seconds >= 0, got {close_timeout!r}")
-        self.store = store_to_save(
-            hot,
-            cold,
-            hot_options=hot_options,
-            cold_options=cold_options,
-            node_local=node_local,
-            owner="CheckpointManager",
-        )
+        self.store = store_to_save(hot, cold, hot_options=None, cold_options=None, owner="CheckpointManager")
         node_local = self.store.node_local
         # Node-local hot tiers each hold some ranks' files: the cold tier is the shared catalog.
         self.catalog = Store.of_tiers(None, self.store.cold) if node_local else self.store
         self.save_every = save_every
         self.node_local, self.migration = node_local, migration
-        self.close_timeout = float(close_timeout)
+        self.close_timeout = options.close_timeout
         self._writer(0, {})  # what only a TieredWriter checks (the environment's settings) fails here
         self._stager: ReusedStaging | None = None  # made by the first save, freed by close()
         self._staging: Future[None] | None = None  # the last save's copy of the state
         self._thread: ThreadPoolExecutor | None = None  # starts saves with StagingOptions(overlap=True)
         self.distributed = _dist.initialized()
         self.rank = _dist.rank_world()[0]
-        self._owns_group = process_group is None and self.distributed
-        self.group = dist.new_group(backend="gloo") if self._owns_group else process_group
+        self._owns_group = options.process_group is None and self.distributed
+        self.group = dist.new_group(backend="gloo") if self._owns_group else options.process_group
         self._check_hot_writable()  # a read-only or foreign hot directory: refused now, every rank
         self._check_runs()  # another run's checkpoints in the hot tier: warned about, once
         self._pending: Future[None] | None = None  # settles once the save is recorded
@@ -205,3 +189,12 @@ class CheckpointManager(Runs, Saving, Maintenance, Loading, Ending, Preempting):
                 prune_errors=tuple(self._prune_errors),
                 quarantined=tuple(dict.fromkeys(self._quarantined)),
             )
+
+
+def _given(param: str, value: Any, cls: type[_T]) -> _T:
+    """``CheckpointManager(param=value)``: an instance of ``cls``, or ``cls()`` for ``None``."""
+    if value is None:
+        return cls()
+    if not isinstance(value, cls):
+        raise ConfigError(f"CheckpointManager({param}=) takes a {cls.__name__}, got {type(value).__name__}")
+    return value

@@ -143,7 +143,6 @@ class Saving(Base):
             self.store,
             step=step,
             migration=self.migration,
-            node_local=self.node_local,
             metrics=metrics,
             run=self.run.name if self.run is not None else None,
             options=self.writer,

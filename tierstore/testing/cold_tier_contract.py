@@ -117,7 +117,7 @@ def _load_hot(hot: str, step: int) -> dict[str, torch.Tensor]:
 
 def _load_cold_alone(cold: ProxiedCold, step: int) -> dict[str, torch.Tensor]:
     target = _blank()
-    reader = TieredReader(None, cold.url, step=step, cold_options=cold.options(through_proxy=False))
+    reader = TieredReader(Store.of(None, cold.url, cold_options=cold.options(through_proxy=False)), step=step)
     dcp_load(target, storage_reader=reader)
     return target
 
@@ -133,7 +133,9 @@ def _assert_committed_hot(cold: ProxiedCold, steps: list[int], *, kept: list[int
 
 
 def _writer(cold: ProxiedCold, step: int) -> TieredWriter:
-    return TieredWriter(cold.hot, cold.url, step=step, cold_options=cold.options(), migration=_FAST_MIGRATION)
+    return TieredWriter(
+        Store.of(cold.hot, cold.url, cold_options=cold.options()), step=step, migration=_FAST_MIGRATION
+    )
 
 
 class ColdTierContract:
