@@ -146,7 +146,6 @@ class Saving(Base):
             metrics=metrics,
             run=self.run.name if self.run is not None else None,
             options=self.writer,
-            overwrite=self._overwrite,
         )
 
     def _submitter(self) -> ThreadPoolExecutor:
