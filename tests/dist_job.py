@@ -303,10 +303,7 @@ def manager_cold_down(spec: dict[str, Any]) -> None:
         "retry": retry,
     }
     mgr = CheckpointManager(
-        tiers(spec)["hot"],
-        spec["cold"],
-        cold_options=options,
-        node_local=True,
+        Store(tiers(spec)["hot"], spec["cold"], cold_options=options, node_local=True),
         retention=Retention(hot_min_free=None),
         migration=MigrationConfig(retry=retry, commit_timeout=5),
     )
@@ -347,9 +344,7 @@ def manager_node_local_resume(spec: dict[str, Any]) -> None:
     model, optim = build(0, dist.get_world_size())
     blocked = Path(spec["blocker"])
     mgr = CheckpointManager(
-        tiers(spec)["hot"],
-        str(blocked / "cold"),
-        node_local=True,
+        Store(tiers(spec)["hot"], str(blocked / "cold"), node_local=True),
         retention=Retention(hot_min_free=None),
         migration=config,
     )
@@ -366,9 +361,7 @@ def manager_node_local_resume(spec: dict[str, Any]) -> None:
         blocked.unlink()  # the cold tier is reachable again
     dist.barrier()
     again = CheckpointManager(
-        tiers(spec)["hot"],
-        str(blocked / "cold"),
-        node_local=True,
+        Store(tiers(spec)["hot"], str(blocked / "cold"), node_local=True),
         retention=Retention(hot_min_free=None),
         migration=config,
     )
@@ -398,9 +391,7 @@ def manager_preempt(spec: dict[str, Any]) -> None:
     model, optim = build(0, dist.get_world_size())
     out = Path(spec["out"])
     mgr = CheckpointManager(
-        **tiers(spec),
-        cold_options=spec.get("cold_options"),
-        node_local=spec.get("node_local", False),
+        Store(**tiers(spec), cold_options=spec.get("cold_options"), node_local=spec.get("node_local", False)),
         save_every=spec["save_every"],
         retention=Retention(hot_min_free=None),
         preemption=Preemption(grace_seconds=spec["grace"]),

@@ -50,6 +50,7 @@ from tierstore.lifecycle.quarantine import list_quarantined
 from tierstore.lifecycle.retention import keep_all
 from tierstore.migration.migrator import MigrationConfig
 from tierstore.migration.status import migration_status
+from tierstore.options import ManagerOptions
 from tierstore.retry import RetryPolicy
 from tierstore.tiers.tier import Store, Tier
 
@@ -84,7 +85,7 @@ def manager(hot: str, cold: Cold, **options: Any) -> CheckpointManager:
     options.setdefault("migration", FAST)
     given = options.get("retention", Retention())
     options["retention"] = dataclasses.replace(given, hot_min_free=None)
-    return CheckpointManager(hot, cold.url, cold_options=cold.options, **options)
+    return CheckpointManager(Store(hot, cold.url, cold_options=cold.options), **options)
 
 
 def every_cold_checkpoint_loads(cold: Cold) -> None:
@@ -161,12 +162,10 @@ def test_cold_tier_down_close_returns_in_bounded_time_and_the_next_run_resumes(
     cold, hot = any_cold, str(tmp_path / "hot")
     url, options = down(cold, tmp_path)
     run = CheckpointManager(
-        hot,
-        url,
-        cold_options=options,
+        Store(hot, url, cold_options=options),
         retention=Retention(hot=keep_last(1), hot_min_free=None),
         migration=FAST,
-        close_timeout=20,
+        options=ManagerOptions(close_timeout=20),
     )
     for step in (1, 2, 3):
         run.save(step, state(step))
@@ -194,11 +193,11 @@ def test_cold_tier_down_close_returns_in_bounded_time_and_the_next_run_resumes(
 
 COLD_DOWN_RUN = """
 import json, sys, time, torch
-from tierstore import CheckpointManager, Retention
+from tierstore import CheckpointManager, Retention, Store
 from tierstore.errors import MigrationFailed
 spec = json.loads(sys.argv[1])
 run = CheckpointManager(
-    spec["hot"], spec["url"], cold_options=spec["options"], retention=Retention(hot_min_free=None)
+    Store(spec["hot"], spec["url"], cold_options=spec["options"]), retention=Retention(hot_min_free=None)
 )
 for step in (1, 2):
     run.save(step, {"w": torch.randn(256, 256)})
@@ -314,7 +313,7 @@ def slow_s3(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Cold]:
 def test_a_stalled_cold_tier_never_blocks_a_save_and_close_is_bounded(slow_s3: Cold, tmp_path: Path) -> None:
     """The cold tier answers nothing (every request hangs): saves go on at hot speed."""
     cold, hot = slow_s3, str(tmp_path / "hot")
-    run = manager(hot, cold, retention=Retention(hot=keep_last(1)), close_timeout=5)
+    run = manager(hot, cold, retention=Retention(hot=keep_last(1)), options=ManagerOptions(close_timeout=5))
     cold.down("stall")
     try:
         for step in (1, 2, 3):

@@ -30,7 +30,6 @@ from tierstore import (
     TieredReader,
     TieredWriter,
     WriterOptions,
-    keep_last,
 )
 from tierstore.format import layout
 from tierstore.format.manifest import Manifest
@@ -251,29 +250,10 @@ def test_filesystem_writer_extensions_are_folded_and_choose_the_dcp_encoding(tmp
             ),
             r"got _extensions=.* and options=WriterOptions\(extensions=",
         ),
-        (
-            lambda hot: CheckpointManager(hot, async_mode="process", staging=StagingOptions(mode="process")),
-            r"CheckpointManager got async_mode='process' and staging=StagingOptions\(mode='process'\)",
-        ),
-        (
-            lambda hot: CheckpointManager(
-                hot, writer_options={"thread_count": 2}, writer=WriterOptions(thread_count=4)
-            ),
-            r"got thread_count=2 and writer=WriterOptions\(thread_count=4\)",
-        ),
-        (
-            lambda hot: CheckpointManager(
-                hot, hot_policy=keep_last(1), retention=Retention(hot=keep_last(4))
-            ),
-            r"got hot_policy=keep_last\(n=1\) and retention=Retention\(hot=keep_last\(n=4\)\)",
-        ),
     ],
     ids=[
         "fs-argument",
         "extensions",
-        "old-manager-keyword",
-        "writer_options",
-        "retention",
     ],
 )
 def test_one_option_given_both_ways_is_a_config_error(

@@ -22,7 +22,7 @@ from tierstore.format.manifest import checkpoint_order
 from tierstore.lifecycle.retention import keep_all
 from tierstore.lifecycle.scrub import verify_store
 from tierstore.storage.local import LocalBackend
-from tierstore.tiers.tier import Tier
+from tierstore.tiers.tier import Store, Tier
 
 NO_STEP = "zz-no-step"  # sorts after "step-...": a tie broken by name puts it after step 0 too
 BIG, SMALL = (1024, 1024), (8, 8)  # 4 MiB and 256 B of floats
@@ -86,8 +86,7 @@ def test_disk_pressure_measures_the_newest_checkpoint(tmp_path: Path, registered
     with (
         caplog.at_level(logging.WARNING, logger="tierstore"),
         CheckpointManager(
-            f"tight://{hot}",
-            hot_options={"free": 3 << 20},
+            Store(f"tight://{hot}", hot_options={"free": 3 << 20}),
             retention=Retention(hot=keep_all()),
             staging=StagingOptions(async_save=False),
         ) as manager,

@@ -301,16 +301,16 @@ def test_a_manager_option_it_does_not_take_fails_when_the_callback_is_built(tmp_
     hot = str(tmp_path / "hot")
     with pytest.raises(TypeError, match="'stagin', which CheckpointManager does not take"):
         TierstoreCheckpoint(hot, manager_options={"stagin": StagingOptions(async_save=False)})
-    for own in ("retention", "hot_policy", "cold_policy"):
-        with pytest.raises(TypeError, match=f"'{own}'.*retention is the callback's own argument"):
-            TierstoreCheckpoint(hot, manager_options={own: None})
-    callback = TierstoreCheckpoint(
-        hot, manager_options={"staging": StagingOptions(async_save=False), "hot_options": {}}
-    )
+    with pytest.raises(TypeError, match="'retention'.*retention is the callback's own argument"):
+        TierstoreCheckpoint(hot, manager_options={"retention": None})
+    for old, new in (("hot_policy", "retention=Retention"), ("hot_options", "CheckpointManager\\(Store\\(")):
+        with pytest.raises(TypeError, match=f"'{old}', which CheckpointManager no longer takes: pass {new}"):
+            TierstoreCheckpoint(hot, manager_options={old: None})
+    callback = TierstoreCheckpoint(hot, manager_options={"staging": StagingOptions(async_save=False)})
     assert callback.manager_options == {"staging": StagingOptions(async_save=False)}
 
 
-def test_retention_defaults_to_what_model_checkpoint_keeps_and_takes_its_old_form(tmp_path: Path) -> None:
+def test_retention_defaults_to_what_model_checkpoint_keeps_and_refuses_its_old_form(tmp_path: Path) -> None:
     from tierstore import Retention, keep_last
     from tierstore.errors import ConfigError
     from tierstore.integrations.lightning import TierstoreCheckpoint
@@ -321,13 +321,11 @@ def test_retention_defaults_to_what_model_checkpoint_keeps_and_takes_its_old_for
     assert TierstoreCheckpoint(hot, save_top_k=-1).retention == Retention(hot=keep_all(), cold=keep_all())
     given = Retention(hot=keep_last(1), cold=keep_all(), hot_min_free=None)
     assert TierstoreCheckpoint(hot, retention=given).retention == given
-    with pytest.warns(DeprecationWarning, match="hot_policy=: pass retention=Retention"):
-        old = TierstoreCheckpoint(hot, save_top_k=-1, hot_policy=keep_last(1))
-    assert old.retention == Retention(hot=keep_last(1), cold=keep_all())
+    for old in ("hot_policy", "cold_policy"):
+        with pytest.raises(TypeError, match=f"no longer takes {old}=: pass retention=Retention"):
+            TierstoreCheckpoint(hot, save_top_k=-1, **{old: keep_last(1)})
     with pytest.raises(ConfigError, match="retention=\\) takes a Retention"):
         TierstoreCheckpoint(hot, retention=keep_last(1))
-    with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="give cold once"):
-        TierstoreCheckpoint(hot, retention=given, cold_policy=keep_last(1))
 
 
 def test_refuses_strategies_that_hold_the_state_on_rank_0_only(tmp_path: Path) -> None:

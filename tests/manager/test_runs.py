@@ -48,6 +48,7 @@ from tierstore.errors import ConfigError, MigrationFailed
 from tierstore.format import layout
 from tierstore.lifecycle.quarantine import list_quarantined
 from tierstore.migration.migrator import MigrationConfig
+from tierstore.options import ManagerOptions
 from tierstore.retry import RetryPolicy
 from tierstore.storage.local import LocalBackend
 from tierstore.tiers.tier import Tier
@@ -299,16 +300,17 @@ def test_another_runs_checkpoints_only_the_cold_tier_holds_are_named_by_the_firs
 
 def test_two_node_local_runs(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     hot, cold = str(tmp_path / "nvme"), str(tmp_path / "cold")
-    run_a(hot, cold, run="A", node_local=True)
+    local = Store(hot, cold, node_local=True)
+    run_a(local, run="A")
     assert [c.step for c in list_checkpoints(Store(cold=cold))] == [1, 2, 3, 4, 5]
     with caplog.at_level(logging.WARNING, logger="tierstore"):
-        with manager(hot, cold, run="B", node_local=True) as b:
+        with manager(local, run="B") as b:
             assert b.load_latest(state(0)) is None  # listed from the cold tier: the same rule
             assert b.steps() == []
-        with manager(hot, cold, node_local=True) as unnamed:
+        with manager(local) as unnamed:
             assert unnamed.load_latest(state(0)) == 5
         with pytest.raises(ConfigError, match="run 'A'"):
-            manager(hot, cold, run=Run("B", strict=True), node_local=True)
+            manager(local, run=Run("B", strict=True))
     [warning] = warnings_of(caplog, OTHER_RUNS)
     assert "run 'A'" in warning and "run 'B'" in warning
 
@@ -321,7 +323,7 @@ def test_a_cold_tier_that_is_down_does_not_fail_the_start(
     blocker = tmp_path / "blocker"
     blocker.write_text("a file where the cold tier's directory should be")
     with caplog.at_level(logging.WARNING, logger="tierstore.manager.runs"):
-        b = manager(hot, str(blocker / "cold"), run="B", close_timeout=2)
+        b = manager(hot, str(blocker / "cold"), run="B", options=ManagerOptions(close_timeout=2))
     [warning] = warnings_of(caplog, OTHER_RUNS)
     assert "run 'A'" in warning
     with contextlib.suppress(MigrationFailed):  # A's checkpoints, found pending, cannot go
@@ -342,7 +344,10 @@ def test_a_stalled_cold_tier_does_not_delay_the_start(
     started = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="tierstore.manager.runs"):
         b = CheckpointManager(
-            hot, slow_s3.url, cold_options=slow_s3.options, run=Run("B"), close_timeout=1, migration=FAST
+            Store(hot, slow_s3.url, cold_options=slow_s3.options),
+            run=Run("B"),
+            options=ManagerOptions(close_timeout=1),
+            migration=FAST,
         )
     assert time.monotonic() - started < 5
     [warning] = warnings_of(caplog, OTHER_RUNS)

@@ -247,7 +247,9 @@ class ColdTierContract:
         cold.set_mode(mode)
         manager = _returns(
             lambda: CheckpointManager(
-                cold.hot, cold.url, save_every=1, cold_options=cold.options(), migration=_FAST_MIGRATION
+                Store(cold.hot, cold.url, cold_options=cold.options()),
+                save_every=1,
+                migration=_FAST_MIGRATION,
             ),
             "CheckpointManager()",
         )
@@ -290,7 +292,7 @@ class ColdTierContract:
         assert built.cold is not None
         manager = _returns(
             lambda: CheckpointManager(
-                cold.hot, cold.url, cold_options=cold.options(), migration=_FAST_MIGRATION
+                Store(cold.hot, cold.url, cold_options=cold.options()), migration=_FAST_MIGRATION
             ),
             "CheckpointManager()",
         )
