@@ -41,6 +41,7 @@ from tierstore.format.manifest_format import (
 )
 from tierstore.format.manifest_format import checksum as _checksum
 from tierstore.format.manifest_root import ManifestRoot, PartIndex, PartLoader
+from tierstore.format.manifest_validation import validate_flat, validate_root
 
 __all__ = [
     "FORMAT",
@@ -286,13 +287,13 @@ class Manifest:
         root = self.root
         if root.version == fmt.FLAT_VERSION:
             body = fmt.flat_body(root.header(), root.metadata_file, self.files, root.encoding)
-            fmt.validate_flat(body, source="new manifest", error=ConfigError)
+            validate_flat(body, source="new manifest", error=ConfigError)
             return fmt.encode_root(body)
         assert root.metadata is not None
         body = fmt.root_body(
             root.header(), root.metadata, root.total_size, root.num_files, root.parts, root.encoding
         )
-        fmt.validate_root(body, source="new manifest", error=ConfigError)
+        validate_root(body, source="new manifest", error=ConfigError)
         return fmt.encode_root(body)
 
     def part_json(self, ref: PartRef) -> bytes:
@@ -327,9 +328,9 @@ class Manifest:
         recorded = body.pop("checksum", None)
         try:
             if body.get("version") == fmt.VERSION:
-                metadata, parts = fmt.validate_root(body, source="manifest", error=ValueError)
+                metadata, parts = validate_root(body, source="manifest", error=ValueError)
             else:
-                files = fmt.validate_flat(body, source="manifest", error=ValueError)
+                files = validate_flat(body, source="manifest", error=ValueError)
         except ValueError as err:
             raise bad(str(err)) from err
         if recorded != _checksum(body):

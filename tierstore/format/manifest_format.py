@@ -11,17 +11,16 @@ Two forms (docs/format.md):
   part names its checkpoint, attempt and index, so a part swapped in from elsewhere is refused
   (invariant 4). A rank reads the root and its own part, never every rank's entries.
 
-No I/O here; :mod:`tierstore.format.manifest` holds the value built from these forms.
-
-Why one module of about 500 lines: the schema of both forms sits in one place, each field's
-validation and limit next to the encoder that writes it, so the writer and the strict reader
-cannot drift apart.
+Here: the limits, the checks of one field (a path, metrics, a run name, a fingerprint), the
+entries, and the encoders of each form, so every limit sits next to the encoder it bounds;
+:mod:`tierstore.format.manifest_validation` is the strict reader of the same forms, built on
+these limits and checks. No I/O here; :mod:`tierstore.format.manifest` holds the value built
+from these forms.
 """
 
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import math
 import numbers
@@ -53,9 +52,6 @@ __all__ = [
     "root_body",
     "part_body",
     "split_parts",
-    "validate_flat",
-    "validate_root",
-    "validate_part",
     "encode_root",
     "encode_part",
     "digest",
@@ -80,18 +76,6 @@ _CRC_MAX = (1 << 32) - 1
 _PATH = re.compile(r"[A-Za-z0-9_.-]{1,255}(/[A-Za-z0-9_.-]{1,255}){0,7}")
 _SHA256 = re.compile(r"sha256:[0-9a-f]{64}")
 _METRIC = re.compile(r"[A-Za-z0-9_./-]{1,64}")
-_HEADER = {"format", "version", "name", "step", "attempt", "world_size", "created", "producer"}
-_FLAT_KEYS = _HEADER | {"metadata_file", "files"}
-_ROOT_KEYS = _HEADER | {"encoding", "metadata", "total_size", "file_count", "parts"}
-_PART_KEYS = {"format", "version", "name", "attempt", "index", "first_rank", "last_rank", "files"}
-# Absent means: "dcp"; no metrics; no run named, no job known, structure unknown (written
-# before these existed, or nothing to record).
-_RUN_KEYS = {"run", "job", "fingerprint"}
-_OPTIONAL_KEYS = {"encoding", "metrics"} | _RUN_KEYS  # flat form
-_ROOT_OPTIONAL_KEYS = {"metrics"} | _RUN_KEYS
-_FILE_KEYS = {"path", "size", "crc32c", "rank"}
-_REF_KEYS = {"path", "first_rank", "last_rank", "files", "size", "sha256"}
-_ENCODINGS = ("dcp", "raw")  # tierstore.format.encoding.ENCODINGS; "dcp" when absent
 
 
 def check_relpath(path: object) -> str:
@@ -184,6 +168,17 @@ def _finite(value: object) -> bool:
 def _short(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+Need = Callable[[bool, str], None]
+
+
+def _needer(source: str, error: type[Exception]) -> Need:
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise error(f"{source}: {what}")
+
+    return need
 
 
 @dataclass(frozen=True)
@@ -310,213 +305,6 @@ def encode_root(body: dict[str, Any]) -> bytes:
 def checksum(body: Mapping[str, Any]) -> str:
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
-
-
-# -- validation (each raises ``error(f"{source}: ...")``) --------------------------------
-
-Need = Callable[[bool, str], None]
-
-
-def _needer(source: str, error: type[Exception]) -> Need:
-    def need(ok: bool, what: str) -> None:
-        if not ok:
-            raise error(f"{source}: {what}")
-
-    return need
-
-
-def _is_int(value: object, lo: int, hi: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and lo <= value <= hi
-
-
-def _check_version(body: Mapping[str, Any], fmt: str, need: Need) -> None:
-    need(body.get("format") == fmt, f"format is {body.get('format')!r}, not {fmt!r}")
-    version = body.get("version")
-    need(
-        _is_int(version, 1, VERSION),
-        f"version {version!r} is not supported (this tierstore reads up to {VERSION}); "
-        "written by a newer tierstore?",
-    )
-
-
-def _check_keys(body: Mapping[str, Any], expected: set[str], optional: set[str], need: Need) -> None:
-    keys = set(body) - optional
-    need(keys == expected, f"fields {sorted(keys ^ expected)} missing or unexpected")
-
-
-def _check_header(body: Mapping[str, Any], need: Need) -> None:
-    try:
-        layout.check_name(body["name"])
-        layout.check_attempt(body["attempt"])
-    except ConfigError as err:
-        need(False, err.message)
-    need(body["step"] is None or _is_int(body["step"], 0, MAX_STEP), "step is not a non-negative int")
-    need(_is_int(body["world_size"], 1, MAX_WORLD_SIZE), "world_size is not a positive int")
-    created = body["created"]
-    need(
-        isinstance(created, (int, float))
-        and not isinstance(created, bool)
-        and math.isfinite(created)
-        and created >= 0,
-        "created is not a timestamp",
-    )
-    need(isinstance(body["producer"], str) and len(body["producer"]) < 1024, "producer is not a short string")
-    need(
-        body.get("encoding", "dcp") in _ENCODINGS,
-        f"encoding {body.get('encoding')!r} is not one of {list(_ENCODINGS)}; written by a newer tierstore?",
-    )
-    if "metrics" in body:
-        try:
-            check_metrics(body["metrics"], source="metrics", error=ValueError)
-        except ValueError as err:
-            need(False, str(err))
-    for key in ("run", "job"):
-        if key in body:
-            need(
-                is_run_text(body[key]),
-                f"{key} {_short(body[key])} is not 1 to {MAX_RUN} printable characters without "
-                "'/' or a space at either end",
-            )
-    if "fingerprint" in body:
-        need(
-            isinstance(body["fingerprint"], str) and bool(_SHA256.fullmatch(body["fingerprint"])),
-            f"fingerprint {_short(body['fingerprint'])} is not 'sha256:' and 64 lowercase hex digits",
-        )
-
-
-def _check_entry(entry: object, lo: int, hi: int, seen: set[str], need: Need) -> FileEntry:
-    need(
-        isinstance(entry, dict) and set(entry) == _FILE_KEYS,
-        f"file entry {entry!r} must have exactly {sorted(_FILE_KEYS)}",
-    )
-    assert isinstance(entry, dict)
-    try:
-        check_relpath(entry["path"])
-    except ValueError as err:
-        need(False, str(err))
-    need(entry["path"] not in seen, f"file {entry['path']!r} listed twice")
-    seen.add(entry["path"])
-    need(_is_int(entry["size"], 0, MAX_FILE_SIZE), f"file {entry['path']!r}: absurd size {entry['size']!r}")
-    need(_is_int(entry["crc32c"], 0, _CRC_MAX), f"file {entry['path']!r}: bad crc32c {entry['crc32c']!r}")
-    need(
-        _is_int(entry["rank"], lo, hi),
-        f"file {entry['path']!r}: rank {entry['rank']!r} outside "
-        + (f"world size {hi + 1}" if lo == 0 else f"the part's ranks {lo}-{hi}"),
-    )
-    return FileEntry(**entry)
-
-
-def _check_files(
-    files: object, lo: int, hi: int, limit: int, need: Need, seen: set[str] | None = None
-) -> tuple[FileEntry, ...]:
-    need(isinstance(files, list) and 0 < len(files) <= limit, "files is not a non-empty list")
-    assert isinstance(files, list)
-    seen = set() if seen is None else seen
-    return tuple(_check_entry(entry, lo, hi, seen, need) for entry in files)
-
-
-def validate_flat(body: Mapping[str, Any], *, source: str, error: type[Exception]) -> tuple[FileEntry, ...]:
-    """A version 1 body (without its checksum); its entries."""
-    need = _needer(source, error)
-    _check_version(body, FORMAT, need)
-    _check_keys(body, _FLAT_KEYS, _OPTIONAL_KEYS, need)
-    _check_header(body, need)
-    seen: set[str] = set()
-    files = _check_files(body["files"], 0, body["world_size"] - 1, MAX_FILES, need, seen)
-    need(body["metadata_file"] in seen, f"metadata file {body['metadata_file']!r} is not listed")
-    return files
-
-
-def validate_root(
-    body: Mapping[str, Any], *, source: str, error: type[Exception]
-) -> tuple[FileEntry, tuple[PartRef, ...]]:
-    """A version 2 root (without its checksum); its ``.metadata`` entry and part references."""
-    need = _needer(source, error)
-    _check_version(body, FORMAT, need)
-    _check_keys(body, _ROOT_KEYS, _ROOT_OPTIONAL_KEYS, need)
-    _check_header(body, need)
-    world = body["world_size"]
-    metadata = _check_entry(body["metadata"], 0, world - 1, set(), need)
-    refs = body["parts"]
-    need(
-        isinstance(refs, list) and 0 < len(refs) <= MAX_PARTS,
-        f"parts is not a list of 1 to {MAX_PARTS} parts",
-    )
-    parts = tuple(_check_ref(i, ref, world, need) for i, ref in enumerate(refs))
-    for before, after in itertools.pairwise(parts):
-        need(
-            before.last_rank < after.first_rank,
-            f"part {after.index}: rank ranges overlap or are not ascending",
-        )
-    count = sum(p.files for p in parts) + 1
-    need(
-        body["file_count"] == count and _is_int(count, 2, MAX_FILES * MAX_PARTS),
-        f"file_count {body['file_count']!r} is not the parts' {count - 1} files plus the metadata",
-    )
-    need(
-        _is_int(body["total_size"], metadata.size, MAX_FILE_SIZE * count),
-        f"total_size {body['total_size']!r} is absurd",
-    )
-    return metadata, parts
-
-
-def _check_ref(index: int, ref: object, world: int, need: Need) -> PartRef:
-    need(
-        isinstance(ref, dict) and set(ref) == _REF_KEYS,
-        f"part {index} {ref!r} must have exactly {sorted(_REF_KEYS)}",
-    )
-    assert isinstance(ref, dict)
-    need(
-        ref["path"] == layout.manifest_part_path(index),
-        f"part {index}: path {ref['path']!r} is not {layout.manifest_part_path(index)!r}",
-    )
-    need(
-        _is_int(ref["first_rank"], 0, world - 1) and _is_int(ref["last_rank"], ref["first_rank"], world - 1),
-        f"part {index}: ranks {ref['first_rank']!r}-{ref['last_rank']!r} outside world size {world}",
-    )
-    need(_is_int(ref["files"], 1, MAX_FILES), f"part {index}: bad file count {ref['files']!r}")
-    need(_is_int(ref["size"], 2, MAX_PART_BYTES), f"part {index}: bad size {ref['size']!r}")
-    need(
-        isinstance(ref["sha256"], str) and bool(_SHA256.fullmatch(ref["sha256"])),
-        f"part {index}: bad sha256 {ref['sha256']!r}",
-    )
-    return PartRef(index=index, **ref)
-
-
-def validate_part(
-    data: bytes, ref: PartRef, *, name: str, attempt: str, metadata_file: str, error: type[Exception]
-) -> tuple[FileEntry, ...]:
-    """Part ``ref`` of ``name``/``attempt``, read as ``data``; its entries.
-
-    The root vouches for the bytes (sha256); the part's own name, attempt, index and rank
-    range must still agree, so a forger cannot reuse one checkpoint's valid part in another.
-    """
-    need = _needer(f"manifest part {ref.index}", error)
-    need(len(data) == ref.size, f"{len(data)} bytes, the root says {ref.size}")
-    need(
-        digest(data) == ref.sha256,
-        f"sha256 differs from the root's {ref.sha256}; modified, corrupt or from another checkpoint",
-    )
-    try:
-        body = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
-        raise error(f"manifest part {ref.index}: not valid JSON ({err})") from err
-    need(isinstance(body, dict), "top level is not an object")
-    _check_version(body, PART_FORMAT, need)
-    _check_keys(body, _PART_KEYS, set(), need)
-    need(
-        body["name"] == name and body["attempt"] == attempt and body["index"] == ref.index,
-        f"names checkpoint {body['name']!r} attempt {body['attempt']!r} part {body['index']!r}, "
-        f"not {name!r} attempt {attempt!r} part {ref.index}",
-    )
-    need(
-        body["first_rank"] == ref.first_rank and body["last_rank"] == ref.last_rank,
-        "rank range differs from the root's",
-    )
-    files = _check_files(body["files"], ref.first_rank, ref.last_rank, MAX_FILES, need)
-    need(len(files) == ref.files, f"{len(files)} files, the root says {ref.files}")
-    need(all(f.path != metadata_file for f in files), f"lists the metadata file {metadata_file!r}")
-    return files
 
 
 # -- limits, before any byte is written -------------------------------------------------

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierstore.errors import ConfigError, InvalidManifest
-from tierstore.format import manifest_format as fmt
 from tierstore.format.manifest_format import FileEntry, PartRef
+from tierstore.format.manifest_validation import validate_part
 
 __all__ = ["ManifestRoot", "PartIndex", "PartLoader"]
 
@@ -108,7 +108,7 @@ class PartIndex:
             )
         key, data = self._loader(root.name, root.attempt, ref)
         try:
-            entries = fmt.validate_part(
+            entries = validate_part(
                 data,
                 ref,
                 name=root.name,
