@@ -1,17 +1,24 @@
 """This process's migrators: one per (hot, cold) pair, forgotten in a forked child, drained
-at exit.
+at exit, boundedly.
 
 Writers are built per save, but the uploads they hand over outlive them, so the migrator a
 writer uses is kept here, per process. Nothing else is global: a forked child starts with none
-(threads do not survive fork), and an exit hook gives uploads still in flight a bounded chance
-to finish (``TIERSTORE_EXIT_WAIT`` seconds, default 600) before the process goes; whatever
-is left is stopped (nothing of it is attempted after that) and stays pending in the tiers,
-for the next job's manager or ``tierstore migrate``.
+(threads do not survive fork).
+
+**The exit wait.** When the interpreter begins to shut down with uploads still in flight, an
+exit hook gives them a bounded chance to finish: at most ``EXIT_WAIT`` seconds (30; the
+``TIERSTORE_EXIT_WAIT`` variable sets another bound), and never longer than the
+``exit_wait=`` a caller of :func:`migrator_for` asked for (a ``CheckpointManager`` asks for
+its ``close_timeout``). A plain ``dcp.save`` script whose cold tier never answers so exits
+in about half a minute, never minutes. Whatever is left is stopped (nothing of it is
+attempted after that; uploads run on daemon threads) and stays committed and pending in the
+hot tier, named at ERROR, for the next job's manager or ``tierstore migrate``. A
+``CheckpointManager`` closed by the program has waited (at most its ``close_timeout``)
+already and left nothing for the hook.
 
 The hook runs when the interpreter begins to shut down, before ``concurrent.futures`` refuses
 new work (``threading``'s exit hooks, not ``atexit``'s, which run after it): uploads that use
-a thread pool (the S3 plugin's parts) still work while it waits. A ``CheckpointManager``
-closed by the program has waited (boundedly) already, and left nothing for the hook.
+a thread pool (the S3 plugin's parts) still work while it waits.
 """
 
 from __future__ import annotations
@@ -26,30 +33,40 @@ import time
 from tierstore.migration.migrator import MigrationConfig, Migrator
 from tierstore.tiers.tier import Tier
 
-__all__ = ["migrator_for", "migrators_of", "active_migrators", "drain", "EXIT_WAIT_ENV"]
+__all__ = ["migrator_for", "migrators_of", "active_migrators", "drain", "EXIT_WAIT", "EXIT_WAIT_ENV"]
 
 log = logging.getLogger(__name__)
 
 EXIT_WAIT_ENV = "TIERSTORE_EXIT_WAIT"
+# Seconds the exit hook waits at most: a script that never closes anything must not sit for
+# minutes at exit on a cold tier that never answers (issue 36, item 4).
+EXIT_WAIT = 30.0
 
 _MIGRATORS: dict[tuple[str, str, str], Migrator] = {}
 _MIGRATORS_LOCK = threading.Lock()
+_EXIT_WAITS: dict[tuple[str, str, str], float] = {}  # the tightest exit_wait= asked per migrator
 
 
 def _tier_id(tier: Tier) -> str:
     return json.dumps([tier.url, tier.options], sort_keys=True, default=repr)
 
 
-def migrator_for(hot: Tier, cold: Tier, config: MigrationConfig | None = None) -> Migrator:
+def migrator_for(
+    hot: Tier, cold: Tier, config: MigrationConfig | None = None, *, exit_wait: float | None = None
+) -> Migrator:
     """This process's migrator for ``hot`` -> ``cold``, created on first use.
 
-    The first caller's ``config`` wins.
+    The first caller's ``config`` wins. ``exit_wait``: the exit hook waits at most this many
+    seconds for this migrator's uploads (the tightest any caller asked for, and never more
+    than ``EXIT_WAIT``).
     """
     key = (_tier_id(hot), _tier_id(cold), "")
     with _MIGRATORS_LOCK:
         migrator = _MIGRATORS.get(key)
         if migrator is None:
             migrator = _MIGRATORS[key] = Migrator(hot, cold, config)
+        if exit_wait is not None:
+            _EXIT_WAITS[key] = min(max(0.0, float(exit_wait)), _EXIT_WAITS.get(key, float("inf")))
         return migrator
 
 
@@ -81,14 +98,30 @@ def _forget_after_fork() -> None:
     # Threads do not survive fork: a child starts with no migrators (and no stale locks).
     global _MIGRATORS_LOCK
     _MIGRATORS.clear()
+    _EXIT_WAITS.clear()
     _MIGRATORS_LOCK = threading.Lock()
 
 
+def exit_wait() -> float:
+    """Seconds the exit hook would wait now, at most: ``EXIT_WAIT`` (or
+    ``TIERSTORE_EXIT_WAIT``), bounded by every ``exit_wait=`` asked of a migrator with work."""
+    bound = float(os.environ.get(EXIT_WAIT_ENV, EXIT_WAIT))
+    with _MIGRATORS_LOCK:
+        busy = [key for key, migrator in _MIGRATORS.items() if migrator.pending()]
+        return min([bound, *(_EXIT_WAITS[key] for key in busy if key in _EXIT_WAITS)])
+
+
 def _drain_at_exit() -> None:
-    if not any(m.pending() for m in active_migrators()):
+    pending = sorted({s.name for m in active_migrators() for s in m.pending()})
+    if not pending:
         return
-    timeout = float(os.environ.get(EXIT_WAIT_ENV, "600"))
-    log.warning("waiting up to %.0fs for checkpoint migrations before exit", timeout)
+    timeout = exit_wait()
+    log.warning(
+        "waiting up to %gs (%s) at exit for the migrations of %s to the cold tier",
+        timeout,
+        EXIT_WAIT_ENV,
+        ", ".join(pending),
+    )
     if not drain(timeout):
         left = sorted({s.name for m in active_migrators() for s in m.pending()})
         for migrator in active_migrators():
