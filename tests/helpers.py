@@ -68,6 +68,13 @@ def matches(state: dict[str, Any], step: int, shape: tuple[int, ...] = SHAPE) ->
     )
 
 
+def store_of(hot: str | None, cold: str | None, options: dict[str, Any]) -> Store:
+    """The store of ``hot`` and ``cold``, with the tier options and ``node_local`` that
+    ``options`` holds taken out of it (they live on the store)."""
+    tier = {k: options.pop(k) for k in ("hot_options", "cold_options", "node_local") if k in options}
+    return Store.of(hot, cold, **tier)
+
+
 def save(
     hot: str,
     step: int,
@@ -77,8 +84,9 @@ def save(
     migrated: bool = False,
     **writer_options: Any,
 ) -> TieredWriter:
-    """Save :func:`state_for` ``step``; ``migrated``: also wait until the cold copy commits."""
-    writer = TieredWriter(hot, cold, step=step, **writer_options)
+    """Save :func:`state_for` ``step``; ``migrated``: also wait until the cold copy commits.
+    ``hot_options``, ``cold_options`` and ``node_local`` go to the store (:func:`store_of`)."""
+    writer = TieredWriter(store_of(hot, cold, writer_options), step=step, **writer_options)
     dcp.save(state_for(step, shape), storage_writer=writer)
     if migrated:
         assert writer.migrator is not None and writer.migrator.wait(30)
@@ -89,7 +97,7 @@ def load(
     hot: str | None, cold: str | None = None, *, shape: tuple[int, ...] = SHAPE, **reader_options: Any
 ) -> tuple[dict[str, Any], TieredReader]:
     """Load into :func:`blank`; returns the loaded state and the reader (which names the tier)."""
-    target, reader = blank(shape), TieredReader(hot, cold, **reader_options)
+    target, reader = blank(shape), TieredReader(store_of(hot, cold, reader_options), **reader_options)
     dcp.load(target, storage_reader=reader)
     return target, reader
 

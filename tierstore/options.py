@@ -22,21 +22,17 @@ The module imports no torch, so ``from tierstore import WriterOptions`` stays ch
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import signal
-import warnings
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal
 
 from tierstore.errors import ConfigError
 from tierstore.format.manifest_format import check_run
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint._extension import StreamTransformExtension
-
-    from tierstore.lifecycle.retention import Retention
 
 __all__ = [
     "WriterOptions",
@@ -48,15 +44,11 @@ __all__ = [
     "Encoding",
     "StagingMode",
     "StagingBuffers",
-    "fold",
-    "deprecated",
-    "warn_deprecated",
 ]
 
 Encoding = Literal["raw", "dcp"]
 StagingMode = Literal["thread", "process"]
 StagingBuffers = Literal["reuse", "fresh"]
-_Options = TypeVar("_Options", "WriterOptions", "ReaderOptions", "StagingOptions", "Retention")
 _UNCATCHABLE = {signal.SIGKILL, signal.SIGSTOP}
 
 
@@ -276,49 +268,6 @@ class Run:
     def __post_init__(self) -> None:
         check_run(self.name, what="name", source="Run", error=ConfigError)
         check_bool("Run", "strict", self.strict)
-
-
-def fold(
-    owner: str,
-    param: str,
-    options: _Options | None,
-    cls: type[_Options],
-    given: Mapping[str, tuple[str, Any]],
-) -> _Options:
-    """``options`` (``cls()`` if ``None``) with the keyword arguments in ``given`` (field ->
-    the argument's name, its value) folded in, checked as ``cls`` checks its fields.
-
-    A field given both ways is a :class:`~tierstore.errors.ConfigError`; "given" in
-    ``options`` means other than its default, the only thing a frozen dataclass tells.
-    """
-    if options is not None and not isinstance(options, cls):
-        raise ConfigError(f"{owner}({param}=) takes a {cls.__name__}, got {type(options).__name__}")
-    defaults = cls()
-    for name, (argument, value) in given.items():
-        if options is not None and getattr(options, name) != getattr(defaults, name):
-            raise ConfigError(
-                f"{owner} got {argument}={value!r} and {param}={cls.__name__}({name}="
-                f"{getattr(options, name)!r}): give {name} once, in {param}"
-            )
-    base = options if options is not None else defaults
-    return dataclasses.replace(base, **{name: value for name, (_, value) in given.items()})
-
-
-def warn_deprecated(owner: str, message: str, *, stacklevel: int) -> None:
-    """The one form of tierstore's deprecation warnings, ``tierstore.<owner> is deprecated``
-    and then ``message`` (what to write instead), pointing ``stacklevel`` frames up from the
-    caller. pyproject.toml turns exactly this form into an error in the test suite, so
-    tierstore's own code, tests and docs never use an old form."""
-    warnings.warn(f"tierstore.{owner} is deprecated{message}", DeprecationWarning, stacklevel=stacklevel + 1)
-
-
-def deprecated(owner: str, argument: str, instead: str, *, stacklevel: int) -> None:
-    """Warn that ``owner``'s keyword ``argument`` goes in the next release."""
-    warn_deprecated(
-        owner,
-        f" with {argument}=: pass {instead} (the argument goes in the next release)",
-        stacklevel=stacklevel + 1,
-    )
 
 
 @dataclass(frozen=True)

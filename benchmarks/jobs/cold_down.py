@@ -67,7 +67,7 @@ class Bench:
         return out
 
     def writer(self, name: str, mode: str | None, step: int) -> Any:
-        from tierstore import TieredWriter
+        from tierstore import Store, TieredWriter
 
         hot = str(self.scratch / name.replace("/", "-"))  # one store (and migrator) per case
         if mode is None:

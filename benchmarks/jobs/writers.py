@@ -64,7 +64,7 @@ def make_writer(variant: str, where: Where) -> StorageWriter:
 
 
 def _tiered_writer(variant: str, where: Where) -> StorageWriter:
-    from tierstore import TieredWriter
+    from tierstore import Store, TieredWriter
 
     # The cold tier only under async_save: the sync variant measures the hot write alone.
     if is_async(variant) and where.s3 is not None and where.target is not None:
@@ -107,7 +107,7 @@ def make_reader(
     variant: str, local: dict[str, str], s3: dict[str, str], target: S3Target | None
 ) -> StorageReader:
     """``local``/``s3``: where each writer's checkpoint for the load benchmark lies."""
-    from tierstore import TieredReader
+    from tierstore import Store, TieredReader
 
     kind = variant.removesuffix("_nocrc")
     if kind == "fsr_hot":

@@ -1,10 +1,8 @@
-"""Every operation on a store takes one ``Store`` (or a URL: a store of that one tier), and the
-forms that named its tiers one by one keep working for one release (issue 23 item 2).
+"""Every operation on a store takes one ``Store`` (or a URL: a store of that one tier); the
+forms that named its tiers one by one (``hot=``, ``cold=``, ``hot_options=``, ``cold_options=``,
+``node_local=``), which no release published, are Python's own ``TypeError`` (issue 36).
 
-Each test is parametrized over the operations, so an operation that loses
-:func:`tierstore.tiers.store_arg.takes_store` fails here: its old forms raise ``TypeError``.
-Real stores in local directories; what an operation returns the old way is compared with what
-it returns the new way.
+Each test is parametrized over the operations. Real stores in local directories.
 """
 
 from __future__ import annotations
@@ -26,7 +24,6 @@ from tierstore import (
     Store,
     TieredWriter,
     collect_garbage,
-    keep_last,
     list_checkpoints,
     migrate_pending,
     migration_status,
@@ -120,19 +117,6 @@ def tiers(op: Op, saved: tuple[str, str], tmp_path: Path) -> tuple[str, str]:
     return (str(tmp_path / "hot"), str(tmp_path / "cold")) if op.empty else saved
 
 
-def legacy(op: Op, *args: Any, **kwargs: Any) -> tuple[Any, warnings.WarningMessage]:
-    """The old call's outcome and the one deprecation warning it gave."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        result = op.call(*args, **kwargs)
-    deprecations = [w for w in caught if issubclass(w.category, DeprecationWarning)]
-    assert len(deprecations) == 1, [str(w.message) for w in deprecations]
-    message = str(deprecations[0].message)
-    assert message.startswith(f"tierstore.{op.name} is deprecated"), message
-    assert "pass one Store" in message and "Store.of(" in message, message
-    return result, deprecations[0]
-
-
 @by_name
 def test_an_operation_takes_one_store(op: Op, tiers: tuple[str, str]) -> None:
     hot, cold = tiers
@@ -145,83 +129,18 @@ def test_an_operation_takes_one_store(op: Op, tiers: tuple[str, str]) -> None:
 
 
 @by_name
-def test_an_old_form_gives_the_same_result_with_one_warning(op: Op, tiers: tuple[str, str]) -> None:
+def test_an_old_form_is_a_type_error(op: Op, tiers: tuple[str, str]) -> None:
     hot, cold = tiers
-    expected = op.new(Store(hot, cold))
-    forms: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
-        ((), {"hot": hot, "cold": cold}),
-        ((), {"hot": hot, "cold": cold, "hot_options": {"fsync": True}, "cold_options": {"fsync": True}}),
+    old: list[dict[str, Any]] = [
+        {"hot": hot, "cold": cold},
+        {"store": Store(hot), "cold": cold},
+        {"store": Store(hot, cold), "cold_options": {"fsync": True}},
+        {"store": Store(hot, cold), "hot_options": {"fsync": True}},
+        {"store": Store(hot, cold), "node_local": True},
     ]
-    if not op.keyword:
-        forms += [
-            ((hot, cold), {}),
-            ((hot,), {"cold": cold}),
-            ((hot, cold), {"cold_options": {"fsync": True}}),
-        ]
-    for args, kwargs in forms:
-        result, warning = legacy(op, *args, **kwargs)
-        assert result == expected, (args, kwargs)
-        assert warning.filename == __file__  # it names the caller's line, not tierstore's
-
-
-@by_name
-def test_the_old_options_reach_the_tiers(op: Op, tiers: tuple[str, str]) -> None:
-    hot, cold = tiers
-    expected = op.new(Store(hot, cold, cold_options={"no_such_option": 1}))
-    assert "no_such_option" in repr(expected)  # raised, or (prune) reported
-    result, _ = legacy(op, hot=hot, cold=cold, cold_options={"no_such_option": 1})
-    assert result == expected
-
-
-@by_name
-def test_a_store_with_old_tier_arguments_is_refused(op: Op, tiers: tuple[str, str]) -> None:
-    hot, cold = tiers
-    store = Store(hot)
-    mixed: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
-        ((), {"store": store, "cold": cold}),
-        ((), {"store": store, "cold_options": {"fsync": True}}),
-        ((), {"store": store, "hot": hot}),
-    ]
-    if not op.keyword:
-        mixed += [((store, cold), {})]
-    for args, kwargs in mixed:
-        with pytest.raises(ConfigError, match=f"tierstore.{op.name} got "):
-            op.run(*op.lead, *args, **dict(op.rest), **kwargs)
-
-
-NODE_LOCAL = [op for op in OPS if op.name in ("prune", "verify_resume")]
-
-
-@pytest.fixture
-def node(op: Op, tmp_path: Path) -> tuple[str, str]:
-    """For prune: a node's hot root holding step 1 and a cold tier holding steps 1 and 2 (the
-    second saved by another node), so that only a node-local prune drops step 1 (by the cold
-    catalog, keep_last(1)); for verify_resume, a store holding nothing."""
-    hot, cold = str(tmp_path / "hot"), str(tmp_path / "cold")
-    if op.name == "prune":
-        for root, step in ((hot, 1), (str(tmp_path / "other"), 2)):
-            dcp.save(state_for(step), storage_writer=TieredWriter(Store(root, cold), step=step))
-            wait_for_migrations(Store(root, cold), timeout=60)
-    return hot, cold
-
-
-@pytest.mark.parametrize("op", NODE_LOCAL, ids=[op.name for op in NODE_LOCAL])
-def test_node_local_is_the_stores_and_the_old_keyword_still_says_it(op: Op, node: tuple[str, str]) -> None:
-    hot, cold = node
-    extra = {"hot_policy": keep_last(1)} if op.name == "prune" else {}
-    expected = op.new(Store(hot, cold, node_local=True), **extra)
-    assert expected != op.new(Store(hot, cold), **extra)  # node_local changes what the operation does
-    assert legacy(op, hot=hot, cold=cold, node_local=True, **extra)[0] == expected
-    assert legacy(op, store=Store(hot, cold), node_local=True, **extra)[0] == expected
-    result, warning = legacy(op, store=Store(hot, cold, node_local=True), node_local=False, **extra)
-    assert result == expected  # False was the old default: the store says
-    assert "Store.of(store)" in str(warning.message)
-
-
-def test_the_warning_says_what_to_write(saved: tuple[str, str]) -> None:
-    hot, cold = saved
-    warning = legacy(OPS[0], hot, cold, cold_options={"fsync": True})[1]
-    assert "tierstore.list_checkpoints(Store.of(hot, cold, cold_options=...), ...)" in str(warning.message)
+    for kwargs in old:
+        with pytest.raises(TypeError, match="unexpected keyword argument"):
+            op.run(*op.lead, **dict(op.rest), **kwargs)
 
 
 def test_every_exported_operation_taking_a_store_is_covered_here() -> None:
@@ -235,9 +154,8 @@ def test_every_exported_operation_taking_a_store_is_covered_here() -> None:
         if inspect.isfunction(value := getattr(tierstore, name))
         and "store" in inspect.signature(value).parameters
     }
-    # Operations newer than the old tier arguments take only a Store or a URL: nothing to fold.
-    assert takes <= {op.name for op in OPS} | {"list_quarantined", "export"}
-    assert len(takes) >= 8
+    assert takes <= {op.name for op in OPS} | {"export"}
+    assert len(takes) >= 6
 
 
 def test_the_quarantine_operations_take_a_store_or_a_url(saved: tuple[str, str]) -> None:

@@ -41,16 +41,16 @@ def test_the_constructors_take_node_local_from_a_store_given_them(tmp_path: Path
     writer = TieredWriter(local, step=1)
     assert writer.node_local and writer.store is local  # a node-local store stays node-local
     assert TieredReader(local).node_local and not TieredReader(shared).node_local
-    assert TieredReader(shared, node_local=True).node_local  # the keyword says it for this reader
-    assert not TieredWriter(local, step=1, node_local=False).node_local
+    assert TieredReader(Store.of(shared, node_local=True)).node_local  # Store.of says it for this reader
+    assert not TieredWriter(Store.of(local, node_local=False), step=1).node_local
     with CheckpointManager(local, staging=StagingOptions(async_save=False)) as manager:
         assert manager.node_local and manager.catalog.tiers == [local.cold]
     with CheckpointManager(shared, staging=StagingOptions(async_save=False)) as manager:
         assert not manager.node_local and manager.catalog is shared
     for build in (
-        lambda: TieredWriter(str(tmp_path / "hot"), step=1, node_local=True),
+        lambda: TieredWriter(Store.of(str(tmp_path / "hot"), node_local=True), step=1),
         lambda: CheckpointManager(Store(str(tmp_path / "hot"), node_local=True)),
-        lambda: TieredReader(str(tmp_path / "hot"), node_local=True),
+        lambda: TieredReader(Store.of(str(tmp_path / "hot"), node_local=True)),
     ):
         with pytest.raises(ConfigError, match="needs both a hot and a cold tier"):
             build()

@@ -5,7 +5,7 @@ A script written for DCP's file system storage should switch to
 only. So their arguments are accepted here with the meaning they have in DCP, or refused
 with a message saying what to do instead, never with a bare ``TypeError``:
 
-- ``path``: the hot tier (DCP's name for the first argument).
+- ``path``: the hot tier (DCP's name for the first argument, ``hot`` in tierstore).
 - ``sync_files=True``: what tierstore always does (every file is durable before the commit,
   docs/design.md invariant 2). ``False`` is refused: it would break that invariant.
 - ``per_thread_copy_ahead``: a GPU-to-host overlap knob; accepted, it changes no byte written.
@@ -19,9 +19,13 @@ with a message saying what to do instead, never with a bare ``TypeError``:
   when ``encoding`` is not given), because the raw encoding reads ranges of items in place.
 - ``thread_count``, ``single_file_per_rank``, ``_extensions``: folded into the writer's
   :class:`~tierstore.WriterOptions` (``thread_count``, ``single_file_per_rank``,
-  ``extensions``), without a warning: a script that swaps ``FileSystemWriter`` for
-  ``TieredWriter`` keeps them. The same option given in ``options=`` too is an error.
+  ``extensions``): a script that swaps ``FileSystemWriter`` for ``TieredWriter`` keeps them.
+  The same option given in ``options=`` too is a ``ConfigError``.
 - ``serialization_format``: ``TORCH_SAVE`` accepted; ``SAFETENSORS`` refused.
+
+tierstore 0.1.0 is the first release, so the keywords tierstore's own constructors took
+before it (tier options, ``node_local=``, the options the option objects replaced) are no
+shims: each is a ``TypeError`` naming what to write instead (:func:`refuse`).
 
 A ``checkpoint_id`` is a checkpoint name, or a directory directly under a tier's root
 (``<root>/<name>``, as a FileSystemWriter user names a checkpoint by its directory).
@@ -29,9 +33,10 @@ A ``checkpoint_id`` is a checkpoint name, or a directory directly under a tier's
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import posixpath
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, TypedDict
 
 from torch.distributed.checkpoint._extension import StreamTransformExtension
@@ -39,23 +44,91 @@ from torch.distributed.checkpoint.filesystem import SerializationFormat
 
 from tierstore.errors import ConfigError
 from tierstore.format import layout
-from tierstore.options import Encoding, ReaderOptions, WriterOptions, deprecated, fold
+from tierstore.options import WriterOptions
 from tierstore.storage.registry import split_scheme
 from tierstore.tiers.tier import Store, TierURL
 
 __all__ = [
-    "LegacyReaderArgs",
-    "reader_options",
     "FileSystemWriterArgs",
+    "FileSystemReaderArgs",
     "writer_options",
+    "reader_args",
     "check_dcp_args",
-    "hot_or_path",
+    "first_tier",
+    "refuse",
     "checkpoint_name",
 ]
 
 
-def hot_or_path(hot: TierURL | Store | None, path: TierURL | None, owner: str) -> TierURL | Store | None:
-    """``hot``, or DCP's ``path=`` for it; both is an error."""
+class FileSystemWriterArgs(TypedDict, total=False):
+    """The keywords :class:`~tierstore.TieredWriter` takes besides its own: ``FileSystemWriter``'s."""
+
+    path: TierURL
+    thread_count: int
+    single_file_per_rank: bool
+    sync_files: bool
+    per_thread_copy_ahead: int
+    cache_staged_state_dict: bool
+    overwrite: bool
+    _extensions: Sequence[StreamTransformExtension] | None
+    serialization_format: SerializationFormat | str | None
+
+
+class FileSystemReaderArgs(TypedDict, total=False):
+    """The keyword :class:`~tierstore.TieredReader` takes besides its own: ``FileSystemReader``'s
+    ``path`` (its ``_extension_registry`` is a parameter of the reader's own)."""
+
+    path: TierURL
+
+
+# FileSystemWriter's arguments that are WriterOptions fields (by the field's name).
+_FOLDED = {
+    "thread_count": "thread_count",
+    "single_file_per_rank": "single_file_per_rank",
+    "_extensions": "extensions",
+}
+_CHECKED = (
+    "sync_files",
+    "per_thread_copy_ahead",
+    "cache_staged_state_dict",
+    "overwrite",
+    "serialization_format",
+)
+_STORE = "{owner}(Store.of(hot, cold, {arg}=...), ...): a Store holds its tiers' options"
+# Keywords tierstore's constructors took before 0.1.0, the first release: what to write instead.
+GONE = {
+    "hot_options": _STORE,
+    "cold_options": _STORE,
+    "node_local": _STORE,
+}
+WRITER_GONE = {
+    **GONE,
+    "encoding": "{owner}(..., options=WriterOptions({arg}=...))",
+    "manifest_part_ranks": "{owner}(..., options=WriterOptions({arg}=...))",
+    "max_files_per_dir": "{owner}(..., options=WriterOptions({arg}=...))",
+}
+READER_GONE = {
+    **GONE,
+    "thread_count": "{owner}(..., options=ReaderOptions({arg}=...))",
+    "lease": "{owner}(..., options=ReaderOptions({arg}=...))",
+    "resolve_once": "{owner}(..., options=ReaderOptions({arg}=...))",
+}
+
+
+def refuse(owner: str, args: Collection[str], known: Collection[str], gone: Mapping[str, str]) -> None:
+    """A ``TypeError`` for a keyword in ``args`` that ``owner`` does not take: one that
+    ``gone`` names says what to write instead; any other is Python's own message."""
+    for arg in sorted(args):
+        if arg in gone:
+            instead = gone[arg].format(owner=owner, arg=arg)
+            raise TypeError(f"{owner}() no longer takes {arg}=: pass {instead}")
+        if arg not in known:
+            raise TypeError(f"{owner}() got an unexpected keyword argument {arg!r}")
+
+
+def first_tier(hot: TierURL | Store | None, args: Mapping[str, Any], owner: str) -> TierURL | Store | None:
+    """``hot``, or DCP's ``path=`` in ``args`` for it; both is an error."""
+    path: TierURL | None = args.get("path")
     if path is None:
         return hot
     if hot is not None:
@@ -65,38 +138,9 @@ def hot_or_path(hot: TierURL | Store | None, path: TierURL | None, owner: str) -
     return path
 
 
-class FileSystemWriterArgs(TypedDict, total=False):
-    """The keywords :class:`~tierstore.TieredWriter` takes besides its own (module docstring):
-    ``FileSystemWriter``'s, then, for one release, the ones :class:`WriterOptions` replaced."""
-
-    thread_count: int
-    single_file_per_rank: bool
-    sync_files: bool
-    per_thread_copy_ahead: int
-    cache_staged_state_dict: bool
-    overwrite: bool
-    _extensions: Sequence[StreamTransformExtension] | None
-    serialization_format: SerializationFormat | str | None
-    encoding: Encoding | None  # deprecated: WriterOptions(encoding=)
-    manifest_part_ranks: int | None  # deprecated: WriterOptions(manifest_part_ranks=)
-    max_files_per_dir: int | None  # deprecated: WriterOptions(max_files_per_dir=)
-
-
-# FileSystemWriter's arguments that are WriterOptions fields (by the field's name), and the
-# arguments of tierstore 0.x that WriterOptions replaced (warned about, for one release).
-_FOLDED = {
-    "thread_count": "thread_count",
-    "single_file_per_rank": "single_file_per_rank",
-    "_extensions": "extensions",
-}
-_DEPRECATED = ("encoding", "manifest_part_ranks", "max_files_per_dir")
-_CHECKED = (
-    "sync_files",
-    "per_thread_copy_ahead",
-    "cache_staged_state_dict",
-    "overwrite",
-    "serialization_format",
-)
+def reader_args(args: Mapping[str, Any], owner: str = "TieredReader") -> None:
+    """Refuse what ``FileSystemReader`` does not take (:func:`refuse`)."""
+    refuse(owner, args, FileSystemReaderArgs.__annotations__, READER_GONE)
 
 
 def writer_options(
@@ -105,21 +149,14 @@ def writer_options(
     owner: str = "TieredWriter",
     *,
     param: str = "options",
-    warn: bool = True,
 ) -> tuple[WriterOptions, bool]:
-    """``options`` with ``FileSystemWriter``'s arguments (and the deprecated ones, with a
-    ``DeprecationWarning`` unless ``warn`` is false) in ``args`` folded in, each checked
+    """``options`` with ``FileSystemWriter``'s arguments in ``args`` folded in, each checked
     (module docstring); and DCP's ``overwrite``.
 
-    An argument that is none of them is a ``TypeError``, as Python's own; one also set in
-    ``options`` is a ``ConfigError`` (:func:`tierstore.options.fold`).
+    An argument that is none of them is a ``TypeError`` (:func:`refuse`); one also set in
+    ``options`` is a ``ConfigError``.
     """
-    unknown = sorted(set(args) - set(_FOLDED) - set(_DEPRECATED) - set(_CHECKED))
-    if unknown:
-        raise TypeError(f"{owner}() got an unexpected keyword argument {unknown[0]!r}")
-    for name in _DEPRECATED:
-        if warn and name in args:
-            deprecated(owner, name, f"{param}=WriterOptions({name}=...)", stacklevel=3)
+    refuse(owner, args, ("path", *_FOLDED, *_CHECKED), WRITER_GONE)
     check_dcp_args(
         sync_files=args.get("sync_files", True),
         per_thread_copy_ahead=args.get("per_thread_copy_ahead", 10_000_000),
@@ -127,38 +164,32 @@ def writer_options(
         serialization_format=args.get("serialization_format"),
     )
     given = {
-        _FOLDED.get(name, name): (name, args[name])
-        for name in (*_FOLDED, *_DEPRECATED)
+        _FOLDED[name]: (name, args[name])
+        for name in _FOLDED
         # _extensions=None is FileSystemWriter's default: nothing given
         if name in args and not (name == "_extensions" and args[name] is None)
     }
-    folded = fold(owner, param, options, WriterOptions, given)
-    return folded, bool(args.get("overwrite", False))
+    return _fold(owner, param, options, given), bool(args.get("overwrite", False))
 
 
-class LegacyReaderArgs(TypedDict, total=False):
-    """The keywords :class:`~tierstore.TieredReader` took before :class:`ReaderOptions`,
-    accepted for one release with a ``DeprecationWarning``."""
-
-    thread_count: int
-    lease: bool
-    resolve_once: bool
-
-
-_READER_LEGACY = ("thread_count", "lease", "resolve_once")
-
-
-def reader_options(
-    options: ReaderOptions | None, legacy: Mapping[str, Any], owner: str = "TieredReader"
-) -> ReaderOptions:
-    """``options`` with the old keywords in ``legacy`` folded in (each warned about once)."""
-    unknown = sorted(set(legacy) - set(_READER_LEGACY))
-    if unknown:
-        raise TypeError(f"{owner}() got an unexpected keyword argument {unknown[0]!r}")
-    for name in legacy:
-        deprecated(owner, name, f"options=ReaderOptions({name}=...)", stacklevel=3)
-    given = {name: (name, value) for name, value in legacy.items()}
-    return fold(owner, "options", options, ReaderOptions, given)
+def _fold(
+    owner: str, param: str, options: WriterOptions | None, given: Mapping[str, tuple[str, Any]]
+) -> WriterOptions:
+    """``options`` (``WriterOptions()`` if ``None``) with the arguments in ``given`` (field ->
+    the argument's name, its value) folded in, checked as ``WriterOptions`` checks its fields.
+    A field given both ways is a ``ConfigError``; "given" in ``options`` means other than its
+    default, the only thing a frozen dataclass tells."""
+    if options is not None and not isinstance(options, WriterOptions):
+        raise ConfigError(f"{owner}({param}=) takes a WriterOptions, got {type(options).__name__}")
+    defaults = WriterOptions()
+    for name, (argument, value) in given.items():
+        if options is not None and getattr(options, name) != getattr(defaults, name):
+            raise ConfigError(
+                f"{owner} got {argument}={value!r} and {param}=WriterOptions({name}="
+                f"{getattr(options, name)!r}): give {name} once, in {param}"
+            )
+    base = options if options is not None else defaults
+    return dataclasses.replace(base, **{name: value for name, (_, value) in given.items()})
 
 
 def check_dcp_args(

@@ -104,9 +104,13 @@ class TieredReader(StorageReader):
     """Load a DCP checkpoint from a tiered store.
 
     Args:
-        hot, cold: the store's tiers (either may be omitted, not both), or a
-            :class:`~tierstore.Store` as ``hot``. ``path=`` (``FileSystemReader``'s name)
-            is the same as ``hot``.
+        hot, cold: the store's tiers as URLs or paths (either may be omitted, not both), or a
+            :class:`~tierstore.Store` as ``hot``, where the tiers need options or the hot tier
+            is node-local (``Store.of(hot, cold, node_local=True)``: the hot tier is per node,
+            so each rank's hot root holds only its node's files and the cold manifest is the
+            global commit; checkpoints are picked by cold manifest, and each file is read from
+            the local hot tier when it is there and intact, else from cold). ``path=``
+            (``FileSystemReader``'s name) is the same as ``hot``.
         step: load the newest checkpoint of this step.
         name: load the checkpoint of this name (a ``checkpoint_id`` given to ``dcp.load``
             does the same: a name, or a directory directly under a tier's root). With
@@ -116,12 +120,6 @@ class TieredReader(StorageReader):
             tier holding it is skipped with a warning (bytes inside data files, and inside a
             part that is present at its size, are verified only when read;
             ``CheckpointManager.load_latest`` also falls back on those).
-        hot_options / cold_options: options for the tiers' backends.
-        node_local: the hot tier is per node (NVMe), so each rank's hot root holds only its
-            node's files and the cold manifest is the global commit: pick checkpoints by cold
-            manifest, read each file from the local hot tier when it is there and intact,
-            else from cold. ``None`` (the default): as a ``Store`` given as ``hot`` says,
-            else ``False``.
         options: how it reads (:class:`~tierstore.ReaderOptions`: read threads, leases, and
             ``resolve_once``). With ``resolve_once``, under a process group of more than one
             rank, the coordinator alone lists the catalog, picks and leases the checkpoint (one
@@ -136,8 +134,9 @@ class TieredReader(StorageReader):
         _extension_registry: DCP's registry of stream transforms (``FileSystemReader``'s
             argument), for checkpoints saved with ``_extensions``; DCP's default knows
             ``ZStandard``.
-        **legacy: ``thread_count``, ``lease`` and ``resolve_once``, which ``options`` replaced,
-            accepted for one release with a ``DeprecationWarning``.
+        **filesystem_reader_args: ``FileSystemReader``'s ``path``. Any other keyword is a
+            ``TypeError``, naming what to write instead for one tierstore took before 0.1.0
+            (``node_local=``, ``cold_options=``, ``thread_count=``, ...).
 
     After a load, ``reader.manifest`` is the checkpoint that was read, ``reader.sources``
     maps each file this rank read to the tier (``"hot"``/``"cold"``) that served it, and
@@ -152,27 +151,20 @@ class TieredReader(StorageReader):
         hot: TierURL | Store | None = None,
         cold: TierURL | None = None,
         *,
-        path: TierURL | None = None,
         step: int | None = None,
         name: str | None = None,
-        hot_options: Mapping[str, Any] | None = None,
-        cold_options: Mapping[str, Any] | None = None,
-        node_local: bool | None = None,
         options: ReaderOptions | None = None,
         process_group: Any = None,
         _extension_registry: ExtensionRegistry | None = None,
-        **legacy: Unpack[dcp_args.LegacyReaderArgs],
+        **filesystem_reader_args: Unpack[dcp_args.FileSystemReaderArgs],
     ) -> None:
         super().__init__()
-        self.options = dcp_args.reader_options(options, legacy)
+        dcp_args.reader_args(filesystem_reader_args)
+        if options is not None and not isinstance(options, ReaderOptions):
+            raise ConfigError(f"TieredReader(options=) takes a ReaderOptions, got {type(options).__name__}")
+        self.options = options if options is not None else ReaderOptions()
         self.thread_count = self.options.thread_count
-        self.store = Store.of(
-            dcp_args.hot_or_path(hot, path, "TieredReader"),
-            cold,
-            hot_options=hot_options,
-            cold_options=cold_options,
-            node_local=node_local,
-        )
+        self.store = Store.of(dcp_args.first_tier(hot, filesystem_reader_args, "TieredReader"), cold)
         self.tiers = self.store.tiers
         self._transforms = _StorageReaderTransforms(_extension_registry)
         self._bad_id: ConfigError | None = None

@@ -95,15 +95,16 @@ def store_to_save(
     hot: TierURL | Store | None,
     cold: TierURL | None = None,
     *,
-    hot_options: Mapping[str, Any] | None,
-    cold_options: Mapping[str, Any] | None,
-    node_local: bool | None = None,
+    hot_options: Mapping[str, Any] | None = None,
+    cold_options: Mapping[str, Any] | None = None,
     owner: str,
 ) -> Store:
-    """The store ``owner`` saves to: it needs a hot tier (saves are written there first), and
-    every tier's scheme is looked up now, so a typo or missing plugin fails here, once, not at
-    each save."""
-    store = Store.of(hot, cold, hot_options=hot_options, cold_options=cold_options, node_local=node_local)
+    """The store ``owner`` saves to: ``hot`` and ``cold`` as URLs, or a ``Store`` as ``hot``.
+    It needs a hot tier (saves are written there first), and every tier's scheme is looked up
+    now, so a typo or missing plugin fails here, once, not at each save."""
+    # TODO(issue 36): hot_options/cold_options go once CheckpointManager and
+    # TierstoreCheckpoint stop passing them (always None there).
+    store = Store.of(hot, cold, hot_options=hot_options, cold_options=cold_options)
     if store.hot is None:
         raise ConfigError(f"{owner} needs a hot tier: saves are written there first")
     store.check_schemes()
@@ -134,16 +135,14 @@ class TieredWriter(StorageWriter):
 
     Args:
         hot: local path or URL of the hot tier, where every rank writes its shards; or a
-            :class:`~tierstore.Store` (then without ``cold`` and the options). ``path=``
-            (``FileSystemWriter``'s name for it) is the same.
+            :class:`~tierstore.Store` (then without ``cold``), where the tiers need options
+            (``Store.of(hot, cold, cold_options=...)``) or the hot tier is node-local
+            (``Store.of(hot, cold, node_local=True)``: the free-space check is then per rank).
+            ``path=`` (``FileSystemWriter``'s name for it) is the same.
         cold: optional URL of the cold tier (the migrator copies committed checkpoints there).
         step: training step; names the checkpoint ``step-<step>`` unless ``name`` is given.
         name: checkpoint name; a ``checkpoint_id`` given to ``dcp.save`` overrides it: a
             name, or a directory directly under a tier's root (``<hot>/<name>``).
-        hot_options / cold_options: options for the tiers' backends (credentials, etc.).
-        node_local: each rank's hot root is its node's own disk (see TieredReader); only
-            changes the free-space check, which is then per rank instead of for the total.
-            ``None`` (the default): as a ``Store`` given as ``hot`` says, else ``False``.
         migration: how this process migrates to the cold tier (the first writer's wins).
         metrics: numbers recorded in the manifest (``CheckpointInfo.metrics``, ``keep_best``).
         run: the name of the run this save belongs to, recorded in the manifest as ``run``
@@ -153,12 +152,14 @@ class TieredWriter(StorageWriter):
             ``SLURM_JOB_ID``, ``PBS_JOBID``, ``LSB_JOBID``) is recorded as ``job``, for display.
         options: how the checkpoint is written (:class:`~tierstore.WriterOptions`: threads,
             encoding, manifest parts, files per directory).
-        **filesystem_writer_args: ``FileSystemWriter``'s arguments (``thread_count``,
-            ``single_file_per_rank``, ``sync_files``, ``per_thread_copy_ahead``,
-            ``cache_staged_state_dict``, ``overwrite``, ``_extensions``,
-            ``serialization_format``), accepted with DCP's meaning (the first two and
-            ``_extensions`` folded into ``options``) or refused with what to do instead
-            (:mod:`tierstore.dcp.dcp_args`). Any other keyword is a ``TypeError``.
+        **filesystem_writer_args: ``FileSystemWriter``'s arguments (``path``,
+            ``thread_count``, ``single_file_per_rank``, ``sync_files``,
+            ``per_thread_copy_ahead``, ``cache_staged_state_dict``, ``overwrite``,
+            ``_extensions``, ``serialization_format``), accepted with DCP's meaning
+            (``thread_count``, ``single_file_per_rank`` and ``_extensions`` folded into
+            ``options``) or refused with what to do instead (:mod:`tierstore.dcp.dcp_args`).
+            Any other keyword is a ``TypeError``, naming what to write instead for one
+            tierstore took before 0.1.0 (``node_local=``, ``cold_options=``, ``encoding=``, ...).
 
     A save whose manifest would break a limit (docs/format.md) fails before writing anything.
 
@@ -170,12 +171,8 @@ class TieredWriter(StorageWriter):
         hot: TierURL | Store | None = None,
         cold: TierURL | None = None,
         *,
-        path: TierURL | None = None,
         step: int | None = None,
         name: str | None = None,
-        hot_options: Mapping[str, Any] | None = None,
-        cold_options: Mapping[str, Any] | None = None,
-        node_local: bool | None = None,
         migration: MigrationConfig | None = None,
         metrics: Mapping[str, float] | None = None,
         options: WriterOptions | None = None,
@@ -191,12 +188,7 @@ class TieredWriter(StorageWriter):
         self.step = step
         self.name = layout.check_name(name) if name is not None else None
         self.store = store_to_save(
-            dcp_args.hot_or_path(hot, path, "TieredWriter"),
-            cold,
-            hot_options=hot_options,
-            cold_options=cold_options,
-            node_local=node_local,
-            owner="TieredWriter",
+            dcp_args.first_tier(hot, filesystem_writer_args, "TieredWriter"), cold, owner="TieredWriter"
         )
         self.tiers = self.store.tiers
         self.thread_count = self.options.thread_count

@@ -50,7 +50,6 @@ from tierstore.storage import faults
 from tierstore.storage.backend import ObjectInfo
 from tierstore.tiers import marks
 from tierstore.tiers.leases import expired_leases, live_leases
-from tierstore.tiers.store_arg import takes_store
 from tierstore.tiers.tier import Store, Tier, TierURL
 
 __all__ = ["Garbage", "Problem", "GCReport", "find_garbage", "collect_garbage", "DEFAULT_GRACE"]
@@ -247,7 +246,6 @@ def _delete(tier: Tier, keys: list[str], scan: _Scan) -> None:
                     scan.fail(tier, key, err)
 
 
-@takes_store()
 def find_garbage(
     store: Store | TierURL, *, grace: float = DEFAULT_GRACE, now: float | None = None
 ) -> list[Garbage]:
@@ -257,7 +255,6 @@ def find_garbage(
     return _scan(tiers, now, grace)[0].garbage
 
 
-@takes_store()
 def collect_garbage(
     store: Store | TierURL,
     *,

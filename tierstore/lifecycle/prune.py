@@ -58,7 +58,6 @@ from tierstore.storage import faults
 from tierstore.storage.backend import ObjectInfo
 from tierstore.tiers import marks
 from tierstore.tiers.leases import live_leases
-from tierstore.tiers.store_arg import takes_store
 from tierstore.tiers.tier import Store, Tier, TierURL
 
 __all__ = [
@@ -424,7 +423,6 @@ def pending_in_cold(hot: Tier, cold: Tier) -> set[str]:
     return set(check_cold_copies(hot, cold).protect)
 
 
-@takes_store(node_local=True)
 def prune(
     store: Store | TierURL,
     *,

@@ -33,7 +33,6 @@ from tierstore.format.verified import CHUNK, open_verified, verify_file
 from tierstore.progress import counting
 from tierstore.storage import faults
 from tierstore.storage.checksum import crc32c_update
-from tierstore.tiers.store_arg import takes_store
 from tierstore.tiers.tier import Store, Tier, TierURL
 
 __all__ = ["FileCheck", "verify_store"]
@@ -60,7 +59,6 @@ class FileCheck:
     pruned: bool = False
 
 
-@takes_store()
 def verify_store(
     store: Store | TierURL,
     *,

@@ -102,7 +102,6 @@ class Loading(Base):
             reader = TieredReader(
                 self.store,
                 name=chosen,
-                node_local=self.node_local,
                 options=ReaderOptions(resolve_once=True),
                 process_group=self.group,
             )

@@ -30,7 +30,6 @@ from tierstore.migration.migrator import MigrationConfig
 from tierstore.migration.transfer import Throttle, check_copy, copy_file
 from tierstore.progress import counting
 from tierstore.tiers.catalog import resolve
-from tierstore.tiers.store_arg import takes_store
 from tierstore.tiers.tier import Store, Tier, TierURL
 
 __all__ = ["restore", "restore_checkpoint", "RestoreReport", "Repair"]
@@ -54,7 +53,6 @@ class RestoreReport:
     manifest_repaired: bool = False  # the hot manifest was damaged and has been replaced
 
 
-@takes_store()
 def restore(
     store: Store | TierURL,
     *,
@@ -68,7 +66,6 @@ def restore(
     return restore_checkpoint(store, step=step, name=name, config=config, progress=progress).manifest
 
 
-@takes_store()
 def restore_checkpoint(
     store: Store | TierURL,
     *,

@@ -24,13 +24,11 @@ from tierstore.migration.migrator import MigrationConfig, MigrationState, Migrat
 from tierstore.migration.workers import drain
 from tierstore.retry import polling
 from tierstore.tiers import marks
-from tierstore.tiers.store_arg import takes_store
 from tierstore.tiers.tier import Store, Tier, TierURL
 
 __all__ = ["migration_status", "migrate_pending", "wait_for_migrations"]
 
 
-@takes_store()
 def migration_status(store: Store | TierURL) -> list[MigrationStatus]:
     """Every hot-committed checkpoint's migration state as the tiers record it (any process).
 
@@ -122,7 +120,6 @@ def _tier_status(
     return replace(base, state=state, bytes_done=done)
 
 
-@takes_store()
 def migrate_pending(
     store: Store | TierURL,
     *,
@@ -162,7 +159,6 @@ def migrate_pending(
     return results
 
 
-@takes_store()
 def wait_for_migrations(
     store: Store | TierURL, *, timeout: float | None = None, poll: float = 1.0
 ) -> list[MigrationStatus]:

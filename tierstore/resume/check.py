@@ -51,7 +51,6 @@ from tierstore.errors import ConfigError, TierstoreError
 from tierstore.resume.probes import Probe, ProbeFactory, load_probe, probe_spec
 from tierstore.resume.report import Mismatch, ResumeReport, assemble, compare, rank_outcome
 from tierstore.tiers.catalog import resolve
-from tierstore.tiers.store_arg import takes_store
 from tierstore.tiers.tier import Store, TierURL
 
 __all__ = [
@@ -155,7 +154,6 @@ def _fresh_spec(probe: str, name: str, store: Store, node_local: bool, timeout: 
 # -- from the command line: a checkpoint, no live process ------------------------------------
 
 
-@takes_store()
 def verify_checkpoint(
     probe: str,
     store: Store | TierURL,
@@ -206,7 +204,6 @@ def _read_record(directory: Path) -> list[dict[str, Any] | None]:
 # -- from the training run: every rank, right after a save -----------------------------------
 
 
-@takes_store(node_local=True)
 def verify_resume(
     probe: str | ProbeFactory,
     state: dict[str, Any],

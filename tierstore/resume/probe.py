@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from tierstore._dist import rank_world
 from tierstore.resume.probes import Probe, load_probe
 from tierstore.resume.state import ResumePlanner, capture_rng, restore_rng
+from tierstore.tiers.tier import Store
 
 __all__ = ["capture", "digest_state", "probe_loss", "rank_world", "main"]
 
@@ -85,14 +86,14 @@ def _fresh(spec: dict[str, Any]) -> dict[str, Any]:
     probe = load_probe(spec["probe"])()
     state = probe.build()
     planner = ResumePlanner(optional=lambda key: True)  # report what is missing, load the rest
-    reader = TieredReader(
+    store = Store.of(
         spec["hot"],
         spec["cold"],
-        name=spec["name"],
         hot_options=spec["hot_options"],
         cold_options=spec["cold_options"],
         node_local=spec["node_local"],
     )
+    reader = TieredReader(store, name=spec["name"])
     dcp_load(state, storage_reader=reader, planner=planner)
     digests = digest_state(state)
     return {

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from tierstore.errors import CheckpointNotFound, InvalidManifest, TierstoreError
 from tierstore.format import layout
 from tierstore.format.manifest import Manifest, checkpoint_order
-from tierstore.tiers.store_arg import takes_store
 from tierstore.tiers.tier import Store, Tier, TierURL
 
 __all__ = ["CheckpointInfo", "list_checkpoints", "latest_checkpoint", "resolve"]
@@ -95,14 +94,12 @@ def _collect(tiers: Sequence[Tier]) -> list[tuple[Manifest, list[Tier]]]:
     return sorted(merged.values(), key=lambda item: checkpoint_order(item[0]))
 
 
-@takes_store()
 def list_checkpoints(store: Store | TierURL) -> list[CheckpointInfo]:
     """Committed checkpoints in any tier of ``store``, sorted by step (then creation time)."""
     tiers = Store.of(store).tiers
     return [CheckpointInfo.of(m, (t.role for t in holders)) for m, holders in _collect(tiers)]
 
 
-@takes_store()
 def latest_checkpoint(store: Store | TierURL) -> CheckpointInfo | None:
     """The newest committed checkpoint in any tier, or ``None`` for an empty store."""
     found = list_checkpoints(store)

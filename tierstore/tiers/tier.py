@@ -3,10 +3,9 @@
 A :class:`Store` is the one value every store-wide call takes, as fsspec calls take an
 ``fs``: build it once from URLs and options, and pass it to :func:`~tierstore.list_checkpoints`,
 :func:`~tierstore.prune`, :class:`~tierstore.TieredWriter` and the rest; an operation also takes
-a URL, a store of that one tier. Only the three constructors (``TieredWriter``,
-``TieredReader``, ``CheckpointManager``) still take the URLs and options themselves and build
-the store with :meth:`Store.of`; the operations' old forms are
-:func:`tierstore.tiers.store_arg.takes_store`'s, for one release.
+a URL, a store of that one tier. The three constructors (``TieredWriter``,
+``TieredReader``, ``CheckpointManager``) also take the tiers' URLs, ``hot`` and ``cold``, and
+build the store with :meth:`Store.of`; tier options and ``node_local`` are the store's only.
 """
 
 from __future__ import annotations
