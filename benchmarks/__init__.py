@@ -8,6 +8,6 @@ to medians: absolute times on shared machines mean little. See ``docs/benchmarks
   (multi-rank ``rank_job`` with ``saves``/``loads``, and one-process job modules).
 - ``infra/``: what the jobs run on: the launcher (built on ``tests/launch.py``), moto and
   the latency proxy, timers and peak-RSS, statistics, the machine's description.
-- ``report/``: results to ``docs/benchmarks.md``: numbers in Python, prose in
-  ``report/template.md``.
+- ``report/``: results to the tables and figures of ``docs/benchmarks.md``, whose prose is
+  written by hand.
 """

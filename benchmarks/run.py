@@ -2,7 +2,10 @@
 
 ``python -m benchmarks [--profile quick|full] [--only save,latency,...] [--scratch DIR]``
 ``python -m benchmarks --report-only benchmarks/results/quick.json``
-``python -m benchmarks --only cold-down --splice`` (re-measure one standalone section only)
+``python -m benchmarks --only cold-down`` (re-measure one suite: its tables alone are updated)
+
+The report's prose is written by hand in ``docs/benchmarks.md``; a run updates the tables and
+figures it measured there (``report/render.py``).
 """
 
 from __future__ import annotations
@@ -26,11 +29,6 @@ from benchmarks.profiles import PROFILES, Profile
 from benchmarks.report.tables import DOC
 
 RESULTS = ROOT / "benchmarks" / "results"
-STANDALONE_SUITES = (
-    "cold-down",
-    "perf",
-    "preemption",
-)  # render.STANDALONE's keys (render imports matplotlib)
 
 
 def probe_s3torch(target: S3Target) -> dict[str, Any]:
@@ -104,19 +102,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--splice",
         action="store_true",
-        help="update only the report sections of the suites run that stand "
-        f"alone ({', '.join(STANDALONE_SUITES)}); the rest of "
-        "docs/benchmarks.md stays as the last full run left it",
+        help="what every run does now: update only the tables of the suites run (make bench-perf passes it)",
     )
     args = parser.parse_args(argv)
     from benchmarks.report import render
 
     if args.report_only:
         results = json.loads(args.report_only.read_text())
-        if args.splice:
-            render.splice(results, args.doc)
-        else:
-            render.write(results, args.doc)
+        print(f"report: {render.write(results, args.doc)} updated in {args.doc}", flush=True)
         return
     only = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = sorted(set(only) - set(SUITES))
@@ -128,11 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"results: {path.relative_to(ROOT)} ({results['seconds']:.0f}s)", flush=True)
     if args.no_report:
         return
-    if args.splice:
-        spliced = render.splice(results, args.doc)
-        print(f"report: sections of {spliced} updated in {args.doc}", flush=True)
-    else:
-        print(f"report: {render.write(results, args.doc)}", flush=True)
+    print(f"report: {render.write(results, args.doc)} updated in {args.doc}", flush=True)
 
 
 if __name__ == "__main__":

@@ -81,65 +81,34 @@ def test_spread_and_the_worst_rep_against_the_baseline_come_from_every_rep() -> 
     assert found["load_loop_spread"].met is True and found["load_loop_fsr"].met is True
 
 
-def test_the_report_part_shows_each_rep_the_warm_up_apart_and_says_why_a_target_missed() -> None:
+def test_the_parts_show_each_rep_the_warm_up_apart_and_every_target() -> None:
     records = _loop(
         save={"fsw": [1.0, 1.1], "tiered": [0.5, 1.5], "floor": [0.4, 0.4]},
         load={"fsr": [1.0, 1.0], "tiered": [0.3, 0.3], "floor": [0.3, 0.3]},
     )
     results = {"suites": {"perf": {"loop": {"bytes": 512 * MiB, "reps": 2, "records": records}}}}
-    text = "\n".join(loop.perf_loop_section(results))
-    assert "### In a training loop" in text
-    assert "| -1 (warm-up) |" in text and "| 0 |" in text and "| 1 |" in text
-    assert "9.900" not in text.split("| 0 |")[1]  # the warm-up is in no figure after its row
-    assert "save CPU spread over the loop, TieredWriter (worst rep / best rep)** (3.00x" in text
-    assert "worst 1.500 s" in text and "rep 1" in text
-    assert loop.perf_loop_section({"suites": {"perf": {"io": {}}}}) == []
+    reps = loop.reps_part(results)
+    assert "| -1 (warm-up) |" in reps and "| 0 |" in reps and "| 1 |" in reps
+    assert "9.900" not in reps.split("| 0 |")[1]  # the warm-up is in no figure after its row
+    targets = loop.targets_part(results)
+    assert (
+        "| save CPU spread over the loop, TieredWriter (worst rep / best rep) | 3.00x | <= 1.50x | **missed** |"
+        in (targets)
+    )
+    assert loop.pages_part(results) == ""  # no page phase in this run
+    for part in (loop.targets_part, loop.reps_part, loop.pages_part):
+        assert part({"suites": {"perf": {"io": {}}}}) == ""
 
 
-def test_the_smoke_results_render_the_loop_under_save_and_the_perf_splice_carries_it() -> None:
+def test_the_smoke_results_fill_the_loop_parts_under_save() -> None:
     from benchmarks.report import render
 
     results = json.loads(SMOKE.read_text())
-    part = "\n".join(loop.perf_loop_section(results))
-    assert part.startswith("### In a training loop") and "| 0 |" in part and "| 1 |" in part
-    order = list(render.SECTIONS)
-    assert order.index(render.perf_save_section) < order.index(loop.perf_loop_section)
-    assert ("save", loop.perf_loop_section) in render.STANDALONE["perf"]
-
-
-def test_the_page_phase_sentence_says_whether_new_pages_were_dearer_in_this_run() -> None:
-    def pages(reused: float, new: float, handed: float) -> list[dict[str, Any]]:
-        records = [
-            _record("save", "tiered", 0, 0.2, reported_mib=handed, bytes=512 * MiB),
-            _record("save", "tiered", 1, 0.3, bytes=512 * MiB),
-            _record("save", "fsw", 0, 0.5, bytes=512 * MiB),
-            _record("save", "fsw", 1, 1.5, bytes=512 * MiB),
-            _record("save", "tiered", -1, 1.0, reported_mib=999),  # warm-up: not counted
-        ]
-        records += [_record("pages", "reused", rep, reused, sys=reused) for rep in range(3)]
-        return records + [_record("pages", "new", rep, new, sys=new) for rep in range(3)]
-
-    dear = loop._pages_now(pages(0.1, 0.4, 100))
-    assert "new pages cost 4.00x" in dear and "took 100 MiB back" in dear and "new pages paid for it" in dear
-    assert "FileSystemWriter 3.00x, TieredWriter 1.50x" in dear
-    handed_back = loop._pages_now(pages(0.1, 0.11, 858))  # cheap in the page phase, yet 858 MiB went
-    assert "paid for it" in handed_back and "reclaimed little" not in handed_back
-    cheap = loop._pages_now(pages(0.1, 0.11, 0))
-    assert "new pages cost 1.10x" in cheap and "took 0 MiB back" in cheap and "reclaimed little" in cheap
-    assert loop._pages_now([_record("save", "tiered", 0, 0.2)]) == ""  # no page phase: nothing said
-
-
-def test_a_missed_load_target_splits_the_remainder_into_dcps_own_and_tierstores() -> None:
-    records = _loop(
-        save={"fsw": [1.0, 1.0], "tiered": [0.5, 0.5], "floor": [0.45, 0.45]},
-        load={"fsr": [1.0, 1.0], "tiered": [0.40, 0.41], "floor": [0.30, 0.30], "dcp_null": [0.04, 0.03]},
-    )
-    target = next(t for t in loop.loop_targets(records) if t.key == "load_loop_floor")
-    why = loop.loop_why(target, records)
-    # remainder 0.40 - 0.30; DCP alone at best 0.03 (the loop's own reader of no data); ours the rest
-    assert "+0.100 s" in why and "cost 0.030 s" in why and "leaves +0.070 s for tierstore's own" in why
-    without = [r for r in records if r["variant"] != "dcp_null"]
-    assert "cost n/a s" in loop.loop_why(target, without)  # not measured: said, not guessed
+    reps = loop.reps_part(results)
+    assert reps.startswith("| rep |") and "| 0 |" in reps and "| 1 |" in reps
+    assert "| over the pages of a file, overwritten in place |" in loop.pages_part(results)
+    order = list(render.PARTS)
+    assert order.index("perf.save") < order.index("loop.targets") < order.index("load")
 
 
 def test_the_null_reader_loads_no_data_but_runs_dcps_load(tmp_path: Path) -> None:

@@ -251,41 +251,40 @@ def test_stall_targets_use_the_steady_state_and_the_peers() -> None:
     assert perf.met(t["peer_cpu_torch_checkpointing"]) is False
 
 
-def test_a_feature_not_landed_is_not_measured_and_says_why() -> None:
-    results = perf_results(raw=False)
-    t = by_key(results)
+def test_a_feature_not_landed_is_not_measured() -> None:
+    t = by_key(perf_results(raw=False))
     assert t["save_cpu"].value is None and perf.verdict(t["save_cpu"]) == "not measured"
-    text = perf.why(t["save_cpu"], results["suites"]["perf"])
-    assert "TieredWriter takes no encoding=" in text
 
 
-def test_the_section_explains_every_missed_target(tmp_path: Path) -> None:
+def test_the_parts_show_every_target_and_every_case_that_did_not_run(tmp_path: Path) -> None:
     from benchmarks.report import plots
 
     for raw in (True, False):
-        lines = perf.perf_section(perf_results(raw), tmp_path)
-        text = "\n".join(lines)
-        assert "{" not in text and "}" not in text
-        missed = [t for t in perf.perf_targets(perf_results(raw)) if perf.met(t) is not True]
-        for target in missed:
-            assert f"- **{target.what}** (" in text
-    assert "| `dcp_async_cached` | n/a | n/a | n/a | n/a |  | failed: RuntimeError: needs CUDA |" in text
-    assert "`disk/tiered_raw_t4`: loaded values differ" in text
+        results = perf_results(raw)
+        targets = "\n".join(
+            part(results, tmp_path)
+            for part in (perf.stall_targets_part, perf.save_targets_part, perf.load_targets_part)
+        )
+        for target in perf.perf_targets(results):
+            assert f"| {target.what} | " in targets
+        assert "| **missed** |" in targets
+    assert "| `dcp_async_cached` | n/a | n/a | n/a | n/a |  | failed: RuntimeError: needs CUDA |" in (
+        perf.stall_part(results, tmp_path)
+    )
+    assert "- `disk/tiered_raw_t4`: loaded values differ" in perf.load_part(results, tmp_path)
     if plots.plt is not None:  # the figure, where matplotlib (the bench extra) is installed
         assert (tmp_path / "perf_stall.png").stat().st_size > 0
 
 
-def test_perf_is_spliced_alone_into_an_existing_report(tmp_path: Path) -> None:
+def test_a_run_of_the_perf_suite_alone_updates_its_parts_alone(tmp_path: Path) -> None:
     from benchmarks.report import render
 
     doc = tmp_path / "benchmarks.md"
-    doc.write_text("# Benchmarks\n\nkept\n\n## Findings\n\nkept too\n")
-    assert render.splice(perf_results(), doc) == ["perf"]
-    text = doc.read_text()
-    assert text.endswith("\n\n## Findings\n\nkept too\n")
-    parts = [
-        "### Staging paid once: the CheckpointManager against its peers",
-        "### Raw encoding: a save's CPU and throughput",
-        "### Verified loads of the raw encoding",
+    assert render.write(perf_results(), doc) == [
+        "perf.stall.targets",
+        "perf.stall",
+        "perf.save.targets",
+        "perf.save",
+        "perf.load.targets",
+        "perf.load",
     ]
-    assert [line for line in text.splitlines() if line.startswith("### ")] == parts

@@ -23,7 +23,6 @@ from tierstore.storage import faults
 from tierstore.storage.local import LocalBackend
 
 SMOKE = Path(__file__).parent / "data" / "bench-smoke.json"
-HEADING = "### From the signal to the exit, by training loop"
 
 
 def _record(loop: str, rep: int, **fields: Any) -> dict[str, Any]:
@@ -42,6 +41,10 @@ def _exit(records: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _exit_part(suite: dict[str, Any]) -> list[str]:
+    return preemption.exit_part({"suites": {"preemption": {"exit": suite}}}).splitlines()
+
+
 def _rows(lines: list[str]) -> list[list[str]]:
     table = [line for line in lines if line.startswith("| ")]
     return [[cell.strip() for cell in row.strip("|").split(" | ")] for row in table[1:]]
@@ -56,9 +59,7 @@ def test_one_row_per_loop_in_order_with_exit_codes_best_of_reps_and_the_least_ti
         _record("lightning", 0, codes=[0, None]),  # rank 1 reaped by rank 0 before it was seen
         _record("lightning", 1),
     ]
-    lines = preemption.exit_section(_exit(records))
-    assert lines[0] == HEADING and "2 ranks" in lines[2] and "30 s grace period" in lines[2]
-    rows = _rows(lines)
+    rows = _rows(_exit_part(_exit(records)))
     assert [row[0] for row in rows] == [name for name, _ in preemption.LOOPS.values()]
     assert list(preemption.LOOPS) == ["readme", "preempted", "lightning", "torchtitan"]
     readme = rows[0]
@@ -73,7 +74,7 @@ def test_a_job_past_its_grace_period_or_without_a_commit_is_said_in_bold() -> No
         _record("preempted", 0, exit=None, left=None, cold=None),
         _record("preempted", 1),
     ]
-    (row,) = _rows(preemption.exit_section(_exit(records)))
+    (row,) = _rows(_exit_part(_exit(records)))
     assert row[4] == "0.600 (spread 1.00x), **none in 1 of 2 reps**"
     assert row[6] == "**none: 1 of 2 reps ran past the grace period**"
 
@@ -89,22 +90,19 @@ def test_a_loop_whose_trainer_is_not_installed_says_so(monkeypatch: pytest.Monke
         "torchtitan": "torchtitan is not installed (`make venv` installs it)"
     }
     records = [{"variant": "torchtitan", "skipped": "torchtitan is not installed"}, _record("readme", 0)]
-    rows = _rows(preemption.exit_section(_exit(records)))
+    rows = _rows(_exit_part(_exit(records)))
     assert [row[1] for row in rows][1] == "not run: torchtitan is not installed" and rows[1][2:] == ["-"] * 5
 
 
-def test_the_part_sits_inside_the_preemption_section_and_a_splice_keeps_it_whole(tmp_path: Path) -> None:
+def test_the_exit_table_is_a_part_of_its_own_and_an_older_results_file_leaves_it(tmp_path: Path) -> None:
     results = json.loads(SMOKE.read_text())
+    results["suites"] = {"preemption": results["suites"]["preemption"]}
     results["suites"]["preemption"]["exit"] = _exit([_record(loop, 0) for loop in preemption.LOOPS])
-    text = render.render(results, tmp_path / "img")
-    section = text[text.index("## Preemption") : text.index("## Scale")]
-    assert HEADING in section and len(_rows(section[section.index(HEADING) :].splitlines())) == 4
     doc = tmp_path / "benchmarks.md"
-    doc.write_text(text)
-    assert render.splice(results, doc) == ["cold-down", "perf", "preemption"]
-    assert doc.read_text() == text
+    assert render.write(results, doc) == ["preemption", "preemption.exit"]
+    assert len(_rows(render.parts(doc.read_text())["preemption.exit"].splitlines())) == 4
     del results["suites"]["preemption"]["exit"]  # an older results file: the first table alone
-    assert HEADING not in "\n".join(preemption.preemption_section(results))
+    assert render.write(results, doc) == ["preemption"]
 
 
 def test_a_commit_is_timed_by_the_link_that_publishes_its_manifest(

@@ -1,10 +1,10 @@
-"""The benchmark report's prose lives in benchmarks/report/template.md: its blocks are joined
-back into one line per paragraph, every placeholder is filled from the results, and a splice
-replaces one section of an existing report without touching the rest. The report is organised
-by the questions a user asks, in a fixed order, and cites no issue. The figures need matplotlib
-(the bench extra): without it the report is written whole with each figure marked not drawn,
-so only the tests of the figures themselves are skipped. ``tests/data/bench-smoke.json`` is the
-results of one ``make bench-smoke`` run (every suite, tiny sizes)."""
+"""The benchmark report, docs/benchmarks.md, is written by hand around the tables and figures a
+run generates: each generated part sits between two marker lines, every part the report names
+has the code that writes it, and a run replaces the parts it measured and nothing else. The
+report is organised by the questions a user asks, in a fixed order, and cites no issue. The
+figures need matplotlib (the bench extra): without it each figure's place says it was not
+drawn. ``tests/data/bench-smoke.json`` is the results of one ``make bench-smoke`` run (every
+suite, tiny sizes)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from benchmarks.infra.measure import MiB
-from benchmarks.report import template
+from benchmarks.report import render
+from benchmarks.report.tables import DOC
 
 SMOKE = Path(__file__).parent / "data" / "bench-smoke.json"
 # The report's top-level sections, in order: the questions, then the findings and the method.
@@ -36,55 +37,10 @@ HEADINGS = [
 ]
 
 
-def test_a_wrapped_paragraph_becomes_one_line_and_elements_stay_apart() -> None:
-    lines = [
-        "# Title",
-        "",
-        "A paragraph",
-        "wrapped here.",
-        "{table}",
-        "| a | b |",
-        "| c | d |",
-        "",
-        "- an item",
-        "  wrapped too",
-        "- another",
-        "",
-        "{figure}",
-        "last",
-    ]
-    assert template._join(lines) == [
-        "# Title",
-        "",
-        "A paragraph wrapped here.",
-        "{table}",
-        "| a | b |",
-        "| c | d |",
-        "",
-        "- an item wrapped too",
-        "- another",
-        "",
-        "{figure}",
-        "last",
-    ]
-
-
-def test_template_blocks_keep_one_line_per_paragraph() -> None:
-    save = template.block("save").split("\n")
-    assert save[:2] == ["### Save stall", ""]
-    assert (
-        len(save) == 3
-        and save[2].startswith("Time the training thread")
-        and save[2].endswith("Ratio = stall / FileSystemWriter sync stall.")
-    )
-    method = template.block("method", profile="quick", settings="reps=3").split("\n")
-    items = [line for line in method if line.startswith("- **")]
-    assert len(items) == 10 and method[-1] == "Profile `quick`: reps=3."
-
-
-def test_a_block_with_a_missing_value_fails_loudly() -> None:
-    with pytest.raises(KeyError, match="size"):
-        template.block("latency", table="", errors="", figure="")
+def test_every_part_of_the_report_has_its_code_and_every_part_is_in_the_report() -> None:
+    text = DOC.read_text()
+    assert list(render.parts(text)) == list(render.PARTS)  # each once, in the report's order
+    assert text.count("<!-- generated: ") == text.count("<!-- end generated -->") == len(render.PARTS)
 
 
 def small_results() -> dict[str, Any]:
@@ -155,109 +111,105 @@ def small_results() -> dict[str, Any]:
     }
 
 
-def test_the_report_fills_every_placeholder(tmp_path: Path) -> None:
+def test_a_run_fills_the_tables_of_what_it_measured(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    from benchmarks.report import render
-
-    doc = render.write(small_results(), tmp_path / "benchmarks.md")
-    text = doc.read_text()
-    assert "{" not in text and "}" not in text
-    assert "\n\n\n" not in text
-    assert "**32 MiB** (seconds: median (min-max))" in text
-    assert "| `tiered_sync` | 1.10 (1.10-1.10) | 1.100x |" in text
-    assert "- `fsw_async` failed: it broke" in text
-    assert "- `sync@refuse` failed: refused" in text
-    assert "| **refusing connections** |" in text and "| 2 failed |" in text
-    assert "The disk baseline spent 50% (median; 50%-50%) of its time in fsync" in text
-    assert "**Skipped in this run**: not run." in text
-    assert (tmp_path / "img" / "benchmarks" / "save_stall.png").stat().st_size > 0
-    assert "![save stall ratios](img/benchmarks/save_stall.png)" in text
-
-
-def test_splice_replaces_only_the_standalone_section(tmp_path: Path) -> None:
-    from benchmarks.report import render
-
     doc = tmp_path / "benchmarks.md"
-    heading = "## Cold tier down: what happens when S3 is unreachable?"
-    doc.write_text(f"# Benchmarks\n\nkept\n\n{heading}\n\nold text\n\n## Findings\n\nkept too\n")
+    done = render.write(small_results(), doc)
+    assert {"run", "machine", "targets", "save.stall", "hot", "memory.save", "cold-down"} <= set(done)
+    made = render.parts(doc.read_text())
+    assert "**32 MiB** (seconds: median (min-max))" in made["save.stall"]
+    assert "| `tiered_sync` | 1.10 (1.10-1.10) | 1.100x |" in made["save.stall"]
+    assert "- `fsw_async` failed: it broke" in made["save.stall"]
+    assert "- `sync@refuse` failed: refused" in made["cold-down"]
+    assert "| **refusing connections** |" in made["cold-down"] and "| 2 failed |" in made["cold-down"]
+    assert "Disk baseline's time in fsync: 50% (median; 50%-50%)" in made["hot"]
+    assert "| started | 2026-01-01 00:00:00 |" in made["run"]
+    assert (tmp_path / "img" / "benchmarks" / "save_stall.png").stat().st_size > 0
+    assert "![save stall ratios](img/benchmarks/save_stall.png)" in made["save.stall"]
+
+
+def test_a_report_not_there_yet_starts_as_a_copy_of_the_hand_written_one(tmp_path: Path) -> None:
+    doc = tmp_path / "smoke" / "benchmarks.md"
+    render.write(small_results(), doc)
+    text, docs = doc.read_text(), DOC.read_text()
+    outside = re.compile(r"<!-- generated: .*?<!-- end generated -->", re.S)
+    assert outside.split(text) == outside.split(docs)  # the prose is the report's, word for word
+
+
+def test_a_run_of_one_suite_replaces_its_parts_and_nothing_else(tmp_path: Path) -> None:
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text(DOC.read_text())
     results = small_results()
     del results["suites"]["save"]
-    assert render.splice(results, doc) == ["cold-down"]
+    assert render.write(results, doc) == ["cold-down"]
+    before, after = render.parts(DOC.read_text()), render.parts(doc.read_text())
+    assert {name for name in after if after[name] != before[name]} == {"cold-down"}
     text = doc.read_text()
-    assert "old text" not in text and "Seconds are the best of 1 reps" in text
-    assert text.startswith(f"# Benchmarks\n\nkept\n\n{heading}\n\n")
-    assert text.endswith("\n\n## Findings\n\nkept too\n")
+    assert (
+        "<!-- generated: cold-down; measured 2026-01-01 00:00:00, profile quick -->\n\n| cold tier |" in text
+    )
+    assert (
+        text.replace(after["cold-down"], before["cold-down"]).split("<!-- generated: cold-down")[0]
+        == (DOC.read_text().split("<!-- generated: cold-down")[0])
+    )
+
+
+def test_a_part_the_code_does_not_know_is_refused(tmp_path: Path) -> None:
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# B\n\n<!-- generated: nosuch -->\n\nold\n\n<!-- end generated -->\n")
+    with pytest.raises(ValueError, match="nosuch"):
+        render.write(small_results(), doc)
+    assert "old" in doc.read_text()
 
 
 def smoke_report(tmp_path: Path) -> str:
-    from benchmarks.report import render
-
-    return render.write(json.loads(SMOKE.read_text()), tmp_path / "benchmarks.md").read_text()
+    doc = tmp_path / "benchmarks.md"
+    render.write(json.loads(SMOKE.read_text()), doc)
+    return doc.read_text()
 
 
 def test_the_report_follows_the_questions_and_cites_no_issue(tmp_path: Path) -> None:
     text = smoke_report(tmp_path)
     assert [line for line in text.splitlines() if line.startswith("## ")] == HEADINGS
-    for prose in (text, template.TEMPLATE.read_text()):  # the template: blocks this run left out too
-        assert re.search(r"\bissues? #?\d", prose, re.IGNORECASE) is None
-        assert re.search(r"\b(item|section)s? \d", prose) is None
-    assert "{" not in text and "}" not in text
-    targets = text[text.index("## Targets") : text.index("### Missed targets")]
+    assert re.search(r"\bissues? #?\d", text, re.IGNORECASE) is None
+    assert re.search(r"\b(item|section)s? \d", text) is None
+    targets = render.parts(text)["targets"]
     assert "| question | measure | ratio | target | from | verdict | noise |" in targets
     rows = [row for row in targets.splitlines() if row.startswith("| ")][1:]
     questions = [row.split(" | ")[0].removeprefix("| ") for row in rows]
     order = ["Stall", "Save", "Load", "Migration", "Memory", "Scale"]
     assert questions == sorted(questions, key=order.index) and set(questions) == set(order)
-    assert "issue" not in targets.lower() and "| design target |" in targets
+    assert "| design target |" in targets
 
 
 def test_each_part_of_the_perf_suite_is_under_its_question(tmp_path: Path) -> None:
     text = smoke_report(tmp_path)
     for part, question in (
-        ("### Staging paid once: the CheckpointManager against its peers", "## Stall"),
-        ("### Raw encoding: a save's CPU and throughput", "## Save"),
-        ("### Verified loads of the raw encoding", "## Load"),
-        ("### Migration memory", "## Memory"),
-        ("### GPU staging", "## Stall"),
+        ("<!-- generated: perf.stall.targets", "## Stall"),
+        ("<!-- generated: perf.save.targets", "## Save"),
+        ("<!-- generated: loop.reps", "## Save"),
+        ("<!-- generated: perf.load.targets", "## Load"),
+        ("<!-- generated: memory.migration", "## Memory"),
+        ("<!-- generated: gpu", "## Stall"),
     ):
         above = [line for line in text[: text.index(part)].splitlines() if line.startswith("## ")]
         assert above[-1].startswith(question), part
 
 
-def test_a_splice_of_a_full_report_changes_nothing(tmp_path: Path) -> None:
-    """Splicing every standalone suite of the run that wrote the report finds each of their
-    sections where it stands and leaves the text as it was."""
+def test_a_second_write_of_the_same_results_changes_nothing(tmp_path: Path) -> None:
     text = smoke_report(tmp_path)
-    from benchmarks.report import render
-
-    results = json.loads(SMOKE.read_text())
-    assert render.splice(results, tmp_path / "benchmarks.md") == ["cold-down", "perf", "preemption"]
+    render.write(json.loads(SMOKE.read_text()), tmp_path / "benchmarks.md")
     assert (tmp_path / "benchmarks.md").read_text() == text
 
 
-def test_a_perf_section_missing_from_the_report_goes_under_its_question(tmp_path: Path) -> None:
-    text = smoke_report(tmp_path)
-    from benchmarks.report import render
-
-    part = "### Raw encoding: a save's CPU and throughput"
-    start = text.index(part)
-    end = text.index("## Load:")
-    doc = tmp_path / "benchmarks.md"
-    doc.write_text(text[:start] + text[end:])
-    results = json.loads(SMOKE.read_text())
-    results["suites"] = {"perf": results["suites"]["perf"]}
-    assert render.splice(results, doc) == ["perf"]
-    assert doc.read_text() == text
-
-
-def test_without_matplotlib_the_report_is_whole_and_says_which_figures_it_did_not_draw(
+def test_without_matplotlib_every_table_is_written_and_each_figure_says_it_was_not_drawn(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from benchmarks.report import plots, render
+    from benchmarks.report import plots
 
     monkeypatch.setattr(plots, "plt", None)
-    text = render.write(json.loads(SMOKE.read_text()), tmp_path / "benchmarks.md").read_text()
-    assert "{" not in text and "](img/" not in text
-    assert "*Figure not drawn (save stall ratios): matplotlib is not installed here" in text
+    made = render.parts(smoke_report(tmp_path))
+    assert "](img/" not in "".join(made.values())
+    assert "*Figure not drawn (save stall ratios): matplotlib is not installed here" in made["save.stall"]
     assert not (tmp_path / "img").exists() or not any((tmp_path / "img").rglob("*.png"))
-    assert "## Findings" in text and "### In a training loop" in text
+    assert "| rep |" in made["loop.reps"]

@@ -1,7 +1,8 @@
-"""The report: ``docs/benchmarks.md`` from a run's results (``render.write``).
+"""The report: the tables and figures of ``docs/benchmarks.md`` from a run's results
+(``render.write``); its prose is written by hand there.
 
-``analysis`` turns records into numbers and targets; ``sections``, ``cold_down``,
-``overview`` and ``findings`` put them into tables and figures (``plots``); the prose is
-``template.md``, filled by ``template``. ``render`` and the sections need matplotlib (the
-``bench`` extra); ``analysis``, ``tables`` and ``template`` do not.
+``analysis`` turns records into numbers and targets; ``sections``, ``perf``, ``loop``,
+``cold_down``, ``preemption`` and ``overview`` put them into tables and figures (``plots``),
+each a part named in ``render.PARTS``. Figures need matplotlib (the ``bench`` extra); without
+it a figure's place says it was not drawn.
 """

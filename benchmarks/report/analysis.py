@@ -82,10 +82,6 @@ def band(records: Iterable[Record], field: str, num: str, den: str, *, invert: b
     return f"per-rep {pair['min']:.2f}x .. {pair['max']:.2f}x"
 
 
-def errors(records: Iterable[Record]) -> dict[str, str]:
-    return {str(r["variant"]): str(r["error"]) for r in records if r.get("error")}
-
-
 # -- the save suite: stall, hot throughput, save memory ----------------------------------------
 
 
@@ -526,10 +522,6 @@ def fsync_share(records: Iterable[Record]) -> dict[str, float] | None:
     if not shares:
         return None
     return {"median": shares[len(shares) // 2], "min": shares[0], "max": shares[-1]}
-
-
-def all_save_records(results: Results) -> list[Record]:
-    return [r for size in save_sizes(results) for r in save_records(results, size)]
 
 
 # -- saves with the cold tier down -------------------------------------------------------------

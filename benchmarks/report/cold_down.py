@@ -1,4 +1,4 @@
-"""The report's Cold tier down section: saves with the cold tier down (``benchmarks/jobs/cold_down.py``)."""
+"""The report's Cold tier down table: saves with the cold tier down (``benchmarks/jobs/cold_down.py``)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.report import analysis as A
-from benchmarks.report.tables import Lines, size_label, table
-from benchmarks.report.template import block, paragraph
+from benchmarks.report.tables import joined, table
 
 COLD_DOWN_TARGET = 1.5  # a save with the cold tier down: within 1.5x of hot-only
 COLD_DOWN_MODES = {
@@ -21,10 +20,10 @@ COLD_DOWN_MODES = {
 MEASURES = (("sync", "commit"), ("sync", "cpu"), ("async", "stall"), ("async", "commit"))
 
 
-def cold_down_section(results: Mapping[str, Any], img: Path | None = None) -> Lines:
+def cold_down_part(results: Mapping[str, Any], img: Path | None = None) -> str:
     suite = results["suites"].get("cold-down")
     if not suite:
-        return []
+        return ""
     best = {field: A.best_of(suite["records"], field) for field in ("commit", "cpu", "stall")}
     rows = []
     for mode, text in COLD_DOWN_MODES.items():
@@ -49,17 +48,9 @@ def cold_down_section(results: Mapping[str, Any], img: Path | None = None) -> Li
                 ", ".join(f"{count} {state}" for state, count in states.items()) or "-",
             ]
         )
-    broken = "\n".join(
-        block("errors.one", name=name, error=error[:300]) for name, error in suite.get("broken", {}).items()
-    )
-    return paragraph(
-        "cold_down",
-        started=results.get("started", ""),
-        size=size_label(suite["bytes"]),
-        reps=suite["reps"],
-        target=COLD_DOWN_TARGET,
-        broken=broken,
-        table=table(
+    broken = "\n".join(f"- `{name}` failed: {error[:300]}" for name, error in suite.get("broken", {}).items())
+    return joined(
+        table(
             [
                 "cold tier",
                 "dcp.save s",
@@ -72,6 +63,7 @@ def cold_down_section(results: Mapping[str, Any], img: Path | None = None) -> Li
             ],
             rows,
         ),
+        broken,
     )
 
 

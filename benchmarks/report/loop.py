@@ -10,8 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.report import analysis as A
-from benchmarks.report.tables import Lines, size_label, table
-from benchmarks.report.template import block, paragraph
+from benchmarks.report.tables import joined, table
 
 Records = list[dict[str, Any]]
 SAVES = {
@@ -120,47 +119,6 @@ def loop_targets(records: Records) -> list[A.Target]:
     ]
 
 
-def loop_why(target: A.Target, records: Records, suite: Mapping[str, Any] | None = None) -> str:
-    """Why a loop target missed, from this run's reps."""
-    op = target.key.split("_")[0]
-    if target.value is None:
-        return block("perf.loop.why.unmeasured")
-    ours, floor = _runs(records, op, "tiered"), _runs(records, op, "floor")
-    worst_rep = max(_by_rep(records, op, "tiered").items(), key=lambda kv: kv[1]["cpu"])
-    rep, record = worst_rep
-    if op == "load":  # DCP alone, measured in the same loop
-        dcp_own = min(_runs(records, "load", "dcp_null"), default=None)
-    else:  # the save's, measured by the raw encoding's job of the same run
-        io = (suite or {}).get("io") or {}
-        dcp_own = min(
-            (
-                r["cpu"]
-                for r in io.get("records", [])
-                if r.get("variant") == "dcp_null" and "cpu" in r and r.get("rep", 0) >= 0
-            ),
-            default=None,
-        )
-    return block(
-        "perf.loop.why",
-        op=op,
-        who="TieredWriter" if op == "save" else "TieredReader",
-        best=f"{min(ours):.3f}",
-        median=f"{statistics.median(ours):.3f}",
-        worst=f"{record['cpu']:.3f}",
-        worst_sys=f"{record['sys']:.3f}",
-        rep=rep,
-        floor_best=f"{min(floor):.3f}" if floor else "n/a",
-        floor_spread="n/a" if spread(floor) is None else f"{spread(floor):.2f}x",
-        remainder="n/a" if not floor else f"{min(ours) - min(floor):+.3f}",
-        parts=block(
-            f"perf.loop.why.{op}",
-            dcp_own="n/a" if dcp_own is None else f"{dcp_own:.3f}",
-            ours_beyond="n/a" if not floor or dcp_own is None else f"{min(ours) - min(floor) - dcp_own:+.3f}",
-        ),
-        reported=f"{record.get('reported_mib', 0.0):.0f}",
-    )
-
-
 def _cell(record: dict[str, Any] | None) -> str:
     return "-" if record is None else f"{record['cpu']:.3f} ({record['sys']:.2f})"
 
@@ -215,101 +173,60 @@ def _pages_rows(records: Records) -> list[list[str]]:
     return rows
 
 
-def _pages_now(records: Records) -> str:
-    """What this run's own page phase and loop showed: whether new pages were dearer here, and
-    how each writer's saves swung."""
-    sys_of = {
-        variant: [r["sys"] for r in records if r["op"] == "pages" and r["variant"] == variant]
-        for variant in ("reused", "new")
-    }
-    if not all(sys_of.values()):
-        return ""
-    ratio = A.div(statistics.median(sys_of["new"]), statistics.median(sys_of["reused"]))
-    steady = [r for r in records if r["op"] in ("save", "load") and r["rep"] >= 0]
-    handed = sum(r.get("reported_mib", 0.0) for r in steady)
-    size = max((r.get("bytes", 0) for r in steady), default=0) / (1 << 20)
-    swings = ", ".join(
-        f"{label} {spread(_runs(records, 'save', variant)):.2f}x"
-        for variant, label in (("fsw", "FileSystemWriter"), ("tiered", "TieredWriter"))
-        if spread(_runs(records, "save", variant)) is not None
-    )
-    said = (
-        f"In this run new pages cost {'n/a' if ratio is None else f'{ratio:.2f}x'} the system time "
-        f"of reused ones (medians), and the host took {handed:.0f} MiB back over the loop's reps"
-    )
-    if ratio is not None and ratio < 1.25 and handed < size / 2:
-        said += ": it reclaimed little while this ran, so new pages were hardly dearer"
-    else:
-        said += ": whoever wrote into new pages paid for it"
-    return said + (f" (save spread over the loop: {swings})." if swings else ".")
-
-
 def _verdict(t: A.Target) -> str:
     return {True: "met", False: "**missed**", None: "not measured"}[t.met]
 
 
-def perf_loop_section(results: Mapping[str, Any], img: Path | None = None) -> Lines:
-    """Under Save: the training-shaped loop."""
-    suite = results["suites"].get("perf")
-    loop = (suite or {}).get("loop")
-    if not loop or not loop.get("records"):
-        return []
-    records = loop["records"]
-    found = loop_targets(records)
-    out = paragraph(
-        "perf.loop",
-        size=size_label(loop["bytes"]),
-        reps=loop["reps"],
-        targets=table(
-            ["target", "measured", "bound", "verdict"],
-            [
-                [
-                    t.what,
-                    "n/a" if t.value is None else f"{t.value:.2f}x",
-                    f"{t.op} {t.bound:.2f}x",
-                    _verdict(t),
-                ]
-                for t in found
-            ],
-        ),
-        reps_table=table(
-            [
-                "rep",
-                *(f"save {v}" for v in SAVES.values()),
-                *(f"load {v}" for v in LOADS.values()),
-                "MiB handed to the host",
-            ],
-            _rep_rows(records),
-        ),
-        summary=table(
-            [
-                "CPU seconds",
-                "best",
-                "median",
-                "worst",
-                "spread (worst/best)",
-                "best / floor's best",
-                "best wall, s",
-            ],
-            _summary_rows(records),
-        ),
-        pages=table(
-            ["the same bytes written", "system CPU per write, s", "MiB handed to the host"],
-            _pages_rows(records),
-        ),
-        pages_now=_pages_now(records),
+def _loop(results: Mapping[str, Any]) -> Records:
+    """The loop job's records, or [] without them."""
+    loop = (results["suites"].get("perf") or {}).get("loop") or {}
+    return list(loop.get("records") or [])
+
+
+def targets_part(results: Mapping[str, Any], img: Path | None = None) -> str:
+    records = _loop(results)
+    if not records:
+        return ""
+    rows = [
+        [t.what, "n/a" if t.value is None else f"{t.value:.2f}x", f"{t.op} {t.bound:.2f}x", _verdict(t)]
+        for t in loop_targets(records)
+    ]
+    return table(["target", "measured", "bound", "verdict"], rows)
+
+
+def reps_part(results: Mapping[str, Any], img: Path | None = None) -> str:
+    """CPU seconds (system time in parentheses) of every rep, then best, median and worst."""
+    records = _loop(results)
+    if not records:
+        return ""
+    reps = table(
+        [
+            "rep",
+            *(f"save {v}" for v in SAVES.values()),
+            *(f"load {v}" for v in LOADS.values()),
+            "MiB handed to the host",
+        ],
+        _rep_rows(records),
     )
-    missed = [t for t in found if t.met is not True]
-    if missed:
-        out += paragraph("perf.missed")
-        out += [
-            block(
-                "perf.miss",
-                what=t.what,
-                value="n/a" if t.value is None else f"{t.value:.2f}x",
-                bound=f"{t.op} {t.bound:.2f}x",
-                why=loop_why(t, records, suite),
-            )
-            for t in missed
-        ] + [""]
-    return out
+    summary = table(
+        [
+            "CPU seconds",
+            "best",
+            "median",
+            "worst",
+            "spread (worst/best)",
+            "best / floor's best",
+            "best wall, s",
+        ],
+        _summary_rows(records),
+    )
+    return joined(reps, summary)
+
+
+def pages_part(results: Mapping[str, Any], img: Path | None = None) -> str:
+    """The page phase: the same bytes written over reused pages and into new ones."""
+    records = _loop(results)
+    rows = _pages_rows(records)
+    if not rows:
+        return ""
+    return table(["the same bytes written", "system CPU per write, s", "MiB handed to the host"], rows)

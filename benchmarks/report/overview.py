@@ -1,35 +1,42 @@
-"""The report's frame: the header, the machine, the targets table and the method."""
+"""The report's frame: the run, the machine, the targets table and the profile's settings."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from benchmarks.infra.measure import GiB
 from benchmarks.report import analysis as A
-from benchmarks.report.findings import explain
-from benchmarks.report.tables import QUESTIONS, Lines, table
-from benchmarks.report.template import paragraph
+from benchmarks.report.tables import QUESTIONS, table
 
 SOURCES = {"design": "design target", "ours": "this report", "what-if": "what-if"}
 
 
-def header(results: Mapping[str, Any]) -> Lines:
+def run_part(results: Mapping[str, Any], img: Path) -> str:
+    """The run: its command, when, how long, how many reps; only a run of every suite."""
+    if "save" not in results["suites"]:  # a run of a few suites: the last whole run stays
+        return ""
     profile = results["profile"]
-    return paragraph(
-        "header",
-        command="make bench" if profile["name"] == "quick" else "make bench-full",
-        profile=profile["name"],
-        started=results["started"],
-        minutes=f"{results['seconds'] / 60:.1f}",
-        reps=profile["reps"],
-        local_reps=profile["local_reps"],
-        hot_only_reps=profile["hot_only_reps"],
-        scaling_reps=profile["scaling_reps"],
-    )
+    command = "make bench" if profile["name"] == "quick" else "make bench-full"
+    rows = [
+        ["command", f"`{command}` (`python -m benchmarks --profile {profile['name']}`)"],
+        ["started", results["started"]],
+        ["minutes", f"{results['seconds'] / 60:.1f}"],
+        [
+            "reps",
+            f"{profile['reps']} of anything that touches S3, {profile['local_reps']} of the local saves "
+            f"next to them, {profile['hot_only_reps']} at the local-only sizes, "
+            f"{profile['scaling_reps']} in the scaling runs",
+        ],
+        ["raw results", f"`benchmarks/results/{profile['name']}.json` (not committed)"],
+    ]
+    return table(["run", ""], rows)
 
 
-def machine(results: Mapping[str, Any]) -> Lines:
+def machine_part(results: Mapping[str, Any], img: Path) -> str:
+    if "save" not in results["suites"]:
+        return ""
     m = results["machine"]
     disk = m["disk"]
     packages = ", ".join(f"{k} {v}" for k, v in m["packages"].items())
@@ -52,7 +59,7 @@ def machine(results: Mapping[str, Any]) -> Lines:
         ["GPU", _gpu_line(results)],
         ["s3torchconnector", _s3torch_line(results)],
     ]
-    return paragraph("machine", table=table(["", ""], rows))
+    return table(["", ""], rows)
 
 
 def _gpu_line(results: Mapping[str, Any]) -> str:
@@ -68,7 +75,11 @@ def _s3torch_line(results: Mapping[str, Any]) -> str:
     return f"{probe.get('version', 'n/a')}: {state} ({probe.get('reason', 'not probed')})"
 
 
-def targets(found: list[A.Target]) -> Lines:
+def targets_part(results: Mapping[str, Any], img: Path) -> str:
+    """Every target of the run but the perf suite's (which has tables of its own)."""
+    found = A.all_targets(results)
+    if not found or "save" not in results["suites"]:  # a run of a few suites: a few targets only
+        return ""
     rows = [
         [
             QUESTIONS[t.question],
@@ -81,20 +92,13 @@ def targets(found: list[A.Target]) -> Lines:
         ]
         for t in found
     ]
-    out = paragraph(
-        "targets", table=table(["question", "measure", "ratio", "target", "from", "verdict", "noise"], rows)
-    )
-    missed = [t for t in found if t.met is False and t.source != "what-if"]
-    if missed:
-        out += paragraph("targets.missed")
-        for t in missed:
-            out += paragraph(
-                "targets.miss", what=t.what, value=A.fmt_value(t), bound=A.fmt_bound(t), why=explain(t)
-            )
-    return out
+    return table(["question", "measure", "ratio", "target", "from", "verdict", "noise"], rows)
 
 
-def method(results: Mapping[str, Any]) -> Lines:
+def profile_part(results: Mapping[str, Any], img: Path) -> str:
+    """The profile's settings, as the run had them."""
+    if "save" not in results["suites"]:
+        return ""
     profile = results["profile"]
     settings = ", ".join(f"{k}={v}" for k, v in profile.items() if k != "name")
-    return paragraph("method", profile=profile["name"], settings=settings)
+    return f"Profile `{profile['name']}`: {settings}."

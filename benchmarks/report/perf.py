@@ -1,6 +1,6 @@
 """The perf suite's parts of the report (``benchmarks/jobs/perf_io.py``, ``perf_stall.py``):
 the staging paid once (under Stall), the raw encoding's saves (under Save) and its verified
-loads (under Load), each with its targets, why each missed one missed, its tables and figures.
+loads (under Load), each with its targets table, its tables and figures.
 
 Every ratio compares the best of the reps of each side (``perf_io``), or medians over the
 steady-state saves 2..N (``perf_stall``), all from one run.
@@ -15,8 +15,7 @@ from typing import Any
 
 from benchmarks.infra.measure import GiB, MiB, Record
 from benchmarks.report import analysis as A
-from benchmarks.report.tables import Lines, image, size_label, table
-from benchmarks.report.template import block, paragraph
+from benchmarks.report.tables import image, joined, table
 
 Results = Mapping[str, Any]
 RAW_LOADS = ("tiered_raw_t1", "tiered_raw_t4")
@@ -228,134 +227,28 @@ def verdict(target: A.Target) -> str:
     return {True: "met", False: "**missed**", None: "not measured"}[met(target)]
 
 
-# -- why a target missed ---------------------------------------------------------------------
+# -- the parts ------------------------------------------------------------------------------
 
 
-def why(target: A.Target, suite: Mapping[str, Any]) -> str:
-    """Why ``target`` missed, and what would fix it, from this run's measurements."""
-    io, stall = suite["io"], suite["stall"]
-    key = target.key
-    if target.value is None:
-        missing = reasons(io["records"]) | reasons(stall["records"])
-        names = [n for n in (*SAVE_ROWS, *LOAD_ROWS, "crc_on", *STALL_ROWS) if n in missing]
-        return block(
-            "perf.why.unmeasured",
-            reasons="; ".join(f"`{n}`: {missing[n][:200]}" for n in names[:3]) or "no measurement",
-        )
-    rec, scale = io["records"], GiB / io["bytes"]
-    if key.startswith("save"):
-        place = "disk" if key == "save_disk" else "tmpfs"
-        cpu = best(rec, "cpu", op="save", place=place)
-        secs = best(rec, "seconds", op="save", place=place)
-        crc_gib = _crc_gib(io)
-        floor, dcp_own = cpu.get("raw_write"), cpu.get("dcp_null")
-        reach = (
-            None
-            if floor is None or crc_gib == "n/a" or not cpu.get("fsw")
-            else (floor * scale + float(crc_gib)) / (cpu["fsw"] * scale)
-        )
-        reach_dcp = None if reach is None or dcp_own is None else reach + dcp_own / cpu["fsw"]
-        return block(
-            f"perf.why.{key}",
-            ours=_scaled(cpu.get("tiered_raw"), scale),
-            reach="n/a" if reach is None else f"{reach:.2f}",
-            reach_dcp="n/a" if reach_dcp is None else f"{reach_dcp:.2f}",
-            dcp_own=_scaled(dcp_own, scale),
-            fsw=_scaled(cpu.get("fsw"), scale),
-            floor=_scaled(cpu.get("raw_write"), scale),
-            ours_s=A.seconds(secs.get("tiered_raw")),
-            raw_s=A.seconds(secs.get("raw_write")),
-            fsync_s=A.seconds(best(rec, "fsync", op="save", place=place).get("raw_write")),
-            crc=crc_gib,
-        )
-    if key.startswith("load"):
-        place, cache = key.split("_")[2:]
-        cpu = best(rec, "cpu", op="load", place=place, cache=cache)
-        secs = best(rec, "seconds", op="load", place=place, cache=cache)
-        which = "load_cpu" if key.startswith("load_cpu") else "load_rate"
-        unverified = best(rec, "cpu", op="crc").get("crc_off")
-        return block(
-            f"perf.why.{which}",
-            place=place,
-            cache=cache,
-            crc=_crc_gib(io),
-            unverified=_scaled(unverified, scale),
-            unverified_ratio=_ratio2(A.div(unverified, cpu.get("fsr"))),
-            cores=io.get("cores", "?"),
-            t1=_scaled(cpu.get("tiered_raw_t1"), scale),
-            t4=_scaled(cpu.get("tiered_raw_t4"), scale),
-            fsr=_scaled(cpu.get("fsr"), scale),
-            t1_s=A.seconds(secs.get("tiered_raw_t1")),
-            t4_s=A.seconds(secs.get("tiered_raw_t4")),
-            fsr_s=A.seconds(secs.get("fsr")),
-        )
-    if key == "crc_share":
-        hardware = {
-            True: "the `crc32c` package's hardware CRC32C instruction",
-            False: "the `crc32c` package's software fallback",
-        }.get(io.get("crc_hardware"), "CRC32C implementation not recorded")
-        return block("perf.why.crc_share", crc=_crc_gib(io), hardware=hardware)
-    srec, scale = stall["records"], GiB / stall["bytes"]
-    stalls, staged, cpu = steady(srec, "stall"), steady(srec, "staged"), steady(srec, "cpu")
-    peer = key.split("_", 2)[2] if key.startswith("peer") else ""
-    return block(
-        "perf.why.stall" if key.startswith("stall") else "perf.why.peer",
-        peer=peer,
-        reuse=A.seconds(stalls.get("ours_reuse")),
-        overlap=A.seconds(stalls.get("ours_overlap")),
-        sync=A.seconds(stalls.get("sync_tiered")),
-        staged=A.seconds(staged.get("ours_overlap") or staged.get("ours_reuse")),
-        copy=f"{stall['copy']:.3f}" if stall.get("copy") else "n/a",
-        sync_over_copy=_ratio(A.div(stalls.get("sync_tiered"), stall.get("copy"))),
-        reuse_over_copy=_ratio2(A.div(stalls.get("ours_reuse"), stall.get("copy"))),
-        ours_cpu=_scaled(cpu.get("ours_reuse"), scale),
-        peer_cpu=_scaled(cpu.get(peer), scale),
-        peer_stall=A.seconds(stalls.get(peer)),
-        peer_staged=A.seconds(staged.get(peer)),
-    )
-
-
-def _ratio2(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.2f}"
-
-
-def _ratio(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.1f}"
-
-
-def _scaled(value: float | None, scale: float) -> str:
-    return "n/a" if value is None else f"{value * scale:.3f}"
-
-
-def _crc_gib(io: Mapping[str, Any]) -> str:
-    crc = best(io["records"], "cpu", op="crc")
-    if "crc_on" not in crc or "crc_off" not in crc:
-        return "n/a"
-    return f"{(crc['crc_on'] - crc['crc_off']) * GiB / io['bytes']:.3f}"
-
-
-# -- the sections ----------------------------------------------------------------------------
-
-
-def _command(results: Results) -> str:
-    name = results.get("profile", {}).get("name", "quick")
-    return f"python -m benchmarks --profile {name} --only perf" + (" --splice" if name != "smoke" else "")
-
-
-def _targets(results: Results, name: str, intro: Lines) -> Lines:
-    """The targets of question ``name``: the table after ``intro``, then why each missed."""
-    suite = results["suites"]["perf"]
+def _targets(results: Results, name: str) -> str:
+    """The targets table of question ``name``."""
+    if not results["suites"].get("perf"):
+        return ""
     found = [t for t in perf_targets(results) if t.question == name]
     rows = [[t.what, _value(t), _bound(t), verdict(t), t.detail] for t in found]
-    out = [*intro[:-1], table(["target", "measured", "bound", "verdict", "ours"], rows), ""]
-    missed = [t for t in found if met(t) is not True]
-    if missed:
-        out += paragraph("perf.missed")
-        out += [
-            block("perf.miss", what=t.what, value=_value(t), bound=_bound(t), why=why(t, suite))
-            for t in missed
-        ] + [""]
-    return out
+    return table(["target", "measured", "bound", "verdict", "ours"], rows)
+
+
+def stall_targets_part(results: Results, img: Path) -> str:
+    return _targets(results, "stall")
+
+
+def save_targets_part(results: Results, img: Path) -> str:
+    return _targets(results, "save")
+
+
+def load_targets_part(results: Results, img: Path) -> str:
+    return _targets(results, "load")
 
 
 def _value(t: A.Target) -> str:
@@ -366,71 +259,31 @@ def _bound(t: A.Target) -> str:
     return f"{t.op} {t.bound:.0%}" if t.unit == "%" else f"{t.op} {t.bound:.2f}x"
 
 
-def perf_stall_section(results: Results, img: Path | None = None) -> Lines:
+def stall_part(results: Results, img: Path | None = None) -> str:
     """Under Stall: the CheckpointManager's staging paid once, against its peers."""
     suite = results["suites"].get("perf")
-    if not suite:
-        return []
-    io, stall = suite["io"], suite["stall"]
-    loads = [x for part in (io, stall) for x in part.get("loadavg", [])]
-    intro = paragraph(
-        "perf.stall_intro",
-        command=_command(results),
-        size=size_label(io["bytes"]),
-        cores=io.get("cores", "?"),
-        loadavg=f"{min(loads):.1f}-{max(loads):.1f}" if loads else "n/a",
-        tensors=io["tensors"],
-        largest=size_label(io["largest"]),
-        smallest=io["smallest"],
-        saves=stall["saves"],
-        hot=stall["hot"],
-        started=results.get("started", ""),
-        table="",
-    )
-    return _targets(results, "stall", intro) + _stall_table(stall, img)
+    return _stall_table(suite["stall"], img) if suite else ""
 
 
-def perf_save_section(results: Results, img: Path | None = None) -> Lines:
+def save_part(results: Results, img: Path | None = None) -> str:
     """Under Save: the raw encoding's saves."""
     suite = results["suites"].get("perf")
-    if not suite:
-        return []
-    io = suite["io"]
-    intro = paragraph("perf.save_intro", reps=io["reps"], features=_features(io["features"]), table="")
-    return _targets(results, "save", intro) + _io_tables(io, img, "save")
+    return _io_tables(suite["io"], img, "save") if suite else ""
 
 
-def perf_load_section(results: Results, img: Path | None = None) -> Lines:
-    """Under Load: the raw encoding's verified loads and the CRC32C A/B."""
+def load_part(results: Results, img: Path | None = None) -> str:
+    """Under Load: the raw encoding's verified loads and the CRC32C A/B, and any load whose
+    check failed."""
     suite = results["suites"].get("perf")
     if not suite:
-        return []
+        return ""
     io = suite["io"]
-    out = _targets(results, "load", paragraph("perf.load_intro", reps=io["reps"], table=""))
-    out += _io_tables(io, img, "load")
-    checks = {
-        f"{place}/{name}": text
+    checks = [
+        f"- `{place}/{name}`: {text}"
         for place, bad in io.get("load_checks", {}).items()
         for name, text in bad.items()
-    }
-    if checks:
-        out += paragraph("perf.checks", problems="; ".join(f"`{k}`: {v}" for k, v in checks.items()))
-    return out
-
-
-def perf_section(results: Results, img: Path | None = None) -> Lines:
-    """All three parts, in the report's order."""
-    return [
-        *perf_stall_section(results, img),
-        *perf_save_section(results, img),
-        *perf_load_section(results, img),
     ]
-
-
-def _features(found: Mapping[str, str | None]) -> str:
-    return ", ".join(
-        f"`{name}` {'present' if reason is None else 'absent'}" for name, reason in found.items()
-    )
+    return joined(_io_tables(io, img, "load"), "\n".join(checks))
 
 
 IO_CASES = {
@@ -446,7 +299,7 @@ IO_FIGURES = {
 }
 
 
-def _io_tables(io: Mapping[str, Any], img: Path | None, part: str) -> Lines:
+def _io_tables(io: Mapping[str, Any], img: Path | None, part: str) -> str:
     """The save rows (``part`` "save") or the load and CRC32C A/B rows ("load")."""
     rec, scale = io["records"], GiB / io["bytes"]
     rows: list[list[str]] = []
@@ -473,22 +326,19 @@ def _io_tables(io: Mapping[str, Any], img: Path | None, part: str) -> Lines:
                     cpu_bars.setdefault(label, {})[name] = cpu[name] * scale
                 elif name in missing and select(rec, variant=name, op=op, place=place):
                     rows.append([label, f"`{name}`", "n/a", "n/a", "", missing[name][:120]])
-    out = paragraph(
-        f"perf.io.{part}",
-        table=table(
-            ["case", "variant", "MiB/s (best)", "CPU s/GiB (best)", "speed vs base", "CPU vs base"], rows
-        ),
-    )
+    out = [
+        table(["case", "variant", "MiB/s (best)", "CPU s/GiB (best)", "speed vs base", "CPU vs base"], rows)
+    ]
     if img is not None and cpu_bars:
         from benchmarks.report import plots  # matplotlib: only where a figure is drawn
 
         name, title = IO_FIGURES[part]
         path = plots.bars(img / name, title, "CPU s/GiB", cpu_bars)
-        out += [image(path, f"CPU per GiB of the {part}s"), ""]
-    return out
+        out.append(image(path, f"CPU per GiB of the {part}s"))
+    return joined(*out)
 
 
-def _stall_table(stall: Mapping[str, Any], img: Path | None) -> Lines:
+def _stall_table(stall: Mapping[str, Any], img: Path | None) -> str:
     rec, scale = stall["records"], GiB / stall["bytes"]
     fields = ("stall", "staged", "durable", "cpu")
     med = {f: steady(rec, f) for f in fields}
@@ -512,11 +362,8 @@ def _stall_table(stall: Mapping[str, Any], img: Path | None) -> Lines:
             bars.setdefault("durable", {})[name] = med["durable"][name]
         elif name in missing:
             rows.append([f"`{name}`", "n/a", "n/a", "n/a", "n/a", "", missing[name][:300]])
-    out = paragraph(
-        "perf.stall",
-        hot=stall["hot"],
-        saves=stall["saves"],
-        table=table(
+    out = [
+        table(
             [
                 "system",
                 "stall s",
@@ -527,13 +374,13 @@ def _stall_table(stall: Mapping[str, Any], img: Path | None) -> Lines:
                 "first save: stall / staged / durable s",
             ],
             rows,
-        ),
-    )
+        )
+    ]
     if img is not None and bars:
         from benchmarks.report import plots  # matplotlib: only where a figure is drawn
 
         path = plots.bars(
             img / "perf_stall.png", "Seconds per save, steady state (log)", "seconds", bars, log=True
         )
-        out += [image(path, "stall, staged and durable per system"), ""]
-    return out
+        out.append(image(path, "stall, staged and durable per system"))
+    return joined(*out)

@@ -1,4 +1,4 @@
-"""The report's Preemption section: saving on a preemption notice (``benchmarks/jobs/preemption.py``),
+"""The report's Preemption tables: saving on a preemption notice (``benchmarks/jobs/preemption.py``),
 then from the signal to the exit of a 2-rank job, per training loop (``preemption_exit.py``)."""
 
 from __future__ import annotations
@@ -10,8 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.report import analysis as A
-from benchmarks.report.tables import Lines, size_label, table
-from benchmarks.report.template import paragraph
+from benchmarks.report.tables import table
 
 COLDS = {"local": "a local directory", "s3": "S3 (moto)"}
 # The exit job's set-ups, in the report's order: the row's name and how its process ends.
@@ -83,10 +82,11 @@ def _left(records: list[dict[str, Any]]) -> str:
     return f"{least['left']:.1f} ({100 * least['left'] / least['grace']:.0f}%)"
 
 
-def exit_section(suite: Mapping[str, Any]) -> Lines:
-    """From the signal to every process's exit, per training loop; [] without that job."""
+def exit_part(results: Mapping[str, Any], img: Path | None = None) -> str:
+    """From the signal to every process's exit, per training loop; "" without that job."""
+    suite = (results["suites"].get("preemption") or {}).get("exit")
     if not suite:
-        return []
+        return ""
     records = suite["records"]
     rows = []
     for loop, (name, ends) in LOOPS.items():
@@ -108,32 +108,24 @@ def exit_section(suite: Mapping[str, Any]) -> Lines:
                 _left(mine),
             ]
         )
-    return paragraph(
-        "preemption.exit",
-        size=size_label(suite["bytes"]),
-        step=f"{suite['step_seconds']:g}",
-        warm=suite["warm_steps"],
-        reps=suite["reps"],
-        grace=f"{suite['grace']:g}",
-        table=table(
-            [
-                "training loop",
-                "how the process ends",
-                "exit codes (rank 0 / rank 1)",
-                "signal to hot commit, s",
-                "signal to cold commit, s",
-                "signal to every process gone, s",
-                "grace period left at the exit (least), s",
-            ],
-            rows,
-        ),
+    return table(
+        [
+            "training loop",
+            "how the process ends",
+            "exit codes (rank 0 / rank 1)",
+            "signal to hot commit, s",
+            "signal to cold commit, s",
+            "signal to every process gone, s",
+            "grace period left at the exit (least), s",
+        ],
+        rows,
     )
 
 
-def preemption_section(results: Mapping[str, Any], img: Path | None = None) -> Lines:
+def preemption_part(results: Mapping[str, Any], img: Path | None = None) -> str:
     suite = results["suites"].get("preemption")
     if not suite:
-        return []
+        return ""
     records = suite["records"]
     rows = []
     for cold, text in COLDS.items():
@@ -155,22 +147,15 @@ def preemption_section(results: Mapping[str, Any], img: Path | None = None) -> L
                     ", ".join(states) or "-",
                 ]
             )
-    return paragraph(
-        "preemption",
-        started=results.get("started", ""),
-        size=size_label(suite["bytes"]),
-        reps=suite["reps"],
-        grace=f"{suite['grace']:g}",
-        table=table(
-            [
-                "cold tier, signal",
-                "sync dcp.save to hot commit, s",
-                "signal to hot commit, s",
-                "ratio (best/best)",
-                "signal to end of the cold push, s",
-                "grace period left (least)",
-                "the checkpoint in cold",
-            ],
-            rows,
-        ),
-    ) + exit_section(suite.get("exit", {}))
+    return table(
+        [
+            "cold tier, signal",
+            "sync dcp.save to hot commit, s",
+            "signal to hot commit, s",
+            "ratio (best/best)",
+            "signal to end of the cold push, s",
+            "grace period left (least)",
+            "the checkpoint in cold",
+        ],
+        rows,
+    )

@@ -1,5 +1,20 @@
-"""Write ``docs/benchmarks.md`` and its figures (``docs/img/benchmarks/``) from a results
-dict, or splice the sections of standalone suites into the report already there."""
+"""Update ``docs/benchmarks.md`` from a run's results: its measured parts only.
+
+The report is written by hand: its questions, what each measurement does, and what the
+numbers mean. What a run measures (tables, figures, the lists of cases that failed) sits
+between two marker lines, each part under a name of :data:`PARTS`::
+
+    <!-- generated: save.stall -->
+
+    | writer | stall s | ...
+
+    <!-- end generated -->
+
+:func:`write` replaces every part the run measured and leaves the others as they were, so a
+run of one suite (``--only perf``) updates that suite's tables alone. The opening marker
+records the run that measured the part. A report that does not exist yet (``--doc``
+elsewhere, as ``make bench-smoke`` does) starts as a copy of ``docs/benchmarks.md``.
+"""
 
 from __future__ import annotations
 
@@ -8,122 +23,74 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import analysis as A
+from benchmarks.report import cold_down, loop, overview, perf, preemption
 from benchmarks.report import sections as S
-from benchmarks.report.cold_down import cold_down_section
-from benchmarks.report.findings import findings
-from benchmarks.report.loop import perf_loop_section
-from benchmarks.report.overview import header, machine, method, targets
-from benchmarks.report.perf import perf_load_section, perf_save_section, perf_stall_section
-from benchmarks.report.preemption import preemption_section
-from benchmarks.report.tables import DOC, FIGURES, Lines
-from benchmarks.report.template import blocks
+from benchmarks.report.tables import DOC, FIGURES
 
-Section = Callable[[Mapping[str, Any], Path], Lines]
+Part = Callable[[Mapping[str, Any], Path], str]
 
-# The report by question, in order: a question's heading, then the sections that answer it.
-SECTIONS: tuple[Section, ...] = (
-    S.question("stall"),
-    S.save_section,
-    S.latency_section,
-    S.gpu_section,
-    perf_stall_section,
-    S.question("save"),
-    S.hot_section,
-    perf_save_section,
-    perf_loop_section,
-    S.question("load"),
-    S.load_section,
-    perf_load_section,
-    S.question("migration"),
-    S.migration_section,
-    S.memory_section,
-    cold_down_section,
-    preemption_section,
-    S.scaling_section,
-)
-# Sections rendered from their own suite alone: a run of only those suites can update them in
-# the report without the rest (``--only cold-down --splice``). Each is the suite's sections,
-# with the question (block ``question.NAME``) whose section holds it, None for one that is a
-# question's whole section.
-STANDALONE: dict[str, tuple[tuple[str | None, Section], ...]] = {
-    "cold-down": ((None, cold_down_section),),
-    "perf": (
-        ("stall", perf_stall_section),
-        ("save", perf_save_section),
-        ("save", perf_loop_section),
-        ("load", perf_load_section),
-    ),
-    "preemption": ((None, preemption_section),),
+# Every generated part, in the report's order: what a run measured, as markdown ("" when the
+# run did not measure it). The figures are drawn into the folder given.
+PARTS: dict[str, Part] = {
+    "run": overview.run_part,
+    "machine": overview.machine_part,
+    "targets": overview.targets_part,
+    "save.stall": S.save_part,
+    "save.latency": S.latency_part,
+    "gpu": S.gpu_part,
+    "perf.stall.targets": perf.stall_targets_part,
+    "perf.stall": perf.stall_part,
+    "hot": S.hot_part,
+    "hot.cpu": S.cpu_part,
+    "perf.save.targets": perf.save_targets_part,
+    "perf.save": perf.save_part,
+    "loop.targets": loop.targets_part,
+    "loop.reps": loop.reps_part,
+    "loop.pages": loop.pages_part,
+    "load": S.load_part,
+    "perf.load.targets": perf.load_targets_part,
+    "perf.load": perf.load_part,
+    "migration": S.migration_part,
+    "memory.save": S.memory_part,
+    "memory.migration": S.migration_memory_part,
+    "cold-down": cold_down.cold_down_part,
+    "preemption": preemption.preemption_part,
+    "preemption.exit": preemption.exit_part,
+    "scaling": S.scaling_part,
+    "profile": overview.profile_part,
 }
+_PART = re.compile(r"^<!-- generated: ([\w.-]+)(?:;[^>]*)? -->\n(.*?)^<!-- end generated -->$", re.M | re.S)
 
 
-def _text(lines: Lines) -> str:
-    """The report's text: a placeholder left empty leaves no extra blank line."""
-    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).rstrip()
+def parts(text: str) -> dict[str, str]:
+    """The generated parts of a report, by name: their text between the markers."""
+    return {found.group(1): found.group(2).strip("\n") for found in _PART.finditer(text)}
 
 
-def render(results: Mapping[str, Any], img: Path) -> str:
-    """The whole report; its figures are written into ``img``."""
-    lines: Lines = [*header(results), *machine(results), *targets(A.all_targets(results))]
-    for section in SECTIONS:
-        lines += section(results, img)
-    lines += findings(results)
-    lines += method(results)
-    return _text(lines) + "\n"
+def splice(text: str, results: Mapping[str, Any], img: Path) -> tuple[str, list[str]]:
+    """``text`` with every part ``results`` measured replaced, and the names of those parts."""
+    unknown = sorted(set(parts(text)) - set(PARTS))
+    if unknown:
+        raise ValueError(f"the report names generated parts no code writes: {unknown}")
+    stamp = f"measured {results.get('started', '?')}, profile {results.get('profile', {}).get('name', '?')}"
+    done: list[str] = []
+
+    def replace(found: re.Match[str]) -> str:
+        name = found.group(1)
+        measured = PARTS[name](results, img).strip("\n")
+        if not measured:  # not measured by this run: the part keeps what it had
+            return found.group(0)
+        done.append(name)
+        return f"<!-- generated: {name}; {stamp} -->\n\n{measured}\n\n<!-- end generated -->"
+
+    return _PART.sub(replace, text), done
 
 
-def write(results: Mapping[str, Any], doc: Path = DOC) -> Path:
+def write(results: Mapping[str, Any], doc: Path = DOC) -> list[str]:
+    """Update the parts of ``doc`` that ``results`` measured (figures beside it, in
+    ``img/benchmarks/``); returns their names."""
+    text = doc.read_text() if doc.exists() else DOC.read_text()
+    text, done = splice(text, results, doc.parent / FIGURES)
     doc.parent.mkdir(parents=True, exist_ok=True)
-    doc.write_text(render(results, doc.parent / FIGURES))
-    return doc
-
-
-def splice(results: Mapping[str, Any], doc: Path = DOC) -> list[str]:
-    """Replace, in the existing report, the sections of the standalone suites in
-    ``results``; the rest stays as it was. A section not there yet goes at the end of its
-    question's section, or before the findings if that is absent too. Returns the suites
-    spliced."""
-    text = doc.read_text()
-    done = []
-    for suite, parts in STANDALONE.items():
-        if suite not in results["suites"]:
-            continue
-        for parent, render_section in parts:
-            section = _text(render_section(results, doc.parent / FIGURES))
-            if section:  # a part this run did not measure keeps what the report has
-                text = _replace(text, section, parent)
-        done.append(suite)
     doc.write_text(text)
     return done
-
-
-def _replace(text: str, section: str, parent: str | None) -> str:
-    """``text`` with the section that starts with ``section``'s heading line replaced by
-    ``section``: up to the next heading of its level or above."""
-    heading = section.split("\n", 1)[0]
-    start = _line(text, heading)
-    if start >= 0:
-        end = _next_heading(text, start + len(heading), _level(heading))
-    else:
-        above = _line(text, blocks()[f"question.{parent}"].split("\n", 1)[0]) if parent else -1
-        start = end = _next_heading(text, above + 1, 2) if above >= 0 else _line(text, "## Findings")
-        if start < 0:
-            start = end = len(text)
-    return text[:start] + section + "\n\n" + text[end:]
-
-
-def _line(text: str, line: str) -> int:
-    """Where the line ``line`` starts in ``text``, or -1."""
-    found = re.search(f"^{re.escape(line)}$", text, re.M)
-    return found.start() if found else -1
-
-
-def _level(heading: str) -> int:
-    return len(heading) - len(heading.lstrip("#"))
-
-
-def _next_heading(text: str, pos: int, level: int) -> int:
-    """Where the first heading of ``level`` or above after ``pos`` starts, or the end."""
-    found = re.compile(f"^#{{1,{level}}} ", re.M).search(text, pos)
-    return found.start() if found else len(text)

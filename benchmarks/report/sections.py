@@ -1,10 +1,9 @@
-"""The report's measured sections from the save, latency, cpu, migration, load, scaling and
-gpu suites: their tables and figures, and the headings of the report's questions. The prose is
-in ``template.md``; each section fills its blocks there."""
+"""The generated parts of the save, latency, cpu, migration, load, scaling and gpu suites: their
+tables and figures. Each returns "" when the run did not measure it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -16,37 +15,21 @@ from benchmarks.report.tables import (
     LOAD_ORDER,
     LOCAL_ORDER,
     SAVE_ORDER,
-    Lines,
+    failed,
     image,
+    joined,
     share,
     size_label,
     spread,
     table,
 )
-from benchmarks.report.template import block, paragraph
 
 Results = Mapping[str, Any]
 
 
-def question(name: str) -> Callable[[Results, Path], Lines]:
-    """The heading (and lead) of question ``name``: block ``question.NAME``."""
-
-    def heading(results: Results, img: Path) -> Lines:
-        return paragraph(f"question.{name}")
-
-    heading.__name__ = f"question_{name}"
-    return heading
-
-
-def errors(records: list[dict[str, Any]]) -> str:
-    """One list item per case that failed."""
-    return "\n".join(
-        block("errors.one", name=name, error=error[:300]) for name, error in A.errors(records).items()
-    )
-
-
-def save_section(results: Results, img: Path) -> Lines:
-    out = paragraph("save")
+def save_part(results: Results, img: Path) -> str:
+    """The save stall by size: a table per size, the cases that failed, the figure."""
+    out: list[str] = []
     groups: dict[str, dict[str, float]] = {}
     for size in A.save_sizes(results):
         records = A.save_records(results, size)
@@ -67,15 +50,11 @@ def save_section(results: Results, img: Path) -> Lines:
             )
             if ratio and name != "disk_sync":
                 groups.setdefault(size_label(size), {})[name] = ratio
-        out += paragraph(
-            "save.size",
-            size=size_label(size),
-            errors=errors(records),
-            table=table(["writer", "stall s", "stall / fsw_sync", "commit s", "cold commit s"], rows),
-        )
-    hot_only = [s for s in A.save_sizes(results) if s in results["profile"]["hot_only_sizes"]]
-    if hot_only:
-        out += paragraph("save.hot_only", sizes=", ".join(size_label(s) for s in hot_only))
+        out += [
+            f"**{size_label(size)}** (seconds: median (min-max))",
+            table(["writer", "stall s", "stall / fsw_sync", "commit s", "cold commit s"], rows),
+            failed(records),
+        ]
     if groups:
         path = plots.bars(
             img / "save_stall.png",
@@ -85,14 +64,14 @@ def save_section(results: Results, img: Path) -> Lines:
             log=True,
             reference=1.0,
         )
-        out += [image(path, "save stall ratios"), ""]
-    return out
+        out.append(image(path, "save stall ratios"))
+    return joined(*out)
 
 
-def latency_section(results: Results, img: Path) -> Lines:
+def latency_part(results: Results, img: Path) -> str:
     suite = results["suites"].get("latency")
     if not suite:
-        return []
+        return ""
     stall, commit = A.latency_summary(results), A.latency_summary(results, "commit")
     delays = sorted({ms for series in stall.values() for ms in series})
     rows = []
@@ -115,20 +94,19 @@ def latency_section(results: Results, img: Path) -> Lines:
         reference=1.0,
         xticks=delays,
     )
-    return paragraph(
-        "latency",
-        size=size_label(suite["bytes"]),
-        errors=errors(suite["records"]),
-        figure=image(path, "stall vs latency"),
-        table=table(
+    return joined(
+        table(
             ["writer", *[f"stall s @+{ms} ms" for ms in delays], *[f"commit s @+{ms} ms" for ms in delays]],
             rows,
         ),
+        failed(suite["records"]),
+        image(path, "stall vs latency"),
     )
 
 
-def hot_section(results: Results, img: Path) -> Lines:
-    out = paragraph("hot")
+def hot_part(results: Results, img: Path) -> str:
+    """Hot write throughput by size, the disk baseline's share of time in fsync, the figure."""
+    out: list[str] = []
     series: dict[str, dict[str, float]] = {}
     for size in A.save_sizes(results):
         records = A.save_records(results, size)
@@ -148,20 +126,18 @@ def hot_section(results: Results, img: Path) -> Lines:
                 ]
             )
             series.setdefault(size_label(size), {})[name] = (value or 0) / MiB
-        out += paragraph(
-            "hot.size",
-            size=size_label(size),
-            table=table(["writer", "MiB/s", "vs fsw_sync", "vs disk", "CPU s/GiB", "CPU vs fsw_sync"], rows),
-        )
         fsync = A.fsync_share(records)
-        if fsync is not None:
-            out += paragraph("hot.fsync", share=share(fsync))
+        out += [
+            f"**{size_label(size)}**",
+            table(["writer", "MiB/s", "vs fsw_sync", "vs disk", "CPU s/GiB", "CPU vs fsw_sync"], rows),
+            "" if fsync is None else f"Disk baseline's time in fsync: {share(fsync)}",
+        ]
     if series:
         path = plots.bars(
             img / "hot_throughput.png", "Hot write throughput (higher is better)", "MiB/s", series
         )
-        out += [image(path, "hot write throughput"), ""]
-    return out + _cpu_costs(results)
+        out.append(image(path, "hot write throughput"))
+    return joined(*out)
 
 
 CPU_ROWS = {
@@ -173,26 +149,23 @@ CPU_ROWS = {
 }
 
 
-def _cpu_costs(results: Results) -> Lines:
+def cpu_part(results: Results, img: Path) -> str:
+    """CPU seconds per GiB of the CPU-only measurements."""
     costs = A.cpu_costs(results)
     if not costs:
-        return []
+        return ""
     rows = [
         [text, spread(costs[name], fmt="{:.3f}"), f"{GiB / MiB / costs[name]['median']:.0f}"]
         for name, text in CPU_ROWS.items()
         if name in costs
     ]
-    return paragraph(
-        "hot.cpu",
-        size=size_label(results["suites"]["cpu"]["bytes"]),
-        table=table(["what", "CPU s/GiB", "MiB per CPU s"], rows),
-    )
+    return table(["what", "CPU s/GiB", "MiB per CPU s"], rows)
 
 
-def migration_section(results: Results, img: Path) -> Lines:
+def migration_part(results: Results, img: Path) -> str:
     suite = results["suites"].get("migration")
     if not suite:
-        return []
+        return ""
     speed = A.migration_rates(results)
     rows = []
     for inflight in sorted({n for kind in speed.values() for n in kind}):
@@ -210,7 +183,6 @@ def migration_section(results: Results, img: Path) -> Lines:
                 A.seconds(A.med(cpu, "s3fs")),
             ]
         )
-    largest = max((r["bytes"] for r in suite["records"] if r["group"] == "sweep"), default=0)
     path = plots.lines(
         img / "migration.png",
         "Migration to S3 (moto): throughput vs parts in flight",
@@ -219,13 +191,8 @@ def migration_section(results: Results, img: Path) -> Lines:
         {k: {n: v["median"] for n, v in s.items()} for k, s in speed.items()},
         xticks=sorted({n for s in speed.values() for n in s}),
     )
-    return paragraph(
-        "migration",
-        size=size_label(largest),
-        part_mib=suite["part_size"] // MiB,
-        errors=errors(suite["records"]),
-        figure=image(path, "migration throughput"),
-        table=table(
+    return joined(
+        table(
             [
                 "parts in flight",
                 "migrate_pending MiB/s",
@@ -236,6 +203,8 @@ def migration_section(results: Results, img: Path) -> Lines:
             ],
             rows,
         ),
+        failed(suite["records"]),
+        image(path, "migration throughput"),
     )
 
 
@@ -255,10 +224,10 @@ def _load_ratio(name: str, t: A.Summaries) -> str:
     return f"{A.div(A.med(t, base), t[name]['median']) or 0:.2f}x vs `{base}`"
 
 
-def load_section(results: Results, img: Path) -> Lines:
+def load_part(results: Results, img: Path) -> str:
     suite = results["suites"].get("load")
     if not suite:
-        return []
+        return ""
     t, cpu = A.load_summary(results), A.cpu_per_gib(suite["records"])
     rows = [
         [
@@ -275,16 +244,15 @@ def load_section(results: Results, img: Path) -> Lines:
         "S3": {n: suite["bytes"] / MiB / t[n]["median"] for n in t if "cold" in n},
     }
     path = plots.bars(img / "load.png", "Load throughput (higher is better)", "MiB/s", series)
-    return paragraph(
-        "load",
-        size=size_label(suite["bytes"]),
-        errors=errors(suite["records"]),
-        figure=image(path, "load throughput"),
-        table=table(["reader", "load s", "MiB/s", "ratio", "CPU s/GiB"], rows),
+    return joined(
+        table(["reader", "load s", "MiB/s", "ratio", "CPU s/GiB"], rows),
+        failed(suite["records"]),
+        image(path, "load throughput"),
     )
 
 
-def memory_section(results: Results, img: Path) -> Lines:
+def memory_part(results: Results, img: Path) -> str:
+    """Peak RSS growth of a rank during a save, by size and writer."""
     rows = []
     for size in A.save_sizes(results):
         records = A.save_records(results, size)
@@ -300,15 +268,14 @@ def memory_section(results: Results, img: Path) -> Lines:
                     A.mib(A.med(total, name)) if name in total else "",
                 ]
             )
-    out = paragraph("memory", table=table(["state", "writer", "save MiB", "save + migration MiB"], rows))
-    return out + _migration_memory(results, img)
+    return table(["state", "writer", "save MiB", "save + migration MiB"], rows) if rows else ""
 
 
-def _migration_memory(results: Results, img: Path) -> Lines:
+def migration_memory_part(results: Results, img: Path) -> str:
     """Peak RSS growth of the migrating process by checkpoint size (the migration suite)."""
     suite = results["suites"].get("migration")
     if not suite:
-        return []
+        return ""
     memory = A.migration_memory(results)
     sizes = sorted({s for kind in memory.values() for s in kind})
     rows = [
@@ -326,19 +293,13 @@ def _migration_memory(results: Results, img: Path) -> Lines:
             series,
         )
         figure = image(path, "migration memory")
-    return paragraph(
-        "memory.migration",
-        inflight=suite["default_inflight"],
-        part_mib=suite["part_size"] // MiB,
-        figure=figure,
-        memory_table=table(["checkpoint", "migrate_pending", "s3fs put_file"], rows),
-    )
+    return joined(table(["checkpoint", "migrate_pending", "s3fs put_file"], rows), figure)
 
 
-def scaling_section(results: Results, img: Path) -> Lines:
+def scaling_part(results: Results, img: Path) -> str:
     suite = results["suites"].get("scaling")
     if not suite:
-        return []
+        return ""
     commit, stall = A.scaling_table(results), A.scaling_table(results, "stall")
     rows = []
     for world in sorted(commit):
@@ -371,14 +332,12 @@ def scaling_section(results: Results, img: Path) -> Lines:
         ranks,
         xticks=sorted(commit),
     )
-    return paragraph(
-        "scaling",
-        size=size_label(suite["bytes"]),
-        figure_bytes=image(bytes_path, "time vs bytes"),
-        figure_ranks=image(ranks_path, "time vs ranks"),
-        table=table(
+    return joined(
+        table(
             ["ranks", "disk s", "fsw_sync s", "tiered_sync s", "tiered / fsw", "tiered_async stall s"], rows
         ),
+        image(bytes_path, "time vs bytes"),
+        image(ranks_path, "time vs ranks"),
     )
 
 
@@ -392,16 +351,15 @@ def _by_bytes(results: Results) -> dict[str, dict[float, float]]:
     return out
 
 
-def gpu_section(results: Results, img: Path) -> Lines:
+def gpu_part(results: Results, img: Path) -> str:
+    """The GPU stagers' stall, or why the run skipped them."""
     gpu = results["suites"].get("gpu")
-    out = paragraph("gpu")
-    if not gpu or gpu.get("skipped"):
-        return out + paragraph("gpu.skipped", reason=gpu["reason"] if gpu else "not run")
+    if not gpu:
+        return ""
+    if gpu.get("skipped"):
+        return f"**Skipped in this run**: {gpu['reason']}."
     stall, staged = by_variant(gpu["records"], "stall"), by_variant(gpu["records"], "staged")
     rows = [[f"`{n}`", spread(stall[n], fmt="{:.3f}"), spread(staged.get(n), fmt="{:.3f}")] for n in stall]
-    return out + paragraph(
-        "gpu.measured",
-        device=gpu["device"],
-        size=size_label(gpu["bytes"]),
-        table=table(["stager", "stall s", "staged s"], rows),
+    return joined(
+        f"{gpu['device']}, {size_label(gpu['bytes'])}:", table(["stager", "stall s", "staged s"], rows)
     )

@@ -1,8 +1,9 @@
-"""Markdown pieces of the report: tables, figure links, sizes and ranges, row orders."""
+"""Markdown pieces of the report's generated parts: tables, figure links, sizes and ranges, row
+orders."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from benchmarks.infra.measure import GiB, MiB
@@ -47,11 +48,21 @@ LOAD_ORDER = (
     "s3torch_cold",
     "crc_only",
 )
-Lines = list[str]
 
 
 def size_label(n: int) -> str:
     return f"{n // GiB} GiB" if n >= GiB and n % GiB == 0 else f"{n // MiB} MiB"
+
+
+def joined(*pieces: str) -> str:
+    """A generated part of several pieces (captions, tables, figures): blank lines between, none
+    for a piece left empty."""
+    return "\n\n".join(piece for piece in pieces if piece)
+
+
+def failed(records: Iterable[Mapping[str, object]]) -> str:
+    """One list item per case that failed."""
+    return "\n".join(f"- `{r['variant']}` failed: {str(r['error'])[:300]}" for r in records if r.get("error"))
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:
