@@ -1,4 +1,4 @@
-"""This process's migrators (tierstore.migration.workers): one per tier pair, none in a forked
+"""This process's migrators (tierstore.migration.workers): one per tier pair and config, none in a forked
 child, drained on request; the old import path still works, with a warning."""
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ from tierstore.migration.workers import active_migrators, drain, migrator_for
 from tierstore.tiers.tier import Tier
 
 
-def test_one_migrator_per_pair_of_tiers(tmp_path: Path) -> None:
+def test_one_migrator_per_pair_of_tiers_and_config(tmp_path: Path) -> None:
     hot, cold, other = (str(tmp_path / n) for n in ("hot", "cold", "other"))
     first = migrator_for(Tier("hot", hot), Tier("cold", cold), MigrationConfig(concurrency=3))
-    assert migrator_for(Tier("hot", hot), Tier("cold", cold)) is first
-    assert first.config.concurrency == 3  # the first caller's config wins
+    assert migrator_for(Tier("hot", hot), Tier("cold", cold), MigrationConfig(concurrency=3)) is first
+    assert migrator_for(Tier("hot", hot), Tier("cold", cold)).config == MigrationConfig()  # its own
+    assert first.config.concurrency == 3
     elsewhere = migrator_for(Tier("hot", hot), Tier("cold", other))
     assert elsewhere is not first
     assert {id(first), id(elsewhere)} <= {id(m) for m in active_migrators()}

@@ -1,9 +1,11 @@
-"""This process's migrators: one per (hot, cold) pair, forgotten in a forked child, drained
-at exit, boundedly.
+"""This process's migrators: one per (hot, cold) pair and migration config, forgotten in a
+forked child, drained at exit, boundedly.
 
 Writers are built per save, but the uploads they hand over outlive them, so the migrator a
-writer uses is kept here, per process. Nothing else is global: a forked child starts with none
-(threads do not survive fork).
+writer uses is kept here, per process. Each config gets its own migrator: no caller's config
+is ignored because another came first (a bandwidth cap is a migrator's, so two configs on one
+pair of tiers each get theirs). Nothing else is global: a forked child starts with none
+(threads do not survive fork), and a process that never migrates registers no exit hook.
 
 **The exit wait.** When the interpreter begins to shut down with uploads still in flight, an
 exit hook gives them a bounded chance to finish: at most ``EXIT_WAIT`` seconds (30; the
@@ -42,9 +44,12 @@ EXIT_WAIT_ENV = "TIERSTORE_EXIT_WAIT"
 # minutes at exit on a cold tier that never answers (issue 36, item 4).
 EXIT_WAIT = 30.0
 
-_MIGRATORS: dict[tuple[str, str, str], Migrator] = {}
+_Pair = tuple[str, str]  # the tiers' identities: URL and options, hot then cold
+
+_MIGRATORS: dict[_Pair, list[Migrator]] = {}
 _MIGRATORS_LOCK = threading.Lock()
-_EXIT_WAITS: dict[tuple[str, str, str], float] = {}  # the tightest exit_wait= asked per migrator
+_EXIT_WAITS: dict[int, float] = {}  # id(migrator): the tightest exit_wait= asked of it
+_HOOKED = False  # the exit hook, registered with the process's first migrator
 
 
 def _tier_id(tier: Tier) -> str:
@@ -54,34 +59,40 @@ def _tier_id(tier: Tier) -> str:
 def migrator_for(
     hot: Tier, cold: Tier, config: MigrationConfig | None = None, *, exit_wait: float | None = None
 ) -> Migrator:
-    """This process's migrator for ``hot`` -> ``cold``, created on first use.
+    """This process's migrator for ``hot`` -> ``cold`` with ``config`` (``None``: the default
+    ``MigrationConfig()``), created on first use.
 
-    The first caller's ``config`` wins. ``exit_wait``: the exit hook waits at most this many
-    seconds for this migrator's uploads (the tightest any caller asked for, and never more
-    than ``EXIT_WAIT``).
+    Every config gets its own: a writer asking for another config than the migrator already
+    running for its tiers gets a migrator of its own, which uploads its checkpoints with that
+    config (its concurrency, bandwidth cap, retries), never one silently ignored.
+    ``exit_wait``: the exit hook waits at most this many seconds for this migrator's uploads
+    (the tightest any caller asked for, and never more than ``EXIT_WAIT``).
     """
-    key = (_tier_id(hot), _tier_id(cold), "")
+    wanted = config if config is not None else MigrationConfig()
+    pair = (_tier_id(hot), _tier_id(cold))
     with _MIGRATORS_LOCK:
-        migrator = _MIGRATORS.get(key)
+        running = _MIGRATORS.setdefault(pair, [])
+        migrator = next((m for m in running if m.config == wanted), None)
         if migrator is None:
-            migrator = _MIGRATORS[key] = Migrator(hot, cold, config)
+            migrator = Migrator(hot, cold, wanted)
+            running.append(migrator)
+            _hook_exit()
         if exit_wait is not None:
-            _EXIT_WAITS[key] = min(max(0.0, float(exit_wait)), _EXIT_WAITS.get(key, float("inf")))
+            bound = min(max(0.0, float(exit_wait)), _EXIT_WAITS.get(id(migrator), float("inf")))
+            _EXIT_WAITS[id(migrator)] = bound
         return migrator
 
 
 def migrators_of(hot: Tier, cold: Tier) -> list[Migrator]:
-    """This process's migrator for exactly these tiers (URL and options), if it has one: not
-    one of another cold tier under the same URL (another endpoint, other credentials)."""
-    key = (_tier_id(hot), _tier_id(cold), "")
+    """This process's migrators for exactly these tiers (URL and options), one per config:
+    not those of another cold tier under the same URL (another endpoint, other credentials)."""
     with _MIGRATORS_LOCK:
-        migrator = _MIGRATORS.get(key)
-    return [] if migrator is None else [migrator]
+        return list(_MIGRATORS.get((_tier_id(hot), _tier_id(cold)), ()))
 
 
 def active_migrators() -> list[Migrator]:
     with _MIGRATORS_LOCK:
-        return list(_MIGRATORS.values())
+        return [migrator for running in _MIGRATORS.values() for migrator in running]
 
 
 def drain(timeout: float | None) -> bool:
@@ -106,9 +117,8 @@ def exit_wait() -> float:
     """Seconds the exit hook would wait now, at most: ``EXIT_WAIT`` (or
     ``TIERSTORE_EXIT_WAIT``), bounded by every ``exit_wait=`` asked of a migrator with work."""
     bound = float(os.environ.get(EXIT_WAIT_ENV, EXIT_WAIT))
-    with _MIGRATORS_LOCK:
-        busy = [key for key, migrator in _MIGRATORS.items() if migrator.pending()]
-        return min([bound, *(_EXIT_WAITS[key] for key in busy if key in _EXIT_WAITS)])
+    busy = [id(migrator) for migrator in active_migrators() if migrator.pending()]
+    return min([bound, *(_EXIT_WAITS[key] for key in busy if key in _EXIT_WAITS)])
 
 
 def _drain_at_exit() -> None:
@@ -133,17 +143,27 @@ def _drain_at_exit() -> None:
         )
 
 
-def _register_exit_hook() -> None:
+def _hook_exit() -> None:
+    """Register the exit hook, once, with the first migrator (called holding the lock): a
+    process that never migrates has none."""
+    global _HOOKED
+    if _HOOKED:
+        return
+    _HOOKED = True
     # concurrent.futures registers its own shutdown with threading first (importing it
     # does), so ours, registered after, runs before it (the hooks run last in, first out).
+    # threading's hook is private, but the only one that runs while thread pools still take
+    # work: the S3 plugin's multipart uploads need one while the hook waits.
     import concurrent.futures.thread  # noqa: F401
 
     register = getattr(threading, "_register_atexit", None)
     if register is not None:
-        register(_drain_at_exit)
+        try:
+            register(_drain_at_exit)
+        except RuntimeError:  # the interpreter is shutting down already: no exit left to wait at
+            pass
     else:  # an interpreter without the hook: atexit, where thread pools refuse new work
         atexit.register(_drain_at_exit)
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
-_register_exit_hook()
