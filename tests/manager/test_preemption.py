@@ -80,7 +80,7 @@ def test_the_save_after_a_signal_saves_that_step_in_both_tiers_and_the_loop_stop
     assert 0 < report.hot_seconds <= report.cold_seconds <= 30 and report.seconds_left > 0
     assert previous_handler == [signal.SIGTERM]  # chained, once
     manager.close()
-    assert signal.getsignal(signal.SIGTERM) is not manager._watch.signals._handle  # type: ignore[union-attr]
+    assert signal.getsignal(signal.SIGTERM) is not manager._notice.watch.signals._handle  # type: ignore[union-attr]
     os.kill(os.getpid(), signal.SIGTERM)  # the handler before the manager's is back
     assert previous_handler == [signal.SIGTERM, signal.SIGTERM]
     assert [c.step for c in list_checkpoints(hot)] == [7]

@@ -333,7 +333,7 @@ def test_a_cold_tier_wiped_and_recreated_under_the_same_url_holds_nothing(tiers:
         Path(cold).mkdir()
         manager.save(3, state_for(3), force=True)
         manager.wait(migrations=False)
-        manager._migrators()[0].wait(30)
+        manager._maintenance.migrators()[0].wait(30)
         reports = manager.prune()
         # The old marks (another identity) never let steps 1 and 2 go from hot: only a commit
         # in the new cold tier does (the manager migrates them there again, as pending).

@@ -1,51 +1,59 @@
-"""``CheckpointManager`` itself: what it is built from, the cadence, and what it knows of
-itself (:meth:`health`); saving, maintenance, loading and the end of a run are its other
-modules (:mod:`tierstore.manager`)."""
+"""``CheckpointManager``: the training loop's one object, made of parts (docs/design.md,
+"Module map"): it holds its collaborators, each a class of its own module with its own state,
+and says in which order they act; it shares no attribute between them.
+
+- :class:`~tierstore.manager.group.Group`: the process group of its collectives;
+- :class:`~tierstore.manager.runs.RunGuard`: which checkpoints are its run's;
+- :class:`~tierstore.manager.saving.SavePipeline`: the saves, one at a time;
+- :class:`~tierstore.manager.maintenance.Maintenance`: pruning and pending migrations, in the
+  background;
+- :class:`~tierstore.manager.loading.Loader`: loads, falling back past damage;
+- :class:`~tierstore.manager.notice.NoticeHandler`: a preemption notice;
+- :class:`~tierstore.manager.ending.Delivery`: the run's checkpoints delivered at its end.
+"""
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from collections.abc import Callable, Mapping
+from concurrent.futures import TimeoutError
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch.distributed as dist
-
-from tierstore import _dist
-from tierstore.dcp.writer import store_to_save
-from tierstore.errors import ConfigError, SaveFailed, StorageError
+from tierstore.dcp.writer import TieredWriter, store_to_save
+from tierstore.errors import ConfigError, MigrationFailed, SaveFailed, TierstoreError
+from tierstore.format.manifest_format import check_metrics
+from tierstore.lifecycle.prune import PruneReport
 from tierstore.lifecycle.retention import Retention
-from tierstore.lifecycle.rounds import BackgroundRounds
 from tierstore.manager import writable
-from tierstore.manager.ending import Ending
+from tierstore.manager.ending import Delivery, left
+from tierstore.manager.group import Group
 from tierstore.manager.health import Health
-from tierstore.manager.loading import Loading
+from tierstore.manager.loading import Loader
 from tierstore.manager.maintenance import Maintenance
-from tierstore.manager.preemption import Preempting
-from tierstore.manager.removed import refuse_removed
-from tierstore.manager.runs import Runs, run_of
-from tierstore.manager.saving import Saving
-from tierstore.migration.migrator import (
-    MigrationConfig,
-    MigrationState,
-)
+from tierstore.manager.notice import NoticeHandler
+from tierstore.manager.preemption import PreemptionReport, preemption_options
+from tierstore.manager.removed import given, refuse_removed
+from tierstore.manager.runs import RunGuard, run_of
+from tierstore.manager.saving import SavePipeline
+from tierstore.migration.migrator import MigrationConfig
 from tierstore.options import ManagerOptions, Preemption, Run, StagingOptions, WriterOptions
-from tierstore.staging import ReusedStaging
 from tierstore.tiers import runlock
 from tierstore.tiers.tier import Store, TierURL
+
+if TYPE_CHECKING:
+    from tierstore.resume.check import ResumeReport
 
 __all__ = ["CheckpointManager", "DEFAULT_CLOSE_TIMEOUT"]
 
 log = logging.getLogger(__name__)
 
 Cadence = Callable[[int], bool]
-_T = TypeVar("_T")
+_M = TypeVar("_M", bound="CheckpointManager")
 DEFAULT_CLOSE_TIMEOUT = ManagerOptions().close_timeout  # seconds close() waits for migrations, in all
 
 
-class CheckpointManager(Runs, Saving, Maintenance, Loading, Ending, Preempting):
+class CheckpointManager:
     """Save every ``save_every`` steps, resume from the newest checkpoint, keep tiers pruned.
 
     Args:
@@ -102,65 +110,96 @@ class CheckpointManager(Runs, Saving, Maintenance, Loading, Ending, Preempting):
     ) -> None:
         refuse_removed(removed)
         self.run = run_of(run)
-        self.retention = _given("retention", retention, Retention)
-        self.staging = _given("staging", staging, StagingOptions)
-        self.writer = _given("writer", writer, WriterOptions)
-        options = _given("options", options, ManagerOptions)
+        self.retention = given("retention", retention, Retention)
+        self.staging = given("staging", staging, StagingOptions)
+        self.writer = given("writer", writer, WriterOptions)
+        options = given("options", options, ManagerOptions)
+        notice = preemption_options(preemption)
         if isinstance(save_every, int) and save_every <= 0:
             raise ConfigError(f"save_every must be positive, got {save_every}")
-        self.store = store_to_save(hot, cold, hot_options=None, cold_options=None, owner="CheckpointManager")
-        node_local = self.store.node_local
-        # Node-local hot tiers each hold some ranks' files: the cold tier is the shared catalog.
-        self.catalog = Store.of_tiers(None, self.store.cold) if node_local else self.store
         self.save_every = save_every
-        self.node_local, self.migration = node_local, migration
+        self.store = store_to_save(hot, cold, hot_options=None, cold_options=None, owner="CheckpointManager")
+        self.node_local, self.migration = self.store.node_local, migration
+        # Node-local hot tiers each hold some ranks' files: the cold tier is the shared catalog.
+        self.catalog = Store.of_tiers(None, self.store.cold) if self.node_local else self.store
         self.close_timeout = options.close_timeout
+        self._guard = RunGuard(self.run)
         self._writer(0, {})  # what only a TieredWriter checks (the environment's settings) fails here
-        self._stager: ReusedStaging | None = None  # made by the first save, freed by close()
-        self._staging: Future[None] | None = None  # the last save's copy of the state
-        self._thread: ThreadPoolExecutor | None = None  # starts saves with StagingOptions(overlap=True)
-        self.distributed = _dist.initialized()
-        self.rank = _dist.rank_world()[0]
-        self._owns_group = options.process_group is None and self.distributed
-        self.group = dist.new_group(backend="gloo") if self._owns_group else options.process_group
-        self._check_hot_writable()  # a read-only or foreign hot directory: refused now, every rank
-        self._check_runs()  # another run's checkpoints in the hot tier: warned about, once
-        self._pending: Future[None] | None = None  # settles once the save is recorded
-        self._rounds = BackgroundRounds(
-            lambda full: self._maintain(prune=full), name="tierstore-prune", on_error=self._round_failed
-        )
-        self._quarantined: list[str] = []
-        self._inherited: set[str] | None = None  # pending from earlier jobs, once a round read cold
-        self._closing = False  # close() began: rounds prune, but queue no more migrations
-        self._cold_down = False  # close() found the cold tier unreachable: nothing to look up
-        self._reported: set[str] = set()  # migration failures wait() raised already
-        self._lock = threading.Lock()
-        self.last_error: BaseException | None = None
-        self._unraised: SaveFailed | None = None  # a failed save not yet raised to the caller
-        self._last_failure: str | None = None
-        self._saves_ok = self._saves_failed = 0
-        self._last_saved_step: int | None = None
-        self._prune_errors: list[str] = []
-        self.stalls: dict[int, float] = {}  # step -> seconds the caller was blocked by save()
-        self.staging_allocated: dict[int, int] = {}  # step -> bytes its staging allocated
-        # Another live job saving into this hot directory is warned about now, once.
-        self._run_lock = (
-            runlock.acquire(self.store.hot) if self.rank == 0 and self.store.hot is not None else None
-        )
-        if self._resumes_pending:  # a killed run's pending migrations: finished in the background
-            self._prune_in_background(prune=False)
-        elif self.node_local and self.store.cold is not None:
-            self._resume_node_local()
-        self._watch_preemption(preemption)  # last: nothing after it can fail and leave handlers
-
-    def _check_hot_writable(self) -> None:
-        try:
-            writable.check_writable(self._hot, self.group, every_rank=self.node_local)
-        except StorageError:
-            if self._owns_group and self.group is not None:
-                dist.destroy_process_group(self.group)
-                self.group = None
+        self._group = Group(options.process_group)
+        try:  # a read-only or foreign hot directory, or another run's (strict): refused, every rank
+            writable.check_writable(self._hot, self._group.group, every_rank=self.node_local)
+            self._guard.check_start(self._hot, self._group.group, self._group.distributed)
+        except (TierstoreError, OSError):
+            self._group.release()
             raise
+        self._maintenance = Maintenance(self.store, self.retention, self._guard, self._group, migration)
+        self._pipeline = SavePipeline(
+            self.staging,
+            self._group,
+            before_write=self._maintenance.relieve_disk_pressure,
+            committed=self._committed,
+        )
+        self._loader = Loader(self.store, self.catalog, self._guard, self._group)
+        self._delivery = Delivery(
+            self.store, self._maintenance.migrators, catalog=self._group.rank == 0 or not self.node_local
+        )
+        # Another live job saving into this hot directory is warned about now, once.
+        self._run_lock = runlock.acquire(self._hot) if self._group.rank == 0 else None
+        self._maintenance.start()  # a killed run's pending migrations: finished in the background
+        self._notice = NoticeHandler(notice)  # last: nothing after it can fail and leave handlers
+
+    # -- what it is ----------------------------------------------------------------------------
+
+    @property
+    def _hot(self) -> Any:
+        assert self.store.hot is not None  # store_to_save refused a store without one
+        return self.store.hot
+
+    @property
+    def group(self) -> Any:
+        """The process group of its collectives (``None`` outside ``torch.distributed``, and
+        once :meth:`close` destroyed its own)."""
+        return self._group.group
+
+    @property
+    def rank(self) -> int:
+        return self._group.rank
+
+    @property
+    def distributed(self) -> bool:
+        return self._group.distributed
+
+    @property
+    def stalls(self) -> dict[int, float]:
+        """Each saved step: the seconds ``save()`` blocked the caller."""
+        return self._pipeline.stalls
+
+    @property
+    def staging_allocated(self) -> dict[int, int]:
+        """Each saved step: the bytes of staging buffers its save allocated."""
+        return self._pipeline.staging_allocated
+
+    @property
+    def last_error(self) -> BaseException | None:
+        """The newest save failure's error."""
+        return self._pipeline.last_error
+
+    @property
+    def preemption(self) -> PreemptionReport | None:
+        """What the save on a preemption notice managed, once one ran."""
+        return self._notice.report
+
+    @property
+    def preempted(self) -> bool:
+        """Whether a save acted on a preemption notice: the loop should stop (it is ``True``
+        on every rank after the same ``save()`` call).
+
+        Reading it once it is ``True`` hands the end of the run to the loop: the manager no
+        longer ends the process itself (module docstring, 5). A loop that never reads it
+        gets the process ended at its next ``save()`` or ``close()``, or at the grace
+        deadline, as the signal would have ended it without the manager.
+        """
+        return self._notice.preempted
 
     def should_save(self, step: int) -> bool:
         if self.save_every is None:
@@ -172,29 +211,282 @@ class CheckpointManager(Runs, Saving, Maintenance, Loading, Ending, Preempting):
     def health(self) -> Health:
         """Saves, migrations and pruning as this process knows them (never raises, never
         sends a request to a tier)."""
-        now = time.time()
-        statuses = [s for m in self._migrators() for s in m.status()]
-        failed = tuple(s for s in statuses if s.state is MigrationState.FAILED)
-        busy = [s for s in statuses if s.state in (MigrationState.PENDING, MigrationState.UPLOADING)]
-        with self._lock:
-            return Health(
-                saves_ok=self._saves_ok,
-                saves_failed=self._saves_failed,
-                last_saved_step=self._last_saved_step,
-                last_error=self._last_failure,
-                migrations_pending=len(busy),
-                migrations_failed=failed,
-                migration_lag_seconds=max((now - s.created for s in busy), default=0.0),
-                migration_lag_bytes=sum(s.lag_bytes for s in busy),
-                prune_errors=tuple(self._prune_errors),
-                quarantined=tuple(dict.fromkeys(self._quarantined)),
-            )
+        statuses = [s for m in self._maintenance.migrators() for s in m.status()]
+        tally = self._pipeline.tally()
+        saves = (tally.ok, tally.failed, tally.last_step, tally.last_error)
+        return Health.of(saves, statuses, self._maintenance.errors, self._loader.quarantined)
 
+    # -- saving --------------------------------------------------------------------------------
 
-def _given(param: str, value: Any, cls: type[_T]) -> _T:
-    """``CheckpointManager(param=value)``: an instance of ``cls``, or ``cls()`` for ``None``."""
-    if value is None:
-        return cls()
-    if not isinstance(value, cls):
-        raise ConfigError(f"CheckpointManager({param}=) takes a {cls.__name__}, got {type(value).__name__}")
-    return value
+    def save(
+        self,
+        step: int,
+        state: dict[str, Any],
+        *,
+        force: bool = False,
+        metrics: Mapping[str, float] | None = None,
+    ) -> bool:
+        """Checkpoint ``state`` as ``step`` if the cadence wants it (or ``force``); ``True`` if saved.
+
+        Returns once the state is copied (unless ``StagingOptions(overlap=True)``): training may change
+        it from then on. A synchronous save, or a copy of the state, that fails raises
+        :class:`~tierstore.errors.SaveFailed` at once. If the previous (background) save
+        failed, this save still goes ahead, and once it is under way (its state copied,
+        unless ``overlap=True``) the previous failure is raised:
+        :class:`~tierstore.errors.SaveFailed` whose ``step`` is the failed one's, not
+        ``step``, so a loop that catches it and goes on misses no save (a full disk that
+        frees up saves the very next step). If this save fails at
+        once too, its own failure is raised instead; the earlier one stays logged and
+        counted in :meth:`health`. Either way each failure is raised once.
+
+        ``metrics`` (``{"val_loss": 0.41}``: at most 64 names, finite numbers) are recorded
+        in this checkpoint's manifest, for :class:`~tierstore.lifecycle.retention.keep_best`
+        and ``CheckpointInfo.metrics``; the coordinator's are the ones recorded. Invalid
+        metrics raise :class:`~tierstore.errors.ConfigError` before anything is saved.
+        """
+        self._notice.end_if_ignored(self.close)  # a notice acted on, and the loop went on: the run ends
+        since = self._notice.seen()  # every call: combined across ranks (preemption.py)
+        if not (force or since is not None or self.should_save(step)):
+            return False
+        metrics = check_metrics(metrics, source="metrics", error=ConfigError) if metrics else {}
+        if since is not None:
+
+            def write() -> None:
+                self._pipeline.save_sync(step, state, self._writer(step, metrics))
+
+            return self._notice.save(step, since, self._pipeline, write, self._maintenance.migrators)
+        writer = self._writer(step, metrics)  # a step no manifest can record raises here
+        self._pipeline.save(step, state, writer)
+        return True
+
+    def wait_staged(self) -> None:
+        """Block until the last save's copy of the state is taken: from then on the state may
+        change. ``save()`` calls this itself unless ``StagingOptions(overlap=True)``.
+
+        Raises :class:`~tierstore.errors.SaveFailed` if taking the copy failed (that save
+        then failed).
+        """
+        self._pipeline.wait_staged()
+
+    def _writer(self, step: int, metrics: Mapping[str, float]) -> TieredWriter:
+        return TieredWriter(
+            self.store,
+            step=step,
+            migration=self.migration,
+            metrics=metrics,
+            run=self._guard.name,
+            options=self.writer,
+        )
+
+    def _committed(self, step: int) -> None:
+        """After each commit: a maintenance round (in a notice's grace period, the next run prunes)."""
+        if self._maintenance.prunes and not self._notice.in_grace():
+            self._maintenance.request()
+
+    def prune(self) -> list[PruneReport]:
+        """Apply the retention policies now (the coordinator does this after each commit)."""
+        return self._maintenance.prune()
+
+    # -- loading -------------------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """The steps of the store's checkpoints, oldest first; with a run name, of its own only."""
+        return self._loader.steps()
+
+    def load_latest(self, state: dict[str, Any], *, planner: Any = None) -> int | None:
+        """Load the newest checkpoint that loads verified into ``state``; its step, or ``None``
+        if the store holds no checkpoint.
+
+        The coordinator picks the checkpoint and tells every rank, so all ranks load the same
+        one even if a save commits meanwhile. A checkpoint found damaged while loading is
+        skipped with a warning and the next older one is loaded: its manifest invalid, or its
+        ``.metadata`` or a data file missing, truncated or corrupt (a byte flipped inside a
+        shard included), in every tier holding it. DCP hands every rank each rank's read
+        errors, so all ranks agree to move on, and the coordinator picks the next name. The
+        failed attempt may have copied some items into ``state``; the retry overwrites them.
+        Any other failure raises at once (a tier that cannot be reached; a state dict that
+        does not match the checkpoint, as a :class:`~tierstore.errors.ConfigError` naming the
+        checkpoint, its step, run and world size); so does the newest checkpoint's error if
+        none loads.
+
+        With a run name (``CheckpointManager(run=)``), only checkpoints whose manifest names
+        that run are candidates: another run's, and those of no named run, are passed over
+        (named once in a warning; ``Run(strict=True)``: a ``ConfigError``).
+
+        ``planner`` is DCP's load planner; by default DCP's own, or, when the checkpoint was
+        saved by another world size, :class:`~tierstore.resume.state.ResumePlanner` (see
+        :meth:`load`).
+        """
+        return self._loader.load(state, planner=planner)
+
+    def load(
+        self, state: dict[str, Any], *, name: str | None = None, step: int | None = None, planner: Any = None
+    ) -> int | None:
+        """Like :meth:`load_latest`, for a chosen checkpoint (``name``/``step``) or DCP planner.
+
+        With ``name``, exactly that checkpoint: if it is damaged the error raises. Without,
+        the newest checkpoint (of ``step``, if given) that loads verified, skipping damaged
+        ones as :meth:`load_latest` does. A ``name`` or ``step`` loads another run's
+        checkpoint too (with a warning naming both runs); ``step`` prefers this run's own.
+
+        Under a world size other than the checkpoint's, without a ``planner``, the load goes
+        through :class:`~tierstore.resume.state.ResumePlanner`: per-rank keys the checkpoint
+        lacks (a ``TrainingState``'s RNG entries of new ranks) are left as they are, while
+        every other key stays required; sharded tensors are resharded as DCP does. A key
+        still missing then raises :class:`~tierstore.errors.ConfigError` naming the key and
+        both world sizes, and how to load it, instead of DCP's bare missing-key error. A
+        ``planner`` given is used as it is, at any world size.
+        """
+        return self._loader.load(state, name=name, step=step, planner=planner)
+
+    def verify_resume(
+        self,
+        probe: Any,
+        state: dict[str, Any],
+        *,
+        name: str | None = None,
+        step: int | None = None,
+        rtol: float = 0.0,
+        atol: float = 0.0,
+        timeout: float = 600.0,
+        record_dir: str | None = None,
+    ) -> ResumeReport:
+        """Prove the newest (or a chosen) checkpoint restores ``state``: see :mod:`tierstore.resume.check`.
+
+        Call on every rank right after :meth:`save`, before the next training step. Waits for
+        the pending save to commit, then loads it in fresh processes (one per rank) built by
+        ``probe`` (``"module:function"`` or the function) and returns a
+        :class:`tierstore.resume.check.ResumeReport`, the same on every rank.
+        """
+        from tierstore.resume.check import verify_resume
+
+        self.wait(migrations=False)
+        return verify_resume(
+            probe,
+            state,
+            store=self.store,
+            name=name,
+            step=step,
+            group=self.group,
+            rtol=rtol,
+            atol=atol,
+            timeout=timeout,
+            record_dir=record_dir,
+        )
+
+    # -- the end of a run ----------------------------------------------------------------------
+
+    def wait(self, *, migrations: bool = True, timeout: float | None = None) -> None:
+        """Wait for the last save; by default also for its pruning and this process's
+        migrations (up to ``timeout`` seconds in all). ``migrations=False`` waits for the
+        save alone, and so never for the cold tier.
+
+        With a ``timeout``, the wait is spent trying (docs/design.md invariant 26): a
+        migration that failed for a reason another try may cure is tried again each time
+        the cold tier answers, until the timeout; a cold tier that answers nothing for 10 s
+        in a row is not waited for. Without one, each migration is waited for once.
+
+        Raises :class:`~tierstore.errors.SaveFailed` for a failed save not raised before, then
+        :class:`~tierstore.errors.MigrationFailed` for checkpoints whose migration failed
+        and that are still pending (not the cold tier's since, nor delivered and pruned
+        since), each once. Pruning errors are not raised: see :meth:`health`.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._pipeline.finish_previous()
+        if migrations:
+            pruning = self._maintenance.running()
+            if pruning is not None:
+                try:
+                    pruning.result(left(deadline))
+                except TimeoutError:
+                    log.warning("pruning still running after %ss (the cold tier is slow?)", timeout)
+            self._delivery.deliver(deadline, in_grace=self._notice.in_grace())
+        self._pipeline.raise_failure()
+        if migrations:
+            failed = self._delivery.failed_once(deadline, in_grace=self._notice.in_grace())
+            if failed is not None:
+                raise failed
+
+    def close(self, *, timeout: float | None = None) -> None:
+        """End the run: wait for the last save, deliver its checkpoints to the cold tier,
+        prune once more, release the group (docs/design.md invariant 22). After a save on a
+        preemption notice, within what is left of its grace period, and without the prune.
+
+        Everything waits against one deadline, ``timeout`` seconds from now (default: the
+        manager's ``close_timeout``, 300 s), logging what it waits for, and the deadline is
+        spent trying (invariant 26): a migration that failed for a reason another try may
+        cure (the cold tier down for a while, refusing, throttling) is tried again each time
+        the cold tier answers a probe. A cold tier that answers nothing for 10 s in a row is
+        not waited for any longer (after a preemption notice it is, until the grace
+        deadline). What has not reached the cold tier by then is stopped (nothing of it
+        runs after close returns) and stays committed and pending in the hot tier; close
+        says so at ERROR, naming each checkpoint and how it will be finished (the next
+        job's manager, or ``tierstore migrate``), and raises
+        :class:`~tierstore.errors.MigrationFailed` after releasing everything. A failed save
+        raises :class:`~tierstore.errors.SaveFailed` instead (it comes first), as
+        :meth:`wait` does.
+
+        A signal that comes during close(), or after the last save, bounds it by its grace
+        period from then on. A preemption notice the loop did not take over (it never read
+        ``preempted`` once the notice's save had returned) ends the process once close is
+        done, as the signal would have without the manager (docs/training-state.md).
+        """
+        with self._notice.acting():  # a preemption watchdog waits for it
+            self._close(timeout)
+
+    def _close(self, timeout: float | None) -> None:
+        """``close()``, with the watchdog waiting."""
+        ends = time.monotonic() + (self.close_timeout if timeout is None else timeout)
+        notice, delivery = self._notice, self._delivery
+
+        def deadline_now() -> float:  # a signal that comes during close() shortens it
+            return notice.close_deadline(ends)
+
+        failure: TierstoreError | None = None
+        self._pipeline.finish_previous()  # the last save (hot only: it never waits on the cold tier)
+        if delivery.deliver(deadline_now, in_grace=notice.in_grace()) is not None:
+            ends, delivery.cold_down = time.monotonic(), True
+        deadline = deadline_now()
+        try:
+            self.wait(timeout=left(deadline))
+        except SaveFailed as err:
+            failure = err
+        except MigrationFailed:
+            pass  # named again below, with whatever else is left
+        self._maintenance.closing = True
+        deadline = deadline_now()
+        if self._maintenance.prunes and not delivery.cold_down and not notice.in_grace():
+            # Now that migrations drained, hot copies kept only as pending can go.
+            try:  # joins a running round, which then runs one more
+                self._maintenance.request().result(left(deadline, floor=0.0))
+            except TimeoutError:
+                log.warning("final pruning still running at close's deadline; left to the next run")
+        undelivered = delivery.undelivered(deadline_now(), in_grace=notice.in_grace())
+        delivery.stop(set(undelivered))  # nothing of them runs once close returns
+        if undelivered:
+            late = delivery.failed(undelivered)
+            log.error("%s", late)
+            failure = failure or late
+        self._release()
+        notice.end_process_if_signalled()  # a notice the loop did not take over: as the signal would
+        if failure is not None:
+            raise failure
+
+    def _release(self) -> None:
+        self._pipeline.release()
+        self._group.release()
+        if self._run_lock is not None:
+            self._run_lock.release()
+        self._notice.release()
+
+    def __enter__(self: _M) -> _M:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # an error is on its way out already: it is the one to raise
+            self.close()
+        except TierstoreError as err:
+            log.error("while closing on %s: %s", exc_type.__name__, err)

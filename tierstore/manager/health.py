@@ -3,9 +3,11 @@ pruning (``manager.health()``: no request to any tier)."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tierstore.migration.migrator import MigrationStatus
+from tierstore.migration.migrator import MigrationState, MigrationStatus
 
 __all__ = ["Health"]
 
@@ -34,3 +36,26 @@ class Health:
     @property
     def ok(self) -> bool:
         return not (self.saves_failed or self.migrations_failed or self.prune_errors)
+
+    @classmethod
+    def of(
+        cls,
+        saves: tuple[int, int, int | None, str | None],
+        migrations: Sequence[MigrationStatus],
+        prune_errors: tuple[str, ...],
+        quarantined: tuple[str, ...],
+    ) -> Health:
+        """``saves`` (committed, failed, the last step saved, the newest failure), this
+        process's ``migrations``, and what pruning and resumes reported, as of now."""
+        now = time.time()
+        failed = tuple(s for s in migrations if s.state is MigrationState.FAILED)
+        busy = [s for s in migrations if s.state in (MigrationState.PENDING, MigrationState.UPLOADING)]
+        return cls(
+            *saves,
+            migrations_pending=len(busy),
+            migrations_failed=failed,
+            migration_lag_seconds=max((now - s.created for s in busy), default=0.0),
+            migration_lag_bytes=sum(s.lag_bytes for s in busy),
+            prune_errors=prune_errors,
+            quarantined=quarantined,
+        )

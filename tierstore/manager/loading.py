@@ -5,8 +5,9 @@ with a run name, among that run's checkpoints only (:mod:`tierstore.manager.runs
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
@@ -19,28 +20,38 @@ from tierstore.dcp.reader import TieredReader, is_damage
 from tierstore.errors import ConfigError, TierstoreError
 from tierstore.format.manifest import Manifest
 from tierstore.lifecycle.quarantine import quarantine_proven
-from tierstore.manager.base import Base
-from tierstore.manager.runs import ours
+from tierstore.manager.group import Group
+from tierstore.manager.runs import RunGuard, ours
 from tierstore.options import ReaderOptions
 from tierstore.resume.state import ResumePlanner, is_per_rank_key
 from tierstore.tiers.catalog import list_checkpoints
 from tierstore.tiers.tier import Store
 
-if TYPE_CHECKING:
-    from tierstore.resume.check import ResumeReport
-
-__all__ = ["Loading"]
+__all__ = ["Loader"]
 
 log = logging.getLogger(__name__)
 
 
-class Loading(Base):
-    """Loading of :class:`~tierstore.manager.CheckpointManager` (module docstring)."""
+class Loader:
+    """A manager's loads (module docstring): ``store``'s checkpoints, as listed in ``catalog``
+    (its cold tier alone for node-local hot tiers), those of ``guard``'s run; the damaged ones
+    it falls back past are quarantined and named in :attr:`quarantined`."""
+
+    def __init__(self, store: Store, catalog: Store, guard: RunGuard, group: Group) -> None:
+        self.store, self.catalog, self.guard, self._group = store, catalog, guard, group
+        self._lock = threading.Lock()
+        self._quarantined: list[str] = []
+
+    @property
+    def quarantined(self) -> tuple[str, ...]:
+        """The checkpoints this manager's resumes quarantined, each once."""
+        with self._lock:
+            return tuple(dict.fromkeys(self._quarantined))
 
     def steps(self) -> list[int]:
         """The steps of the store's checkpoints, oldest first; with a run name, of its own only."""
         found = list_checkpoints(self.catalog)
-        return [c.step for c in found if c.step is not None and ours(c, self.run)]
+        return [c.step for c in found if c.step is not None and ours(c, self.guard.run)]
 
     def load_latest(self, state: dict[str, Any], *, planner: Any = None) -> int | None:
         """Load the newest checkpoint that loads verified into ``state``; its step, or ``None``
@@ -86,7 +97,8 @@ class Loading(Base):
         both world sizes, and how to load it, instead of DCP's bare missing-key error. A
         ``planner`` given is used as it is, at any world size.
         """
-        coordinator = not self.distributed or dist.get_rank(self.group) == 0
+        group, distributed = self._group.group, self._group.distributed
+        coordinator = not distributed or dist.get_rank(group) == 0
         candidates = [name] if name is not None else []  # newest first; known to the coordinator
         if name is None:
             candidates = self._candidates(step, coordinator)
@@ -95,23 +107,23 @@ class Loading(Base):
         set_aside: list[tuple[Manifest, CheckpointException]] = []
         while True:
             chosen = candidates[len(damaged)] if len(damaged) < len(candidates) else None
-            if self.distributed:  # every rank loads what the coordinator picked
-                chosen = _dist.broadcast(chosen, self.group)
+            if distributed:  # every rank loads what the coordinator picked
+                chosen = _dist.broadcast(chosen, group)
             if chosen is None:
                 break
             reader = TieredReader(
                 self.store,
                 name=chosen,
                 options=ReaderOptions(resolve_once=True),
-                process_group=self.group,
+                process_group=group,
             )
-            world = dist.get_world_size(self.group) if self.distributed else 1
+            world = dist.get_world_size(group) if distributed else 1
             used = planner if planner is not None else _default_planner(reader, world)
             try:
-                dcp_load(state, storage_reader=reader, process_group=self.group, planner=used)
+                dcp_load(state, storage_reader=reader, process_group=group, planner=used)
             except CheckpointException as err:  # the same on every rank: DCP gathers failures
                 _raise_if_resized(err, reader, world, chosen)
-                self._raise_if_mismatched(err, reader, used, chosen)
+                self.guard.raise_if_mismatched(err, reader, used, chosen)
                 if name is not None or not is_damage(err):
                     raise
                 damaged.append(err)
@@ -132,7 +144,7 @@ class Loading(Base):
             assert reader.manifest is not None
             if coordinator:
                 self._quarantine(set_aside, loaded=reader.manifest.name)
-                self._loaded(reader.manifest)
+                self.guard.loaded(reader.manifest)
             return reader.manifest.step
         if damaged:  # nothing loads: kept as they are, for a person to look at (loudly)
             raise damaged[0]
@@ -140,17 +152,18 @@ class Loading(Base):
 
     def _candidates(self, step: int | None, coordinator: bool) -> list[str]:
         """The checkpoints to try, newest first, known to the coordinator (others get an
-        empty list): with a run name, its own (:meth:`_resumable`). Its listing's error (or
+        empty list): with a run name, its own (:meth:`RunGuard.resumable`). Its listing's error (or
         ``Run(strict=True)``'s) reaches every rank, so none waits for ever on a coordinator
         that gave up (node-local with the cold tier down)."""
         found: Any = None
         if coordinator:
             try:
-                found = [c.name for c in reversed(self._resumable(list_checkpoints(self.catalog), step))]
+                listed = list_checkpoints(self.catalog)
+                found = [c.name for c in reversed(self.guard.resumable(listed, step, self.catalog.label))]
             except Exception as err:  # raised below on every rank alike
                 found = err
-        if self.distributed:
-            found = _dist.broadcast(found, self.group)
+        if self._group.distributed:
+            found = _dist.broadcast(found, self._group.group)
         if isinstance(found, BaseException):
             raise found
         return list(found) if coordinator else []
@@ -176,41 +189,6 @@ class Loading(Base):
             if done:
                 with self._lock:
                     self._quarantined.append(manifest.name)
-
-    def verify_resume(
-        self,
-        probe: Any,
-        state: dict[str, Any],
-        *,
-        name: str | None = None,
-        step: int | None = None,
-        rtol: float = 0.0,
-        atol: float = 0.0,
-        timeout: float = 600.0,
-        record_dir: str | None = None,
-    ) -> ResumeReport:
-        """Prove the newest (or a chosen) checkpoint restores ``state``: see :mod:`tierstore.resume.check`.
-
-        Call on every rank right after :meth:`save`, before the next training step. Waits for
-        the pending save to commit, then loads it in fresh processes (one per rank) built by
-        ``probe`` (``"module:function"`` or the function) and returns a
-        :class:`tierstore.resume.check.ResumeReport`, the same on every rank.
-        """
-        from tierstore.resume.check import verify_resume
-
-        self.wait(migrations=False)
-        return verify_resume(
-            probe,
-            state,
-            store=Store.of(self.store, node_local=self.node_local),
-            name=name,
-            step=step,
-            group=self.group,
-            rtol=rtol,
-            atol=atol,
-            timeout=timeout,
-            record_dir=record_dir,
-        )
 
 
 def _saved_world(reader: TieredReader, world: int) -> int | None:

@@ -44,37 +44,30 @@ if preemption were off.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import logging
 import os
 import select
 import signal
-import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from types import FrameType
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from tierstore import _dist
-from tierstore.errors import ConfigError, SaveFailed
-from tierstore.format import layout
-from tierstore.manager.base import Base
+from tierstore.errors import ConfigError
+from tierstore.manager.signals import SignalWatch, end_process
 from tierstore.migration.delivery import deliver
 from tierstore.migration.migrator import MigrationState, Migrator
 from tierstore.options import Preemption
 
 __all__ = [
-    "SignalWatch",
     "PreemptionWatch",
     "PreemptionReport",
-    "Preempting",
     "push_to_cold",
     "EXIT_MARGIN",
     "preemption_options",
@@ -86,7 +79,6 @@ log = logging.getLogger(__name__)
 # the loop's own exit, interpreter shutdown. A tenth of the grace period, at most this.
 EXIT_MARGIN = 3.0
 
-_Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 _WATCHES: weakref.WeakSet[PreemptionWatch] = weakref.WeakSet()  # this process's live watches
 
 
@@ -101,119 +93,6 @@ def preemption_options(preemption: Preemption | bool) -> Preemption | None:
     raise ConfigError(
         f"CheckpointManager(preemption=) takes True, False or a Preemption, got {type(preemption).__name__}"
     )
-
-
-class SignalWatch:
-    """Handlers for ``signals`` that record the first request (module docstring, 1).
-
-    ``on_signal(number)`` is called from the handler on the first request: it may set an
-    event, nothing that takes a lock the interrupted code may hold.
-    """
-
-    def __init__(self, signals: tuple[int, ...], *, on_signal: Callable[[int], None] | None = None) -> None:
-        self.requested_at: float | None = None  # time.monotonic() of the first request
-        self.signal: str | None = None  # its name
-        self.number: int | None = None
-        self._previous: dict[int, _Handler] = {}
-        self._active = True
-        self._on_signal = on_signal
-        if threading.current_thread() is not threading.main_thread():
-            log.warning(
-                "CheckpointManager built outside the main thread: it cannot watch %s for a "
-                "preemption notice (Python installs signal handlers only in the main thread); "
-                "build it in the main thread, or save on preemption yourself",
-                "/".join(signal.Signals(s).name for s in signals),
-            )
-            return
-        for number in signals:
-            self._previous[number] = signal.signal(number, self._handle)
-
-    @property
-    def installed(self) -> bool:
-        return bool(self._previous)
-
-    @property
-    def active(self) -> bool:
-        return self._active
-
-    def previous(self, number: int) -> _Handler:
-        """The handler this one passes ``number`` on to: the one installed before it, skipping
-        every released watch's (managers opened and closed in any order: a released watch
-        still in the chain passes the signal on, never takes its default action)."""
-        handler = self._previous.get(number)
-        seen: set[int] = set()
-        while (
-            isinstance(getattr(handler, "__self__", None), SignalWatch)
-            and getattr(handler, "__func__", None) is SignalWatch._handle
-            and id(handler.__self__) not in seen  # type: ignore[union-attr]
-        ):
-            watch: SignalWatch = handler.__self__  # type: ignore[union-attr]
-            if watch.active:
-                break
-            seen.add(id(watch))
-            handler = watch._previous.get(number)
-        return handler
-
-    def _handle(self, number: int, frame: FrameType | None) -> None:
-        previous = self.previous(number)
-        if not self._active:
-            if previous in (signal.SIG_DFL, None):
-                # Released, but called still (a handler installed after ours kept it): do
-                # what the signal did before the manager, its default action.
-                signal.signal(number, signal.SIG_DFL)
-                os.kill(os.getpid(), number)
-            elif callable(previous):
-                previous(number, frame)
-            return
-        if self.requested_at is None:
-            self.requested_at = time.monotonic()
-            self.signal, self.number = signal.Signals(number).name, number
-            if self._on_signal is not None:
-                self._on_signal(number)
-        if callable(previous):  # a handler of the user's, or of a manager built before
-            previous(number, frame)
-
-    def seconds_since(self) -> float:
-        """Seconds since the first request; -1 if none came."""
-        return -1.0 if self.requested_at is None else time.monotonic() - self.requested_at
-
-    def release(self) -> None:
-        """Stop recording; put back each handler that was there before, where ours is still
-        the one installed (one installed after ours keeps calling ours, which now only
-        passes the signal on)."""
-        self._active = False
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for number, previous in self._previous.items():
-            if signal.getsignal(number) == self._handle and previous is not None:
-                signal.signal(number, self.previous(number))
-
-
-def end_process(number: int, why: str) -> None:
-    """Take ``number``'s default action (end the process, as the signal would have without
-    the manager), after flushing the logs and standard streams; ``os._exit`` if the signal
-    does not end it (one whose default action is to be ignored)."""
-    log.warning("%s: ending the process (%s's default action)", why, signal.Signals(number).name)
-    for handler in logging.getLogger().handlers + logging.getLogger("tierstore").handlers:
-        try:
-            handler.flush()
-        except Exception:  # a broken handler must not keep the process alive
-            pass
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(number, signal.SIG_DFL)
-    else:  # the watchdog: Python sets handlers from the main thread only, the C library from any
-        try:
-            ctypes.CDLL(None).signal(number, ctypes.c_void_p(0))  # SIG_DFL
-        except (OSError, AttributeError):
-            os._exit(128 + number)
-    os.kill(os.getpid(), number)
-    time.sleep(1.0)  # delivered on return from the kill, at the latest here
-    os._exit(128 + number)
 
 
 @dataclass(frozen=True)
@@ -444,140 +323,3 @@ def push_to_cold(migrators: Sequence[Migrator], step: int, until: float) -> tupl
     if status.state is MigrationState.FAILED:
         return f"failed: {status.error}", ended
     return f"still {status.state.value} at the grace deadline", ended
-
-
-class Preempting(Base):
-    """Preemption of :class:`~tierstore.manager.CheckpointManager` (module docstring)."""
-
-    def _watch_preemption(self, preemption: Preemption | bool) -> None:
-        """Set up the watch from ``CheckpointManager(preemption=)``."""
-        options = preemption_options(preemption)
-        self.preemption: PreemptionReport | None = None
-        self._preempted = False
-        self._watch = PreemptionWatch(options) if options is not None else None
-
-    @property
-    def preempted(self) -> bool:
-        """Whether a save acted on a preemption notice: the loop should stop (it is ``True``
-        on every rank after the same ``save()`` call).
-
-        Reading it once it is ``True`` hands the end of the run to the loop: the manager no
-        longer ends the process itself (module docstring, 5). A loop that never reads it
-        gets the process ended at its next ``save()`` or ``close()``, or at the grace
-        deadline, as the signal would have ended it without the manager.
-        """
-        if self._preempted and self._watch is not None:
-            self._watch.take_over()
-        return self._preempted
-
-    def _in_grace(self) -> bool:
-        """A notice came, here or on any rank (acted on or not), and its grace period runs."""
-        return self._watch is not None and self._watch.in_grace()
-
-    def _end_if_notice_ignored(self) -> None:
-        """The loop went on after a notice without reading ``preempted``: end the run (close
-        within what is left of the grace period), then the process, as the signal would have."""
-        watch = self._watch
-        if watch is None or not self._preempted or watch.taken_over:
-            return
-        log.warning(
-            "preemption notice (%s): the loop went on without stopping on `manager.preempted`; "
-            "closing the run",
-            watch.signal or "another rank's signal",
-        )
-        self.close()  # ends the process once it has closed (Ending.close)
-        self._end_process_if_signalled()
-
-    def _end_process_if_signalled(self) -> None:
-        """After ``close()``: a notice that came (here, or acted on from any rank) and that
-        the loop did not take over ends the process now."""
-        watch = self._watch
-        if watch is None or watch.taken_over or watch.grace_deadline() is None:
-            return
-        if not (self._preempted or watch.signals.requested_at is not None):
-            return
-        number = watch.signals.number or watch.options.signals[0]
-        end_process(
-            number,
-            f"preemption notice ({watch.signal or 'another rank'}) and the run closed without the "
-            "loop stopping on `manager.preempted`",
-        )
-
-    def _preemption_seen(self) -> float | None:
-        """Seconds since the earliest request on any rank; ``None`` if there is none (or the
-        manager acted on one already)."""
-        if self._watch is None or self._preempted:
-            return None
-        return self._watch.seen()
-
-    @contextlib.contextmanager
-    def _acting(self) -> Iterator[None]:
-        """The manager acts on a notice (its save and push, ``close()``): the watchdog waits."""
-        watch = self._watch
-        if watch is None:
-            yield
-            return
-        before, watch.acting = watch.acting, True
-        try:
-            yield
-        finally:
-            watch.acting = before
-
-    def _save_on_preemption(
-        self, step: int, state: dict[str, Any], metrics: Mapping[str, float], since: float
-    ) -> bool:
-        """Save ``step`` now, to the hot tier and then, within the grace period, the cold
-        tier; record and log what it managed (module docstring, 3)."""
-        with self._acting():
-            return self._save_on_notice(step, state, metrics, since)
-
-    def _save_on_notice(
-        self, step: int, state: dict[str, Any], metrics: Mapping[str, float], since: float
-    ) -> bool:
-        watch = self._watch
-        assert watch is not None and watch.deadline is not None
-        grace = watch.options.grace_seconds
-        signalled = time.monotonic() - since
-        log.warning(
-            "preemption notice (%s): saving step %d now, within the %gs grace period",
-            watch.signal or "another rank's signal",
-            step,
-            grace,
-        )
-        try:
-            self._finish_previous()
-            self._raise_failure()
-        except SaveFailed as err:  # that save is lost either way; this one is what matters now
-            log.error("the save before the preemption notice failed (%s); saving step %d", err, step)
-        self._preempted = True
-        try:
-            if step != self._last_saved_step:  # else saved already: push that one
-                self._save_sync(step, state, self._writer(step, metrics))
-        except SaveFailed as err:
-            self.preemption = PreemptionReport(
-                step, None, watch.signal, grace, time.monotonic() - signalled, "none", None,
-                watch.deadline - time.monotonic(), error=str(err),
-            )  # fmt: skip
-            log.error("%s", self.preemption.summary())
-            raise
-        hot_seconds = time.monotonic() - signalled
-        self.stalls[step] = hot_seconds - since
-        cold, ended = push_to_cold(self._migrators(), step, watch.until())
-        self.preemption = PreemptionReport(
-            step, layout.default_name(step), watch.signal, grace, hot_seconds, cold,
-            None if ended is None else ended - signalled, watch.deadline - time.monotonic(),
-        )  # fmt: skip
-        log.warning("%s", self.preemption.summary())
-        return True
-
-    def _close_deadline(self, deadline: float) -> float:
-        """``close()``'s deadline: no later than the grace period's, less the exit margin,
-        while one runs (a signal that comes during close() shortens it from then on)."""
-        if not self._in_grace():
-            return deadline
-        assert self._watch is not None
-        return min(deadline, self._watch.until())
-
-    def _release_watch(self) -> None:
-        if self._watch is not None:
-            self._watch.release()

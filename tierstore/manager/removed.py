@@ -1,13 +1,17 @@
-"""The keywords :class:`~tierstore.CheckpointManager` no longer takes, each refused with a
+"""The arguments :class:`~tierstore.CheckpointManager` no longer takes, each refused with a
 ``TypeError`` naming the form that replaced it (tierstore never released them: no
-deprecation period, docs/design.md)."""
+deprecation period), and the options objects it takes, checked."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
-__all__ = ["refuse_removed", "REPLACED"]
+from tierstore.errors import ConfigError
+
+__all__ = ["refuse_removed", "given", "REPLACED"]
+
+_T = TypeVar("_T")
 
 _STORE = "CheckpointManager(Store(hot, cold, {}=...), ...): tier options live on the Store"
 
@@ -38,3 +42,12 @@ def refuse_removed(given: Mapping[str, Any], owner: str = "CheckpointManager") -
     if name in REPLACED:
         raise TypeError(f"{owner}() no longer takes {name}=: pass {REPLACED[name]}")
     raise TypeError(f"{owner}() got an unexpected keyword argument {name!r}")
+
+
+def given(param: str, value: Any, cls: type[_T]) -> _T:
+    """``CheckpointManager(param=value)``: an instance of ``cls``, or ``cls()`` for ``None``."""
+    if value is None:
+        return cls()
+    if not isinstance(value, cls):
+        raise ConfigError(f"CheckpointManager({param}=) takes a {cls.__name__}, got {type(value).__name__}")
+    return value

@@ -28,7 +28,6 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
@@ -38,12 +37,12 @@ from tierstore.dcp.failures import causes
 from tierstore.dcp.reader import TieredReader
 from tierstore.errors import ConfigError, TierstoreError
 from tierstore.format.manifest import Manifest, checkpoint_order
-from tierstore.manager.base import Base
+from tierstore.lifecycle.retention import Policy, within_run
 from tierstore.options import Run
 from tierstore.tiers.catalog import CheckpointInfo, list_checkpoints
-from tierstore.tiers.tier import Store
+from tierstore.tiers.tier import Store, Tier
 
-__all__ = ["Runs", "StructureMismatch", "run_of", "ours", "whose"]
+__all__ = ["RunGuard", "StructureMismatch", "run_of", "ours", "whose"]
 
 log = logging.getLogger(__name__)
 
@@ -107,20 +106,34 @@ def _named(others: Mapping[str, tuple[int, CheckpointInfo]]) -> str:
     )
 
 
-class Runs(Base):
-    """The run rules of :class:`~tierstore.manager.CheckpointManager` (module docstring)."""
+class RunGuard:
+    """The run rule of a manager (module docstring): which checkpoints a load may pick, what
+    its retention may prune, and the other runs a store holds, each named once."""
 
-    def _check_runs(self) -> None:
+    def __init__(self, run: Run | None) -> None:
+        self.run = run
+        self._reported: set[str] = set()  # the other runs already named in a warning
+
+    @property
+    def name(self) -> str | None:
+        """The name its saves record, ``None`` without a run."""
+        return self.run.name if self.run is not None else None
+
+    def own(self, policy: Policy) -> Policy:
+        """``policy``, over this run's checkpoints alone when the run is named (another run's
+        are never this run's to prune)."""
+        return policy if self.run is None else within_run(self.run.name, policy)
+
+    def check_start(self, hot: Tier | None, group: Any, distributed: bool) -> None:
         """At start: one listing of the hot tier by the coordinator; another run's
-        checkpoints there are warned about once, or, ``strict``, a ``ConfigError`` on every
-        rank (the constructor's, before anything is saved). Best effort: a listing that
+        checkpoints there are warned about once, or, ``strict``, a ``ConfigError`` raised on
+        every rank (the constructor's, before anything is saved). Best effort: a listing that
         fails is a debug line."""
-        self._runs_reported = set()
-        run, hot = self.run, self.store.hot
+        run = self.run
         if run is None or hot is None:
             return
         problem: ConfigError | None = None
-        if _dist.group_rank_world(self.group)[0] == 0:
+        if _dist.group_rank_world(group)[0] == 0:
             try:
                 listed = list_checkpoints(Store.of_tiers(hot, None))
             except TierstoreError as err:
@@ -130,12 +143,9 @@ class Runs(Base):
                 log.warning("could not look for other runs' checkpoints in %s", hot.label, exc_info=True)
                 listed = []
             problem = self._other_runs(listed, hot.label)
-        if run.strict and self.distributed:
-            problem = _dist.broadcast(problem, self.group)
+        if run.strict and distributed:
+            problem = _dist.broadcast(problem, group)
         if problem is not None:
-            if self._owns_group and self.group is not None:
-                dist.destroy_process_group(self.group)
-                self.group = None
             raise problem
 
     def _other_runs(self, listed: Sequence[CheckpointInfo], where: str) -> ConfigError | None:
@@ -143,10 +153,10 @@ class Runs(Base):
         ``strict`` raises instead."""
         run = self.run
         assert run is not None
-        others = {k: v for k, v in _others(listed, run).items() if k not in self._runs_reported}
+        others = {k: v for k, v in _others(listed, run).items() if k not in self._reported}
         if not others:
             return None
-        self._runs_reported.update(others)
+        self._reported.update(others)
         if run.strict:
             return ConfigError(
                 f"CheckpointManager(run=Run({run.name!r}, strict=True)): {where} holds checkpoints "
@@ -168,21 +178,23 @@ class Runs(Base):
         )
         return None
 
-    def _resumable(self, listed: Sequence[CheckpointInfo], step: int | None) -> list[CheckpointInfo]:
-        """Of ``listed`` (oldest first), those a load without a name may pick: of ``step``,
-        this run's if it has some, else any (asked for by step); without, this run's only
-        (the others named once, or ``strict``'s error raised)."""
+    def resumable(
+        self, listed: Sequence[CheckpointInfo], step: int | None, where: str
+    ) -> list[CheckpointInfo]:
+        """Of ``listed`` (oldest first, from ``where``), those a load without a name may pick: of
+        ``step``, this run's if it has some, else any (asked for by step); without, this run's
+        only (the others named once, or ``strict``'s error raised)."""
         if step is not None:
             of_step = [c for c in listed if c.step == step]
             return [c for c in of_step if ours(c, self.run)] or of_step
         if self.run is None:
             return list(listed)
-        problem = self._other_runs(listed, self.catalog.label)
+        problem = self._other_runs(listed, where)
         if problem is not None:
             raise problem
         return [c for c in listed if ours(c, self.run)]
 
-    def _loaded(self, manifest: Manifest) -> None:
+    def loaded(self, manifest: Manifest) -> None:
         """Say which run's checkpoint a load loaded (the coordinator's word for the job)."""
         if ours(manifest, self.run):
             log.info("loaded checkpoint %s (step %s) of %s", manifest.name, manifest.step, whose(manifest))
@@ -198,7 +210,7 @@ class Runs(Base):
             self.run.name,
         )
 
-    def _raise_if_mismatched(
+    def raise_if_mismatched(
         self, err: CheckpointException, reader: TieredReader, planner: Any, name: str
     ) -> None:
         """DCP's "the state does not fit" errors become one naming the checkpoint, its step,

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager
@@ -21,73 +23,90 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from tierstore.dcp.failures import save_failed
 from tierstore.dcp.writer import TieredWriter
-from tierstore.errors import ConfigError, SaveFailed
-from tierstore.format.manifest_format import check_metrics
-from tierstore.manager.base import Base
+from tierstore.errors import SaveFailed
+from tierstore.manager.group import Group
+from tierstore.options import StagingOptions
 from tierstore.staging import AlreadyStaged, ReusedStaging, resolve_stateful, staging_options
 
-if TYPE_CHECKING:
-    pass
-
-__all__ = ["Saving"]
+__all__ = ["SavePipeline", "Tally"]
 
 log = logging.getLogger(__name__)
 
 
-class Saving(Base):
-    """Saving of :class:`~tierstore.manager.CheckpointManager` (module docstring)."""
+@dataclass(frozen=True)
+class Tally:
+    """What a manager's saves came to, for ``health()``."""
 
-    def save(
+    ok: int
+    failed: int
+    last_step: int | None
+    last_error: str | None  # the newest failure, "step N: ..."
+
+
+class SavePipeline:
+    """A manager's saves, one at a time (module docstring), on ``group``, as ``staging`` says.
+
+    ``before_write`` runs before each save writes (the hot tier's free-space relief);
+    ``committed(step)`` after each save committed. A failure is recorded, logged and raised
+    once: by the next :meth:`save`, or :meth:`raise_failure`.
+    """
+
+    def __init__(
         self,
-        step: int,
-        state: dict[str, Any],
+        staging: StagingOptions,
+        group: Group,
         *,
-        force: bool = False,
-        metrics: Mapping[str, float] | None = None,
-    ) -> bool:
-        """Checkpoint ``state`` as ``step`` if the cadence wants it (or ``force``); ``True`` if saved.
+        before_write: Callable[[], None],
+        committed: Callable[[int], None],
+    ) -> None:
+        self.staging, self._group = staging, group
+        self._before_write, self._on_commit = before_write, committed
+        self._stager: ReusedStaging | None = None  # made by the first save, freed by release()
+        self._staging: Future[None] | None = None  # the last save's copy of the state
+        self._thread: ThreadPoolExecutor | None = None  # the manager's save thread
+        self._pending: Future[None] | None = None  # settles once the save is recorded
+        self._lock = threading.Lock()
+        self.last_error: BaseException | None = None
+        self._unraised: SaveFailed | None = None  # a failed save not yet raised to the caller
+        self._last_failure: str | None = None
+        self._saves_ok = self._saves_failed = 0
+        self.last_saved_step: int | None = None
+        self.stalls: dict[int, float] = {}  # step -> seconds the caller was blocked by save()
+        self.staging_allocated: dict[int, int] = {}  # step -> bytes its staging allocated
 
-        Returns once the state is copied (unless ``StagingOptions(overlap=True)``): training may change
-        it from then on. A synchronous save, or a copy of the state, that fails raises
-        :class:`~tierstore.errors.SaveFailed` at once. If the previous (background) save
-        failed, this save still goes ahead, and once it is under way (its state copied,
-        unless ``overlap=True``) the previous failure is raised:
-        :class:`~tierstore.errors.SaveFailed` whose ``step`` is the failed one's, not
-        ``step``, so a loop that catches it and goes on misses no save (a full disk that
-        frees up saves the very next step). If this save fails at
-        once too, its own failure is raised instead; the earlier one stays logged and
-        counted in :meth:`health`. Either way each failure is raised once.
+    def tally(self) -> Tally:
+        with self._lock:
+            return Tally(self._saves_ok, self._saves_failed, self.last_saved_step, self._last_failure)
 
-        ``metrics`` (``{"val_loss": 0.41}``: at most 64 names, finite numbers) are recorded
-        in this checkpoint's manifest, for :class:`~tierstore.lifecycle.retention.keep_best`
-        and ``CheckpointInfo.metrics``; the coordinator's are the ones recorded. Invalid
-        metrics raise :class:`~tierstore.errors.ConfigError` before anything is saved.
-        """
-        self._end_if_notice_ignored()  # a notice acted on, and the loop went on: the run ends
-        since = self._preemption_seen()  # every call: combined across ranks (preemption.py)
-        if not (force or since is not None or self.should_save(step)):
-            return False
-        metrics = check_metrics(metrics, source="metrics", error=ConfigError) if metrics else {}
-        if since is not None:
-            return self._save_on_preemption(step, state, metrics, since)
-        writer = self._writer(step, metrics)  # a step no manifest can record raises here
+    def save(self, step: int, state: dict[str, Any], writer: TieredWriter) -> None:
+        """Save ``state`` as ``step`` through ``writer``, once the previous save's flush is done;
+        then raise the previous save's failure, if it failed (:meth:`CheckpointManager.save`)."""
         start = time.perf_counter()
-        self._finish_previous()  # block the next save only until the previous flush is done
+        self.finish_previous()  # block the next save only until the previous flush is done
         # A failed background save is raised, but only once this step's save is under way:
         # skipping it lost every other step while a disk was full or two jobs shared a
         # directory (issue 38), and a rank that skips leaves the others in its collectives.
-        previous = self._take_failure()
+        previous = self.take_failure()
         self._start_save(step, state, writer)
         self.stalls[step] = time.perf_counter() - start
         if previous is not None:
             raise _went_ahead(previous, step)
-        return True
+
+    def release(self) -> None:
+        """Stop the save thread (idle: the last save settled) and free the staging buffers (a
+        later save makes new ones)."""
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+            self._thread = None
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
     def _start_save(self, step: int, state: dict[str, Any], writer: TieredWriter) -> None:
         """Start (or, synchronous, make) the save of ``step``, as ``staging`` says; a failure
         seen on the caller's thread is raised here, one of the background save later."""
         if not self.staging.async_save:
-            self._save_sync(step, state, writer)
+            self.save_sync(step, state, writer)
         elif self.staging.overlap:
             # Even starting an async save costs tens of ms in DCP (flattening the state,
             # planning); the manager's own thread pays that too, with the copy after it.
@@ -116,7 +135,7 @@ class Saving(Base):
             copy = stager.stage(resolve_stateful(state))
         except (Exception, CheckpointException) as err:  # a BaseException, in DCP
             self._failed(step, err)
-            self._raise_failure()
+            self.raise_failure()
             raise
         assert isinstance(copy, dict)  # staged on this thread: the copy itself, no future
         staged: Future[None] = Future()  # the copy is taken: nothing waits for this one
@@ -127,26 +146,16 @@ class Saving(Base):
         )
         self._submitter().submit(self._guarded, start_save, step, staged, settled)
 
-    def _save_sync(self, step: int, state: dict[str, Any], writer: TieredWriter) -> None:
+    def save_sync(self, step: int, state: dict[str, Any], writer: TieredWriter) -> None:
         """``dcp.save`` through ``writer``: committed in the hot tier when it returns."""
-        self._relieve_disk_pressure()
+        self._before_write()
         try:
-            dcp_save(state, storage_writer=writer, process_group=self.group)
+            dcp_save(state, storage_writer=writer, process_group=self._group.group)
         except (Exception, CheckpointException) as err:  # a BaseException, in DCP
             self._failed(step, err)
-            self._raise_failure()
+            self.raise_failure()
             raise
         self._committed(step, None)
-
-    def _writer(self, step: int, metrics: Mapping[str, float]) -> TieredWriter:
-        return TieredWriter(
-            self.store,
-            step=step,
-            migration=self.migration,
-            metrics=metrics,
-            run=self.run.name if self.run is not None else None,
-            options=self.writer,
-        )
 
     def _submitter(self) -> ThreadPoolExecutor:
         if self._thread is None:  # one thread: saves start in the order they were asked for
@@ -183,11 +192,11 @@ class Saving(Base):
         process = self.staging.mode == "process"
         kind = AsyncCheckpointerType.PROCESS if process else AsyncCheckpointerType.THREAD
         try:
-            self._relieve_disk_pressure()
+            self._before_write()
             response = dcp_async_save(
                 state,
                 storage_writer=writer,
-                process_group=self.group,
+                process_group=self._group.group,
                 async_checkpointer_type=kind,
                 async_stager=stager if stager is not None else self._stager_for_save(),
             )
@@ -238,22 +247,23 @@ class Saving(Base):
         try:
             staging.result()
         except BaseException:  # DCP fails the save with it: record and raise that
-            self._finish_previous()
-            self._raise_failure()
+            self.finish_previous()
+            self.raise_failure()
             raise
 
-    def _finish_previous(self) -> None:
+    def finish_previous(self) -> None:
+        """Wait for the last save to settle (committed or failed: never raises)."""
         staging, self._staging = self._staging, None
         if staging is not None:  # a save can settle before its staging future does
             try:
                 staging.result()
-            except BaseException:  # the save fails with it: raised by _raise_failure
+            except BaseException:  # the save fails with it: raised by raise_failure
                 pass
         pending, self._pending = self._pending, None
         if pending is not None:
             try:
                 pending.result()
-            except BaseException:  # recorded by _committed, raised by _raise_failure
+            except BaseException:  # recorded by _committed, raised by raise_failure
                 pass
 
     def _failed(self, step: int, err: BaseException) -> None:
@@ -265,13 +275,15 @@ class Saving(Base):
             self._saves_failed += 1
             self._unraised = failure
 
-    def _take_failure(self) -> SaveFailed | None:
+    def take_failure(self) -> SaveFailed | None:
+        """The failure not raised yet, taken (``None`` if there is none)."""
         with self._lock:
             failure, self._unraised = self._unraised, None
         return failure
 
-    def _raise_failure(self) -> None:
-        failure = self._take_failure()
+    def raise_failure(self) -> None:
+        """Raise the failure not raised yet, if any."""
+        failure = self.take_failure()
         if failure is not None:
             raise failure
 
@@ -282,9 +294,8 @@ class Saving(Base):
             return
         with self._lock:
             self._saves_ok += 1
-            self._last_saved_step = step
-        if (self.rank == 0 or self.node_local) and not self._in_grace():
-            self._prune_in_background()  # in a notice's grace period, the next run prunes
+            self.last_saved_step = step
+        self._on_commit(step)
 
 
 def _went_ahead(failure: SaveFailed, step: int) -> SaveFailed:
