@@ -28,9 +28,10 @@ retried (:mod:`tierstore.retry`), then recorded (status, log, and a failure mark
 ``rank-<r>.failed.json`` that stops the coordinator waiting) and never raised into training.
 
 This module is the worker; its cold commit (step 2) is :mod:`tierstore.migration.cold_commit`,
-what it works on :mod:`tierstore.migration.jobs`. What the marks are and when one counts is
-:mod:`tierstore.tiers.marks`; which migrator a process uses, and draining it at exit,
-:mod:`tierstore.migration.workers`.
+what it works on :mod:`tierstore.migration.jobs`, the jobs it holds and the attempts it
+delivered :mod:`tierstore.migration.job_table`, its breaker :mod:`tierstore.migration.breaker`.
+What the marks are and when one counts is :mod:`tierstore.tiers.marks`; which migrator a
+process uses, and draining it at exit, :mod:`tierstore.migration.workers`.
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ from tierstore.errors import (
 )
 from tierstore.format import layout
 from tierstore.format.manifest import FileEntry, Manifest
+from tierstore.migration.breaker import Breaker
 from tierstore.migration.cold_commit import ColdCommit
+from tierstore.migration.job_table import JobTable
 from tierstore.migration.jobs import (
     Job,
     JobFailed,
@@ -64,7 +67,6 @@ from tierstore.migration.jobs import (
     files_by_rank,
     in_parallel,
 )
-from tierstore.migration.probe import PROBE_WAIT, unreachable
 from tierstore.migration.transfer import Throttle, copy_file, verified_copy
 from tierstore.progress import counting
 from tierstore.storage import faults
@@ -128,17 +130,11 @@ class Migrator(ColdCommit):
         self.config = config or MigrationConfig()
         self._clock, self._sleep = clock, sleep
         self._throttle = Throttle(self.config.bandwidth, sleep=sleep)
-        self._jobs: dict[tuple[str, str, int], Job] = {}
-        # Attempts committed here (or found committed), with when (time.monotonic()).
-        self._delivered: dict[tuple[str, str], float] = {}
+        self._jobs = JobTable()
+        self._breaker = Breaker(cold, clock=clock, first_probe=self.FIRST_PROBE, longest=self.BREAKER_SECONDS)
         self._queue: queue.Queue[Job | None] = queue.Queue()
-        self._unfinished = 0
-        self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
-        self._breaker = threading.Lock()
-        self._unreachable: tuple[float, str] | None = None  # (since, why): the breaker is open
-        self._next_probe = 0.0  # when the open breaker lets the next job through as a probe
-        self._probe_every = self.FIRST_PROBE
+        self._thread_lock = threading.Lock()
 
     # -- control ------------------------------------------------------------------------
 
@@ -179,8 +175,7 @@ class Migrator(ColdCommit):
         before that look is pending again: the cold tier lost it, wiped or re-created)."""
         if self.handles(manifest.name, manifest.attempt, since=since):
             return False
-        with self._cond:
-            self._delivered.pop((manifest.name, manifest.attempt), None)  # delivered again
+        self._jobs.forget_delivered(manifest.name, manifest.attempt)  # delivered again
         by_rank = sorted(files_by_rank(manifest).items())
         queued = False
         for index, (rank, files) in enumerate(by_rank):
@@ -192,15 +187,7 @@ class Migrator(ColdCommit):
         """Whether a job of this attempt is queued or running here, or this migrator
         delivered it (``since``: at or after that ``time.monotonic()`` value): no other job
         of it is wanted (invariant 25)."""
-        with self._cond:
-            when = self._delivered.get((name, attempt))
-            if when is not None and (since is None or when >= since):
-                return True
-            return any(
-                not job.done and not job.stopped
-                for (n, a, _), job in self._jobs.items()
-                if (n, a) == (name, attempt)
-            )
+        return self._jobs.handles(name, attempt, since=since)
 
     busy = handles  # the name it had before it also counted delivered attempts
 
@@ -210,17 +197,7 @@ class Migrator(ColdCommit):
         for one that stays (a conflicting attempt in cold, damaged bytes, a bad option), nor
         one :meth:`stop` ended. A job queued again checks what is in the cold tier first, so
         nothing done is done twice. Returns the names queued."""
-        wanted = self.to_retry(names)
-        with self._cond:
-            failed = [
-                job
-                for job in self._jobs.values()
-                if job.name in wanted
-                and job.state is MigrationState.FAILED
-                and job.retryable
-                and not job.stopped
-                and (job.name, job.attempt) not in self._delivered
-            ]
+        failed = self._jobs.to_retry(names)
         failed.sort(key=lambda job: job.manifest is not None)  # a checkpoint's commit after its uploads
         queued = [job.name for job in failed if self._enqueue(job.again(self._clock()))]
         return sorted(set(queued))
@@ -228,47 +205,27 @@ class Migrator(ColdCommit):
     def to_retry(self, names: set[str] | None = None) -> set[str]:
         """The names of ``names`` (default: all) with a failed job :meth:`retry_failed` would
         queue again."""
-        with self._cond:
-            return {
-                job.name
-                for job in self._jobs.values()
-                if job.state is MigrationState.FAILED
-                and job.retryable
-                and not job.stopped
-                and (names is None or job.name in names)
-                and (job.name, job.attempt) not in self._delivered
-            }
+        return {job.name for job in self._jobs.to_retry(names)}
 
     def delivered(self, name: str, attempt: str) -> bool:
         """Whether this migrator committed this attempt, or found it committed already."""
-        with self._cond:
-            return (name, attempt) in self._delivered
+        return self._jobs.delivered(name, attempt)
 
     def cold_answered(self) -> None:
         """The cold tier answered (a probe of the caller's, or a job that succeeded): close
         the breaker, so the next job is attempted."""
-        with self._breaker:
-            self._unreachable = None
-            self._probe_every = self.FIRST_PROBE
+        self._breaker.close()
 
     def stop(self, names: set[str] | None = None) -> None:
         """End the jobs of ``names`` (default: all) that have not finished: queued ones never
         start, running ones end at their next chunk; each is recorded failed ("stopped")
         and stays pending in the tiers. Returns at once."""
-        with self._cond:
-            for job in self._jobs.values():
-                if not job.done and (names is None or job.name in names):
-                    job.stopped = True
+        self._jobs.stop(names)
 
     def _enqueue(self, job: Job) -> bool:
-        with self._cond:
-            key = (job.name, job.attempt, job.rank)
-            current = self._jobs.get(key)
-            if current is not None and not current.stopped and not current.done:
-                log.debug("%s rank %d is queued or running here already", job.name, job.rank)
-                return False
-            self._jobs[key] = job
-            self._unfinished += 1
+        if not self._jobs.add(job):
+            return False
+        with self._thread_lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, name="tierstore-migrator", daemon=True)
                 self._thread.start()
@@ -276,32 +233,19 @@ class Migrator(ColdCommit):
         return True
 
     def status(self) -> list[MigrationStatus]:
-        now = self._clock()
-        with self._cond:
-            jobs = list(self._jobs.values())
-        return [job.status(now) for job in jobs]
+        return self._jobs.status(self._clock())
 
     def pending(self) -> list[MigrationStatus]:
         """Jobs not yet finished (queued or uploading), those :meth:`stop` ended excepted
         (one stuck in a request's retries ends when they do, and nothing waits for it)."""
-        now = self._clock()
-        with self._cond:
-            jobs = [job for job in self._jobs.values() if not job.done and not job.stopped]
-        return [job.status(now) for job in jobs]
+        return self._jobs.status(self._clock(), unfinished=True)
 
     def failures(self) -> list[MigrationStatus]:
         return [s for s in self.status() if s.state is MigrationState.FAILED]
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until every submitted job finished; ``False`` if ``timeout`` ran out first."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while self._unfinished:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                self._cond.wait(remaining)
-        return True
+        return self._jobs.wait(timeout)
 
     def close(self, timeout: float | None = None) -> bool:
         drained = self.wait(timeout)
@@ -321,18 +265,13 @@ class Migrator(ColdCommit):
                         target=self._commit_then_end, args=(job,), name="tierstore-commit", daemon=True
                     ).start()
                 else:
-                    self._ended()
+                    self._jobs.ended()
 
     def _commit_then_end(self, job: Job) -> None:
         try:
             self._finish(job)
         finally:
-            self._ended()
-
-    def _ended(self) -> None:
-        with self._cond:
-            self._unfinished -= 1
-            self._cond.notify_all()
+            self._jobs.ended()
 
     def migrate_checkpoint(
         self, manifest: Manifest, progress: Callable[[str, int, int], None] | None = None
@@ -369,7 +308,7 @@ class Migrator(ColdCommit):
         try:
             if job.stopped:
                 raise JobFailed(job.rank, None, "stopped before it started")
-            self._check_breaker()
+            self._breaker.check()
             if not job.fresh and self._delivered_already(job):
                 job.state = MigrationState.COMMITTED if job.manifest is not None else MigrationState.UPLOADED
                 job.finished = self._clock()
@@ -393,8 +332,7 @@ class Migrator(ColdCommit):
         try:
             self._commit(job.manifest, job)
             job.state = MigrationState.COMMITTED
-            with self._cond:
-                self._delivered[(job.name, job.attempt)] = time.monotonic()
+            self._jobs.deliver(job.name, job.attempt)
             self.cold_answered()
             log.info("migrated %s rank %d to %s (committed)", job.name, job.rank, self.cold.label)
         except JobFailed as failure:
@@ -422,55 +360,9 @@ class Migrator(ColdCommit):
             return False
         faults.point("migrator.after_delivered_check")
         if delivered:
-            with self._cond:
-                self._delivered[(job.name, job.attempt)] = time.monotonic()
+            self._jobs.deliver(job.name, job.attempt)
             log.info("%s (attempt %s) was delivered to %s already", job.name, job.attempt, self.cold.label)
         return delivered
-
-    def _check_breaker(self) -> None:
-        with self._breaker:
-            unreachable_since = self._unreachable
-            if unreachable_since is None:
-                return
-            since, why = unreachable_since
-            now = self._clock()
-            if now < self._next_probe:
-                raise JobFailed(
-                    None,
-                    None,
-                    TransientStorageError(
-                        f"not attempted: the cold tier was unreachable {now - since:.0f}s ago ({why}); "
-                        f"it is probed again in {self._next_probe - now:.0f}s, and the job is "
-                        "tried again by the next commit, close() or `tierstore migrate`",
-                        tier=self.cold.label,
-                    ),
-                )
-            # This job is the probe: the ones behind it wait for the next.
-            self._next_probe = now + self._probe_every
-            self._probe_every = min(self._probe_every * 2, self.BREAKER_SECONDS)
-        faults.point("migrator.before_probe")
-        down = unreachable(self.cold, PROBE_WAIT)
-        if down is None:
-            log.info("the cold tier %s answers again: migrating", self.cold.label)
-            self.cold_answered()
-            return
-        raise JobFailed(
-            None,
-            None,
-            TransientStorageError(
-                f"not attempted: the cold tier is still unreachable ({down}); "
-                "the job is tried again by the next commit, close() or `tierstore migrate`",
-                tier=self.cold.label,
-            ),
-        )
-
-    def _open_breaker(self, why: str) -> None:
-        with self._breaker:
-            if self._unreachable is None:
-                now = self._clock()
-                self._unreachable = (now, why)
-                self._next_probe = now + self.FIRST_PROBE
-                self._probe_every = 2 * self.FIRST_PROBE
 
     def _record_failure(self, job: Job, failure: JobFailed) -> None:
         job.state = MigrationState.FAILED
@@ -499,7 +391,7 @@ class Migrator(ColdCommit):
         if isinstance(failure.error, TransientStorageError) and not job.error.startswith(
             "TransientStorageError: not attempted"
         ):
-            self._open_breaker(job.error)
+            self._breaker.open(job.error)
         if failure.rank == job.rank:
             # Tell the coordinator not to wait for us; on a thread of its own, so a cold tier
             # out of reach spends the mark's retries there, not the queue's time.
