@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from tierstore import _dist
+from tierstore import _dist, settings
 from tierstore._redact import redact_url
 from tierstore._version import producer
 from tierstore.dcp import dcp_args, dcp_files, structure
@@ -81,7 +81,7 @@ def _setting(value: int | None, env: str, default: int, what: str) -> int:
     """An explicit option, else the environment variable ``env``, else ``default``: read when
     the writer is built, so a bad value fails there, not at the save."""
     if value is None:
-        raw_value = os.environ.get(env, "").strip()
+        raw_value = settings.read(env) or ""
         try:
             value = int(raw_value) if raw_value else default
         except ValueError:

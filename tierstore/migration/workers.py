@@ -32,6 +32,8 @@ import os
 import threading
 import time
 
+from tierstore import settings
+from tierstore.errors import ConfigError
 from tierstore.migration.migrator import MigrationConfig, Migrator
 from tierstore.tiers.tier import Tier
 
@@ -39,10 +41,10 @@ __all__ = ["migrator_for", "migrators_of", "active_migrators", "drain", "EXIT_WA
 
 log = logging.getLogger(__name__)
 
-EXIT_WAIT_ENV = "TIERSTORE_EXIT_WAIT"
+EXIT_WAIT_ENV = settings.EXIT_WAIT.variable
 # Seconds the exit hook waits at most: a script that never closes anything must not sit for
 # minutes at exit on a cold tier that never answers (issue 36, item 4).
-EXIT_WAIT = 30.0
+EXIT_WAIT = float(settings.EXIT_WAIT.default)
 
 _Pair = tuple[str, str]  # the tiers' identities: URL and options, hot then cold
 
@@ -116,7 +118,11 @@ def _forget_after_fork() -> None:
 def exit_wait() -> float:
     """Seconds the exit hook would wait now, at most: ``EXIT_WAIT`` (or
     ``TIERSTORE_EXIT_WAIT``), bounded by every ``exit_wait=`` asked of a migrator with work."""
-    bound = float(os.environ.get(EXIT_WAIT_ENV, EXIT_WAIT))
+    try:
+        bound = settings.seconds(settings.EXIT_WAIT)
+    except ConfigError as err:  # at exit, nobody is left to raise it to
+        log.error("%s; waiting at most the default %gs", err, EXIT_WAIT)
+        bound = EXIT_WAIT
     busy = [id(migrator) for migrator in active_migrators() if migrator.pending()]
     return min([bound, *(_EXIT_WAITS[key] for key in busy if key in _EXIT_WAITS)])
 

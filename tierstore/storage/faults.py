@@ -34,6 +34,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from tierstore import settings
 from tierstore.errors import ConfigError, FaultInjected
 
 __all__ = [
@@ -53,9 +54,9 @@ __all__ = [
 ENV = "TIERSTORE_FAULTS"
 TRACE_ENV = "TIERSTORE_FAULT_TRACE"
 ACTIONS = ("raise", "kill", "killgroup", "exit", "enospc", "sleep", "block")
-SLEEP_ENV = "TIERSTORE_FAULT_SLEEP"
-BLOCK_DIR_ENV = "TIERSTORE_FAULT_BLOCK_DIR"
-BLOCK_TIMEOUT_ENV = "TIERSTORE_FAULT_BLOCK_TIMEOUT"
+SLEEP_ENV = settings.FAULT_SLEEP.variable
+BLOCK_DIR_ENV = settings.FAULT_BLOCK_DIR.variable
+BLOCK_TIMEOUT_ENV = settings.FAULT_BLOCK_TIMEOUT.variable
 RELEASE_ALL = "release-all"
 _BLOCK_POLL = 0.005
 
@@ -132,17 +133,17 @@ def _fire(name: str) -> None:
     elif action == "enospc":
         raise OSError(errno.ENOSPC, f"No space left on device (injected at {name})")
     elif action == "sleep":
-        time.sleep(float(os.environ.get(SLEEP_ENV, "2")))
+        time.sleep(settings.seconds(settings.FAULT_SLEEP))
     elif action == "block":
         _block(name)
 
 
 def _block(name: str) -> None:
     """Wait, outside the lock (other threads pass their points meanwhile), for a release."""
-    directory = os.environ.get(BLOCK_DIR_ENV)
+    directory = settings.read(settings.FAULT_BLOCK_DIR)
     if not directory:
         raise ConfigError(f"fault point {name} armed to block, but {BLOCK_DIR_ENV} is not set")
-    timeout = float(os.environ.get(BLOCK_TIMEOUT_ENV, "60"))
+    timeout = settings.seconds(settings.FAULT_BLOCK_TIMEOUT)
     releases = (os.path.join(directory, f"{name}.release"), os.path.join(directory, RELEASE_ALL))
     reached = os.path.join(directory, f"{name}.{os.getpid()}.reached")
     with open(reached + ".tmp", "w"):

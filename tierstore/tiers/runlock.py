@@ -44,7 +44,7 @@ import uuid
 import weakref
 from dataclasses import asdict, dataclass
 
-from tierstore import _dist
+from tierstore import _dist, settings
 from tierstore.errors import ConfigError, ObjectNotFound, TierstoreError
 from tierstore.format import layout
 from tierstore.storage.backend import ObjectInfo
@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 DEFAULT_TTL = 120.0  # a killed job is forgotten this long after its last heartbeat
 MAX_TTL = 24 * 3600.0  # a lock claiming more (hostile or mistaken) is held to this
 _LOCK_LIMIT = 1 << 16
-_TTL_ENV = "TIERSTORE_RUN_LOCK_TTL"
+_TTL_ENV = settings.RUN_LOCK_TTL.variable
 _PID_MAX = (1 << 31) - 1  # pid_t; Linux's pid_max is at most 1 << 22
 
 
@@ -269,7 +269,7 @@ def _forget(tier: Tier, keys: list[str]) -> None:
 
 def _ttl(value: float | None) -> float:
     """``value``, else ``TIERSTORE_RUN_LOCK_TTL``, else the default, checked."""
-    given: str | float = value if value is not None else os.environ.get(_TTL_ENV, "").strip() or DEFAULT_TTL
+    given: str | float = value if value is not None else settings.read(settings.RUN_LOCK_TTL) or DEFAULT_TTL
     try:
         seconds = float(given)
     except ValueError:
