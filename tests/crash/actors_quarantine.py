@@ -310,6 +310,7 @@ class QuarantineActors:
         )
         if done == "done":
             live, recorded = self._q_live(role, name, attempt), self._q_has_record(role, name, attempt)
+            self._q_restored_by_a_person(role, name, attempt, live)
             # Restored, or quarantined again by a resume meanwhile: never neither, unless a
             # prune beside it took the checkpoint by policy once it was restored (the soak
             # found the restore of a planted record done before the prune it ran beside).
@@ -318,6 +319,14 @@ class QuarantineActors:
                 live != recorded or (pruned and not live and not recorded),
                 f"restore of {name}: published {live}, recorded {recorded}",
             )
+
+    def _q_restored_by_a_person(self, role: str, name: str, attempt: str, live: bool) -> None:
+        """A person's ``--restore`` that published the attempt in the cold tier brings it back
+        on purpose, even one the cold prune took by policy meanwhile (its data kept because
+        it was quarantined: only a person may delete it). The soak found the model calling
+        that a delivered checkpoint committed again: that invariant is about the migrator."""
+        if role == "cold" and live:
+            getattr(self, "_delivered_gone", set()).discard((name, attempt))
 
     def _q_rerun_restore(self, role: str, name: str, attempt: str) -> None:
         """A restore killed anywhere, even between its publish and its record delete, is
@@ -335,6 +344,7 @@ class QuarantineActors:
             self._q_promise(False, f"re-run restore of {name} did not finish it: {err!r}")
             return
         self._q_promise(self._q_live(role, name, attempt), f"re-run restore left {name} unpublished")
+        self._q_restored_by_a_person(role, name, attempt, True)
         self._q_promise(not self._q_has_record(role, name, attempt), f"re-run restore left {name}'s record")
 
     def check_q_delete(self, step: QStep, outcome: Any, *, faulted: bool) -> None:
