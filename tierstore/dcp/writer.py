@@ -27,8 +27,9 @@ Data files are raw-encoded by default (:mod:`tierstore.format.encoding`: each te
 as they are, block checksums in the metadata); ``WriterOptions(encoding="dcp")`` writes what
 ``FileSystemWriter`` writes (one ``torch.save`` per item), which plain DCP readers load.
 
-Why one module of about 470 lines: it is one ``StorageWriter``, DCP's call order above with
-the checks each step makes; the dcp-encoded file layout is :mod:`tierstore.dcp.dcp_files`.
+One ``StorageWriter``: DCP's call order above with the checks each step makes. How a rank's
+items are spread over shard files and each file is written is :mod:`tierstore.dcp.shards`;
+the dcp-encoded file layout :mod:`tierstore.dcp.dcp_files`.
 """
 
 from __future__ import annotations
@@ -37,26 +38,21 @@ import dataclasses
 import logging
 import os
 import pickle
-import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from torch.distributed.checkpoint._extension import StreamTransformExtension
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from tierstore import _dist, settings
 from tierstore._redact import redact_url
 from tierstore._version import producer
-from tierstore.dcp import dcp_args, dcp_files, structure
+from tierstore.dcp import dcp_args, dcp_files, shards, structure
 from tierstore.errors import CheckpointExists, ConfigError, NoSpaceLeft
-from tierstore.format import encoding as raw
 from tierstore.format import layout
 from tierstore.format import manifest_format as fmt
 from tierstore.format.manifest import FileEntry, Manifest
@@ -109,25 +105,6 @@ def store_to_save(
         raise ConfigError(f"{owner} needs a hot tier: saves are written there first")
     store.check_schemes()
     return store
-
-
-@dataclass(frozen=True)
-class _AttemptPlan:
-    """Coordinator -> each rank, in ``SavePlan.storage_data``."""
-
-    name: str
-    step: int | None
-    attempt: str
-    rank: int
-    ranks_per_dir: int = 0  # shards under r<k>/ (layout.data_file_name); 0: all in one directory
-
-
-@dataclass(frozen=True)
-class _ItemResult:
-    """Each rank -> coordinator, in ``WriteResult.storage_data``; unwrapped in ``finish``."""
-
-    info: _StorageInfo | raw.RawItem
-    file: FileEntry | None  # set on the first item of each file
 
 
 class TieredWriter(StorageWriter):
@@ -217,7 +194,7 @@ class TieredWriter(StorageWriter):
         self.manifest: Manifest | None = None  # set on the coordinator once committed
         self._rank = 0
         self._is_coordinator = False
-        self._plan: _AttemptPlan | None = None
+        self._plan: shards.AttemptPlan | None = None
         self._bad_id: ConfigError | None = None  # raised inside DCP's collectives, not reset()
 
     @property
@@ -261,7 +238,7 @@ class TieredWriter(StorageWriter):
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         if self.node_local:
-            self._check_space(_plan_bytes(plan), "this rank's shards")
+            self._check_space(shards.plan_bytes(plan), "this rank's shards")
         return plan
 
     def _check_space(self, needed: int, what: str) -> None:
@@ -278,7 +255,7 @@ class TieredWriter(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         name = self.checkpoint_name
         if not self.node_local:
-            self._check_space(sum(_plan_bytes(p) for p in plans), "this checkpoint")
+            self._check_space(sum(shards.plan_bytes(p) for p in plans), "this checkpoint")
         per_dir = self._check_manifest_limits(name, plans)
         # Hot only: a request to the cold tier here would make every save wait on it.
         if self.hot.backend.exists(layout.manifest_key(name)):
@@ -294,7 +271,9 @@ class TieredWriter(StorageWriter):
         # needs this tierstore to read anyway; dcp-encoded attempts keep the layout 0.2 reads.
         attempt = layout.new_attempt(grouped=self.encoding == "raw")
         return [
-            dataclasses.replace(plan, storage_data=_AttemptPlan(name, self.step, attempt, rank, per_dir))
+            dataclasses.replace(
+                plan, storage_data=shards.AttemptPlan(name, self.step, attempt, rank, per_dir)
+            )
             for rank, plan in enumerate(plans)
         ]
 
@@ -319,10 +298,10 @@ class TieredWriter(StorageWriter):
         return min(items, self.thread_count) if self.single_file_per_rank else items
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        attempt: _AttemptPlan = plan.storage_data
+        attempt: shards.AttemptPlan = plan.storage_data
         self._plan = attempt
         buckets = (
-            _split_by_size(self.thread_count, plan.items)
+            shards.split_by_size(self.thread_count, plan.items)
             if self.single_file_per_rank
             else [[item] for item in plan.items]
         )
@@ -332,7 +311,7 @@ class TieredWriter(StorageWriter):
         ]
 
         def write(job: tuple[str, list[WriteItem]]) -> list[WriteResult]:
-            return _write_file(
+            return shards.write_file(
                 self.hot, attempt, job[0], job[1], planner.resolve_data, self.encoding, self.extensions
             )
 
@@ -364,7 +343,7 @@ class TieredWriter(StorageWriter):
         storage_data = {}
         for rank_results in results:
             for result in rank_results:
-                item: _ItemResult = result.storage_data
+                item: shards.ItemResult = result.storage_data
                 storage_data[result.index] = item.info
                 if item.file is not None:
                     files[item.file.path] = item.file
@@ -395,7 +374,7 @@ class TieredWriter(StorageWriter):
         if migrator is not None:
             migrator.submit_commit(manifest, self._rank, fresh=True)
 
-    def _write_metadata(self, attempt: _AttemptPlan, metadata: Metadata) -> FileEntry:
+    def _write_metadata(self, attempt: shards.AttemptPlan, metadata: Metadata) -> FileEntry:
         key = self.hot.file_key(attempt.name, attempt.attempt, layout.METADATA_FILE)
         with self.hot.backend.open_write(key) as out:
             pickle.dump(metadata, out, protocol=pickle.HIGHEST_PROTOCOL)
@@ -442,74 +421,3 @@ def _fingerprint(metadata: Metadata) -> str | None:
     except Exception:
         log.warning("not recording the state's structure fingerprint in the manifest", exc_info=True)
         return None
-
-
-def _write_file(
-    tier: Tier,
-    attempt: _AttemptPlan,
-    relpath: str,
-    items: Sequence[WriteItem],
-    resolve: Callable[[WriteItem], Any],
-    encoding: str,
-    extensions: Sequence[StreamTransformExtension] = (),
-) -> list[WriteResult]:
-    """Write one shard file in ``encoding``; return its results."""
-    key = tier.file_key(attempt.name, attempt.attempt, relpath)
-    # Byte items first, then tensors, as DCP's own writer does.
-    ordered = sorted(items, key=lambda it: it.type != WriteItemType.BYTE_IO)
-    placed: list[tuple[WriteItem, _StorageInfo | raw.RawItem]]
-    with tier.backend.open_write(key, defer_dir_sync=True) as out:
-        if encoding == "raw":
-            # The caller waits for a save on the main thread: the checksums run ahead on a
-            # second one there. Anywhere else (dcp.async_save's thread, one of several files'
-            # writers) the save is off training's path already, and one thread costs less CPU.
-            infos = raw.write_items(
-                out,
-                ordered,
-                resolve,
-                relpath,
-                names=[item.index.fqn for item in ordered],
-                ahead=threading.current_thread() is threading.main_thread(),
-            )
-            placed = list(zip(ordered, infos))
-        else:
-            placed = dcp_files.write_items(out, ordered, resolve, relpath, extensions)
-    entry = FileEntry(relpath, out.size, out.crc32c, attempt.rank)
-    faults.point("writer.after_file_write")
-    return [
-        WriteResult(
-            index=item.index,
-            size_in_bytes=info.length,
-            storage_data=_ItemResult(info, entry if i == 0 else None),
-        )
-        for i, (item, info) in enumerate(placed)
-    ]
-
-
-def _item_size(item: WriteItem) -> int:
-    assert item.tensor_data is not None
-    return item.tensor_data.size.numel() * item.tensor_data.properties.dtype.itemsize
-
-
-def _plan_bytes(plan: SavePlan) -> int:
-    # Up to ALIGN bytes of padding before each item of a raw file.
-    return sum((0 if i.type == WriteItemType.BYTE_IO else _item_size(i)) + raw.ALIGN for i in plan.items)
-
-
-def _split_by_size(bins: int, items: Sequence[WriteItem]) -> list[list[WriteItem]]:
-    """Spread items over ``bins`` files by size, as ``FileSystemWriter`` does."""
-    if bins == 1:
-        return [list(items)]
-    buckets: list[list[WriteItem]] = [[] for _ in range(bins)]
-    sizes = [0] * bins
-    byte_items = [it for it in items if it.type == WriteItemType.BYTE_IO]
-    tensor_items = sorted(
-        (it for it in items if it.type != WriteItemType.BYTE_IO), key=_item_size, reverse=True
-    )
-    for i, item in enumerate(byte_items):
-        buckets[i % bins].append(item)
-    for item in tensor_items:
-        smallest = sizes.index(min(sizes))
-        buckets[smallest].append(item)
-        sizes[smallest] += _item_size(item)
-    return buckets
