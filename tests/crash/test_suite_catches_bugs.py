@@ -272,9 +272,9 @@ def test_the_lifecycle_scenario_catches_a_resume_that_does_not_quarantine(monkey
     import test_lifecycle_e2e
     from cold_tiers import Cold
 
-    from tierstore.manager import CheckpointManager
+    from tierstore.manager.loading import Loader
 
-    monkeypatch.setattr(CheckpointManager, "_quarantine", lambda self, damaged, *, loaded: None)
+    monkeypatch.setattr(Loader, "_quarantine", lambda self, damaged, *, loaded: None)
     cold = Cold("local", str(tmp_path / "cold"), {}, {})
     with pytest.raises(Exception) as caught:
         test_lifecycle_e2e.test_a_damaged_newest_checkpoint_is_quarantined_and_saved_again(cold, tmp_path)

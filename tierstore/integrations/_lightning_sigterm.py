@@ -102,9 +102,10 @@ class SigtermTakeover:
     def heard(self, manager: CheckpointManager) -> bool:
         """Whether a preemption notice came to any rank (a collective: every rank calls it at
         the same batch); the manager acting on one already counts."""
-        # The manager's combine (tierstore.manager.preemption, 2) on its own gloo group,
+        # The manager's notice handler (tierstore.manager.notice) combines it across ranks
+        # (tierstore.manager.preemption, 2) on its own gloo group,
         # never the save group an async save may be using from its thread.
-        return manager.preempted or manager._preemption_seen() is not None
+        return manager.preempted or manager._notice.seen() is not None
 
     def stop(self, trainer: Trainer) -> None:
         """Have Lightning raise ``SIGTERMException`` at its next check, on every rank alike

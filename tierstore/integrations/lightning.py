@@ -50,13 +50,11 @@ default 30 s). ``fit(ckpt_path="last")`` in the requeued job resumes from it.
 
 from __future__ import annotations
 
-import inspect
 import io
 import logging
 import math
 import os
 import re
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
@@ -74,8 +72,15 @@ from torch.distributed.checkpoint.state_dict import (
 from tierstore import _dist
 from tierstore.dcp.writer import store_to_save
 from tierstore.errors import CheckpointNotFound, ConfigError, MigrationFailed, TierstoreError
+from tierstore.integrations._lightning_args import (
+    _check_manager_options,
+    _check_strategy,
+    _retention,
+    _warn_unused,
+    policy_for,
+)
 from tierstore.integrations._lightning_sigterm import SigtermTakeover
-from tierstore.lifecycle.retention import Policy, Retention, keep_all, keep_best, keep_last
+from tierstore.lifecycle.retention import Retention
 from tierstore.manager import CheckpointManager
 from tierstore.manager.preemption import preemption_options
 from tierstore.manager.removed import REPLACED
@@ -91,71 +96,6 @@ _OLD_STEP_PREFIX = "tierstore:step="  # step_path's older form, still resumed fr
 _STEP_IN_NAME = re.compile(r"(?:^|[^A-Za-z0-9_])step=(\d+)")
 _REST = "lightning"  # Lightning's checkpoint dict less model and optimizers, one blob
 _OPTIMIZERS = "tierstore_optimizers"  # in that dict: how many optimizer states are in DCP
-
-
-def _check_manager_options(options: Mapping[str, Any]) -> None:
-    """Refuse, when the callback is built, a ``manager_options`` key that
-    :class:`~tierstore.CheckpointManager` does not take: the manager itself is built in
-    ``setup()``, once the trainer runs, and a typo must not wait for that."""
-    taken = set(inspect.signature(CheckpointManager).parameters) - {"hot", "cold", "retention", "removed"}
-    unknown = sorted(set(options) - taken)
-    if not unknown:
-        return
-    if unknown[0] in REPLACED:
-        raise TypeError(
-            f"TierstoreCheckpoint(manager_options=) got {unknown[0]!r}, which CheckpointManager "
-            f"no longer takes: pass {REPLACED[unknown[0]]} (a Store goes as the callback's hot)"
-        )
-    raise TypeError(
-        f"TierstoreCheckpoint(manager_options=) got {unknown[0]!r}, which CheckpointManager "
-        f"does not take (it takes {', '.join(sorted(taken))}); retention is the callback's "
-        "own argument"
-    )
-
-
-def _retention(given: Retention | None, policy: Policy) -> Retention:
-    """``given``, or both tiers keeping ``policy``."""
-    if given is not None and not isinstance(given, Retention):
-        raise ConfigError(f"TierstoreCheckpoint(retention=) takes a Retention, got {type(given).__name__}")
-    return given or Retention(hot=policy, cold=policy)
-
-
-def policy_for(monitor: str | None, save_top_k: int, mode: str, save_last: object) -> Policy:
-    """The retention policy that keeps what ``ModelCheckpoint`` with these arguments keeps."""
-    if save_top_k == -1:
-        return keep_all()
-    if monitor is not None:
-        best: Policy = keep_best(monitor, save_top_k, "max" if mode == "max" else "min")
-    else:
-        best = keep_last(save_top_k)
-    return best | keep_last(1) if save_last else best
-
-
-# ModelCheckpoint's arguments that only shape the name of a .ckpt file, which a tierstore
-# checkpoint does not have: given a value other than the default, each is named in a warning
-# when the callback is built (every other argument is honoured: docs/integrations.md).
-_UNUSED = {
-    "dirpath": (None, "checkpoints go to the store's tiers (hot=, cold=)"),
-    "filename": (
-        None,
-        "a checkpoint is named by its step (best_model_path is TierstoreCheckpoint.step_path(N))",
-    ),
-    "auto_insert_metric_name": (
-        True,
-        "there is no file name to insert it in; `tierstore ls` shows the metric",
-    ),
-    "enable_version_counter": (True, "a step is saved once: committed checkpoints are never overwritten"),
-}
-
-
-def _warn_unused(options: Mapping[str, Any]) -> None:
-    for argument, (default, why) in _UNUSED.items():
-        if argument in options and options[argument] != default:
-            warnings.warn(
-                f"TierstoreCheckpoint ignores ModelCheckpoint's {argument}={options[argument]!r}: {why}",
-                UserWarning,
-                stacklevel=3,
-            )
 
 
 _NOT_A_FILE = (
@@ -517,21 +457,3 @@ class TierstoreCheckpoint(ModelCheckpoint):
         self.manager.load(state, step=self._restored_step)
         for i, optimizer in enumerate(optimizers):
             set_optimizer_state_dict(model, optimizer, optim_state_dict=state[f"optimizer_{i}"])
-
-
-def _check_strategy(strategy: Strategy) -> None:
-    """Refuse strategies whose checkpoint dict is not one shard per rank."""
-    name = type(strategy).__name__
-    if name == "DeepSpeedStrategy":
-        raise ConfigError(
-            "TierstoreCheckpoint does not support DeepSpeedStrategy (it writes "
-            "its own checkpoint format); use ModelParallelStrategy or DDP"
-        )
-    if getattr(strategy, "_state_dict_type", "sharded") != "sharded" or not getattr(
-        strategy, "_save_distributed_checkpoint", True
-    ):
-        raise ConfigError(
-            f"TierstoreCheckpoint needs {name} to save sharded state from every "
-            "rank: pass state_dict_type='sharded' (FSDPStrategy) or "
-            "save_distributed_checkpoint=True (ModelParallelStrategy)"
-        )
