@@ -20,6 +20,7 @@ import torch.distributed.checkpoint as dcp
 from stats import STATS
 
 import tierstore.storage.local as local_module
+import tierstore.storage.local_writer as local_writer_module
 from tierstore import TieredWriter, list_checkpoints
 from tierstore.format import layout
 
@@ -105,7 +106,7 @@ class ShadowFS:
     def _site(self) -> str:
         frame = sys._getframe(2)
         name = frame.f_code.co_name
-        if name == "_fsync_dir":
+        if name == "fsync_dir":
             caller = frame.f_back.f_code.co_name if frame.f_back else ""
             return {
                 "_commit": "data-dir",
@@ -222,12 +223,14 @@ class ShadowFS:
 @contextmanager
 def recording(root: str, drop: frozenset[str] = frozenset()) -> Iterator[ShadowFS]:
     shadow = ShadowFS(root, drop)
-    real_os = local_module.os
-    local_module.os = shadow  # type: ignore[assignment]
+    modules = (local_module, local_writer_module)  # every module of the local backend's syscalls
+    for module in modules:
+        module.os = shadow  # type: ignore[assignment]
     try:
         yield shadow
     finally:
-        local_module.os = real_os
+        for module in modules:
+            module.os = os  # type: ignore[assignment]
 
 
 def violations_after_power_loss(tmp_path: Path, drop: frozenset[str] = frozenset()) -> list[str]:
