@@ -26,10 +26,6 @@ def documented() -> dict[str, str]:
     return {variable: default.strip().strip("`") for variable, default in rows}
 
 
-def test_the_docs_table_lists_every_setting_with_its_default() -> None:
-    assert documented() == {s.variable: s.default for s in settings.SETTINGS}
-
-
 def test_the_defaults_documented_are_the_ones_the_code_uses() -> None:
     assert int(settings.MANIFEST_PART_RANKS.default) == manifest_format.PART_RANKS
     assert int(settings.MAX_FILES_PER_DIR.default) == writer.MAX_FILES_PER_DIR
@@ -62,3 +58,26 @@ def test_the_run_lock_ttl_and_the_exit_wait_come_through_settings(monkeypatch: p
     assert runlock._ttl(3) == 3.0  # an argument wins
     monkeypatch.setenv("TIERSTORE_EXIT_WAIT", "3")
     assert workers.exit_wait() == 3.0
+
+
+def test_no_module_but_settings_reads_a_tierstore_variable() -> None:
+    """The library's own variables are read in tierstore/settings.py alone (the arming hook
+    of tierstore.testing reads the fault specs, for tests only)."""
+    package = ROOT / "tierstore"
+    readers = []
+    for path in package.rglob("*.py"):
+        if path == package / "settings.py" or package / "testing" in path.parents:
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"environ|getenv", line) and re.search(r"TIERSTORE|_ENV\b", line):
+                readers.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert readers == []
+
+
+def test_the_fault_specs_are_documented_as_read_by_the_test_hook_alone() -> None:
+    from tierstore.testing import faults
+
+    table = documented()
+    for variable in (faults.FAULTS_ENV, faults.TRACE_ENV):
+        assert table.pop(variable) == "(none)"
+    assert table == {s.variable: s.default for s in settings.SETTINGS}

@@ -16,6 +16,7 @@ from helpers import file_path, flip, load, matches, saved
 
 from tierstore import list_checkpoints
 from tierstore.format import layout
+from tierstore.testing.faults import armed_env
 
 BIG = (1024, 1024)  # 4 MiB
 
@@ -80,11 +81,7 @@ def test_ctrl_c_mid_cp_then_the_rerun_finishes(tmp_path: Path) -> None:
     hot, dest, gates = str(tmp_path / "hot"), str(tmp_path / "dest"), tmp_path / "gates"
     gates.mkdir()
     manifest = saved(hot, 1, shape=BIG)
-    env = {
-        **os.environ,
-        "TIERSTORE_FAULTS": "transfer.after_chunk=block",
-        "TIERSTORE_FAULT_BLOCK_DIR": str(gates),
-    }
+    env = {**os.environ, **armed_env("transfer.after_chunk=block", block_dir=gates)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "tierstore", "cp", "--hot", hot, "--step", "1", "--to", dest],
         stdout=subprocess.PIPE,

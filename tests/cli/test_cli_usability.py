@@ -27,6 +27,7 @@ from tierstore import Store, list_checkpoints
 from tierstore.cli import COMMANDS
 from tierstore.cli.parser import build_parser
 from tierstore.format import layout
+from tierstore.testing.faults import armed_env
 
 BIG = (1024, 1024)  # 4 MiB a checkpoint: seconds to copy at --bandwidth 1
 DOCS = Path(__file__).parents[2] / "docs" / "operations.md"
@@ -233,11 +234,7 @@ def test_ctrl_c_mid_restore_then_the_rerun_finishes(tmp_path: Path) -> None:
     gates.mkdir()
     save(source, 1, shape=BIG)
     assert cli("migrate", "--hot", source, "--cold", cold).returncode == 0
-    env = {
-        **os.environ,
-        "TIERSTORE_FAULTS": "transfer.after_chunk=block",
-        "TIERSTORE_FAULT_BLOCK_DIR": str(gates),
-    }
+    env = {**os.environ, **armed_env("transfer.after_chunk=block", block_dir=gates)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "tierstore", "restore", "--hot", hot, "--cold", cold],
         stdout=subprocess.PIPE,

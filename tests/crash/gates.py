@@ -1,7 +1,7 @@
 """Gates: force an interleaving of real processes and threads at named fault points.
 
 A gate is a directory. An operation armed with ``faults.arm(point, "block")`` (in a forked
-child, or through ``TIERSTORE_FAULTS`` in a subprocess) and given ``gate.env`` stops at
+child, or by ``tierstore.testing.faults.armed_env`` in a subprocess) and given ``gate.env`` stops at
 ``point`` and waits there; the test sees it arrive (:meth:`Gate.wait_reached`), runs other
 operations to their end, then lets it go (:meth:`Gate.release`). One gate per actor lets a
 test release actors one at a time even when they block at the same point::

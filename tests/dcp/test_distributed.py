@@ -12,6 +12,7 @@ from launch import run_job
 
 from tierstore import list_checkpoints
 from tierstore.format import layout
+from tierstore.testing.faults import armed_env
 
 pytestmark = pytest.mark.dist
 
@@ -73,7 +74,7 @@ def test_sigkill_mid_save_keeps_previous_checkpoint(
     out = tmp_path / "out"
     out.mkdir()
     spec = {"op": "train_save", "hot": store, "out": str(out), "saves": [{"step": 4, "mode": "sync"}]}
-    job = run_job(spec, 2, rank_env={victim: {"TIERSTORE_FAULTS": f"{point}=kill"}})
+    job = run_job(spec, 2, rank_env={victim: armed_env(f"{point}=kill")})
     assert not job.ok
     assert job.ranks[victim].returncode == -9, job.describe()
     # The dead attempt left files behind, but it is not a checkpoint.

@@ -18,6 +18,7 @@ from tierstore.lifecycle.prune import prune, prune_tier
 from tierstore.lifecycle.retention import keep_last, keep_steps
 from tierstore.migration.migrator import MigrationConfig
 from tierstore.migration.status import migrate_pending, wait_for_migrations
+from tierstore.testing.faults import armed_env
 from tierstore.tiers import leases
 from tierstore.tiers.tier import Tier
 
@@ -121,7 +122,7 @@ def test_sigkill_during_prune(tmp_path: Path, point: str) -> None:
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "TIERSTORE_FAULTS": f"{point}=kill"},
+        env={**os.environ, **armed_env(f"{point}=kill")},
     )
     assert proc.returncode == -9, proc.stderr[-2000:]
     listed = [c.step for c in list_checkpoints(hot)]

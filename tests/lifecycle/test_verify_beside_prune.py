@@ -31,6 +31,7 @@ from tierstore.migration.status import migrate_pending
 from tierstore.retry import RetryPolicy
 from tierstore.storage import faults
 from tierstore.storage.checksum import crc32c_update
+from tierstore.testing.faults import armed_env
 from tierstore.tiers.tier import Store, Tier
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -175,7 +176,7 @@ def test_the_cli_beside_a_prune_exits_0_and_says_what_was_pruned(tmp_path: Path)
     store = three_migrated(hot, Cold("local", cold, {}, {}))
     gate = tmp_path / "gate"
     gate.mkdir()
-    env = {**os.environ, faults.ENV: f"{POINT}=block", faults.BLOCK_DIR_ENV: str(gate)}
+    env = {**os.environ, **armed_env(f"{POINT}=block", block_dir=gate)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "tierstore", "verify", "--hot", hot, "--cold", cold],
         stdout=subprocess.PIPE,

@@ -165,9 +165,10 @@ def test_a_save_whose_staging_process_the_signal_killed_is_abandoned_and_that_st
         state = {"w": torch.randn(1 << 20)}
         block = sys.argv[1] + "/block"
         os.makedirs(block)
-        # Armed in the helper process alone (it reads these at import; this process did not):
+        # Armed in the helper process alone (armed as it starts; this process started unarmed):
         # its flush of step 2 holds at its file write until the signal has killed it.
-        os.environ.update(TIERSTORE_FAULTS="writer.after_file_write=block", TIERSTORE_FAULT_BLOCK_DIR=block)
+        from tierstore.testing.faults import armed_env
+        os.environ.update(armed_env("writer.after_file_write=block", block_dir=block))
         for step in range(1, 50):
             if manager.save(step, state) and manager.preempted:
                 print("stopped", step, manager.preemption.cold, flush=True)

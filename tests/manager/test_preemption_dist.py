@@ -21,7 +21,7 @@ from cold_tiers import Cold
 from launch import JOB, free_port, kill_group, start_rank, torchrun_env, wait_ranks
 
 from tierstore import Store, list_checkpoints
-from tierstore.storage import faults
+from tierstore.testing.faults import armed_env
 
 pytestmark = pytest.mark.slow
 
@@ -164,7 +164,7 @@ def test_a_sigterm_while_an_async_save_is_in_flight(tmp_path: Path) -> None:
     # flight; that save completes, then the step the signal found is saved.
     cold = Cold("local", str(tmp_path / "cold"), {}, {})
     sleeps = ";".join(f"writer.after_file_write@{hit}=sleep" for hit in range(1, 9))
-    env = {faults.ENV: sleeps, faults.SLEEP_ENV: "1.5"}
+    env = armed_env(sleeps, sleep=1.5)
     at_step = random.Random().choice([3, 5, 7])
     result = check_preempted_and_resumed(tmp_path, cold, (0,), save_every=2, at_step=at_step, env=env)
     steps = [c.step for c in list_checkpoints(str(tmp_path / "hot"))]

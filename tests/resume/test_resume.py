@@ -15,6 +15,7 @@ import pytest
 from launch import run_job
 
 from tierstore import list_checkpoints
+from tierstore.testing.faults import armed_env
 
 pytestmark = pytest.mark.dist
 
@@ -84,7 +85,7 @@ def test_sigkill_mid_save_then_resume_reproduces_every_loss(
     kill_and_resume(
         tmp_path,
         [{"tag": "full", "hot": str(hot), "exclude": []}],
-        rank_env={1: {"TIERSTORE_FAULTS": "writer.after_file_write@2=kill"}},
+        rank_env={1: armed_env("writer.after_file_write@2=kill")},
     )
     before = losses(tmp_path / "losses-train.jsonl")
     assert before and all(reference[s] == v for s, v in before.items())

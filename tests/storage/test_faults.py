@@ -9,6 +9,7 @@ import pytest
 
 from tierstore.errors import ConfigError, FaultInjected
 from tierstore.storage import faults
+from tierstore.testing.faults import armed_env
 
 
 def test_fault_points_raise_on_the_chosen_hit() -> None:
@@ -31,7 +32,7 @@ def test_fault_spec_parsing() -> None:
 def test_fault_kill_from_environment_and_trace(tmp_path) -> None:
     trace = tmp_path / "trace"
     code = "from tierstore.storage import faults\nfaults.point('a')\nfaults.point('b')\nprint('survived')"
-    env = {"TIERSTORE_FAULTS": "b=kill", "TIERSTORE_FAULT_TRACE": str(trace), "PATH": ""}
+    env = {**armed_env("b=kill", trace=trace), "PATH": ""}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert proc.returncode == -9 and "survived" not in proc.stdout
     assert [line.split()[1] for line in trace.read_text().splitlines()] == ["a", "b"]

@@ -34,6 +34,7 @@ from tierstore.migration.migrator import MigrationConfig, MigrationState
 from tierstore.migration.status import migrate_pending
 from tierstore.retry import RetryPolicy
 from tierstore.storage import faults
+from tierstore.testing.faults import armed_env
 
 FAST = MigrationConfig(
     chunk_size=4096,
@@ -157,7 +158,7 @@ def test_sigkill_mid_copy_then_the_rerun_sends_only_what_is_missing(tmp_path: Pa
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "TIERSTORE_FAULTS": "migrator.after_file_upload@2=kill"},
+        env={**os.environ, **armed_env("migrator.after_file_upload@2=kill")},
     )
     assert killed.returncode == -9, killed.stderr
     assert list_checkpoints(dest) == []  # never half-visible
@@ -167,7 +168,7 @@ def test_sigkill_mid_copy_then_the_rerun_sends_only_what_is_missing(tmp_path: Pa
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "TIERSTORE_FAULT_TRACE": str(trace)},
+        env={**os.environ, **armed_env(trace=trace)},
     )
     assert rerun.returncode == 0, rerun.stderr
     body = json.loads(rerun.stdout)

@@ -23,6 +23,7 @@ from tierstore.format.manifest import FileEntry, Manifest
 from tierstore.migration.migrator import MigrationConfig, MigrationState, Migrator
 from tierstore.migration.status import migrate_pending, migration_status, wait_for_migrations
 from tierstore.retry import RetryPolicy
+from tierstore.testing.faults import armed_env
 from tierstore.tiers.tier import Tier
 
 FAST = MigrationConfig(
@@ -191,7 +192,7 @@ def test_sigkill_mid_migration_then_cli_completes(tiers, point: str) -> None:
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "TIERSTORE_FAULTS": f"{point}=kill"},
+        env={**os.environ, **armed_env(f"{point}=kill")},
     )
     assert proc.returncode == -9, proc.stderr[-2000:]
     assert [c.step for c in list_checkpoints(hot)] == [1]
@@ -227,7 +228,7 @@ def test_rerun_skips_what_is_already_uploaded_and_verified(tiers, flaky_cold) ->
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "TIERSTORE_FAULTS": "migrator.before_cold_publish=kill"},
+        env={**os.environ, **armed_env("migrator.before_cold_publish=kill")},
     )
     assert proc.returncode == -9
     flaky.CALLS[root].clear()

@@ -25,6 +25,7 @@ from tierstore.format.manifest import Manifest
 from tierstore.migration.migrator import MigrationConfig, MigrationState
 from tierstore.migration.restore import restore_checkpoint
 from tierstore.migration.status import migrate_pending
+from tierstore.testing.faults import armed_env
 from tierstore.tiers.tier import Store, Tier
 
 BIG = (512, 1024)  # 2 MiB of data a checkpoint
@@ -95,11 +96,7 @@ def test_ctrl_c_mid_migrate_summary_matches_status(tmp_path: Path, slow_cold: Co
         save(hot, step, shape=BIG)
     tiers = ["--hot", hot, "--cold", slow_cold.url]
     tiers += [f"--cold-option={k}={v}" for k, v in slow_cold.options.items() if k != "retry"]
-    env = {
-        **os.environ,
-        "TIERSTORE_FAULTS": "migrator.before_mark_publish@2=block",
-        "TIERSTORE_FAULT_BLOCK_DIR": str(gates),
-    }
+    env = {**os.environ, **armed_env("migrator.before_mark_publish@2=block", block_dir=gates)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "tierstore", "migrate", *tiers],
         stdout=subprocess.PIPE,

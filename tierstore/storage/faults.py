@@ -1,19 +1,17 @@
 """Named fault points that crash tests arm; free when nothing is armed.
 
 Code marks the moments a crash could matter with ``faults.point("writer.after_file_write")``.
-Tests arm points to raise :class:`~tierstore.errors.FaultInjected`, to ``SIGKILL`` the
-process (or its whole process group), to exit, to raise ``OSError(ENOSPC)`` (a full disk), to sleep
-(``TIERSTORE_FAULT_SLEEP`` seconds, default 2: widens a race window) or to block until a test
-releases it, either in code (:func:`arm`) or, for subprocesses, through the ``TIERSTORE_FAULTS``
-environment variable read at import::
-
-    TIERSTORE_FAULTS="writer.after_file_write@2=kill"   # 2nd time this point is passed
-    TIERSTORE_FAULTS="*@7=kill"                         # 7th point passed, whatever its name
+A test arms points to raise :class:`~tierstore.errors.FaultInjected`, to ``SIGKILL`` the
+process (or its whole process group), to exit, to raise ``OSError(ENOSPC)`` (a full disk), to
+sleep (``TIERSTORE_FAULT_SLEEP`` seconds, default 2: widens a race window) or to block until the
+test releases it. Only a test arms them, through :mod:`tierstore.testing.faults`: in code
+(:func:`arm`), or in a child process it starts with that module's ``armed_env``. This module
+reads no variable that arms anything; a production process never fires a point.
 
 A spec is ``pattern[@hit]=action`` (pattern in :mod:`fnmatch` syntax, ``hit`` counted per
-spec from 1, default 1), several separated by ``;``. With ``TIERSTORE_FAULT_TRACE=PATH``
-every point passed is appended to ``PATH`` (one name per line, with the pid), which is how
-the crash suite learns the points an operation passes and picks one by index.
+spec from 1, default 1), several separated by ``;``. With :func:`trace` every point passed is
+appended to a file (one name per line, with the pid), which is how the crash suite learns the
+points an operation passes and picks one by index.
 
 ``block`` forces an interleaving across threads and processes (forked or spawned): the point
 creates ``<dir>/<point>.<pid>.reached`` in the directory named by ``TIERSTORE_FAULT_BLOCK_DIR``,
@@ -21,7 +19,8 @@ then waits until ``<dir>/<point>.release`` or ``<dir>/release-all`` exists (poll
 milliseconds). A test starts operation A blocked at a point, runs operation B to its end,
 releases A and checks the outcome (``tests/crash/gates.py``). A point never released raises
 :class:`~tierstore.errors.FaultInjected` after ``TIERSTORE_FAULT_BLOCK_TIMEOUT`` seconds
-(default 60), so a broken test fails instead of hanging.
+(default 60), so a broken test fails instead of hanging. Those two, and the sleep, are
+settings (:mod:`tierstore.settings`) consulted only when an armed point fires.
 """
 
 from __future__ import annotations
@@ -43,16 +42,13 @@ __all__ = [
     "disarm",
     "armed",
     "parse_spec",
-    "ENV",
-    "TRACE_ENV",
+    "trace",
     "ACTIONS",
     "BLOCK_DIR_ENV",
     "BLOCK_TIMEOUT_ENV",
     "RELEASE_ALL",
 ]
 
-ENV = "TIERSTORE_FAULTS"
-TRACE_ENV = "TIERSTORE_FAULT_TRACE"
 ACTIONS = ("raise", "kill", "killgroup", "exit", "enospc", "sleep", "block")
 SLEEP_ENV = settings.FAULT_SLEEP.variable
 BLOCK_DIR_ENV = settings.FAULT_BLOCK_DIR.variable
@@ -91,6 +87,12 @@ def parse_spec(text: str) -> list[_Spec]:
 def arm(pattern: str, action: str = "raise", *, hit: int = 1) -> None:
     """Arm ``pattern`` to fire ``action`` on its ``hit``-th pass."""
     _specs.extend(parse_spec(f"{pattern}@{hit}={action}"))
+
+
+def trace(path: str | os.PathLike[str] | None) -> None:
+    """Append every point passed from now on to ``path`` (``None``: stop tracing)."""
+    global _trace_path
+    _trace_path = None if path is None else os.fspath(path)
 
 
 def disarm() -> None:
@@ -154,13 +156,3 @@ def _block(name: str) -> None:
         if time.monotonic() > deadline:
             raise FaultInjected(f"fault point {name} blocked for {timeout:.0f}s and was never released")
         time.sleep(_BLOCK_POLL)
-
-
-def _arm_from_env() -> None:
-    global _trace_path
-    if os.environ.get(ENV):
-        _specs.extend(parse_spec(os.environ[ENV]))
-    _trace_path = os.environ.get(TRACE_ENV) or None
-
-
-_arm_from_env()

@@ -31,6 +31,9 @@ by subclassing :class:`ColdTierContract` and providing its tier behind a fault p
             cold = MyProxiedCold(str(tmp_path / "hot"), ...)
             yield cold
             cold.close()
+
+Fault points are armed only from here, by tests: :mod:`tierstore.testing.faults` (``arm`` in
+this process, ``armed_env`` for a process the test starts).
 """
 
 from __future__ import annotations
