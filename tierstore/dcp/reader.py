@@ -21,9 +21,10 @@ completes on bad bytes it read (docs/design.md invariant 5), and damage is repor
 file's size or CRC32C mismatch, the message scrub and transfer give for the same damage (a
 raw copy found damaged is read whole once, for that message).
 
-Why one module of about 600 lines: it is one ``StorageReader``. DCP's protocol methods,
-picking and leasing a checkpoint and the fallback from tier to tier share the state of one
-load; what does not lives beside it: reading dcp-encoded items (:mod:`tierstore.dcp.dcp_files`),
+Why one module of about 570 lines: it is one ``StorageReader``. DCP's protocol methods and
+picking and leasing a checkpoint share the state of one load; what does not lives beside it:
+reading one file from the nearest tier whose copy verifies, and what counts as damage
+(:mod:`tierstore.dcp.fallback`), reading dcp-encoded items (:mod:`tierstore.dcp.dcp_files`),
 the listing checks of a candidate (:mod:`tierstore.dcp.listing`), ranged raw reads
 (:mod:`tierstore.dcp.raw_read`).
 """
@@ -49,9 +50,9 @@ from torch.futures import Future
 
 from tierstore import _dist
 from tierstore._redact import redact_url
-from tierstore.dcp import dcp_args, raw_read
+from tierstore.dcp import dcp_args, fallback, raw_read
 from tierstore.dcp.dcp_files import ItemStream, deliver
-from tierstore.dcp.failures import causes
+from tierstore.dcp.fallback import is_damage
 from tierstore.dcp.listing import check_data_files
 from tierstore.errors import (
     CheckpointNotFound,
@@ -59,12 +60,7 @@ from tierstore.errors import (
     ConfigError,
     IntegrityError,
     InvalidManifest,
-    ObjectNotFound,
-    ObjectTooLarge,
-    StorageError,
     TierstoreError,
-    TransientStorageError,
-    UnsafePath,
 )
 from tierstore.format import layout
 from tierstore.format.encoding import RawItem
@@ -73,7 +69,6 @@ from tierstore.format.safe_pickle import load_metadata
 from tierstore.format.verified import open_verified, verify_file
 from tierstore.options import ReaderOptions
 from tierstore.storage import faults
-from tierstore.storage.missing import proven_missing
 from tierstore.tiers import leases
 from tierstore.tiers.catalog import resolve
 from tierstore.tiers.tier import Store, Tier, TierURL
@@ -84,20 +79,6 @@ if TYPE_CHECKING:
 __all__ = ["TieredReader", "is_damage"]
 
 log = logging.getLogger(__name__)
-
-# Errors that mean "this checkpoint's bytes are bad or gone", never "try again later".
-_DAMAGE = (IntegrityError, ObjectNotFound, ObjectTooLarge, UnsafePath)
-
-
-def is_damage(err: BaseException) -> bool:
-    """Whether ``err`` (or, for DCP's ``CheckpointException``, every rank's error in it) says
-    the checkpoint's stored data is damaged or missing, rather than anything about the
-    caller, the state dict or a passing storage failure.
-    """
-    found = causes(err)
-    if found == [err]:
-        return isinstance(err, _DAMAGE)
-    return bool(found) and all(is_damage(c) for c in found)
 
 
 class TieredReader(StorageReader):
@@ -580,106 +561,15 @@ class TieredReader(StorageReader):
             self.bytes_read[label] = self.bytes_read.get(label, 0) + n
 
     def _from_nearest(self, entry: FileEntry, consume: Callable[[Tier, str], None]) -> None:
-        """Read ``entry`` from the nearest tier whose copy verifies (``consume`` reads one
-        tier's copy), falling back tier by tier.
-
-        Damage is proven before it is reported (issue 34): a resume falls back past a
-        checkpoint it calls damaged and quarantines it, so one failed read must not decide.
-        When every tier failed, each is read once more, and a file counts as missing only
-        when the second request answers 404 too and the tier's listing does not show it.
-        Damage in some tiers and another failure in others is not damage: that failure is
-        raised, and nothing steps back past the checkpoint.
-        """
+        """Read ``entry`` from the nearest tier whose copy verifies, falling back tier by tier
+        (:func:`tierstore.dcp.fallback.read_nearest`); record which tier served it."""
         assert self.manifest is not None
-        failed = self._each_holder(entry, consume, proving=False)
-        if failed is None:
-            return
-        if all(is_damage(err) for err in failed):
-            log.warning(
-                "file %s of checkpoint %s failed in every tier holding it; reading it once "
-                "more before calling it damaged: %s",
-                entry.path,
-                self.manifest.name,
-                failed[-1],
-            )
-            failed = self._each_holder(entry, consume, proving=True)
-            if failed is None:
-                log.warning(
-                    "file %s of checkpoint %s read verified on a second try: not damaged",
-                    entry.path,
-                    self.manifest.name,
-                )
-                return
-            if all(is_damage(err) for err in failed):
-                # The farthest tier's error, as a read reports it, naming the tiers whose copy
-                # failed twice (a quarantine need not read them a third time).
-                last = failed[-1]
-                proven = type(last)(last.message, **{**last.context, "proven_in": self._labels()})
-                raise proven from last
-        raise next(err for err in failed if not is_damage(err))
 
-    def _labels(self) -> tuple[str, ...]:
-        return tuple(tier.label for tier in self._holders)
-
-    def _each_holder(
-        self, entry: FileEntry, consume: Callable[[Tier, str], None], *, proving: bool
-    ) -> list[TierstoreError] | None:
-        """One pass of :meth:`_from_nearest`: ``None`` once a tier served ``entry``, else
-        every tier's error, nearest first."""
-        assert self.manifest is not None
-        errors: list[TierstoreError] = []
-        for i, tier in enumerate(self._holders):
-            try:
-                self._read_from(tier, entry, consume, proving=proving)
-            except (IntegrityError, StorageError) as err:
-                errors.append(err)
-                if i + 1 == len(self._holders):
-                    return errors
-                expected = not (self.node_local and i == 0 and isinstance(err, ObjectNotFound))
-                log.log(
-                    logging.WARNING if expected else logging.DEBUG,
-                    "falling back to the next tier for file %s of checkpoint %s: %s",
-                    entry.path,
-                    self.manifest.name,
-                    err,
-                )
-                continue
+        def served(i: int, tier: Tier) -> None:
             with self._lock:
                 if self._served.get(entry.path, -1) < i:
                     self._served[entry.path], self.sources[entry.path] = i, tier.role
-            if errors:
-                log.info("read %s of checkpoint %s from %s", entry.path, self.manifest.name, tier.label)
-            return None
-        return errors
 
-    def _read_from(
-        self, tier: Tier, entry: FileEntry, consume: Callable[[Tier, str], None], *, proving: bool
-    ) -> None:
-        """Read ``entry`` from ``tier``; on a second try (``proving``), a 404 stands only if
-        the object is proven missing (:func:`~tierstore.storage.missing.proven_missing`)."""
-        assert self.manifest is not None
-        name = self.manifest.name
-        key = tier.file_key(name, self.manifest.attempt, entry.path)
-        try:
-            # The stored size first: a truncated file fails fast, and no length claimed by
-            # a forged manifest or metadata can make a read allocate more than is stored.
-            stored = tier.backend.stat(key).size
-            if stored != entry.size:
-                raise ChecksumMismatch.size(
-                    entry.size, stored, checkpoint=name, file=entry.path, tier=tier.label
-                )
-            consume(tier, key)
-        except ObjectNotFound as err:  # say whose file: the key alone may be hashed
-            context = {"tier": tier.label, **err.context, "checkpoint": name, "file": entry.path}
-            if proving and not proven_missing(tier.backend, key):
-                raise TransientStorageError(
-                    "the tier answered 404 for this file twice but still holds it (an eventually "
-                    "consistent store, or a proxy sending requests astray?): not damage; the load "
-                    "stops here rather than step back past the checkpoint, try it again",
-                    **context,
-                ) from err
-            if proving:
-                raise ObjectNotFound(
-                    f"{err.message} (missing: a second request and the tier's listing agree)", **context
-                ) from err
-            raise ObjectNotFound(err.message, **context) from err
+        fallback.read_nearest(
+            self.manifest, self._holders, entry, consume, node_local=self.node_local, served=served
+        )
