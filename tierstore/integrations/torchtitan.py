@@ -70,8 +70,10 @@ from tierstore.errors import CheckpointNotFound, ConfigError
 from tierstore.lifecycle.prune import check_cold_copies, prune
 from tierstore.lifecycle.retention import keep_last
 from tierstore.lifecycle.rounds import BackgroundRounds
-from tierstore.manager.preemption import PreemptionReport, PreemptionWatch, push_to_cold
-from tierstore.migration.delivery import await_delivery, describe, resume_pending, undelivered
+from tierstore.manager.ending import Delivery
+from tierstore.manager.notice import NoticeHandler
+from tierstore.manager.preemption import PreemptionReport
+from tierstore.migration.delivery import await_delivery, resume_pending
 from tierstore.migration.migrator import Migrator
 from tierstore.migration.workers import migrator_for
 from tierstore.options import Preemption
@@ -127,11 +129,11 @@ class TieredCheckpointManager(CheckpointManager):  # type: ignore[misc]
         self._closed = False
         self._built: Store | None = None
         self._force_save = False
-        self._preempted = False
-        self.preemption: PreemptionReport | None = None
+        self._notice = NoticeHandler(None)  # the manager's part, watching once torchtitan's is built
         options = Preemption(grace_seconds=config.preemption_grace_seconds) if config.preemption else None
         super().__init__(config, **kwargs)
-        self._watch = PreemptionWatch(options) if self.enable and options is not None else None
+        if self.enable and options is not None:
+            self._notice = NoticeHandler(options)
         if self.enable:
             self._store().check_schemes()  # a missing backend plugin fails here, not at step N
             if self._cold is not None and _dist.rank_world()[0] == 0:
@@ -192,29 +194,31 @@ class TieredCheckpointManager(CheckpointManager):  # type: ignore[misc]
         return result
 
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
-        since = self._watch.seen() if self._watch is not None and not self._preempted else None
-        if since is None:  # every step: combined across ranks (tierstore.manager.preemption)
+        since = self._notice.seen()  # every step: combined across ranks (tierstore.manager.preemption)
+        if since is None:
             return bool(super()._save(curr_step, last_step))
-        watch = self._watch
-        assert watch is not None and watch.deadline is not None
-        signalled = time.monotonic() - since
-        log.warning("preemption notice (%s): saving step %d now", watch.signal or "another rank's", curr_step)
-        self._preempted, self._force_save = True, True
-        watch.acting = True  # the watchdog waits for the save and the push
-        try:  # a full checkpoint, to resume from: never the last step's model-only one
-            saved = bool(super()._save(curr_step, last_step=False))
-            self.maybe_wait_for_saving()  # committed in the hot tier
-            hot_seconds = time.monotonic() - signalled
+        saved = False
+
+        def write() -> None:  # a full checkpoint, to resume from: never the last step's model-only one
+            nonlocal saved
+            self._force_save = True
+            try:
+                saved = bool(super(TieredCheckpointManager, self)._save(curr_step, last_step=False))
+                self.maybe_wait_for_saving()  # committed in the hot tier
+            finally:
+                self._force_save = False
+
+        def migrators() -> list[Migrator]:
             migrator = self._migrator()
-            cold, ended = push_to_cold([migrator] if migrator else [], curr_step, watch.until())
-        finally:
-            self._force_save, watch.acting = False, False
-        self.preemption = PreemptionReport(
-            curr_step, f"step-{curr_step}", watch.signal, watch.options.grace_seconds, hot_seconds, cold,
-            None if ended is None else ended - signalled, watch.deadline - time.monotonic(),
-        )  # fmt: skip
-        log.warning("%s", self.preemption.summary())
+            return [migrator] if migrator is not None else []
+
+        self._notice.save(curr_step, since, write, migrators, name=f"step-{curr_step}")
         return saved
+
+    @property
+    def preemption(self) -> PreemptionReport | None:
+        """What the save on a preemption notice managed, once one ran."""
+        return self._notice.report
 
     @property
     def preempted(self) -> bool:
@@ -223,9 +227,7 @@ class TieredCheckpointManager(CheckpointManager):  # type: ignore[misc]
         Reading it once it is ``True`` hands the end of the run to the trainer; a trainer
         that never reads it is ended at the grace deadline, as the signal would have ended
         it (tierstore.manager.preemption)."""
-        if self._preempted and self._watch is not None:
-            self._watch.take_over()
-        return self._preempted
+        return self._notice.preempted
 
     def _should_save(self, curr_step: int, last_step: bool = False) -> bool:
         return self._force_save or bool(super()._should_save(curr_step, last_step))
@@ -272,10 +274,10 @@ class TieredCheckpointManager(CheckpointManager):  # type: ignore[misc]
             return
         self._closed = True
         deadline = time.monotonic() + self._close_timeout
-        if self._watch is not None:
-            if self._watch.deadline is not None:  # after a preemption notice: its grace period
-                deadline = min(deadline, self._watch.until())
-            self._watch.release()
+        watch = self._notice.watch
+        if watch is not None and watch.deadline is not None:  # after a preemption notice: its grace period
+            deadline = min(deadline, watch.until())
+        self._notice.release()
         if self.save_future is not None:
             self.maybe_wait_for_saving()  # the last async save is committed in hot
         super()._close()
@@ -287,7 +289,8 @@ class TieredCheckpointManager(CheckpointManager):  # type: ignore[misc]
         if migrator is None or store.hot is None or store.cold is None:
             return
         await_delivery([migrator], deadline)
-        left = undelivered([migrator], store.cold, timeout=max(5.0, deadline - time.monotonic()))
-        migrator.stop(set(left))
+        delivery = Delivery(store, lambda: [migrator], catalog=True)  # the manager's part
+        left = delivery.undelivered(deadline, in_grace=False)  # looked up for at least 5 s
+        delivery.stop(set(left))
         if left:
-            log.error("%s", describe(left, store.hot, store.cold))
+            log.error("%s", delivery.failed(left))

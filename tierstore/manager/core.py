@@ -1,16 +1,8 @@
-"""``CheckpointManager``: the training loop's one object, made of parts (docs/design.md,
-"Module map"): it holds its collaborators, each a class of its own module with its own state,
-and says in which order they act; it shares no attribute between them.
-
-- :class:`~tierstore.manager.group.Group`: the process group of its collectives;
-- :class:`~tierstore.manager.runs.RunGuard`: which checkpoints are its run's;
-- :class:`~tierstore.manager.saving.SavePipeline`: the saves, one at a time;
-- :class:`~tierstore.manager.maintenance.Maintenance`: pruning and pending migrations, in the
-  background;
-- :class:`~tierstore.manager.loading.Loader`: loads, falling back past damage;
-- :class:`~tierstore.manager.notice.NoticeHandler`: a preemption notice;
-- :class:`~tierstore.manager.ending.Delivery`: the run's checkpoints delivered at its end.
-"""
+"""``CheckpointManager``, made of parts (docs/design.md, "Module map"): it holds its
+collaborators, each a class of its own module with its own state (:class:`Group`,
+:class:`RunGuard`, :class:`SavePipeline`, :class:`Maintenance`, :class:`Loader`,
+:class:`NoticeHandler`, :class:`Delivery`), says in which order they act, and shares no
+attribute between them."""
 
 from __future__ import annotations
 
@@ -126,9 +118,11 @@ class CheckpointManager:
         self._guard = RunGuard(self.run)
         self._writer(0, {})  # what only a TieredWriter checks (the environment's settings) fails here
         self._group = Group(options.process_group)
+        hot_tier = self.store.hot
+        assert hot_tier is not None  # store_to_save refused a store without one
         try:  # a read-only or foreign hot directory, or another run's (strict): refused, every rank
-            writable.check_writable(self._hot, self._group.group, every_rank=self.node_local)
-            self._guard.check_start(self._hot, self._group.group, self._group.distributed)
+            writable.check_writable(hot_tier, self._group.group, every_rank=self.node_local)
+            self._guard.check_start(hot_tier, self._group.group, self._group.distributed)
         except (TierstoreError, OSError):
             self._group.release()
             raise
@@ -144,16 +138,11 @@ class CheckpointManager:
             self.store, self._maintenance.migrators, catalog=self._group.rank == 0 or not self.node_local
         )
         # Another live job saving into this hot directory is warned about now, once.
-        self._run_lock = runlock.acquire(self._hot) if self._group.rank == 0 else None
+        self._run_lock = runlock.acquire(hot_tier) if self._group.rank == 0 else None
         self._maintenance.start()  # a killed run's pending migrations: finished in the background
         self._notice = NoticeHandler(notice)  # last: nothing after it can fail and leave handlers
 
     # -- what it is ----------------------------------------------------------------------------
-
-    @property
-    def _hot(self) -> Any:
-        assert self.store.hot is not None  # store_to_save refused a store without one
-        return self.store.hot
 
     @property
     def group(self) -> Any:
@@ -250,13 +239,28 @@ class CheckpointManager:
             return False
         metrics = check_metrics(metrics, source="metrics", error=ConfigError) if metrics else {}
         if since is not None:
-
-            def write() -> None:
-                self._pipeline.save_sync(step, state, self._writer(step, metrics))
-
-            return self._notice.save(step, since, self._pipeline, write, self._maintenance.migrators)
+            return self._save_on_notice(step, state, metrics, since)
         writer = self._writer(step, metrics)  # a step no manifest can record raises here
         self._pipeline.save(step, state, writer)
+        return True
+
+    def _save_on_notice(
+        self, step: int, state: dict[str, Any], metrics: Mapping[str, float], since: float
+    ) -> bool:
+        """The save on a preemption notice (:mod:`tierstore.manager.notice`): synchronous, after
+        the save in flight (whose failure is logged, not raised: this one matters now)."""
+        pipeline = self._pipeline
+
+        def write() -> None:
+            try:
+                pipeline.finish_previous()
+                pipeline.raise_failure()
+            except SaveFailed as err:  # that save is lost either way
+                log.error("the save before the preemption notice failed (%s); saving step %d", err, step)
+            if step != pipeline.last_saved_step:  # else saved already: push that one
+                pipeline.save_sync(step, state, self._writer(step, metrics))
+
+        pipeline.stalls[step] = self._notice.save(step, since, write, self._maintenance.migrators)
         return True
 
     def wait_staged(self) -> None:

@@ -12,7 +12,6 @@ from collections.abc import Callable, Iterator, Sequence
 from tierstore.errors import SaveFailed
 from tierstore.format import layout
 from tierstore.manager.preemption import PreemptionReport, PreemptionWatch, push_to_cold
-from tierstore.manager.saving import SavePipeline
 from tierstore.manager.signals import end_process
 from tierstore.migration.migrator import Migrator
 from tierstore.options import Preemption
@@ -108,24 +107,27 @@ class NoticeHandler:
         self,
         step: int,
         since: float,
-        pipeline: SavePipeline,
         write: Callable[[], None],
         migrators: Callable[[], Sequence[Migrator]],
-    ) -> bool:
-        """Save ``step`` now (``write()``: a synchronous save through ``pipeline``), to the hot
-        tier and then, within the grace period, to the cold tier through ``migrators()``;
-        record and log what it managed (:mod:`tierstore.manager.preemption`, 3)."""
+        *,
+        name: str | None = None,
+    ) -> float:
+        """Save ``step`` now, ``since`` seconds after the signal: ``write()`` commits it in the
+        hot tier; then, within the grace period, ``migrators()`` push it to the cold tier.
+        Records and logs what it managed as :attr:`report` (checkpoint ``name``, by default
+        the step's; :mod:`tierstore.manager.preemption`, 3) and returns the seconds from
+        this call to the hot commit. The manager and the torchtitan drop-in both save so."""
         with self.acting():
-            return self._save(step, since, pipeline, write, migrators)
+            return self._save(step, since, write, migrators, name or layout.default_name(step))
 
     def _save(
         self,
         step: int,
         since: float,
-        pipeline: SavePipeline,
         write: Callable[[], None],
         migrators: Callable[[], Sequence[Migrator]],
-    ) -> bool:
+        name: str,
+    ) -> float:
         watch = self.watch
         assert watch is not None and watch.deadline is not None
         grace = watch.options.grace_seconds
@@ -136,15 +138,9 @@ class NoticeHandler:
             step,
             grace,
         )
-        try:
-            pipeline.finish_previous()
-            pipeline.raise_failure()
-        except SaveFailed as err:  # that save is lost either way; this one is what matters now
-            log.error("the save before the preemption notice failed (%s); saving step %d", err, step)
         self.acted = True
         try:
-            if step != pipeline.last_saved_step:  # else saved already: push that one
-                write()
+            write()
         except SaveFailed as err:
             self.report = PreemptionReport(
                 step, None, watch.signal, grace, time.monotonic() - signalled, "none", None,
@@ -153,14 +149,13 @@ class NoticeHandler:
             log.error("%s", self.report.summary())
             raise
         hot_seconds = time.monotonic() - signalled
-        pipeline.stalls[step] = hot_seconds - since
         cold, ended = push_to_cold(migrators(), step, watch.until())
         self.report = PreemptionReport(
-            step, layout.default_name(step), watch.signal, grace, hot_seconds, cold,
+            step, name, watch.signal, grace, hot_seconds, cold,
             None if ended is None else ended - signalled, watch.deadline - time.monotonic(),
         )  # fmt: skip
         log.warning("%s", self.report.summary())
-        return True
+        return hot_seconds - since
 
     def release(self) -> None:
         """Stop watching: the handlers that were there before are back."""
