@@ -53,50 +53,13 @@ class Loader:
         found = list_checkpoints(self.catalog)
         return [c.step for c in found if c.step is not None and ours(c, self.guard.run)]
 
-    def load_latest(self, state: dict[str, Any], *, planner: Any = None) -> int | None:
-        """Load the newest checkpoint that loads verified into ``state``; its step, or ``None``
-        if the store holds no checkpoint.
-
-        The coordinator picks the checkpoint and tells every rank, so all ranks load the same
-        one even if a save commits meanwhile. A checkpoint found damaged while loading is
-        skipped with a warning and the next older one is loaded: its manifest invalid, or its
-        ``.metadata`` or a data file missing, truncated or corrupt (a byte flipped inside a
-        shard included), in every tier holding it. DCP hands every rank each rank's read
-        errors, so all ranks agree to move on, and the coordinator picks the next name. The
-        failed attempt may have copied some items into ``state``; the retry overwrites them.
-        Any other failure raises at once (a tier that cannot be reached; a state dict that
-        does not match the checkpoint, as a :class:`~tierstore.errors.ConfigError` naming the
-        checkpoint, its step, run and world size); so does the newest checkpoint's error if
-        none loads.
-
-        With a run name (``CheckpointManager(run=)``), only checkpoints whose manifest names
-        that run are candidates: another run's, and those of no named run, are passed over
-        (named once in a warning; ``Run(strict=True)``: a ``ConfigError``).
-
-        ``planner`` is DCP's load planner; by default DCP's own, or, when the checkpoint was
-        saved by another world size, :class:`~tierstore.resume.state.ResumePlanner` (see
-        :meth:`load`).
-        """
-        return self.load(state, planner=planner)
-
     def load(
         self, state: dict[str, Any], *, name: str | None = None, step: int | None = None, planner: Any = None
     ) -> int | None:
-        """Like :meth:`load_latest`, for a chosen checkpoint (``name``/``step``) or DCP planner.
-
-        With ``name``, exactly that checkpoint: if it is damaged the error raises. Without,
-        the newest checkpoint (of ``step``, if given) that loads verified, skipping damaged
-        ones as :meth:`load_latest` does. A ``name`` or ``step`` loads another run's
-        checkpoint too (with a warning naming both runs); ``step`` prefers this run's own.
-
-        Under a world size other than the checkpoint's, without a ``planner``, the load goes
-        through :class:`~tierstore.resume.state.ResumePlanner`: per-rank keys the checkpoint
-        lacks (a ``TrainingState``'s RNG entries of new ranks) are left as they are, while
-        every other key stays required; sharded tensors are resharded as DCP does. A key
-        still missing then raises :class:`~tierstore.errors.ConfigError` naming the key and
-        both world sizes, and how to load it, instead of DCP's bare missing-key error. A
-        ``planner`` given is used as it is, at any world size.
-        """
+        """Load into ``state`` the checkpoint ``name``, else the newest (of ``step``, if
+        given) that loads verified, falling back past damaged ones; its step, or ``None`` if
+        there is none (:meth:`CheckpointManager.load_latest` and
+        :meth:`CheckpointManager.load` say the rules). On every rank alike."""
         group, distributed = self._group.group, self._group.distributed
         coordinator = not distributed or dist.get_rank(group) == 0
         candidates = [name] if name is not None else []  # newest first; known to the coordinator
