@@ -67,6 +67,7 @@ ELSEWHERE = {
     "optimal_interval": "tierstore.resume.cadence",
     "register_backend": "tierstore.storage.registry",
     "Health": "tierstore.manager",
+    "ManagerOptions": "tierstore.options",
     "Manifest": "tierstore.format.manifest",
     "MigrationStatus": "tierstore.migration.migrator",
 }

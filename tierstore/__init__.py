@@ -76,6 +76,7 @@ _ELSEWHERE = {
     "tierstore.resume.report": ("ResumeReport",),
     "tierstore.storage.registry": ("register_backend",),
     "tierstore.manager": ("Health",),
+    "tierstore.options": ("ManagerOptions",),
     "tierstore.format.manifest": ("Manifest", "FileEntry"),
 }
 _WHERE = {name: module for module, names in _ELSEWHERE.items() for name in names}
