@@ -22,7 +22,7 @@ The protocol, on every rank:
    saves synchronously so the hot commit is known when it returns, then waits for that
    checkpoint's migration (older pending ones are not waited for) up to the grace deadline
    less :data:`EXIT_MARGIN`, and no background prune starts (the next run prunes); it records what
-   it managed in :attr:`Preempting.preemption` (a :class:`PreemptionReport`, also logged at
+   it managed in :attr:`CheckpointManager.preemption` (a :class:`PreemptionReport`, also logged at
    WARNING). ``save()`` returns ``True`` and ``preempted`` is ``True`` on every rank, so
    ``if manager.save(step, state) and manager.preempted: break`` stops every rank at one step.
 4. **``close()`` keeps to the same deadline** and skips the final prune (the next run prunes);
@@ -132,7 +132,8 @@ class PreemptionReport:
 
 class PreemptionWatch:
     """The watch and the combine across ranks (module docstring, 1 and 2), for whatever saves
-    on a notice: :class:`Preempting` and ``tierstore.integrations.torchtitan``.
+    on a notice: :class:`~tierstore.manager.notice.NoticeHandler`, the part of the manager
+    and of ``tierstore.integrations.torchtitan`` that acts on one.
 
     **The watchdog** (module docstring, 5): a daemon thread, woken by the handler's first
     request, that takes the signal's default action half the exit margin after :meth:`until`
