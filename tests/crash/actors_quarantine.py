@@ -324,8 +324,11 @@ class QuarantineActors:
         """A person's ``--restore`` that published the attempt in the cold tier brings it back
         on purpose, even one the cold prune took by policy meanwhile (its data kept because
         it was quarantined: only a person may delete it). The soak found the model calling
-        that a delivered checkpoint committed again: that invariant is about the migrator."""
-        if role == "cold" and live:
+        that a delivered checkpoint committed again: that invariant is about the migrator.
+        A restore acts in every tier holding a record of the attempt, whichever record the
+        person picked (``role``), so the cold tier is asked."""
+        del role, live
+        if self._q_live("cold", name, attempt):
             getattr(self, "_delivered_gone", set()).discard((name, attempt))
 
     def _q_rerun_restore(self, role: str, name: str, attempt: str) -> None:
