@@ -21,9 +21,10 @@ completes on bad bytes it read (docs/design.md invariant 5), and damage is repor
 file's size or CRC32C mismatch, the message scrub and transfer give for the same damage (a
 raw copy found damaged is read whole once, for that message).
 
-Why one module of about 570 lines: it is one ``StorageReader``. DCP's protocol methods and
-picking and leasing a checkpoint share the state of one load; what does not lives beside it:
-reading one file from the nearest tier whose copy verifies, and what counts as damage
+This module is the ``StorageReader``: DCP's protocol methods, and picking and leasing a
+checkpoint, which share the state of one load. What does not lives beside it: the reads of
+the chosen checkpoint's files (:mod:`tierstore.dcp.file_reads`), reading one file from the
+nearest tier whose copy verifies, and what counts as damage
 (:mod:`tierstore.dcp.fallback`), reading dcp-encoded items (:mod:`tierstore.dcp.dcp_files`),
 the listing checks of a candidate (:mod:`tierstore.dcp.listing`), ranged raw reads
 (:mod:`tierstore.dcp.raw_read`).
@@ -37,9 +38,8 @@ import os
 import pickle
 import threading
 import uuid
-from collections.abc import Callable, Collection, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, BinaryIO
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Any
 
 from torch.distributed.checkpoint._extension import ExtensionRegistry
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _StorageReaderTransforms
@@ -50,13 +50,12 @@ from torch.futures import Future
 
 from tierstore import _dist
 from tierstore._redact import redact_url
-from tierstore.dcp import dcp_args, fallback, raw_read
-from tierstore.dcp.dcp_files import ItemStream, deliver
+from tierstore.dcp import dcp_args, raw_read
 from tierstore.dcp.fallback import is_damage
+from tierstore.dcp.file_reads import FileReads
 from tierstore.dcp.listing import check_data_files
 from tierstore.errors import (
     CheckpointNotFound,
-    ChecksumMismatch,
     ConfigError,
     IntegrityError,
     InvalidManifest,
@@ -64,9 +63,8 @@ from tierstore.errors import (
 )
 from tierstore.format import layout
 from tierstore.format.encoding import RawItem
-from tierstore.format.manifest import FileEntry, Manifest
+from tierstore.format.manifest import Manifest
 from tierstore.format.safe_pickle import load_metadata
-from tierstore.format.verified import open_verified, verify_file
 from tierstore.options import ReaderOptions
 from tierstore.storage import faults
 from tierstore.tiers import leases
@@ -347,7 +345,7 @@ class TieredReader(StorageReader):
         self.manifest, self._holders = manifest, holders
         entry = manifest.file(manifest.metadata_file)
         assert entry is not None  # validated with the manifest
-        data = self._read_small(entry)
+        data = self._reads().read_small(entry)
         try:
             metadata = load_metadata(data)
         except pickle.UnpicklingError as err:
@@ -403,9 +401,9 @@ class TieredReader(StorageReader):
                         )
                     continue
                 faults.point("reader.before_file")
-                self._read_file(path, items, planner)
+                self._reads().read_file(path, items, planner)
             if raw:
-                self._read_raw(raw, raw_read.Planner(planner))
+                self._reads().read_raw(raw, raw_read.Planner(planner))
         finally:
             self._finish_reads()
         future: Future[None] = Future()
@@ -449,127 +447,17 @@ class TieredReader(StorageReader):
                 ) from err
         return info
 
-    def _entry(self, path: str) -> FileEntry:
+    def _reads(self) -> FileReads:
         assert self.manifest is not None
-        entry = self.manifest.file(path)
-        if entry is None:
-            raise InvalidManifest(
-                "DCP metadata references a file the manifest does not list",
-                checkpoint=self.manifest.name,
-                file=path,
-            )
-        return entry
-
-    def _read_small(self, entry: FileEntry) -> bytes:
-        """Read a whole file (``.metadata``) from the nearest tier with a verified copy."""
-        chunks: list[bytes] = []
-
-        def collect(stream: ItemStream) -> None:
-            data = stream.read_exactly(entry.size)
-            stream.finish()  # verified before anyone unpickles it
-            chunks[:] = [data]
-
-        self._streamed(entry, collect)
-        return chunks[0]
-
-    def _read_file(self, path: str, items: Sequence[ReadItem], planner: LoadPlanner) -> None:
-        entry = self._entry(path)
-        spans: dict[MetadataIndex, list[ReadItem]] = {}
-        for item in items:
-            spans.setdefault(item.storage_index, []).append(item)
-        ordered = sorted(spans.items(), key=lambda kv: self._storage_data[kv[0]].offset)
-
-        def deliver_all(stream: ItemStream) -> None:
-            failure: Exception | None = None
-            for index, reqs in ordered:
-                info = self._storage_data[index]
-                stream.skip_to(info.offset)
-                payload = stream.read_exactly(info.length)
-                if failure is None:
-                    try:
-                        for req in reqs:
-                            deliver(
-                                req, payload, planner, stream, self._transforms, info.transform_descriptors
-                            )
-                    except Exception as err:  # corrupt bytes may break torch.load first
-                        failure = err
-            stream.finish()  # raises ChecksumMismatch before any deserialization error
-            if failure is not None:
-                raise failure
-
-        self._streamed(entry, deliver_all)
-
-    def _streamed(self, entry: FileEntry, consume: Callable[[ItemStream], None]) -> None:
-        """Stream ``entry`` from the nearest tier whose copy verifies whole."""
-        assert self.manifest is not None
-        name = self.manifest.name
-
-        def consume_tier(tier: Tier, key: str) -> None:
-            with open_verified(tier.backend, key, entry, checkpoint=name, tier=tier.label) as verified:
-                try:
-                    consume(ItemStream(verified))
-                finally:
-                    self._count(tier, verified.pos)
-
-        self._from_nearest(entry, consume_tier)
-
-    # -- raw-encoded files ---------------------------------------------------------------
-
-    def _read_raw(self, files: Mapping[str, Sequence[ReadItem]], planner: raw_read.Planner) -> None:
-        """Read raw-encoded files, ``thread_count`` units at a time (see raw_read)."""
-        units = raw_read.plan(files, self._storage_data, self._entry, self.thread_count)
-
-        def run(unit: raw_read.Unit) -> None:
-            faults.point("reader.before_file")
-            self._read_unit(unit, planner)
-
-        if self.thread_count > 1 and len(units) > 1:
-            with ThreadPoolExecutor(self.thread_count, thread_name_prefix="tierstore-read") as pool:
-                list(pool.map(run, units))
-        else:
-            for unit in units:
-                run(unit)
-
-    def _read_unit(self, unit: raw_read.Unit, planner: raw_read.Planner) -> None:
-        assert self.manifest is not None
-        name = self.manifest.name
-
-        def consume(tier: Tier, key: str) -> None:
-            label = tier.label  # once per file, not per read: it redacts the URL each time
-
-            def opener(offset: int, length: int) -> BinaryIO:
-                return tier.backend.open_range(key, offset, length)
-
-            def count(n: int) -> None:
-                self._count_as(label, n)
-
-            try:
-                raw_read.read_unit(opener, unit, planner, checkpoint=name, tier=label, count=count)
-            except ChecksumMismatch:
-                # Damage only: report it as the file's mismatch, the message scrub and
-                # transfer give; a file that verifies whole has metadata that does not match it.
-                verify_file(tier.backend, key, unit.entry, checkpoint=name, tier=label, progress=count)
-                raise
-
-        self._from_nearest(unit.entry, consume)
-
-    def _count(self, tier: Tier, n: int) -> None:
-        self._count_as(tier.label, n)
-
-    def _count_as(self, label: str, n: int) -> None:
-        with self._lock:
-            self.bytes_read[label] = self.bytes_read.get(label, 0) + n
-
-    def _from_nearest(self, entry: FileEntry, consume: Callable[[Tier, str], None]) -> None:
-        """Read ``entry`` from the nearest tier whose copy verifies, falling back tier by tier
-        (:func:`tierstore.dcp.fallback.read_nearest`); record which tier served it."""
-        assert self.manifest is not None
-
-        def served(i: int, tier: Tier) -> None:
-            with self._lock:
-                if self._served.get(entry.path, -1) < i:
-                    self._served[entry.path], self.sources[entry.path] = i, tier.role
-
-        fallback.read_nearest(
-            self.manifest, self._holders, entry, consume, node_local=self.node_local, served=served
+        return FileReads(
+            self.manifest,
+            self._holders,
+            self._storage_data,
+            self._transforms,
+            node_local=self.node_local,
+            thread_count=self.thread_count,
+            lock=self._lock,
+            bytes_read=self.bytes_read,
+            sources=self.sources,
+            served=self._served,
         )
