@@ -268,7 +268,7 @@ class TieredWriter(StorageWriter):
                 tier=self.hot.label,
             )
         # Grouped key prefixes on object stores (layout.file_key) for the raw encoding, which
-        # needs this tierstore to read anyway; dcp-encoded attempts keep the layout 0.2 reads.
+        # needs this tierstore to read anyway; dcp-encoded attempts hash each file's whole path.
         attempt = layout.new_attempt(grouped=self.encoding == "raw")
         return [
             dataclasses.replace(

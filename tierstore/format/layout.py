@@ -32,8 +32,7 @@ of ranks uploading at once then spread over 256 key prefixes rather than hammeri
 is what triggers S3's per-prefix throttling (503 SlowDown). For an attempt id ending in ``-g``
 (every raw-encoded save) the hash is of the name, attempt and rank group (64 ranks), so the
 attempt's files sit under at most W/64 + 1 prefixes and the cold commit checks them with as
-many listings; other attempts (dcp-encoded, and every one written before) hash each file's
-whole path, as tierstore 0.2 did and reads.
+many listings; other attempts (dcp-encoded) hash each file's whole path.
 
 A save whose attempt directory would hold more than ``max_files_per_dir`` files puts each
 rank's shards in ``r<k>/``, ``k = rank // ranks_per_dir`` (zero-padded; ``ranks_per_dir`` a
@@ -383,7 +382,7 @@ def migrated_key(name: str, attempt: str, store_id: str) -> str:
 
 def parse_migrated_key(key: str) -> tuple[str, str, str | None] | None:
     """``(name, attempt, store_id)`` of a migrated mark; ``store_id`` is ``None`` for the
-    marks of tierstore <= 0.1, which did not say which cold tier they meant."""
+    keys without one, which no release writes (gc removes them)."""
     parts = key.split("/")
     if parts[0] != MIGRATED_DIR or not parts[-1].endswith(".json"):
         return None
