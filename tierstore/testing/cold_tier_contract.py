@@ -298,7 +298,7 @@ class ColdTierContract:
         )
         # Nor later: the round a manager starts in the background to resume pending
         # migrations has nothing to hold against the cold tier in an empty hot tier.
-        started = manager._rounds.running()
+        started = manager._maintenance.running()
         if started is not None:
             started.result(timeout=10)
         assert cold.requests() == []  # not a single request reached the cold tier
