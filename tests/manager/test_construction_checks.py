@@ -1,5 +1,7 @@
 """A hot tier that cannot be written fails when the CheckpointManager is built, saying why (issue 38,
 item 1), and a save on a mount that turned read-only since says "read-only", not "no space left".
+A writer option that only a TieredWriter reads is checked when the manager is built too (issue 22,
+item 5).
 
 Real mounts: a tiny tmpfs remounted read-only, where this machine lets us mount one (root in
 a VM or CI; skipped elsewhere), and a real permission refusal: a process that drops root
@@ -23,8 +25,8 @@ from typing import Any
 import pytest
 import torch
 
-from tierstore import CheckpointManager, StagingOptions, Store, list_checkpoints
-from tierstore.errors import NoSpaceLeft, SaveFailed, StorageError
+from tierstore import CheckpointManager, StagingOptions, Store, WriterOptions, list_checkpoints
+from tierstore.errors import ConfigError, NoSpaceLeft, SaveFailed, StorageError
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -121,6 +123,16 @@ def test_a_writable_hot_tier_is_left_as_it_was_after_the_check(tmp_path: Path) -
     manager = CheckpointManager(str(hot), preemption=False)
     assert sorted(p.name for p in hot.iterdir()) == ["runs"]  # the run lock; the probe is gone
     manager.close()
+
+
+def test_a_bad_writer_option_is_refused_when_the_manager_is_built(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="thread_cont"):
+        WriterOptions(thread_cont=2)  # type: ignore[call-arg]
+    with pytest.raises(ConfigError, match="TIERSTORE_MAX_FILES_PER_DIR"):
+        with pytest.MonkeyPatch.context() as env:  # what only a TieredWriter reads
+            env.setenv("TIERSTORE_MAX_FILES_PER_DIR", "many")
+            CheckpointManager(str(tmp_path / "hot"), writer=WriterOptions(thread_count=2))
+    assert not (tmp_path / "hot" / "checkpoints").exists()
 
 
 @pytest.mark.dist
