@@ -50,7 +50,7 @@ class Profile:
     # preemption: the save on a notice against a plain sync save, one process
     preemption_size: int = 256 * MiB
     preemption_reps: int = 5  # best of these per kind, with the spread
-    preemption_grace: float = 30.0  # the default Preemption(grace_seconds=)
+    preemption_grace: float = 30.0  # the default PreemptionOptions(grace_seconds=)
     # ... and from the signal to the exit, per training loop: 2 ranks, model + AdamW state
     preemption_exit_size: int = 64 * MiB
     preemption_exit_reps: int = 3  # best of these per loop, with the spread (a rep: 40 s on 2 cores)

@@ -253,9 +253,9 @@ def manager_fallback(spec: dict[str, Any]) -> None:
 
 def manager_runs(spec: dict[str, Any]) -> None:
     """Run A (no run named) saves steps 1-3; then on every rank: run B's ``load_latest``
-    finds nothing of its own, ``Run("B", strict=True)`` raises on every rank (none left
+    finds nothing of its own, ``RunOptions("B", strict=True)`` raises on every rank (none left
     waiting in a collective), and a manager without a run name resumes A's step 3."""
-    from tierstore import CheckpointManager, Run, StagingOptions
+    from tierstore import CheckpointManager, RunOptions, StagingOptions
     from tierstore.errors import ConfigError
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -274,7 +274,7 @@ def manager_runs(spec: dict[str, Any]) -> None:
     ) as b:
         result["named"] = b.load_latest({"model": msd, "optim": osd, "extra": {"step": -1}})
     try:
-        CheckpointManager(**tiers(spec), run=Run("B", strict=True))
+        CheckpointManager(**tiers(spec), run=RunOptions("B", strict=True))
         result["strict"] = None
     except ConfigError as err:
         result["strict"] = str(err)
@@ -290,7 +290,7 @@ def manager_cold_down(spec: dict[str, Any]) -> None:
     the same error on every rank, none left waiting; then ``close(timeout=T)`` after a save
     returns in about T, not once per wait inside it."""
     from tierstore import CheckpointManager
-    from tierstore.migration.migrator import MigrationConfig
+    from tierstore.migration.migrator import MigrationOptions
     from tierstore.retry import RetryPolicy
 
     rank, out = dist.get_rank(), Path(spec["out"])
@@ -305,7 +305,7 @@ def manager_cold_down(spec: dict[str, Any]) -> None:
     mgr = CheckpointManager(
         Store(tiers(spec)["hot"], spec["cold"], cold_options=options, node_local=True),
         retention=Retention(hot_min_free=None),
-        migration=MigrationConfig(retry=retry, commit_timeout=5),
+        migration=MigrationOptions(retry=retry, commit_timeout=5),
     )
     model, optim = build(0, dist.get_world_size())
     msd, osd = get_state_dict(model, optim)
@@ -335,12 +335,12 @@ def manager_node_local_resume(spec: dict[str, Any]) -> None:
     them at start."""
     from tierstore import CheckpointManager, list_checkpoints
     from tierstore.errors import MigrationFailed
-    from tierstore.migration.migrator import MigrationConfig
+    from tierstore.migration.migrator import MigrationOptions
     from tierstore.retry import RetryPolicy
 
     rank, out = dist.get_rank(), Path(spec["out"])
     retry = RetryPolicy(attempts=2, deadline=2.0, initial=0.01, maximum=0.05)
-    config = MigrationConfig(retry=retry, commit_timeout=20, poll_interval=0.05)
+    config = MigrationOptions(retry=retry, commit_timeout=20, poll_interval=0.05)
     model, optim = build(0, dist.get_world_size())
     blocked = Path(spec["blocker"])
     mgr = CheckpointManager(
@@ -385,7 +385,7 @@ def manager_preempt(spec: dict[str, Any]) -> None:
     ends the process. ``fail_rank``/``fail_at``: that rank raises at that step, while the others spend
     ``busy_seconds`` in something of their own (a validation pass) before their next
     collective."""
-    from tierstore import CheckpointManager, Preemption
+    from tierstore import CheckpointManager, PreemptionOptions
 
     rank = dist.get_rank()
     model, optim = build(0, dist.get_world_size())
@@ -394,7 +394,7 @@ def manager_preempt(spec: dict[str, Any]) -> None:
         Store(**tiers(spec), cold_options=spec.get("cold_options"), node_local=spec.get("node_local", False)),
         save_every=spec["save_every"],
         retention=Retention(hot_min_free=None),
-        preemption=Preemption(grace_seconds=spec["grace"]),
+        preemption=PreemptionOptions(grace_seconds=spec["grace"]),
     )
     msd, osd = get_state_dict(model, optim)
     extra = {"step": 0}

@@ -48,13 +48,13 @@ from tierstore.errors import MigrationFailed
 from tierstore.format import layout
 from tierstore.lifecycle.quarantine import list_quarantined
 from tierstore.lifecycle.retention import keep_all
-from tierstore.migration.migrator import MigrationConfig
+from tierstore.migration.migrator import MigrationOptions
 from tierstore.migration.status import migration_status
 from tierstore.options import ManagerOptions
 from tierstore.retry import RetryPolicy
 from tierstore.tiers.tier import Store, Tier
 
-FAST = MigrationConfig(
+FAST = MigrationOptions(
     chunk_size=1 << 16,
     poll_interval=0.02,
     commit_timeout=30,

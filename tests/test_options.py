@@ -25,7 +25,7 @@ from tierstore import (
     ConfigError,
     ReaderOptions,
     Retention,
-    Run,
+    RunOptions,
     StagingOptions,
     TieredReader,
     TieredWriter,
@@ -104,13 +104,16 @@ BAD: list[tuple[Callable[[], object], str]] = [
     ),  # type: ignore[arg-type]
     (lambda: Retention(hot_min_free=-1), r"Retention\(hot_min_free=\) .* got -1"),
     (lambda: Retention(hot_min_free=1.5), r"Retention\(hot_min_free=\) .* got 1.5"),  # type: ignore[arg-type]
-    (lambda: Run("a/b"), r"Run: name 'a/b' is not a run name: 1 to 128 printable characters, no '/'"),
-    (lambda: Run(""), r"Run: name '' is not a run name"),
-    (lambda: Run("x" * 129), r"Run: name 'x+\.\.\. is not a run name"),
-    (lambda: Run("new\nline"), r"Run: name 'new\\nline' is not a run name"),
-    (lambda: Run("B "), r"Run: name 'B ' is not a run name: .* no space at either end"),
-    (lambda: Run(7), r"Run: name 7 is not a run name"),  # type: ignore[arg-type]
-    (lambda: Run("B", strict="yes"), r"Run\.strict must be True or False, got 'yes'"),  # type: ignore[arg-type]
+    (
+        lambda: RunOptions("a/b"),
+        r"RunOptions: name 'a/b' is not a run name: 1 to 128 printable characters, no '/'",
+    ),
+    (lambda: RunOptions(""), r"RunOptions: name '' is not a run name"),
+    (lambda: RunOptions("x" * 129), r"RunOptions: name 'x+\.\.\. is not a run name"),
+    (lambda: RunOptions("new\nline"), r"RunOptions: name 'new\\nline' is not a run name"),
+    (lambda: RunOptions("B "), r"RunOptions: name 'B ' is not a run name: .* no space at either end"),
+    (lambda: RunOptions(7), r"RunOptions: name 7 is not a run name"),  # type: ignore[arg-type]
+    (lambda: RunOptions("B", strict="yes"), r"RunOptions\.strict must be True or False, got 'yes'"),  # type: ignore[arg-type]
 ]
 
 
@@ -147,10 +150,10 @@ def test_an_unknown_option_is_a_type_error_when_built(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"TieredWriter\(options=\) takes a WriterOptions"):
         TieredWriter(hot, step=1, options={"thread_count": 2})  # type: ignore[arg-type]
     with pytest.raises(
-        ConfigError, match=r"CheckpointManager\(run=\) takes a run name or a tierstore.Run, got dict"
+        ConfigError, match=r"CheckpointManager\(run=\) takes a run name or a tierstore.RunOptions, got dict"
     ):
         CheckpointManager(hot, run={"name": "B"})  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match=r"Run: name 'a/b' is not a run name"):
+    with pytest.raises(ConfigError, match=r"RunOptions: name 'a/b' is not a run name"):
         CheckpointManager(hot, run="a/b")
     assert not Path(hot).exists()  # all refused before anything was made
 
@@ -188,10 +191,14 @@ def test_options_are_frozen_values_that_travel_with_a_pickled_writer(tmp_path: P
 
 
 def test_the_options_are_exported_and_import_no_torch() -> None:
-    assert {"WriterOptions", "ReaderOptions", "StagingOptions", "Run", "MigrationConfig"} <= set(
+    assert {"WriterOptions", "ReaderOptions", "StagingOptions", "RunOptions", "MigrationOptions"} <= set(
         tierstore.__all__
     )
-    assert tierstore.Run is Run and Run("B") == Run("B", strict=False) and hash(Run("B", strict=True))
+    assert (
+        tierstore.RunOptions is RunOptions
+        and RunOptions("B") == RunOptions("B", strict=False)
+        and hash(RunOptions("B", strict=True))
+    )
     assert tierstore.ReaderOptions is ReaderOptions
     assert tierstore.WriterOptions is WriterOptions and tierstore.StagingOptions is StagingOptions
     code = "import sys, tierstore.options; assert 'torch' not in sys.modules, 'torch imported'"

@@ -36,10 +36,10 @@ from tierstore.errors import (
 from tierstore.lifecycle.gc import collect_garbage
 from tierstore.lifecycle.prune import prune
 from tierstore.lifecycle.retention import Retention, keep_every, keep_last
-from tierstore.migration.migrator import MigrationConfig
+from tierstore.migration.migrator import MigrationOptions
 from tierstore.migration.restore import restore
 from tierstore.migration.status import migrate_pending, migration_status
-from tierstore.options import Preemption, ReaderOptions, Run, StagingOptions, WriterOptions
+from tierstore.options import PreemptionOptions, ReaderOptions, RunOptions, StagingOptions, WriterOptions
 from tierstore.resume.check import Probe, verify_resume
 from tierstore.resume.data import ResumableLoader, ResumableSampler
 from tierstore.tiers.catalog import list_checkpoints
@@ -111,9 +111,9 @@ __all__ = [
     "WriterOptions",
     "ReaderOptions",
     "StagingOptions",
-    "MigrationConfig",
-    "Preemption",
-    "Run",
+    "MigrationOptions",
+    "PreemptionOptions",
+    "RunOptions",
     "Retention",
     "keep_last",
     "keep_every",

@@ -10,11 +10,11 @@ a handful of parameters plus nested option dataclasses.
 - :class:`ReaderOptions`: how :class:`~tierstore.TieredReader` reads one.
 - :class:`StagingOptions`: how :class:`~tierstore.CheckpointManager` takes the state off the
   training loop (DCP's ``async_save``, its mode and the staging buffers).
-- :class:`Preemption`: which signals the manager takes as a preemption notice, and the grace
+- :class:`PreemptionOptions`: which signals the manager takes as a preemption notice, and the grace
   period it saves within (:mod:`tierstore.manager.preemption`).
-- :class:`Run`: the run a :class:`~tierstore.CheckpointManager` saves and resumes, and whether
+- :class:`RunOptions`: the run a :class:`~tierstore.CheckpointManager` saves and resumes, and whether
   a store holding another run's checkpoints is an error (``CheckpointManager(run=)``).
-- :class:`~tierstore.MigrationConfig` (:mod:`tierstore.migration.jobs`): how a process migrates.
+- :class:`~tierstore.MigrationOptions` (:mod:`tierstore.migration.jobs`): how a process migrates.
 - :class:`~tierstore.Retention` (:mod:`tierstore.lifecycle.retention`): what each tier keeps.
 
 The module imports no torch, so ``from tierstore import WriterOptions`` stays cheap.
@@ -38,8 +38,8 @@ __all__ = [
     "WriterOptions",
     "ReaderOptions",
     "StagingOptions",
-    "Preemption",
-    "Run",
+    "PreemptionOptions",
+    "RunOptions",
     "ManagerOptions",
     "Encoding",
     "StagingMode",
@@ -207,7 +207,7 @@ class StagingOptions:
 
 
 @dataclass(frozen=True)
-class Preemption:
+class PreemptionOptions:
     """How :class:`~tierstore.CheckpointManager` meets a preemption notice
     (``CheckpointManager(preemption=)``; :mod:`tierstore.manager.preemption`).
 
@@ -231,26 +231,30 @@ class Preemption:
     def __post_init__(self) -> None:
         signals = self.signals
         if not (isinstance(signals, (tuple, list)) and signals):
-            raise ConfigError(f"Preemption.signals must be a non-empty tuple of signals, got {signals!r}")
+            raise ConfigError(
+                f"PreemptionOptions.signals must be a non-empty tuple of signals, got {signals!r}"
+            )
         valid = signal.valid_signals()
         for number in signals:
             if isinstance(number, bool) or not isinstance(number, int) or number not in valid:
-                raise ConfigError(f"Preemption.signals: {number!r} is not a signal of this system")
+                raise ConfigError(f"PreemptionOptions.signals: {number!r} is not a signal of this system")
             if number in _UNCATCHABLE:
                 raise ConfigError(
-                    f"Preemption.signals: {signal.Signals(number).name} cannot be caught "
+                    f"PreemptionOptions.signals: {signal.Signals(number).name} cannot be caught "
                     "(it is what comes after the grace period)"
                 )
         object.__setattr__(self, "signals", tuple(signal.Signals(n) for n in signals))
         grace = self.grace_seconds
         if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not (0 < grace < math.inf):
-            raise ConfigError(f"Preemption.grace_seconds must be a number of seconds > 0, got {grace!r}")
+            raise ConfigError(
+                f"PreemptionOptions.grace_seconds must be a number of seconds > 0, got {grace!r}"
+            )
 
 
 @dataclass(frozen=True)
-class Run:
+class RunOptions:
     """The run a :class:`~tierstore.CheckpointManager` belongs to (``CheckpointManager(run=)``;
-    ``run="name"`` is ``Run("name")``). docs/operations.md, "Runs", has the rules.
+    ``run="name"`` is ``RunOptions("name")``). docs/operations.md, "Runs", has the rules.
 
     Args:
         name: recorded in every manifest the manager saves (``CheckpointInfo.run``): 1 to 128
@@ -266,8 +270,8 @@ class Run:
     strict: bool = False
 
     def __post_init__(self) -> None:
-        check_run(self.name, what="name", source="Run", error=ConfigError)
-        check_bool("Run", "strict", self.strict)
+        check_run(self.name, what="name", source="RunOptions", error=ConfigError)
+        check_bool("RunOptions", "strict", self.strict)
 
 
 @dataclass(frozen=True)

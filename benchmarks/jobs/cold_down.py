@@ -28,11 +28,12 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
 from benchmarks.infra.launch import ROOT, module_main
 from benchmarks.infra.measure import MiB, Record, cpu_seconds, now
 from benchmarks.infra.servers import REGION, ServerProcess
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 PROXY = ROOT / "backends" / "s3" / "tests" / "s3_fault_proxy.py"
 MODES = ("healthy", "refuse", "stall", "deny_writes")

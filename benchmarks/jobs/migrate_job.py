@@ -45,7 +45,7 @@ def forget_migration(hot: str, name: str) -> None:
 
 
 def migrate_tiered(spec: dict[str, Any], target: S3Target, name: str, inflight: int) -> Record:
-    from tierstore import MigrationConfig, migrate_pending
+    from tierstore import MigrationOptions, migrate_pending
 
     forget_migration(spec["hot"], name)
     cold = target.url(f"mig-{uuid.uuid4().hex[:8]}")
@@ -56,7 +56,7 @@ def migrate_tiered(spec: dict[str, Any], target: S3Target, name: str, inflight: 
     results = migrate_pending(
         Store.of(spec["hot"], cold, cold_options=options),
         names=[name],
-        config=MigrationConfig(chunk_size=spec["chunk_size"]),
+        config=MigrationOptions(chunk_size=spec["chunk_size"]),
     )
     record: Record = {"seconds": now() - start, "growth": peak_growth(rss), "cpu": cpu_seconds() - cpu}
     if [r.state.value for r in results] != ["committed"]:

@@ -32,7 +32,7 @@ import torch
 
 from benchmarks.infra.launch import module_main
 from benchmarks.infra.measure import MiB, Record, now
-from tierstore import CheckpointManager, Preemption, Retention, StagingOptions, Store
+from tierstore import CheckpointManager, PreemptionOptions, Retention, StagingOptions, Store
 
 TENSOR = 16 * MiB
 KINDS = ("sync", "notice", "notice_in_flight")
@@ -62,7 +62,7 @@ def one(kind: str, hot: Path, cold: dict[str, Any], size: int, grace: float, rep
         Store(str(hot), url, cold_options=options),
         save_every=10**9,
         retention=retention,
-        preemption=Preemption(grace_seconds=grace),
+        preemption=PreemptionOptions(grace_seconds=grace),
     )
     try:
         state = state_of(size, 2)

@@ -85,7 +85,7 @@ def manager_loop(spec: dict[str, Any]) -> None:
     """The README's loop or the documented one (module docstring)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from tierstore import CheckpointManager, Preemption, Retention
+    from tierstore import CheckpointManager, PreemptionOptions, Retention
 
     dist.init_process_group("gloo")
     marks = Marks(Path(spec["out"]), dist.get_rank())
@@ -97,7 +97,7 @@ def manager_loop(spec: dict[str, Any]) -> None:
         spec["cold"],
         save_every=10**9,  # the notice's save is the only one
         retention=Retention(hot_min_free=None),
-        preemption=Preemption(grace_seconds=spec["grace"]),
+        preemption=PreemptionOptions(grace_seconds=spec["grace"]),
     )
     for step in range(1, 10**9):
         train_step(model, optim, step, spec)
@@ -180,7 +180,7 @@ def lightning_loop(spec: dict[str, Any]) -> None:
     import lightning as L
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    from tierstore import Preemption
+    from tierstore import PreemptionOptions
     from tierstore.integrations.lightning import TierstoreCheckpoint
 
     out = Path(spec["out"])
@@ -224,7 +224,7 @@ def lightning_loop(spec: dict[str, Any]) -> None:
         spec["cold"],
         every_n_epochs=1,
         save_on_train_epoch_end=True,
-        manager_options={"preemption": Preemption(grace_seconds=spec["grace"])},
+        manager_options={"preemption": PreemptionOptions(grace_seconds=spec["grace"])},
     )
     trainer = L.Trainer(
         accelerator="cpu",

@@ -14,9 +14,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.infra.servers import REGION, S3Target
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
+
+from benchmarks.infra.servers import REGION, S3Target
 
 CKPT = "ckpt"  # the checkpoint name inside each tierstore store
 SAVERS = ("disk", "fsw", "tiered", "fsspec", "s3torch")

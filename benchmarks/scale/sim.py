@@ -42,7 +42,7 @@ from tierstore.format.manifest import FileEntry, Manifest
 from tierstore.lifecycle.gc import collect_garbage
 from tierstore.lifecycle.prune import prune
 from tierstore.lifecycle.retention import keep_last
-from tierstore.migration.migrator import MigrationConfig, Migrator
+from tierstore.migration.migrator import MigrationOptions, Migrator
 from tierstore.migration.status import migration_status
 from tierstore.migration.transfer import copy_file
 from tierstore.storage.backend import Backend
@@ -281,7 +281,7 @@ def _migrator(tiers: Tiers) -> Migrator:
     # A short commit timeout: every mark is there before the commit job starts, so a wait
     # would only mean a mark went missing (a bug the replay must report, not sit out).
     return Migrator(
-        tiers.tier("hot"), tiers.tier("cold"), MigrationConfig(poll_interval=0.05, commit_timeout=120.0)
+        tiers.tier("hot"), tiers.tier("cold"), MigrationOptions(poll_interval=0.05, commit_timeout=120.0)
     )
 
 

@@ -11,13 +11,13 @@ from helpers import unwrap  # noqa: F401  (re-exported for the crash tests)
 
 from tierstore import ReaderOptions, TieredReader, TieredWriter
 from tierstore.errors import IntegrityError, StorageError
-from tierstore.migration.migrator import MigrationConfig
+from tierstore.migration.migrator import MigrationOptions
 from tierstore.retry import RetryPolicy
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 SHAPES = {"a": (40, 24), "b": (9,), "c": (3, 7)}
-FAST = MigrationConfig(
+FAST = MigrationOptions(
     concurrency=1,
     chunk_size=2048,
     poll_interval=0.01,

@@ -18,7 +18,7 @@ from stats import STATS
 from tierstore import ReaderOptions, TieredReader, TieredWriter, list_checkpoints
 from tierstore.format import layout
 from tierstore.lifecycle.scrub import verify_store
-from tierstore.migration.migrator import MigrationConfig, MigrationState
+from tierstore.migration.migrator import MigrationOptions, MigrationState
 from tierstore.retry import RetryPolicy
 
 pytest.importorskip("tierstore_s3", reason="the S3 backend is installed by make test")
@@ -29,7 +29,7 @@ from tierstore import Store
 
 MiB = 1 << 20
 FAST_RETRY = RetryPolicy(attempts=8, deadline=60, initial=0.01, maximum=0.05)
-CONFIG = MigrationConfig(concurrency=2, poll_interval=0.01, commit_timeout=30, retry=FAST_RETRY)
+CONFIG = MigrationOptions(concurrency=2, poll_interval=0.01, commit_timeout=30, retry=FAST_RETRY)
 
 
 def state_for(step: int) -> dict[str, Any]:

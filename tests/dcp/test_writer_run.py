@@ -27,7 +27,7 @@ from tierstore import Store, TieredWriter, WriterOptions, _dist, list_checkpoint
 from tierstore.dcp import structure
 from tierstore.errors import ConfigError
 from tierstore.format import layout
-from tierstore.migration.migrator import MigrationConfig
+from tierstore.migration.migrator import MigrationOptions
 from tierstore.tiers.tier import Tier
 
 JOB_VARIABLES = [variable for variable, _ in _dist._JOB_VARIABLES]
@@ -58,7 +58,7 @@ def test_run_job_and_fingerprint_reach_a_two_level_root_and_the_cold_copy(
 ) -> None:
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     store = Store(str(tmp_path / "hot"), str(tmp_path / "cold"))
-    fast = MigrationConfig(chunk_size=4096, poll_interval=0.01, commit_timeout=10)
+    fast = MigrationOptions(chunk_size=4096, poll_interval=0.01, commit_timeout=10)
     manifest, writers = save_ranks(
         6, store, options=WriterOptions(manifest_part_ranks=2), run="A", migration=fast
     )

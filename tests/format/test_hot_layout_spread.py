@@ -19,12 +19,12 @@ from tierstore.errors import ConfigError
 from tierstore.format import layout
 from tierstore.format.manifest import Manifest
 from tierstore.lifecycle.gc import find_garbage
-from tierstore.migration.migrator import MigrationConfig
+from tierstore.migration.migrator import MigrationOptions
 from tierstore.retry import RetryPolicy
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
-FAST = MigrationConfig(
+FAST = MigrationOptions(
     chunk_size=4096,
     poll_interval=0.01,
     commit_timeout=10,

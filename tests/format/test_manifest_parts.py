@@ -26,7 +26,7 @@ from tierstore.errors import ConfigError, IntegrityError, InvalidManifest
 from tierstore.format import layout
 from tierstore.format import manifest_format as fmt
 from tierstore.format.manifest import FileEntry, Manifest, PartRef, _checksum
-from tierstore.migration.migrator import MigrationConfig
+from tierstore.migration.migrator import MigrationOptions
 from tierstore.retry import RetryPolicy
 from tierstore.storage.backend import Backend, ObjectInfo
 from tierstore.tiers.tier import Store, Tier
@@ -34,7 +34,7 @@ from tierstore.tiers.tier import Store, Tier
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 ATTEMPT = "20261129T081814Z-3fa2b1c4"
-FAST = MigrationConfig(
+FAST = MigrationOptions(
     chunk_size=4096,
     poll_interval=0.01,
     commit_timeout=10,

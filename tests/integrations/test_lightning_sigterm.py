@@ -35,7 +35,7 @@ from launch import free_port  # noqa: E402
 
 pytestmark = pytest.mark.dist
 
-GRACE = 10.0  # seconds: Preemption(grace_seconds=GRACE), the bound on signal-to-exit
+GRACE = 10.0  # seconds: PreemptionOptions(grace_seconds=GRACE), the bound on signal-to-exit
 STEPS_PER_EPOCH = 4
 
 
@@ -45,7 +45,7 @@ def _job(spec: dict[str, Any]) -> None:
     from lightning.pytorch.utilities.exceptions import SIGTERMException
     from torch.distributed.fsdp import fully_shard
 
-    from tierstore import Preemption
+    from tierstore import PreemptionOptions
     from tierstore.integrations.lightning import TierstoreCheckpoint
 
     out = Path(spec["out"])
@@ -87,7 +87,7 @@ def _job(spec: dict[str, Any]) -> None:
         spec["cold"],
         every_n_epochs=1,
         save_on_train_epoch_end=True,
-        manager_options={"preemption": Preemption(grace_seconds=GRACE)},
+        manager_options={"preemption": PreemptionOptions(grace_seconds=GRACE)},
     )
     trainer = L.Trainer(
         accelerator="cpu",
@@ -306,7 +306,7 @@ def _fit_under_slurm(tmp_path: Path, preemption: Any) -> list[Any]:
 def test_slurms_requeue_handler_which_saves_inside_the_signal_handler_is_named_or_kept_out(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tierstore import Preemption
+    from tierstore import PreemptionOptions
 
     for name, value in _SLURM.items():
         monkeypatch.setenv(name, value)
@@ -314,7 +314,7 @@ def test_slurms_requeue_handler_which_saves_inside_the_signal_handler_is_named_o
     with pytest.warns(
         UserWarning, match=r"auto-requeue saves its own checkpoint from inside the SIGUSR1 handler"
     ):
-        seen = _fit_under_slurm(tmp_path / "default", Preemption())
+        seen = _fit_under_slurm(tmp_path / "default", PreemptionOptions())
     assert seen and all(h not in (before, signal.SIG_DFL) for h in seen)  # Lightning's, installed
     # The manager watching SIGUSR1 holds the signal first: Lightning does not install its
     # handler, and a SIGUSR1 is a preemption notice like SIGTERM.
@@ -322,7 +322,9 @@ def test_slurms_requeue_handler_which_saves_inside_the_signal_handler_is_named_o
 
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*auto-requeue.*")
-        seen = _fit_under_slurm(tmp_path / "watched", Preemption(signals=(signal.SIGTERM, signal.SIGUSR1)))
+        seen = _fit_under_slurm(
+            tmp_path / "watched", PreemptionOptions(signals=(signal.SIGTERM, signal.SIGUSR1))
+        )
     assert seen and all(
         getattr(getattr(h, "__func__", None), "__qualname__", "") == "SignalWatch._handle" for h in seen
     ), seen

@@ -11,11 +11,11 @@ from helpers import assert_every_listed_checkpoint_loads, save
 from tierstore import Store
 from tierstore.format import layout
 from tierstore.lifecycle.gc import collect_garbage, find_garbage
-from tierstore.migration.migrator import MigrationConfig
+from tierstore.migration.migrator import MigrationOptions
 from tierstore.migration.status import wait_for_migrations
 from tierstore.tiers.tier import Tier
 
-FAST = MigrationConfig(poll_interval=0.01)
+FAST = MigrationOptions(poll_interval=0.01)
 
 
 def test_gc_collects_only_old_unreferenced_debris(tmp_path: Path) -> None:

@@ -16,13 +16,13 @@ from tierstore.format import layout
 from tierstore.lifecycle.gc import collect_garbage, find_garbage
 from tierstore.lifecycle.prune import prune, prune_tier
 from tierstore.lifecycle.retention import keep_last, keep_steps
-from tierstore.migration.migrator import MigrationConfig
+from tierstore.migration.migrator import MigrationOptions
 from tierstore.migration.status import migrate_pending, wait_for_migrations
 from tierstore.testing.faults import armed_env
 from tierstore.tiers import leases
 from tierstore.tiers.tier import Tier
 
-FAST = MigrationConfig(poll_interval=0.01)
+FAST = MigrationOptions(poll_interval=0.01)
 
 
 def loads_bit_exact(hot: str | None, cold: str | None, step: int) -> bool:

@@ -53,7 +53,7 @@ from tierstore.lifecycle.quarantine import (
     quarantine_proven,
     restore_quarantined,
 )
-from tierstore.migration.migrator import MigrationConfig
+from tierstore.migration.migrator import MigrationOptions
 from tierstore.retry import RetryPolicy
 from tierstore.storage import faults
 from tierstore.storage.backend import ObjectInfo
@@ -62,7 +62,7 @@ from tierstore.tiers.tier import Store, Tier
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "backends" / "gcs" / "tests"))
 
-FAST = MigrationConfig(
+FAST = MigrationOptions(
     chunk_size=1 << 16,
     poll_interval=0.02,
     commit_timeout=30,

@@ -26,7 +26,7 @@ from tierstore.format.manifest import FileEntry, Manifest
 from tierstore.lifecycle.prune import prune
 from tierstore.lifecycle.retention import keep_last
 from tierstore.lifecycle.scrub import FileCheck, verify_store
-from tierstore.migration.migrator import MigrationConfig
+from tierstore.migration.migrator import MigrationOptions
 from tierstore.migration.status import migrate_pending
 from tierstore.retry import RetryPolicy
 from tierstore.storage import faults
@@ -37,7 +37,7 @@ from tierstore.tiers.tier import Store, Tier
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 POINT = "verify.after_listing"
-FAST = MigrationConfig(poll_interval=0.01, commit_timeout=5, retry=RetryPolicy(attempts=2, initial=0.001))
+FAST = MigrationOptions(poll_interval=0.01, commit_timeout=5, retry=RetryPolicy(attempts=2, initial=0.001))
 
 
 @pytest.fixture

@@ -15,12 +15,12 @@ import torch
 
 from tierstore import CheckpointManager, StagingOptions, list_checkpoints
 from tierstore.errors import BackendNotFound, CheckpointExists, MigrationFailed, NoSpaceLeft, SaveFailed
-from tierstore.migration.migrator import MigrationConfig
+from tierstore.migration.migrator import MigrationOptions
 from tierstore.options import ManagerOptions
 from tierstore.retry import RetryPolicy
 from tierstore.storage import faults
 
-FAST = MigrationConfig(
+FAST = MigrationOptions(
     chunk_size=4096,
     poll_interval=0.01,
     commit_timeout=2,

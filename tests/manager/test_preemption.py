@@ -26,13 +26,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from cold_tiers import Cold
 
-from tierstore import CheckpointManager, Preemption, Retention, Store, TieredReader, list_checkpoints
+from tierstore import CheckpointManager, PreemptionOptions, Retention, Store, TieredReader, list_checkpoints
 from tierstore.errors import ConfigError
 from tierstore.format import layout
-from tierstore.migration.migrator import MigrationConfig
+from tierstore.migration.migrator import MigrationOptions
 from tierstore.storage import faults
 
-FAST = MigrationConfig(poll_interval=0.05)
+FAST = MigrationOptions(poll_interval=0.05)
 
 
 def state(step: int) -> dict[str, Any]:
@@ -133,7 +133,7 @@ def test_with_the_cold_tier_down_the_push_and_close_keep_to_the_grace_period(
     manager = CheckpointManager(
         Store(hot, cold.url, cold_options=cold.options),
         save_every=100,
-        preemption=Preemption(grace_seconds=grace),
+        preemption=PreemptionOptions(grace_seconds=grace),
     )
     cold.down("stall")  # every request hangs: the slowest way for a cold tier to fail
     os.kill(os.getpid(), signal.SIGTERM)
@@ -235,8 +235,8 @@ def test_a_released_handler_still_called_by_one_installed_after_it_takes_the_def
 @pytest.mark.parametrize(
     "value, message",
     [
-        ("yes", "takes True, False or a Preemption, got str"),
-        (30, "takes True, False or a Preemption, got int"),
+        ("yes", "takes True, False or a PreemptionOptions, got str"),
+        (30, "takes True, False or a PreemptionOptions, got int"),
     ],
 )
 def test_a_preemption_argument_is_checked_when_built(tmp_path: Path, value: object, message: str) -> None:
@@ -248,11 +248,11 @@ def test_a_preemption_argument_is_checked_when_built(tmp_path: Path, value: obje
 
 LOOP = textwrap.dedent("""
     import json, sys, time, torch
-    from tierstore import CheckpointManager, Preemption
+    from tierstore import CheckpointManager, PreemptionOptions
     spec = json.loads(sys.argv[1])
     manager = CheckpointManager(
         spec["hot"], spec["cold"], save_every=spec["save_every"],
-        preemption=Preemption(grace_seconds=spec["grace"]),
+        preemption=PreemptionOptions(grace_seconds=spec["grace"]),
     )
     state = {"w": torch.zeros(65536), "step": 0}
     start = manager.load_latest(state) or 0

@@ -33,7 +33,7 @@ from cold_tiers import Cold
 from launch import JOB, free_port, kill_group
 from test_preemption_dist import cold_spec, describe, progress, run_preempted
 
-from tierstore import CheckpointManager, Preemption, Retention, Store, keep_last, list_checkpoints
+from tierstore import CheckpointManager, PreemptionOptions, Retention, Store, keep_last, list_checkpoints
 from tierstore.format import layout
 
 pytestmark = pytest.mark.slow
@@ -129,7 +129,7 @@ def test_a_torchrun_worker_whose_peer_failed_ends_within_the_grace_period(tmp_pa
 
 SCRIPT = """
 import json, os, sys, time, torch
-from tierstore import CheckpointManager, Preemption, Retention, Store, keep_last
+from tierstore import CheckpointManager, PreemptionOptions, Retention, Store, keep_last
 from tierstore.options import ManagerOptions
 spec = json.loads(sys.argv[1])
 def state(step): return {"w": torch.arange(4096, dtype=torch.float32) * step}
@@ -170,7 +170,7 @@ README_LOOP = """
 manager = CheckpointManager(
     Store(spec["hot"], spec["cold"], cold_options=spec["cold_options"]), save_every=10,
     retention=Retention(hot=keep_last(2), cold=keep_last(3), hot_min_free=None),
-    preemption=Preemption(grace_seconds=spec["grace"]),
+    preemption=PreemptionOptions(grace_seconds=spec["grace"]),
 )
 for step in range(1, 100_000):
     time.sleep(0.02)  # training
@@ -198,7 +198,7 @@ def test_a_single_process_readme_loop_ends_with_that_step_saved_and_retention_ke
 
 
 STUCK = """
-manager = CheckpointManager(spec["hot"], preemption=Preemption(grace_seconds=spec["grace"]))
+manager = CheckpointManager(spec["hot"], preemption=PreemptionOptions(grace_seconds=spec["grace"]))
 manager.save(1, state(1), force=True)
 manager.wait()
 open(spec["ready"], "w").close()
@@ -218,7 +218,7 @@ CLOSING = """
 manager = CheckpointManager(
     Store(spec["hot"], spec["cold"], cold_options=spec["cold_options"]),
     options=ManagerOptions(close_timeout=60),
-    retention=Retention(hot_min_free=None), preemption=Preemption(grace_seconds=spec["grace"]),
+    retention=Retention(hot_min_free=None), preemption=PreemptionOptions(grace_seconds=spec["grace"]),
 )
 manager.save(1, state(1), force=True)
 manager.wait(migrations=False)
@@ -248,8 +248,8 @@ def test_a_signal_during_close_bounds_it_by_the_grace_period(switchable_cold: Co
 
 
 CHAIN = """
-pretrained = CheckpointManager(spec["other"], preemption=Preemption(grace_seconds=spec["grace"]))
-manager = CheckpointManager(spec["hot"], save_every=1000, preemption=Preemption(grace_seconds=spec["grace"]))
+pretrained = CheckpointManager(spec["other"], preemption=PreemptionOptions(grace_seconds=spec["grace"]))
+manager = CheckpointManager(spec["hot"], save_every=1000, preemption=PreemptionOptions(grace_seconds=spec["grace"]))
 pretrained.close()  # the one that loaded the weights: built first, closed first
 open(spec["ready"], "w").close()
 for step in range(1, 100_000):
@@ -290,7 +290,7 @@ def test_a_loop_that_reads_preempted_and_goes_on_keeps_its_retention(tmp_path: P
         cold,
         save_every=1,
         retention=Retention(hot=keep_last(2), cold=keep_last(3), hot_min_free=None),
-        preemption=Preemption(grace_seconds=1.0),
+        preemption=PreemptionOptions(grace_seconds=1.0),
     )
     for step in range(1, 40):
         if step == 5:

@@ -2,7 +2,7 @@
 
 Run A saves steps 1..5 (real saves, a real ``CheckpointManager``); run B, pointed at the same
 directory: with ``run="B"`` its ``load_latest`` returns ``None`` (never A's step) and one
-warning names both runs, the directory and what happens; with ``Run("B", strict=True)`` it is
+warning names both runs, the directory and what happens; with ``RunOptions("B", strict=True)`` it is
 a ``ConfigError`` naming both, before anything is saved; without a run name it resumes A's
 step 5, as before. The same with a cold tier (hot + a local cold directory), node-local, and
 as real separate processes. An explicit ``load(step=)``/``load(name=)`` of another run's
@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from tierstore import (
     CheckpointManager,
     Retention,
-    Run,
+    RunOptions,
     StagingOptions,
     Store,
     _dist,
@@ -47,7 +47,7 @@ from tierstore import (
 from tierstore.errors import ConfigError, MigrationFailed
 from tierstore.format import layout
 from tierstore.lifecycle.quarantine import list_quarantined
-from tierstore.migration.migrator import MigrationConfig
+from tierstore.migration.migrator import MigrationOptions
 from tierstore.options import ManagerOptions
 from tierstore.retry import RetryPolicy
 from tierstore.storage.local import LocalBackend
@@ -55,7 +55,7 @@ from tierstore.tiers.tier import Tier
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
-FAST = MigrationConfig(
+FAST = MigrationOptions(
     chunk_size=4096,
     poll_interval=0.01,
     commit_timeout=10,
@@ -139,17 +139,17 @@ def test_a_strict_run_refuses_a_directory_holding_another_run_before_saving(tmp_
     hot = str(tmp_path / "hot")
     run_a(hot, run="A")
     before = sorted(p.name for p in Path(hot, "manifests").iterdir())
-    with pytest.raises(ConfigError, match="Run\\('B', strict=True\\)") as info:
-        manager(hot, run=Run("B", strict=True))
+    with pytest.raises(ConfigError, match="RunOptions\\('B', strict=True\\)") as info:
+        manager(hot, run=RunOptions("B", strict=True))
     message = str(info.value)
     assert "run 'A': 5 checkpoints, the newest step-0000000005 (step 5)" in message
     assert f"hot {hot}" in message and "nothing was saved" in message
     assert sorted(p.name for p in Path(hot, "manifests").iterdir()) == before
     assert not Path(hot, layout.RUN_DIR).exists() or not any(Path(hot, layout.RUN_DIR).rglob("*.json"))
-    with manager(str(tmp_path / "own"), run=Run("B", strict=True)) as own:  # its own directory
+    with manager(str(tmp_path / "own"), run=RunOptions("B", strict=True)) as own:  # its own directory
         assert own.load_latest(state(0)) is None
         own.save(1, state(1))
-    with manager(str(tmp_path / "own"), run=Run("B", strict=True)) as again:  # only its own there
+    with manager(str(tmp_path / "own"), run=RunOptions("B", strict=True)) as again:  # only its own there
         assert again.load_latest(state(0)) == 1
 
 
@@ -292,7 +292,7 @@ def test_another_runs_checkpoints_only_the_cold_tier_holds_are_named_by_the_firs
         assert "run 'A'" in warning and f"cold {cold}" in warning
         assert b.load_latest(state(0)) is None
         assert len(warnings_of(caplog, OTHER_RUNS)) == 1
-    strict = manager(fresh, cold, run=Run("B", strict=True))
+    strict = manager(fresh, cold, run=RunOptions("B", strict=True))
     with pytest.raises(ConfigError, match="run 'A'"):
         strict.load_latest(state(0))
     strict.close()
@@ -310,7 +310,7 @@ def test_two_node_local_runs(tmp_path: Path, caplog: pytest.LogCaptureFixture) -
         with manager(local) as unnamed:
             assert unnamed.load_latest(state(0)) == 5
         with pytest.raises(ConfigError, match="run 'A'"):
-            manager(local, run=Run("B", strict=True))
+            manager(local, run=RunOptions("B", strict=True))
     [warning] = warnings_of(caplog, OTHER_RUNS)
     assert "run 'A'" in warning and "run 'B'" in warning
 
@@ -345,7 +345,7 @@ def test_a_stalled_cold_tier_does_not_delay_the_start(
     with caplog.at_level(logging.WARNING, logger="tierstore.manager.runs"):
         b = CheckpointManager(
             Store(hot, slow_s3.url, cold_options=slow_s3.options),
-            run=Run("B"),
+            run=RunOptions("B"),
             options=ManagerOptions(close_timeout=1),
             migration=FAST,
         )
@@ -387,10 +387,10 @@ JOB = textwrap.dedent("""
     warnings.simplefilter("ignore")
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(message)s")
     import torch
-    from tierstore import CheckpointManager, Retention, Run, StagingOptions, keep_last
+    from tierstore import CheckpointManager, Retention, RunOptions, StagingOptions, keep_last
     from tierstore.errors import ConfigError, MigrationFailed
     hot, cold, role = sys.argv[1], sys.argv[2] or None, sys.argv[3]
-    run = {"A": None, "B": "B", "strict": Run("B", strict=True), "unnamed": None}[role]
+    run = {"A": None, "B": "B", "strict": RunOptions("B", strict=True), "unnamed": None}[role]
     try:
         manager = CheckpointManager(
             hot, cold, run=run, save_every=1, staging=StagingOptions(async_save=False),

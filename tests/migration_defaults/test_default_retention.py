@@ -11,11 +11,11 @@ import torch
 
 from tierstore import CheckpointManager, Retention, keep_last, list_checkpoints, prune
 from tierstore.lifecycle.retention import keep_all
-from tierstore.migration.migrator import MigrationConfig
+from tierstore.migration.migrator import MigrationOptions
 from tierstore.retry import RetryPolicy
 from tierstore.tiers.tier import Store
 
-FAST = MigrationConfig(
+FAST = MigrationOptions(
     chunk_size=1 << 16,
     poll_interval=0.02,
     commit_timeout=30,

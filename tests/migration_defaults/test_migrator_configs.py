@@ -12,14 +12,14 @@ from pathlib import Path
 from helpers import save
 
 from tierstore import list_checkpoints
-from tierstore.migration.migrator import MigrationConfig, MigrationState
+from tierstore.migration.migrator import MigrationOptions, MigrationState
 from tierstore.migration.workers import migrators_of
 
 
 def test_a_writer_asking_another_config_gets_its_own_migrator_with_it(tmp_path: Path) -> None:
     hot, cold = str(tmp_path / "hot"), str(tmp_path / "cold")
-    first = MigrationConfig(chunk_size=4096, poll_interval=0.01, commit_timeout=30)
-    second = MigrationConfig(chunk_size=8192, poll_interval=0.01, commit_timeout=30, concurrency=1)
+    first = MigrationOptions(chunk_size=4096, poll_interval=0.01, commit_timeout=30)
+    second = MigrationOptions(chunk_size=8192, poll_interval=0.01, commit_timeout=30, concurrency=1)
     one = save(hot, 1, cold, migration=first, migrated=True).migrator
     two = save(hot, 2, cold, migration=second, migrated=True).migrator
     again = save(hot, 3, cold, migration=first, migrated=True).migrator

@@ -23,7 +23,7 @@ import pytest
 
 from tierstore.format import layout
 from tierstore.format.manifest import FileEntry, Manifest
-from tierstore.migration.migrator import Job, MigrationConfig, MigrationState, Migrator
+from tierstore.migration.migrator import Job, MigrationOptions, MigrationState, Migrator
 from tierstore.migration.status import migrate_pending
 from tierstore.retry import RetryPolicy
 from tierstore.storage.backend import Backend, ObjectInfo, ObjectWriter
@@ -32,7 +32,7 @@ from tierstore.tiers import marks
 from tierstore.tiers.tier import Store, Tier
 
 W, F = 64, 2
-FAST = MigrationConfig(
+FAST = MigrationOptions(
     poll_interval=0.01, commit_timeout=0.2, retry=RetryPolicy(attempts=2, initial=0.001, maximum=0.01)
 )
 
@@ -273,7 +273,7 @@ def test_a_mark_of_an_earlier_version_is_harmless(tmp_path: Path) -> None:
 def test_a_failure_mark_stops_the_wait_and_is_read_only_when_listed(tmp_path: Path) -> None:
     hot, cold = Tier("hot", str(tmp_path / "hot")), Tier("cold", str(tmp_path / "cold"))
     manifest = write_attempt(hot, world=4)
-    migrator = Migrator(hot, cold, MigrationConfig(poll_interval=0.01, commit_timeout=60))
+    migrator = Migrator(hot, cold, MigrationOptions(poll_interval=0.01, commit_timeout=60))
     upload_ranks(migrator, manifest, [1, 3])  # rank 0: with the commit, as the writer does
     marks.publish_failure(cold, manifest.name, manifest.attempt, 2, "__2_0.distcp", "disk on fire")
     wrapper = counted(cold)

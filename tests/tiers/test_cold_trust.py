@@ -31,14 +31,14 @@ from tierstore.format.manifest import FileEntry
 from tierstore.lifecycle.prune import prune
 from tierstore.lifecycle.retention import keep_last
 from tierstore.migration.migrator import Job as _Job
-from tierstore.migration.migrator import MigrationConfig, MigrationState, Migrator
+from tierstore.migration.migrator import MigrationOptions, MigrationState, Migrator
 from tierstore.migration.status import migrate_pending, migration_status
 from tierstore.retry import RetryPolicy
 from tierstore.storage.local import LocalBackend
 from tierstore.tiers import marks
 from tierstore.tiers.tier import Tier
 
-FAST = MigrationConfig(
+FAST = MigrationOptions(
     chunk_size=4096,
     poll_interval=0.01,
     commit_timeout=5,

@@ -22,7 +22,7 @@ from tierstore import TieredReader, TieredWriter
 from tierstore.format.manifest import FileEntry, Manifest
 from tierstore.lifecycle.prune import prune
 from tierstore.lifecycle.retention import keep_last, keep_none
-from tierstore.migration.migrator import Job, MigrationConfig, MigrationState, Migrator
+from tierstore.migration.migrator import Job, MigrationOptions, MigrationState, Migrator
 from tierstore.migration.status import migrate_pending
 from tierstore.migration.transfer import has_verified_copy
 from tierstore.retry import RetryPolicy
@@ -30,7 +30,7 @@ from tierstore.storage import faults
 from tierstore.tiers import marks
 from tierstore.tiers.tier import Store, Tier
 
-FAST = MigrationConfig(
+FAST = MigrationOptions(
     chunk_size=4096,
     poll_interval=0.01,
     commit_timeout=5,

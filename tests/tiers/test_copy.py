@@ -30,13 +30,13 @@ from tierstore import (
 from tierstore.errors import ChecksumMismatch
 from tierstore.format import layout
 from tierstore.migration.copy import copy_checkpoint
-from tierstore.migration.migrator import MigrationConfig, MigrationState
+from tierstore.migration.migrator import MigrationOptions, MigrationState
 from tierstore.migration.status import migrate_pending
 from tierstore.retry import RetryPolicy
 from tierstore.storage import faults
 from tierstore.testing.faults import armed_env
 
-FAST = MigrationConfig(
+FAST = MigrationOptions(
     chunk_size=4096,
     poll_interval=0.01,
     commit_timeout=5,

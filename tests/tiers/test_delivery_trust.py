@@ -34,13 +34,13 @@ import torch
 from cold_tiers import Cold
 from simulated_ranks import save_ranks
 
-from tierstore import CheckpointManager, Preemption, Retention, keep_last
+from tierstore import CheckpointManager, PreemptionOptions, Retention, keep_last
 from tierstore.errors import MigrationFailed
 from tierstore.format import layout
 from tierstore.format.manifest import Manifest
 from tierstore.lifecycle.prune import prune_tier
 from tierstore.migration.delivery import resume_pending, undelivered
-from tierstore.migration.migrator import MigrationConfig, MigrationState, Migrator
+from tierstore.migration.migrator import MigrationOptions, MigrationState, Migrator
 from tierstore.migration.status import migrate_pending
 from tierstore.options import ManagerOptions
 from tierstore.retry import RetryPolicy
@@ -50,7 +50,7 @@ from tierstore.tiers.tier import Store, Tier
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "crash"))
 from gates import Gate
 
-FAST = MigrationConfig(
+FAST = MigrationOptions(
     chunk_size=1 << 16,
     poll_interval=0.02,
     commit_timeout=60,  # long: a commit that waits for nothing would show in the wall time
@@ -286,7 +286,9 @@ def test_the_preemption_push_retries_a_cold_tier_that_comes_back(
 ) -> None:
     """The cold tier refuses the notice's migration and is back 2 s later, well inside the
     grace period: the push tries again and commits (it gave up with 29.9 s of 30 left)."""
-    run = manager(tmp_path / "hot", switchable_cold, save_every=100, preemption=Preemption(grace_seconds=20))
+    run = manager(
+        tmp_path / "hot", switchable_cold, save_every=100, preemption=PreemptionOptions(grace_seconds=20)
+    )
     switchable_cold.down()
     back = threading.Timer(2.0, switchable_cold.up)
     back.start()

@@ -24,7 +24,7 @@ PART, PARTS_IN_FLIGHT = 16 * MiB, 4
 
 MIGRATE = """
 import json, sys
-from tierstore import MigrationConfig, Store, migrate_pending
+from tierstore import MigrationOptions, Store, migrate_pending
 from tierstore.storage.registry import open_backend
 
 hot, cold, part, inflight = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
@@ -39,7 +39,7 @@ def status(field):
 open("/proc/self/clear_refs", "w").write("5")  # reset the peak-RSS mark to now
 before = status("VmRSS:")
 [result] = migrate_pending(Store(hot, cold, cold_options=options),
-                           config=MigrationConfig(concurrency=1, chunk_size=8 << 20))
+                           config=MigrationOptions(concurrency=1, chunk_size=8 << 20))
 print(json.dumps({"state": result.state.value, "error": result.error,
                   "growth": status("VmHWM:") - before, "bytes": result.bytes_total}))
 """

@@ -8,10 +8,10 @@ from pathlib import Path
 from helpers import save
 
 from tierstore import Store
-from tierstore.migration.migrator import MigrationConfig, MigrationState
+from tierstore.migration.migrator import MigrationOptions, MigrationState
 from tierstore.migration.status import migrate_pending, migration_status, wait_for_migrations
 
-QUICK = MigrationConfig(chunk_size=4096, poll_interval=0.01)  # nothing fails here: default retries
+QUICK = MigrationOptions(chunk_size=4096, poll_interval=0.01)  # nothing fails here: default retries
 
 
 def roots(tmp_path: Path) -> tuple[str, str]:

@@ -20,13 +20,13 @@ from helpers import file_path, flip, load, load_error, matches, save
 from tierstore import Store, TieredReader, list_checkpoints
 from tierstore.format import layout
 from tierstore.format.manifest import FileEntry, Manifest
-from tierstore.migration.migrator import MigrationConfig, MigrationState, Migrator
+from tierstore.migration.migrator import MigrationOptions, MigrationState, Migrator
 from tierstore.migration.status import migrate_pending, migration_status, wait_for_migrations
 from tierstore.retry import RetryPolicy
 from tierstore.testing.faults import armed_env
 from tierstore.tiers.tier import Tier
 
-FAST = MigrationConfig(
+FAST = MigrationOptions(
     chunk_size=4096,
     poll_interval=0.01,
     commit_timeout=5,
@@ -142,7 +142,7 @@ def test_commit_gives_up_waiting_for_a_missing_rank(tiers) -> None:
     migrator = Migrator(
         Tier("hot", hot),
         Tier("cold", cold),
-        MigrationConfig(poll_interval=0.01, commit_timeout=0.2),
+        MigrationOptions(poll_interval=0.01, commit_timeout=0.2),
         sleep=sleep,
     )
     migrator.submit_commit(ghost, rank=0)
@@ -151,7 +151,7 @@ def test_commit_gives_up_waiting_for_a_missing_rank(tiers) -> None:
     assert status.state is MigrationState.FAILED and status.failed_rank == 1
     assert "no upload mark from ranks [1]" in status.error
     assert list_checkpoints(Store(cold=cold)) == []  # never a partial cold checkpoint
-    # The polls back off from poll_interval, doubling (MigrationConfig.mark_polling).
+    # The polls back off from poll_interval, doubling (MigrationOptions.mark_polling).
     assert slept[:3] == pytest.approx([0.01, 0.02, 0.04])
 
 
@@ -165,11 +165,11 @@ SAVE_SCRIPT = """
 import sys, torch, torch.distributed.checkpoint as dcp, warnings
 warnings.filterwarnings("ignore")
 from tierstore import TieredWriter
-from tierstore.migration.migrator import MigrationConfig
+from tierstore.migration.migrator import MigrationOptions
 hot, cold = sys.argv[1], sys.argv[2]
 g = torch.Generator().manual_seed(1)
 state = {"w": torch.randn(200, 50, generator=g), "extra": {"step": 1}}
-writer = TieredWriter(hot, cold, step=1, migration=MigrationConfig(chunk_size=4096))
+writer = TieredWriter(hot, cold, step=1, migration=MigrationOptions(chunk_size=4096))
 dcp.save(state, storage_writer=writer)
 writer.migrator.wait()
 print("migrated")
@@ -246,12 +246,12 @@ def test_stop_ends_a_commit_waiting_for_marks_and_the_jobs_behind_it(tmp_path: P
 
     from test_cold_commit_scale import rank_job, write_attempt
 
-    from tierstore.migration.migrator import MigrationConfig, MigrationState, Migrator
+    from tierstore.migration.migrator import MigrationOptions, MigrationState, Migrator
     from tierstore.tiers.tier import Tier
 
     hot, cold = Tier("hot", str(tmp_path / "hot")), Tier("cold", str(tmp_path / "cold"))
     manifest = write_attempt(hot, world=3)  # rank 1 never uploads: the commit waits for it
-    migrator = Migrator(hot, cold, MigrationConfig(poll_interval=0.05, commit_timeout=600))
+    migrator = Migrator(hot, cold, MigrationOptions(poll_interval=0.05, commit_timeout=600))
     commit = rank_job(manifest, 0, commit=True)
     queued = rank_job(manifest, 2)
     migrator._enqueue(commit)

@@ -22,14 +22,14 @@ from helpers import save
 from tierstore.errors import ObjectNotFound
 from tierstore.format import layout
 from tierstore.format.manifest import Manifest
-from tierstore.migration.migrator import MigrationConfig, MigrationState
+from tierstore.migration.migrator import MigrationOptions, MigrationState
 from tierstore.migration.restore import restore_checkpoint
 from tierstore.migration.status import migrate_pending
 from tierstore.testing.faults import armed_env
 from tierstore.tiers.tier import Store, Tier
 
 BIG = (512, 1024)  # 2 MiB of data a checkpoint
-SMALL_CHUNKS = MigrationConfig(chunk_size=64 << 10)  # many chunks a file
+SMALL_CHUNKS = MigrationOptions(chunk_size=64 << 10)  # many chunks a file
 
 
 @pytest.fixture

@@ -12,12 +12,12 @@ from helpers import file_path, load, matches, save
 
 from tierstore import Store, list_checkpoints
 from tierstore.format import layout
-from tierstore.migration.migrator import MigrationConfig
+from tierstore.migration.migrator import MigrationOptions
 from tierstore.migration.restore import restore
 from tierstore.migration.status import wait_for_migrations
 from tierstore.retry import RetryPolicy
 
-FAST = MigrationConfig(
+FAST = MigrationOptions(
     chunk_size=4096,
     poll_interval=0.01,
     commit_timeout=5,

@@ -14,7 +14,7 @@ from tierstore._redact import redact_url
 from tierstore.cli.parser import EXIT_ERROR, UsageError
 from tierstore.errors import CheckpointNotFound
 from tierstore.lifecycle.quarantine import list_quarantined
-from tierstore.migration.migrator import MigrationConfig
+from tierstore.migration.migrator import MigrationOptions
 from tierstore.progress import size_text
 from tierstore.tiers.catalog import resolve
 from tierstore.tiers.tier import Store, Tier
@@ -173,10 +173,10 @@ def status_json(status: Any) -> dict[str, Any]:
     return body
 
 
-def migration_config(args: argparse.Namespace) -> MigrationConfig:
+def migration_config(args: argparse.Namespace) -> MigrationOptions:
     """``--concurrency`` and ``--bandwidth`` (MiB/s) of the commands that copy files."""
     bandwidth = args.bandwidth * 2**20 if args.bandwidth else None
-    return MigrationConfig(concurrency=args.concurrency, bandwidth=bandwidth)
+    return MigrationOptions(concurrency=args.concurrency, bandwidth=bandwidth)
 
 
 def said_json(args: argparse.Namespace, manifest: Any, **more: Any) -> bool:

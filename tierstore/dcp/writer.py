@@ -56,7 +56,7 @@ from tierstore.errors import CheckpointExists, ConfigError, NoSpaceLeft
 from tierstore.format import layout
 from tierstore.format import manifest_format as fmt
 from tierstore.format.manifest import FileEntry, Manifest
-from tierstore.migration.migrator import MigrationConfig, Migrator
+from tierstore.migration.migrator import MigrationOptions, Migrator
 from tierstore.migration.workers import migrator_for
 from tierstore.options import WriterOptions
 from tierstore.storage import faults
@@ -150,7 +150,7 @@ class TieredWriter(StorageWriter):
         *,
         step: int | None = None,
         name: str | None = None,
-        migration: MigrationConfig | None = None,
+        migration: MigrationOptions | None = None,
         metrics: Mapping[str, float] | None = None,
         options: WriterOptions | None = None,
         run: str | None = None,

@@ -32,7 +32,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 from tierstore.manager import CheckpointManager
-from tierstore.options import Preemption
+from tierstore.options import PreemptionOptions
 
 __all__ = ["SigtermTakeover"]
 
@@ -53,7 +53,7 @@ class SigtermTakeover:
     def active(self) -> bool:
         return self._connector is not None
 
-    def install(self, trainer: Trainer, preemption: Preemption | None) -> None:
+    def install(self, trainer: Trainer, preemption: PreemptionOptions | None) -> None:
         """Replace the connector's notifier before Lightning registers its handlers (it does
         so after the callbacks' ``setup``); warn where a set-up stays unsafe."""
         _warn_requeue_handler(trainer, preemption)
@@ -121,7 +121,7 @@ class SigtermTakeover:
         self._connector, self._children = None, []
 
 
-def _warn_requeue_handler(trainer: Trainer, preemption: Preemption | None) -> None:
+def _warn_requeue_handler(trainer: Trainer, preemption: PreemptionOptions | None) -> None:
     """Lightning's Slurm auto-requeue saves a checkpoint from inside its requeue signal's
     handler (``_slurm_sigusr_handler_fn``: DCP collectives in a signal handler, and Lightning's
     own files, not a tierstore checkpoint); it installs it only where that signal has no
@@ -138,7 +138,7 @@ def _warn_requeue_handler(trainer: Trainer, preemption: Preemption | None) -> No
         f"Lightning's Slurm auto-requeue saves its own checkpoint from inside the {name} "
         "handler (collectives in a signal handler: a sharded job can deadlock there, and the "
         f"checkpoint is not in the store). If Slurm sends {name} (--signal), pass "
-        f"manager_options={{'preemption': Preemption(signals=(signal.SIGTERM, signal.{name}))}} "
+        f"manager_options={{'preemption': PreemptionOptions(signals=(signal.SIGTERM, signal.{name}))}} "
         "(TierstoreCheckpoint then saves that step and stops every rank; requeue with "
         "#SBATCH --requeue), or plugins=[SLURMEnvironment(auto_requeue=False)]",
     )

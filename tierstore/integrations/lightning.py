@@ -44,7 +44,7 @@ handler only records; at the end of every training batch the ranks combine what 
 recorded, and a notice on any rank makes Lightning raise ``SIGTERMException`` on every rank at
 that batch (the script exits 0); the callback then saves that step, whatever
 ``save_on_exception`` says, and pushes it to the cold tier within the grace period of the
-manager's ``Preemption`` (``manager_options={"preemption": Preemption(grace_seconds=90)}``;
+manager's ``PreemptionOptions`` (``manager_options={"preemption": PreemptionOptions(grace_seconds=90)}``;
 default 30 s). ``fit(ckpt_path="last")`` in the requeued job resumes from it.
 """
 

@@ -76,7 +76,7 @@ from tierstore.manager.preemption import PreemptionReport
 from tierstore.migration.delivery import await_delivery, resume_pending
 from tierstore.migration.migrator import Migrator
 from tierstore.migration.workers import migrator_for
-from tierstore.options import Preemption
+from tierstore.options import PreemptionOptions
 from tierstore.tiers.catalog import CheckpointInfo, list_checkpoints
 from tierstore.tiers.tier import Store
 
@@ -130,7 +130,9 @@ class TieredCheckpointManager(CheckpointManager):  # type: ignore[misc]
         self._built: Store | None = None
         self._force_save = False
         self._notice = NoticeHandler(None)  # the manager's part, watching once torchtitan's is built
-        options = Preemption(grace_seconds=config.preemption_grace_seconds) if config.preemption else None
+        options = (
+            PreemptionOptions(grace_seconds=config.preemption_grace_seconds) if config.preemption else None
+        )
         super().__init__(config, **kwargs)
         if self.enable and options is not None:
             self._notice = NoticeHandler(options)

@@ -28,8 +28,8 @@ from tierstore.manager.preemption import PreemptionReport, preemption_options
 from tierstore.manager.removed import given, refuse_removed
 from tierstore.manager.runs import RunGuard, run_of
 from tierstore.manager.saving import SavePipeline
-from tierstore.migration.migrator import MigrationConfig
-from tierstore.options import ManagerOptions, Preemption, Run, StagingOptions, WriterOptions
+from tierstore.migration.migrator import MigrationOptions
+from tierstore.options import ManagerOptions, PreemptionOptions, RunOptions, StagingOptions, WriterOptions
 from tierstore.tiers import runlock
 from tierstore.tiers.tier import Store, TierURL
 
@@ -57,19 +57,19 @@ class CheckpointManager:
             everything).
         save_every: an int (every N steps), a callable ``step -> bool`` (e.g. a
             :class:`tierstore.resume.cadence.TimeCadence`), or ``None`` to save whenever asked.
-        migration: how this process migrates to the cold tier (:class:`~tierstore.MigrationConfig`).
+        migration: how this process migrates to the cold tier (:class:`~tierstore.MigrationOptions`).
         writer: how each save is written (:class:`~tierstore.WriterOptions`: threads,
             encoding, ...).
         staging: how the state is taken off the training loop
             (:class:`~tierstore.StagingOptions`: ``dcp.async_save`` or ``dcp.save``, thread
             or process, reused or fresh buffers, overlap).
         preemption: save on a scheduler's preemption notice (default ``True``: SIGTERM, a 30 s
-            grace period; a :class:`~tierstore.Preemption` names other signals and another
+            grace period; a :class:`~tierstore.PreemptionOptions` names other signals and another
             period; ``False``: off). The next ``save()`` after the signal saves that step on
             every rank and pushes it to the cold tier within the grace period; then
             :attr:`preempted` is ``True`` (:mod:`tierstore.manager.preemption`).
-        run: the run it saves for and resumes: a name (``Run(name)``) or a
-            :class:`~tierstore.Run`; ``load_latest`` then resumes only that run's checkpoints
+        run: the run it saves for and resumes: a name (``RunOptions(name)``) or a
+            :class:`~tierstore.RunOptions`; ``load_latest`` then resumes only that run's checkpoints
             (:mod:`tierstore.manager.runs`). ``None`` (default): the newest, whoever saved it.
         options: what the manager itself needs beyond these
             (:class:`~tierstore.ManagerOptions`: ``close_timeout``, 300 s by default, the
@@ -92,11 +92,11 @@ class CheckpointManager:
         *,
         save_every: int | Cadence | None = None,
         retention: Retention | None = None,
-        run: str | Run | None = None,
-        preemption: Preemption | bool = True,
+        run: str | RunOptions | None = None,
+        preemption: PreemptionOptions | bool = True,
         staging: StagingOptions | None = None,
         writer: WriterOptions | None = None,
-        migration: MigrationConfig | None = None,
+        migration: MigrationOptions | None = None,
         options: ManagerOptions | None = None,
         **removed: Any,
     ) -> None:
@@ -315,7 +315,7 @@ class CheckpointManager:
 
         With a run name (``CheckpointManager(run=)``), only checkpoints whose manifest names
         that run are candidates: another run's, and those of no named run, are passed over
-        (named once in a warning; ``Run(strict=True)``: a ``ConfigError``).
+        (named once in a warning; ``RunOptions(strict=True)``: a ``ConfigError``).
 
         ``planner`` is DCP's load planner; by default DCP's own, or, when the checkpoint was
         saved by another world size, :class:`~tierstore.resume.state.ResumePlanner` (see

@@ -116,7 +116,7 @@ class Loader:
     def _candidates(self, step: int | None, coordinator: bool) -> list[str]:
         """The checkpoints to try, newest first, known to the coordinator (others get an
         empty list): with a run name, its own (:meth:`RunGuard.resumable`). Its listing's error (or
-        ``Run(strict=True)``'s) reaches every rank, so none waits for ever on a coordinator
+        ``RunOptions(strict=True)``'s) reaches every rank, so none waits for ever on a coordinator
         that gave up (node-local with the cold tier down)."""
         found: Any = None
         if coordinator:

@@ -18,7 +18,7 @@ from tierstore.lifecycle.rounds import BackgroundRounds
 from tierstore.manager.group import Group
 from tierstore.manager.runs import RunGuard
 from tierstore.migration.delivery import resume_pending
-from tierstore.migration.migrator import MigrationConfig, Migrator, files_by_rank
+from tierstore.migration.migrator import MigrationOptions, Migrator, files_by_rank
 from tierstore.migration.workers import migrator_for, migrators_of
 from tierstore.tiers import marks
 from tierstore.tiers.tier import Store
@@ -42,7 +42,7 @@ class Maintenance:
         retention: Retention,
         guard: RunGuard,
         group: Group,
-        migration: MigrationConfig | None,
+        migration: MigrationOptions | None,
     ) -> None:
         assert store.hot is not None  # store_to_save refused a store without one
         self.store, self.hot, self.retention, self.guard = store, store.hot, retention, guard

@@ -14,7 +14,7 @@ from tierstore.format import layout
 from tierstore.manager.preemption import PreemptionReport, PreemptionWatch, push_to_cold
 from tierstore.manager.signals import end_process
 from tierstore.migration.migrator import Migrator
-from tierstore.options import Preemption
+from tierstore.options import PreemptionOptions
 
 __all__ = ["NoticeHandler"]
 
@@ -28,7 +28,7 @@ class NoticeHandler:
     ``report`` is what the save on the notice managed (:class:`PreemptionReport`), once it ran.
     """
 
-    def __init__(self, options: Preemption | None) -> None:
+    def __init__(self, options: PreemptionOptions | None) -> None:
         self.watch = PreemptionWatch(options) if options is not None else None
         self.report: PreemptionReport | None = None
         self.acted = False  # a save acted on a notice

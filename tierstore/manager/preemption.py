@@ -5,7 +5,7 @@ in the cold tier.
 The protocol, on every rank:
 
 1. **The handler only records.** :class:`SignalWatch` installs a handler for each of
-   :class:`~tierstore.Preemption`'s signals that notes the first request's time and calls the
+   :class:`~tierstore.PreemptionOptions`'s signals that notes the first request's time and calls the
    handler that was there before it if that is a Python function. It does nothing else: a
    signal handler runs between two bytecodes of whatever the main thread was doing (holding
    the logging lock, or inside a collective), so it takes no lock and starts no I/O; it sets
@@ -63,7 +63,7 @@ from tierstore.errors import ConfigError
 from tierstore.manager.signals import SignalWatch, end_process
 from tierstore.migration.delivery import deliver
 from tierstore.migration.migrator import MigrationState, Migrator
-from tierstore.options import Preemption
+from tierstore.options import PreemptionOptions
 
 __all__ = [
     "PreemptionWatch",
@@ -82,16 +82,17 @@ EXIT_MARGIN = 3.0
 _WATCHES: weakref.WeakSet[PreemptionWatch] = weakref.WeakSet()  # this process's live watches
 
 
-def preemption_options(preemption: Preemption | bool) -> Preemption | None:
-    """``CheckpointManager(preemption=)``: ``True`` is ``Preemption()``, ``False`` is off."""
+def preemption_options(preemption: PreemptionOptions | bool) -> PreemptionOptions | None:
+    """``CheckpointManager(preemption=)``: ``True`` is ``PreemptionOptions()``, ``False`` is off."""
     if preemption is True:
-        return Preemption()
+        return PreemptionOptions()
     if preemption is False:
         return None
-    if isinstance(preemption, Preemption):
+    if isinstance(preemption, PreemptionOptions):
         return preemption
     raise ConfigError(
-        f"CheckpointManager(preemption=) takes True, False or a Preemption, got {type(preemption).__name__}"
+        "CheckpointManager(preemption=) takes True, False or a PreemptionOptions, "
+        f"got {type(preemption).__name__}"
     )
 
 
@@ -144,7 +145,7 @@ class PreemptionWatch:
     ended it without the manager.
     """
 
-    def __init__(self, options: Preemption) -> None:
+    def __init__(self, options: PreemptionOptions) -> None:
         self.options = options
         self._signalled = threading.Event()  # set by the handler: nothing else touches it
         self._released = threading.Event()

@@ -3,7 +3,7 @@
 A new run pointed at an old run's directory used to resume the old run's weights without a
 word (same model), or fail with DCP's size mismatch (another model) without a hint that the
 directory holds another run. A manager given a run name (``CheckpointManager(run="B")``, or
-``run=Run("B", strict=True)``) records it in every manifest it saves, and its
+``run=RunOptions("B", strict=True)``) records it in every manifest it saves, and its
 ``load_latest`` resumes only checkpoints recorded with that name: another run's, those of
 no named run (a job id alone) and those saved before runs were recorded are passed over,
 never loaded, and the resume fallback past a damaged checkpoint (and its quarantine) stays
@@ -38,7 +38,7 @@ from tierstore.dcp.reader import TieredReader
 from tierstore.errors import ConfigError, TierstoreError
 from tierstore.format.manifest import Manifest, checkpoint_order
 from tierstore.lifecycle.retention import Policy, within_run
-from tierstore.options import Run
+from tierstore.options import RunOptions
 from tierstore.tiers.catalog import CheckpointInfo, list_checkpoints
 from tierstore.tiers.tier import Store, Tier
 
@@ -63,18 +63,18 @@ class StructureMismatch(ConfigError, CheckpointException):
         return Exception.__str__(self)  # the message, not DCP's per-rank tracebacks
 
 
-def run_of(value: str | Run | None) -> Run | None:
-    """``CheckpointManager(run=)`` as a :class:`~tierstore.Run`: a name is ``Run(name)``."""
-    if value is None or isinstance(value, Run):
+def run_of(value: str | RunOptions | None) -> RunOptions | None:
+    """``CheckpointManager(run=)`` as a :class:`~tierstore.RunOptions`: a name is ``RunOptions(name)``."""
+    if value is None or isinstance(value, RunOptions):
         return value
     if isinstance(value, str):
-        return Run(value)
+        return RunOptions(value)
     raise ConfigError(
-        f"CheckpointManager(run=) takes a run name or a tierstore.Run, got {type(value).__name__}"
+        f"CheckpointManager(run=) takes a run name or a tierstore.RunOptions, got {type(value).__name__}"
     )
 
 
-def ours(checkpoint: CheckpointInfo | Manifest, run: Run | None) -> bool:
+def ours(checkpoint: CheckpointInfo | Manifest, run: RunOptions | None) -> bool:
     """Whether a manager of ``run`` resumes ``checkpoint`` without being asked for it: any, without a
     run name; else only one whose manifest names that very run."""
     return run is None or checkpoint.run == run.name
@@ -89,7 +89,7 @@ def whose(checkpoint: CheckpointInfo | Manifest) -> str:
     return "no recorded run"
 
 
-def _others(listed: Iterable[CheckpointInfo], run: Run) -> dict[str, tuple[int, CheckpointInfo]]:
+def _others(listed: Iterable[CheckpointInfo], run: RunOptions) -> dict[str, tuple[int, CheckpointInfo]]:
     """Each other run of ``listed`` (by :func:`whose`): how many checkpoints, and its newest."""
     found: dict[str, tuple[int, CheckpointInfo]] = {}
     for info in sorted(listed, key=checkpoint_order):
@@ -110,7 +110,7 @@ class RunGuard:
     """The run rule of a manager (module docstring): which checkpoints a load may pick, what
     its retention may prune, and the other runs a store holds, each named once."""
 
-    def __init__(self, run: Run | None) -> None:
+    def __init__(self, run: RunOptions | None) -> None:
         self.run = run
         self._reported: set[str] = set()  # the other runs already named in a warning
 
@@ -159,7 +159,7 @@ class RunGuard:
         self._reported.update(others)
         if run.strict:
             return ConfigError(
-                f"CheckpointManager(run=Run({run.name!r}, strict=True)): {where} holds checkpoints "
+                f"CheckpointManager(run=RunOptions({run.name!r}, strict=True)): {where} holds checkpoints "
                 f"of other runs ({_named(others)}); nothing was saved. Give run {run.name!r} a "
                 f"directory of its own, or pass run={run.name!r} to resume only its own "
                 "checkpoints beside them",

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 from tierstore.errors import CheckpointExists, ChecksumMismatch, IntegrityError, TierstoreError
 from tierstore.format.manifest import FileEntry, Manifest
-from tierstore.migration.jobs import Job, JobFailed, JobStopped, MigrationConfig, files_by_rank, in_parallel
+from tierstore.migration.jobs import Job, JobFailed, JobStopped, MigrationOptions, files_by_rank, in_parallel
 from tierstore.migration.transfer import verified_copy
 from tierstore.storage import faults
 from tierstore.storage.backend import ObjectInfo
@@ -32,7 +32,7 @@ class ColdCommit:
 
     hot: Tier
     cold: Tier
-    config: MigrationConfig
+    config: MigrationOptions
     _sleep: Callable[[float], None]
 
     def _commit(self, manifest: Manifest, job: Job | None = None) -> None:

@@ -40,7 +40,7 @@ from tierstore.errors import (
     TierstoreError,
 )
 from tierstore.format.manifest import Manifest
-from tierstore.migration.jobs import Job, JobFailed, MigrationConfig, MigrationState, files_by_rank
+from tierstore.migration.jobs import Job, JobFailed, MigrationOptions, MigrationState, files_by_rank
 from tierstore.migration.migrator import Migrator
 from tierstore.progress import ProgressCallback
 from tierstore.storage import faults
@@ -75,7 +75,7 @@ def copy_checkpoint(
     name: str | None = None,
     step: int | None = None,
     destination_options: dict[str, Any] | None = None,
-    config: MigrationConfig | None = None,
+    config: MigrationOptions | None = None,
     progress: ProgressCallback | None = None,
 ) -> CopyReport:
     """Copy the committed checkpoint ``name`` (or the newest of ``step``, or the newest) from
@@ -89,7 +89,7 @@ def copy_checkpoint(
     naming file, checkpoint and tier), :class:`~tierstore.errors.CheckpointExists` (the
     destination commits another attempt of that name) and storage errors as they come.
     """
-    config = config or MigrationConfig()
+    config = config or MigrationOptions()
     store = Store.of(source)
     dest = _destination(destination, destination_options)
     manifest, holders = resolve(store.committed_tiers, step=step, name=name)
@@ -159,7 +159,7 @@ class _Copier(Migrator):
     """The migrator with the destination as its cold tier, committing without marking the
     source migrated, and keeping the failure a job ended in (to raise it)."""
 
-    def __init__(self, source: Tier, destination: Tier, config: MigrationConfig) -> None:
+    def __init__(self, source: Tier, destination: Tier, config: MigrationOptions) -> None:
         super().__init__(source, destination, config)
         self._failure: JobFailed | None = None
 

@@ -21,7 +21,7 @@ __all__ = [
     "Job",
     "JobFailed",
     "JobStopped",
-    "MigrationConfig",
+    "MigrationOptions",
     "MigrationState",
     "MigrationStatus",
     "files_by_rank",
@@ -35,7 +35,7 @@ FILE_RETRY = RetryPolicy(attempts=3, deadline=900.0, initial=1.0, maximum=30.0)
 
 
 @dataclass(frozen=True)
-class MigrationConfig:
+class MigrationOptions:
     """How a process migrates: concurrency (files at once), chunking, caps and timeouts."""
 
     concurrency: int = 2

@@ -61,7 +61,7 @@ from tierstore.migration.jobs import (
     Job,
     JobFailed,
     JobStopped,
-    MigrationConfig,
+    MigrationOptions,
     MigrationState,
     MigrationStatus,
     files_by_rank,
@@ -74,7 +74,7 @@ from tierstore.tiers import marks
 from tierstore.tiers.tier import Tier
 
 __all__ = [
-    "MigrationConfig",
+    "MigrationOptions",
     "MigrationState",
     "MigrationStatus",
     "Migrator",
@@ -121,13 +121,13 @@ class Migrator(ColdCommit):
         self,
         hot: Tier,
         cold: Tier,
-        config: MigrationConfig | None = None,
+        config: MigrationOptions | None = None,
         *,
         clock: Callable[[], float] = time.time,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.hot, self.cold = hot, cold
-        self.config = config or MigrationConfig()
+        self.config = config or MigrationOptions()
         self._clock, self._sleep = clock, sleep
         self._throttle = Throttle(self.config.bandwidth, sleep=sleep)
         self._jobs = JobTable()

@@ -26,7 +26,7 @@ from tierstore.errors import (
 )
 from tierstore.format import layout
 from tierstore.format.manifest import FileEntry, Manifest
-from tierstore.migration.migrator import MigrationConfig
+from tierstore.migration.migrator import MigrationOptions
 from tierstore.migration.transfer import Throttle, check_copy, copy_file
 from tierstore.progress import counting
 from tierstore.tiers.catalog import resolve
@@ -58,7 +58,7 @@ def restore(
     *,
     step: int | None = None,
     name: str | None = None,
-    config: MigrationConfig | None = None,
+    config: MigrationOptions | None = None,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> Manifest:
     """Restore (or repair) the newest (or the given) cold checkpoint in the hot tier; return
@@ -71,13 +71,13 @@ def restore_checkpoint(
     *,
     step: int | None = None,
     name: str | None = None,
-    config: MigrationConfig | None = None,
+    config: MigrationOptions | None = None,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> RestoreReport:
     """Restore the newest (or the given) cold checkpoint into the hot tier, repairing what the
     hot tier holds of it (module docstring); raise :class:`CheckpointExists` if the hot tier
     commits another attempt under that name."""
-    config = config or MigrationConfig()
+    config = config or MigrationOptions()
     hot_tier, cold_tier = Store.of(store).migration_pair()
     manifest, _ = resolve([cold_tier], step=step, name=name)
     present, torn = _hot_manifest(hot_tier, manifest.name)

@@ -20,7 +20,7 @@ from dataclasses import replace
 
 from tierstore.errors import InvalidManifest
 from tierstore.format.manifest import Manifest, checkpoint_order
-from tierstore.migration.migrator import MigrationConfig, MigrationState, MigrationStatus, Migrator
+from tierstore.migration.migrator import MigrationOptions, MigrationState, MigrationStatus, Migrator
 from tierstore.migration.workers import drain
 from tierstore.retry import polling
 from tierstore.tiers import marks
@@ -124,7 +124,7 @@ def migrate_pending(
     store: Store | TierURL,
     *,
     names: Iterable[str] | None = None,
-    config: MigrationConfig | None = None,
+    config: MigrationOptions | None = None,
     progress: Callable[[str, int, int], None] | None = None,
     finished: Callable[[MigrationStatus], None] | None = None,
 ) -> list[MigrationStatus]:

@@ -34,7 +34,7 @@ import time
 
 from tierstore import settings
 from tierstore.errors import ConfigError
-from tierstore.migration.migrator import MigrationConfig, Migrator
+from tierstore.migration.migrator import MigrationOptions, Migrator
 from tierstore.tiers.tier import Tier
 
 __all__ = ["migrator_for", "migrators_of", "active_migrators", "drain", "EXIT_WAIT", "EXIT_WAIT_ENV"]
@@ -59,10 +59,10 @@ def _tier_id(tier: Tier) -> str:
 
 
 def migrator_for(
-    hot: Tier, cold: Tier, config: MigrationConfig | None = None, *, exit_wait: float | None = None
+    hot: Tier, cold: Tier, config: MigrationOptions | None = None, *, exit_wait: float | None = None
 ) -> Migrator:
     """This process's migrator for ``hot`` -> ``cold`` with ``config`` (``None``: the default
-    ``MigrationConfig()``), created on first use.
+    ``MigrationOptions()``), created on first use.
 
     Every config gets its own: a writer asking for another config than the migrator already
     running for its tiers gets a migrator of its own, which uploads its checkpoints with that
@@ -70,7 +70,7 @@ def migrator_for(
     ``exit_wait``: the exit hook waits at most this many seconds for this migrator's uploads
     (the tightest any caller asked for, and never more than ``EXIT_WAIT``).
     """
-    wanted = config if config is not None else MigrationConfig()
+    wanted = config if config is not None else MigrationOptions()
     pair = (_tier_id(hot), _tier_id(cold))
     with _MIGRATORS_LOCK:
         running = _MIGRATORS.setdefault(pair, [])

@@ -20,7 +20,7 @@ from tierstore.dcp.writer import TieredWriter
 from tierstore.format import layout
 from tierstore.manager import CheckpointManager
 from tierstore.migration import migrator as migrator_module
-from tierstore.migration.jobs import Job, JobFailed, MigrationConfig, MigrationState
+from tierstore.migration.jobs import Job, JobFailed, MigrationOptions, MigrationState
 from tierstore.migration.migrator import Migrator
 from tierstore.migration.status import migrate_pending
 from tierstore.migration.workers import active_migrators
@@ -39,7 +39,7 @@ COLD_MODES = MODES  # what every backend's fault proxy can be switched to (serve
 
 _HANG = 60.0  # seconds: far beyond any hot save here; only a save blocked on the cold tier gets there
 _ONE_TRY = RetryPolicy(attempts=1, deadline=5.0, initial=0.01, maximum=0.05)
-_FAST_MIGRATION = MigrationConfig(retry=_ONE_TRY, commit_timeout=5.0, poll_interval=0.05)
+_FAST_MIGRATION = MigrationOptions(retry=_ONE_TRY, commit_timeout=5.0, poll_interval=0.05)
 
 
 class ProxiedCold:

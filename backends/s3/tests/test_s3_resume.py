@@ -21,7 +21,7 @@ from s3_test_support import FAST_RETRY, PART, backend_options
 
 from tierstore import Store
 from tierstore.format.manifest import Manifest
-from tierstore.migration.jobs import MigrationConfig, MigrationState
+from tierstore.migration.jobs import MigrationOptions, MigrationState
 from tierstore.migration.status import migrate_pending
 from tierstore.storage.backend import crc32c_update
 from tierstore.tiers.tier import Tier
@@ -30,7 +30,7 @@ from tierstore_s3._checksum import encode
 
 MakeBackend = Callable[..., S3Backend]
 BIG = (2560, 4096)  # a 40 MiB shard: 8 parts of 5 MiB and a small last one
-FAST = MigrationConfig(retry=FAST_RETRY)
+FAST = MigrationOptions(retry=FAST_RETRY)
 
 
 def _write(backend: S3Backend, key: str, data: bytes, *, finish: bool = True) -> Any:
