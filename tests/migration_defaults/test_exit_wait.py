@@ -89,3 +89,42 @@ def test_the_environment_variable_sets_the_bound(tmp_path: Path, silent_endpoint
     _, after_save, log = run_script(tmp_path, silent_endpoint, "-", {"TIERSTORE_EXIT_WAIT": "1"})
     assert "waiting up to 1s" in log
     assert after_save < 20
+
+
+MANAGER_SCRIPT = """
+import logging, sys, time
+import torch
+from tierstore import CheckpointManager, StagingOptions, Store
+from tierstore.options import ManagerOptions
+
+logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
+hot, endpoint = sys.argv[1], sys.argv[2]
+options = {"endpoint_url": endpoint, "key": "k", "secret": "s", "region": "us-east-1"}
+store = Store.of(hot, "s3://bucket/run", cold_options=options)
+manager = CheckpointManager(
+    store, preemption=False, staging=StagingOptions(async_save=False), options=ManagerOptions(close_timeout=2)
+)
+manager.save(1, {"w": torch.arange(1000.0)}, force=True)  # committed in hot when it returns
+print("SAVED", time.time(), flush=True)
+# never closed: the exit hook waits for its uploads at most its close_timeout
+"""
+
+
+def test_a_manager_never_closed_waits_at_exit_no_longer_than_its_close_timeout(
+    tmp_path: Path, silent_endpoint: str
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(MANAGER_SCRIPT))
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("TIERSTORE_")}
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "hot"), silent_endpoint],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=environ,
+    )
+    ended = time.time()
+    assert done.returncode == 0, done.stderr[-3000:]
+    after_save = ended - float(done.stdout.split("SAVED")[1].split()[0])
+    assert "waiting up to 2s" in done.stderr, done.stderr[-3000:]
+    assert after_save < 20, f"the script sat {after_save:.0f}s at exit, close_timeout=2"

@@ -91,16 +91,12 @@ def store_to_save(
     hot: TierURL | Store | None,
     cold: TierURL | None = None,
     *,
-    hot_options: Mapping[str, Any] | None = None,
-    cold_options: Mapping[str, Any] | None = None,
     owner: str,
 ) -> Store:
     """The store ``owner`` saves to: ``hot`` and ``cold`` as URLs, or a ``Store`` as ``hot``.
     It needs a hot tier (saves are written there first), and every tier's scheme is looked up
     now, so a typo or missing plugin fails here, once, not at each save."""
-    # TODO(issue 36): hot_options/cold_options go once CheckpointManager and
-    # TierstoreCheckpoint stop passing them (always None there).
-    store = Store.of(hot, cold, hot_options=hot_options, cold_options=cold_options)
+    store = Store.of(hot, cold)
     if store.hot is None:
         raise ConfigError(f"{owner} needs a hot tier: saves are written there first")
     store.check_schemes()

@@ -155,9 +155,7 @@ class TierstoreCheckpoint(ModelCheckpoint):
         _warn_unused(checkpoint_options)
         super().__init__(**checkpoint_options)
         options = dict(manager_options or {})
-        self.store = store_to_save(
-            hot, cold, hot_options=None, cold_options=None, owner="TierstoreCheckpoint"
-        )
+        self.store = store_to_save(hot, cold, owner="TierstoreCheckpoint")
         _check_manager_options(options)
         policy = policy_for(self.monitor, self.save_top_k, self.mode, self.save_last)
         self.retention = _retention(retention, policy)

@@ -29,6 +29,7 @@ from tierstore.manager.removed import given, refuse_removed
 from tierstore.manager.runs import RunGuard, run_of
 from tierstore.manager.saving import SavePipeline
 from tierstore.migration.migrator import MigrationOptions
+from tierstore.migration.workers import migrator_for
 from tierstore.options import ManagerOptions, PreemptionOptions, RunOptions, StagingOptions, WriterOptions
 from tierstore.tiers import runlock
 from tierstore.tiers.tier import Store, TierURL
@@ -110,7 +111,7 @@ class CheckpointManager:
         if isinstance(save_every, int) and save_every <= 0:
             raise ConfigError(f"save_every must be positive, got {save_every}")
         self.save_every = save_every
-        self.store = store_to_save(hot, cold, hot_options=None, cold_options=None, owner="CheckpointManager")
+        self.store = store_to_save(hot, cold, owner="CheckpointManager")
         self.node_local, self.migration = self.store.node_local, migration
         # Node-local hot tiers each hold some ranks' files: the cold tier is the shared catalog.
         self.catalog = Store.of_tiers(None, self.store.cold) if self.node_local else self.store
@@ -127,6 +128,8 @@ class CheckpointManager:
             self._group.release()
             raise
         self._maintenance = Maintenance(self.store, self.retention, self._guard, self._group, migration)
+        if self.store.cold is not None:  # the exit hook waits at most close_timeout for its uploads
+            migrator_for(hot_tier, self.store.cold, migration, exit_wait=self.close_timeout)
         self._pipeline = SavePipeline(
             self.staging,
             self._group,
