@@ -134,7 +134,7 @@ def train_save(spec: dict[str, Any]) -> None:
             (out / f"saved-{step}.json").write_text(json.dumps(d, sort_keys=True))
         dist.barrier()
     if spec.get("cold") and spec.get("drain"):
-        statuses = wait_for_migrations(**tiers(spec), timeout=180)
+        statuses = wait_for_migrations(Store.of(**tiers(spec)), timeout=180)
         if dist.get_rank() == 0:
             summary = {s.name: {"state": s.state.value, "error": s.error} for s in statuses}
             (out / "migration.json").write_text(json.dumps(summary, sort_keys=True))

@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import rule, run_state_machine_as_test
 from multi_actor import Machine
 
-from tierstore.dcp.reader import TieredReader
+from tierstore.dcp import fallback
 from tierstore.lifecycle import quarantine as quarantine_mod
 
 # The scenario test and its fixture (a local tier answering 404s), from tests/lifecycle.
@@ -83,9 +83,11 @@ def test_the_machine_catches_a_restore_that_will_not_finish(monkeypatch: pytest.
     )
 
 
-def reading_once(self: TieredReader, entry: Any, consume: Any) -> None:
-    """``TieredReader._from_nearest`` as it was: the last tier's first error is the verdict."""
-    failed = self._each_holder(entry, consume, proving=False)
+def reading_once(
+    manifest: Any, holders: Any, entry: Any, consume: Any, *, node_local: bool, served: Any
+) -> None:
+    """``fallback.read_nearest`` as it was: the last tier's first error is the verdict."""
+    failed = fallback._each_holder(manifest, holders, entry, consume, node_local, served, proving=False)
     if failed is not None:
         raise failed[-1]
 
@@ -93,7 +95,7 @@ def reading_once(self: TieredReader, entry: Any, consume: Any) -> None:
 def test_the_transient_404_scenario_catches_a_resume_that_reads_once(
     monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
-    monkeypatch.setattr(TieredReader, "_from_nearest", reading_once)
+    monkeypatch.setattr(fallback, "read_nearest", reading_once)
     cold = Cold("local", str(tmp_path / "cold"), {}, {})
     with pytest.raises(AssertionError, match="rolled back a step"):
         scenario.test_a_transient_404_from_the_cold_tier_neither_quarantines_nor_rolls_back(

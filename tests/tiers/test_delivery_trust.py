@@ -257,7 +257,7 @@ def test_close_spends_its_deadline_trying_after_a_blip(switchable_cold: Cold, tm
     switchable_cold.down()
     run.save(1, state(1))
     run.wait(migrations=False)
-    assert run._migrators()[0].wait(30)
+    assert run._maintenance.migrators()[0].wait(30)
     assert run.health().migrations_failed
     switchable_cold.up()
     run.close()  # raised MigrationFailed
@@ -318,6 +318,6 @@ def test_a_manager_resumes_no_checkpoint_another_live_manager_is_delivering(
     theirs, _ = save_ranks(1, str(hot), step=5)  # another job's save, its migration still to come
     first.save(2, state(2))
     first.wait()
-    mine = {s.name for s in first._migrators()[0].status()}
+    mine = {s.name for s in first._maintenance.migrators()[0].status()}
     assert theirs.name not in mine, "migrated another live job's checkpoint"
     first.close()
