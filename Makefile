@@ -16,8 +16,9 @@ PYTEST_ARGS ?=
 # The suite on three worker processes (pytest-xdist), whole files to a worker so a file's
 # fixtures (its S3 and GCS servers) start once; TEST_WORKERS=0 runs it in one process. CI has 2
 # cores, but much of the suite waits on child processes, servers and grace periods: on this
-# 2-core VM two workers kept 1.5 cores busy and took 20 min 38 s, three took 17 min 36 s
-# (2026-12-05, 1,836 tests, every one passing).
+# 2-core VM two workers kept about 1.5 cores busy (20 min 38 s with a 300 s test since cut to
+# 4 s; 20 min 50 s without it but beside a soak), three took 17 min 36 s alone (2026-12-05,
+# 1,836 tests, every one passing).
 TEST_WORKERS ?= 3
 
 .PHONY: demo test bench bench-full bench-smoke bench-perf bench-scale soak lint wheels clean venv
