@@ -26,6 +26,8 @@ CORE = {
     "Retention",
     "keep_last",
     "keep_every",
+    "Replicas",  # copies on other nodes (issue 37)
+    "Parity",
     "TrainingState",
     "ResumePlanner",
     "ResumableSampler",
@@ -75,7 +77,7 @@ ELSEWHERE = {
 
 def test_the_public_api_is_core_operations_and_errors() -> None:
     assert set(tierstore.__all__) == CORE | OPERATIONS | ERRORS
-    assert len(tierstore.__all__) == len(set(tierstore.__all__)) == 35
+    assert len(tierstore.__all__) == len(set(tierstore.__all__)) == 37
     assert set(dir(tierstore)) == set(tierstore.__all__)
     for name in tierstore.__all__:
         assert getattr(tierstore, name) is not None

@@ -40,6 +40,7 @@ from tierstore.migration.migrator import MigrationOptions
 from tierstore.migration.restore import restore
 from tierstore.migration.status import migrate_pending, migration_status
 from tierstore.options import PreemptionOptions, ReaderOptions, RunOptions, StagingOptions, WriterOptions
+from tierstore.redundancy import Parity, Replicas
 from tierstore.resume.check import Probe, verify_resume
 from tierstore.resume.data import ResumableLoader, ResumableSampler
 from tierstore.tiers.catalog import list_checkpoints
@@ -117,6 +118,8 @@ __all__ = [
     "Retention",
     "keep_last",
     "keep_every",
+    "Replicas",
+    "Parity",
     "TrainingState",
     "ResumePlanner",
     "ResumableSampler",

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import signal
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -285,10 +285,13 @@ class ManagerOptions:
             ``close()`` raises :class:`~tierstore.errors.MigrationFailed`.
         process_group: the group for the checkpoint collectives; by default (``None``) the
             manager makes a gloo group of its own, so they never interleave with training's.
+        node_of: ``rank -> node`` for copies on other nodes (``CheckpointManager(redundancy=)``);
+            by default ``rank // LOCAL_WORLD_SIZE``, as torchrun numbers nodes.
     """
 
     close_timeout: float = 300.0
     process_group: Any = None
+    node_of: Callable[[int], int] | None = None
 
     def __post_init__(self) -> None:
         timeout = self.close_timeout

@@ -114,7 +114,8 @@ def _each_holder(
             errors.append(err)
             if i + 1 == len(holders):
                 return errors
-            expected = not (node_local and i == 0 and isinstance(err, ObjectNotFound))
+            # this node's hot root, and its copies of other nodes' files: a file missing there is expected
+            expected = not (node_local and tier.role in ("hot", "peer") and isinstance(err, ObjectNotFound))
             log.log(
                 logging.WARNING if expected else logging.DEBUG,
                 "falling back to the next tier for file %s of checkpoint %s: %s",

@@ -38,7 +38,7 @@ import os
 import pickle
 import threading
 import uuid
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
 from torch.distributed.checkpoint._extension import ExtensionRegistry
@@ -162,16 +162,19 @@ class TieredReader(StorageReader):
         self._holders: list[Tier] = []
         self._storage_data: dict[MetadataIndex, Any] = {}
         self._deferred: TierstoreError | None = None
+        # Set by a manager with copies on other nodes: fetches, collectively, the files this
+        # rank is about to read that its node lacks (tierstore.redundancy.protect.Peers.fetch).
+        self.peer_fetch: Callable[[Manifest, list[str]], Any] | None = None
 
     # -- DCP protocol --------------------------------------------------------------------
 
     def __getstate__(self) -> dict[str, Any]:
         # A lock does not pickle, nor does a process group.
-        return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_group")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_group", "peer_fetch")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._lock, self._group = threading.Lock(), None
+        self._lock, self._group, self.peer_fetch = threading.Lock(), None, None
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         # DCP calls reset() outside the collectives that wrap errors in CheckpointException:
@@ -202,8 +205,26 @@ class TieredReader(StorageReader):
             self._deferred = err
             return Metadata(state_dict_metadata={})
 
+    def _protected(self, name: str | None, attempt: str | None = None) -> Manifest | None:
+        """The manifest of ``name`` (``attempt``) this node's copies protect, if the store has
+        them (:mod:`tierstore.redundancy`): found there, the checkpoint needs no cold request."""
+        peers = self.store.peers
+        if peers is None or name is None:
+            return None
+        try:
+            manifest = peers.find_manifest(name)
+        except InvalidManifest as err:
+            log.warning("ignoring this node's copy of the manifest of %s: %s", name, err)
+            return None
+        if manifest is None or (attempt is not None and manifest.attempt != attempt):
+            return None
+        return manifest
+
     def _resolve(self, exclude: Collection[tuple[str, str]] = ()) -> tuple[Manifest, list[Tier]]:
         """Pick the checkpoint and lease it; re-pick if a prune removed it meanwhile."""
+        protected = self._protected(self.name)
+        if protected is not None and self.store.peers is not None:
+            return protected, [self.store.peers]
         committed_tiers = self.store.committed_tiers
         for _ in range(5):
             manifest, holders = resolve(committed_tiers, step=self.step, name=self.name, exclude=exclude)
@@ -264,6 +285,9 @@ class TieredReader(StorageReader):
 
     def _follow(self, name: str, attempt: str) -> tuple[Manifest, list[Tier]]:
         """The checkpoint the coordinator picked, by its manifest in each tier committing it."""
+        protected = self._protected(name, attempt)
+        if protected is not None and self.store.peers is not None:
+            return protected, [self.store.peers]
         committed = self.store.committed_tiers
         found: list[tuple[Manifest, Tier]] = []
         invalid: list[InvalidManifest] = []
@@ -342,6 +366,11 @@ class TieredReader(StorageReader):
     def _open(self, manifest: Manifest, holders: list[Tier]) -> Metadata:
         if self.node_local:
             holders = [self.tiers[0], *holders]  # local files first, verified like any other
+            cold = self.store.cold
+            if holders[-1] is self.store.peers and cold is not None:
+                # Found among this node's copies: the cold tier is the last resort for a file
+                # no copy here holds, read at the same attempt and verified like any other.
+                holders.append(cold)
         self.manifest, self._holders = manifest, holders
         entry = manifest.file(manifest.metadata_file)
         assert entry is not None  # validated with the manifest
@@ -392,6 +421,9 @@ class TieredReader(StorageReader):
             per_file.setdefault(info.relative_path, []).append(item)
             if isinstance(info, RawItem):
                 raw.setdefault(info.relative_path, []).append(item)
+        if self.peer_fetch is not None and self.manifest is not None:
+            # A collective: first, before anything here can raise and leave the others in it.
+            self.peer_fetch(self.manifest, list(per_file))
         try:
             for path, items in per_file.items():
                 if path in raw:

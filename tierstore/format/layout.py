@@ -68,6 +68,7 @@ __all__ = [
     "DATA_DIR",
     "UPLOAD_DIR",
     "METADATA_FILE",
+    "REPLICA_DIR",
     "default_name",
     "check_name",
     "is_name",
@@ -114,6 +115,7 @@ LEASE_DIR = "leases"
 RUN_DIR = "runs"
 MIGRATED_DIR = "migrated"
 QUARANTINE_DIR = "quarantine"
+REPLICA_DIR = "replicas"  # a node-local hot root's copies of other nodes' files (tierstore.redundancy)
 STORE_ID_KEY = "tierstore-store.json"
 METADATA_FILE = ".metadata"  # DCP's own name, so an attempt directory is plain DCP
 MANIFEST_SUFFIX = ".json"
@@ -431,6 +433,7 @@ class KeyKind(str, Enum):
     LEASE = "lease"
     CLOCK_PROBE = "clock-probe"
     QUARANTINE = "quarantine"  # a quarantine record (never garbage: removed by hand)
+    REPLICA = "replica"  # under replicas/: the copies a node keeps for others (their own lifecycle)
     OTHER = "other"  # not a key tierstore writes
 
 
@@ -457,6 +460,8 @@ def kind_of(key: str) -> KeyKind:
         return KeyKind.MIGRATED_MARK
     if top == QUARANTINE_DIR:
         return KeyKind.QUARANTINE
+    if top == REPLICA_DIR:
+        return KeyKind.REPLICA
     if top == LEASE_DIR:
         # One level under leases/: not in any checkpoint's lease prefix (clock_probe_key).
         return KeyKind.LEASE if "/" in rest else KeyKind.CLOCK_PROBE

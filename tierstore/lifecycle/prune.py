@@ -54,6 +54,7 @@ from tierstore.errors import ObjectNotFound, TierstoreError
 from tierstore.format import layout
 from tierstore.format.manifest import Manifest, checkpoint_order
 from tierstore.lifecycle.retention import DEFAULT_COLD, DEFAULT_HOT, Policy
+from tierstore.redundancy.records import drop_copies
 from tierstore.storage import faults
 from tierstore.storage.backend import ObjectInfo
 from tierstore.tiers import marks
@@ -264,7 +265,13 @@ def _mark_keys(tier: Tier, name: str, attempt: str) -> list[str]:
 
 
 def prune_node_local(
-    hot: Tier, cold: Tier, policy: Policy, *, dry_run: bool = False, now: float | None = None
+    hot: Tier,
+    cold: Tier,
+    policy: Policy,
+    *,
+    dry_run: bool = False,
+    now: float | None = None,
+    peers: Tier | None = None,
 ) -> PruneReport:
     """Prune one node's own hot root in node-local mode.
 
@@ -277,6 +284,10 @@ def prune_node_local(
     by one listing of this node's hot root, never by the manifest's parts (every rank's
     files). One checkpoint that fails is reported and the others go on; one a load holds a
     lease on keeps its files (``deferred``).
+
+    ``peers``: this node's copies of other nodes' files (:mod:`tierstore.redundancy`); a
+    checkpoint pruned here loses its copies here with it. A checkpoint the cold tier has not
+    committed is never touched, so its last verified copies stay wherever they are.
     """
     now = time.time() if now is None else now
     committed = cold.manifests()
@@ -289,7 +300,8 @@ def prune_node_local(
             here = hot.find_manifest(manifest.name)
             if here is not None and here.attempt != manifest.attempt:
                 here = None  # another attempt of the name: not this decision's to touch
-            if not local and here is None:
+            copied = peers is not None and _copies_here(peers, manifest)
+            if not local and here is None and not copied:
                 continue
             if dry_run:
                 tally.deleted.append(manifest.name)
@@ -305,6 +317,9 @@ def prune_node_local(
             faults.point("prune.after_lease_check")
             delete_batched(hot, [info.key for info in local])
             delete_batched(hot, _mark_keys(hot, manifest.name, manifest.attempt), fault=None)
+            if copied:
+                assert peers is not None
+                tally.freed += drop_copies(peers, manifest)
         except TierstoreError as err:
             log.error(
                 "could not prune the local copy of %s from %s (going on with the others): %s",
@@ -317,6 +332,14 @@ def prune_node_local(
         tally.deleted.append(manifest.name)
         tally.freed += sum(info.size for info in local)
     return tally.report(hot, dry_run)
+
+
+def _copies_here(peers: Tier, manifest: Manifest) -> bool:
+    """Whether this node keeps copies of ``manifest``'s attempt for other nodes."""
+    if any(True for _ in peers.backend.list(layout.attempt_prefix(manifest.name, manifest.attempt))):
+        return True
+    here = peers.find_manifest(manifest.name)
+    return here is not None and here.attempt == manifest.attempt
 
 
 def _held_here(hot: Tier, manifest: Manifest) -> list[ObjectInfo]:
@@ -443,7 +466,12 @@ def prune(
     jobs: list[tuple[Tier, Callable[[], PruneReport]]] = []
     if hot_tier is not None and cold_tier is not None and store.node_local:
         jobs.append(
-            (hot_tier, lambda: prune_node_local(hot_tier, cold_tier, hot_policy, dry_run=dry_run, now=now))
+            (
+                hot_tier,
+                lambda: prune_node_local(
+                    hot_tier, cold_tier, hot_policy, dry_run=dry_run, now=now, peers=store.peers
+                ),
+            )
         )
     elif hot_tier is not None:
         jobs.append((hot_tier, lambda: prune_hot(hot_tier, cold_tier, hot_policy, dry_run=dry_run, now=now)))

@@ -18,6 +18,7 @@ from tierstore.format.manifest_format import check_metrics
 from tierstore.lifecycle.prune import PruneReport
 from tierstore.lifecycle.retention import Retention
 from tierstore.manager import writable
+from tierstore.manager.copies import PeerCopies
 from tierstore.manager.ending import Delivery, left
 from tierstore.manager.group import Group
 from tierstore.manager.health import Health
@@ -31,6 +32,7 @@ from tierstore.manager.saving import SavePipeline
 from tierstore.migration.migrator import MigrationOptions
 from tierstore.migration.workers import migrator_for
 from tierstore.options import ManagerOptions, PreemptionOptions, RunOptions, StagingOptions, WriterOptions
+from tierstore.redundancy.schemes import Parity, Replicas
 from tierstore.tiers import runlock
 from tierstore.tiers.tier import Store, TierURL
 
@@ -75,7 +77,14 @@ class CheckpointManager:
         options: what the manager itself needs beyond these
             (:class:`~tierstore.ManagerOptions`: ``close_timeout``, 300 s by default, the
             most seconds :meth:`close` waits for migrations, pruning and checks in all;
-            ``process_group``, by default a new gloo group).
+            ``process_group``, by default a new gloo group; ``node_of``, how ranks map to nodes).
+        redundancy: copies of each checkpoint on other nodes, for a node-local store
+            (:class:`~tierstore.Replicas` or :class:`~tierstore.Parity`; default none):
+            after each commit every rank's files go, in the background, to other nodes'
+            hot tiers, verified; a checkpoint so protected is found and resumed from the
+            surviving nodes with the cold tier unreachable, and a node replaced by an empty
+            one gets its files back from the others when the manager starts
+            (docs/operations.md, "Copies on other nodes").
 
     An argument of an older form (``hot_options=``, ``node_local=``, ``hot_policy=``,
     ``async_mode=``, ``writer_options=``, ``close_timeout=``, ...) is a ``TypeError`` naming
@@ -99,6 +108,7 @@ class CheckpointManager:
         writer: WriterOptions | None = None,
         migration: MigrationOptions | None = None,
         options: ManagerOptions | None = None,
+        redundancy: Replicas | Parity | None = None,
         **removed: Any,
     ) -> None:
         refuse_removed(removed)
@@ -124,9 +134,14 @@ class CheckpointManager:
         try:  # a read-only or foreign hot directory, or another run's (strict): refused, every rank
             writable.check_writable(hot_tier, self._group.group, every_rank=self.node_local)
             self._guard.check_start(hot_tier, self._group.group, self._group.distributed)
+            self._copies = PeerCopies(redundancy, self.store, node_of=options.node_of)
         except (TierstoreError, OSError):
             self._group.release()
             raise
+        # With copies, this node's replica namespace is a catalog too (found first, cold last),
+        # and a replaced node gets back what it held before anything else reads the hot tier.
+        self.store = self._copies.reading_store(self.store)
+        self._copies.restore()
         self._maintenance = Maintenance(self.store, self.retention, self._guard, self._group, migration)
         if self.store.cold is not None:  # the exit hook waits at most close_timeout for its uploads
             migrator_for(hot_tier, self.store.cold, migration, exit_wait=self.close_timeout)
@@ -135,8 +150,9 @@ class CheckpointManager:
             self._group,
             before_write=self._maintenance.relieve_disk_pressure,
             committed=self._committed,
+            settled=self._copies.settled,
         )
-        self._loader = Loader(self.store, self.catalog, self._guard, self._group)
+        self._loader = Loader(self.store, self.catalog, self._guard, self._group, copies=self._copies)
         self._delivery = Delivery(
             self.store, self._maintenance.migrators, catalog=self._group.rank == 0 or not self.node_local
         )
@@ -206,7 +222,14 @@ class CheckpointManager:
         statuses = [s for m in self._maintenance.migrators() for s in m.status()]
         tally = self._pipeline.tally()
         saves = (tally.ok, tally.failed, tally.last_step, tally.last_error)
-        return Health.of(saves, statuses, self._maintenance.errors, self._loader.quarantined)
+        return Health.of(
+            saves,
+            statuses,
+            self._maintenance.errors,
+            self._loader.quarantined,
+            copies=self._copies.summary(),
+            load_sources=self._loader.sources,
+        )
 
     # -- saving --------------------------------------------------------------------------------
 
@@ -262,6 +285,8 @@ class CheckpointManager:
                 log.error("the save before the preemption notice failed (%s); saving step %d", err, step)
             if step != pipeline.last_saved_step:  # else saved already: push that one
                 pipeline.save_sync(step, state, self._writer(step, metrics))
+            # Copies on the other nodes first: they take the network, not the cold tier.
+            self._copies.wait(self._notice.close_deadline(time.monotonic() + self.close_timeout))
 
         pipeline.stalls[step] = self._notice.save(step, since, write, self._maintenance.migrators)
         return True
@@ -384,9 +409,9 @@ class CheckpointManager:
     # -- the end of a run ----------------------------------------------------------------------
 
     def wait(self, *, migrations: bool = True, timeout: float | None = None) -> None:
-        """Wait for the last save; by default also for its pruning and this process's
-        migrations (up to ``timeout`` seconds in all). ``migrations=False`` waits for the
-        save alone, and so never for the cold tier.
+        """Wait for the last save (and its copies on other nodes, with ``redundancy``); by
+        default also for its pruning and this process's migrations (up to ``timeout`` seconds
+        in all). ``migrations=False`` waits for the save alone, and so never for the cold tier.
 
         With a ``timeout``, the wait is spent trying (docs/design.md invariant 26): a
         migration that failed for a reason another try may cure is tried again each time
@@ -400,6 +425,7 @@ class CheckpointManager:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         self._pipeline.finish_previous()
+        self._copies.wait(deadline)  # copies on other nodes: never the cold tier
         if migrations:
             pruning = self._maintenance.running()
             if pruning is not None:
@@ -451,6 +477,7 @@ class CheckpointManager:
 
         failure: TierstoreError | None = None
         self._pipeline.finish_previous()  # the last save (hot only: it never waits on the cold tier)
+        self._copies.wait(deadline_now())  # its copies verified on the other nodes, cold tier or not
         if delivery.deliver(deadline_now, in_grace=notice.in_grace()) is not None:
             ends, delivery.cold_down = time.monotonic(), True
         deadline = deadline_now()
@@ -471,7 +498,7 @@ class CheckpointManager:
         undelivered = delivery.undelivered(deadline_now(), in_grace=notice.in_grace())
         delivery.stop(set(undelivered))  # nothing of them runs once close returns
         if undelivered:
-            late = delivery.failed(undelivered)
+            late = delivery.failed(undelivered, copies=self._copies)
             log.error("%s", late)
             failure = failure or late
         self._release()
@@ -481,6 +508,7 @@ class CheckpointManager:
 
     def _release(self) -> None:
         self._pipeline.release()
+        self._copies.release()
         self._group.release()
         if self._run_lock is not None:
             self._run_lock.release()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from tierstore.errors import MigrationFailed
 from tierstore.migration.delivery import (
@@ -82,11 +83,17 @@ class Delivery:
         for migrator in self._migrators():
             migrator.stop(names)
 
-    def failed(self, failures: dict[str, str]) -> MigrationFailed:
+    def failed(self, failures: dict[str, str], copies: Any = None) -> MigrationFailed:
+        """The error naming ``failures``; with ``copies`` (:class:`~tierstore.manager.copies.PeerCopies`
+        on), how many verified copies on other nodes protect each meanwhile."""
         assert self.store.hot is not None and self.store.cold is not None
-        return MigrationFailed(
-            describe(failures, self.store.hot, self.store.cold), checkpoints=tuple(failures), errors=failures
-        )
+        message = describe(failures, self.store.hot, self.store.cold)
+        if copies is not None and copies.on:
+            message += (
+                ". Meanwhile each is protected by copies on other nodes, as verified: "
+                + copies.describe_pending(list(failures))
+            )
+        return MigrationFailed(message, checkpoints=tuple(failures), errors=failures)
 
 
 def left(deadline: float | None, *, floor: float = 0.0) -> float | None:

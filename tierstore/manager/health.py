@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from tierstore.migration.migrator import MigrationState, MigrationStatus
 
@@ -32,6 +33,12 @@ class Health:
     # Checkpoints this manager's resumes found damaged and set aside (their data kept:
     # `tierstore quarantine` lists every quarantined one, and removes them).
     quarantined: tuple[str, ...] = ()
+    # Copies on other nodes (CheckpointManager(redundancy=)): the scheme, each checkpoint's
+    # verified copies as this process knows them, what a restore at start moved and from
+    # where, and why copies failed; empty without redundancy.
+    copies: dict[str, Any] = field(default_factory=dict)
+    # Where this rank's last load read each file from ("hot", "peer", "cold").
+    load_sources: dict[str, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -44,6 +51,8 @@ class Health:
         migrations: Sequence[MigrationStatus],
         prune_errors: tuple[str, ...],
         quarantined: tuple[str, ...],
+        copies: dict[str, Any] | None = None,
+        load_sources: dict[str, str] | None = None,
     ) -> Health:
         """``saves`` (committed, failed, the last step saved, the newest failure), this
         process's ``migrations``, and what pruning and resumes reported, as of now."""
@@ -58,4 +67,6 @@ class Health:
             migration_lag_bytes=sum(s.lag_bytes for s in busy),
             prune_errors=prune_errors,
             quarantined=quarantined,
+            copies=dict(copies or {}),
+            load_sources=dict(load_sources or {}),
         )

@@ -18,18 +18,21 @@ from tierstore.dcp.failures import causes
 from tierstore.dcp.failures import describe as describe_failure
 from tierstore.dcp.reader import TieredReader, is_damage
 from tierstore.errors import ConfigError, TierstoreError
-from tierstore.format.manifest import Manifest
+from tierstore.format.manifest import Manifest, checkpoint_order
 from tierstore.lifecycle.quarantine import quarantine_proven
+from tierstore.manager.copies import PeerCopies
 from tierstore.manager.group import Group
 from tierstore.manager.runs import RunGuard, ours
 from tierstore.options import ReaderOptions
 from tierstore.resume.state import ResumePlanner, is_per_rank_key
-from tierstore.tiers.catalog import list_checkpoints
+from tierstore.tiers.catalog import CheckpointInfo, list_checkpoints
 from tierstore.tiers.tier import Store
 
 __all__ = ["Loader"]
 
 log = logging.getLogger(__name__)
+
+COLD_LOOK = 5.0  # seconds a load with copies on other nodes waits for the cold tier's listing
 
 
 class Loader:
@@ -37,10 +40,14 @@ class Loader:
     (its cold tier alone for node-local hot tiers), those of ``guard``'s run; the damaged ones
     it falls back past are quarantined and named in :attr:`quarantined`."""
 
-    def __init__(self, store: Store, catalog: Store, guard: RunGuard, group: Group) -> None:
+    def __init__(
+        self, store: Store, catalog: Store, guard: RunGuard, group: Group, copies: PeerCopies | None = None
+    ) -> None:
         self.store, self.catalog, self.guard, self._group = store, catalog, guard, group
+        self._copies = copies if copies is not None and copies.on else None
         self._lock = threading.Lock()
         self._quarantined: list[str] = []
+        self.sources: dict[str, str] = {}  # where this rank's last load read each file from
 
     @property
     def quarantined(self) -> tuple[str, ...]:
@@ -50,8 +57,41 @@ class Loader:
 
     def steps(self) -> list[int]:
         """The steps of the store's checkpoints, oldest first; with a run name, of its own only."""
-        found = list_checkpoints(self.catalog)
+        found = self._listed()
         return [c.step for c in found if c.step is not None and ours(c, self.guard.run)]
+
+    def _listed(self) -> list[CheckpointInfo]:
+        """The catalog's checkpoints; with copies on other nodes, this node's protected ones
+        too, the cold tier's looked at for at most ``COLD_LOOK`` seconds (it may be down:
+        the copies are a catalog of their own)."""
+        if self._copies is None:
+            return list_checkpoints(self.catalog)
+        merged: dict[tuple[str, str], tuple[Manifest, list[str]]] = {}
+        for manifest in self._copies.protected():
+            merged[(manifest.name, manifest.attempt)] = (manifest, ["peer"])
+        cold: list[CheckpointInfo] = []
+        failure: list[BaseException] = []
+
+        def look() -> None:
+            try:
+                cold.extend(list_checkpoints(self.catalog))
+            except Exception as err:
+                failure.append(err)
+
+        looker = threading.Thread(target=look, name="tierstore-cold-look", daemon=True)
+        looker.start()
+        looker.join(COLD_LOOK)
+        if looker.is_alive() or failure:
+            log.warning(
+                "listing checkpoints from this node's copies only: the cold tier %s %s",
+                self.catalog.label,
+                f"failed: {failure[0]}" if failure else f"did not answer within {COLD_LOOK:.0f}s",
+            )
+            cold = []
+        infos = [CheckpointInfo.of(m, roles) for m, roles in merged.values()]
+        known = {(i.name, i.attempt) for i in infos}
+        infos += [c for c in cold if (c.name, c.attempt) not in known]
+        return sorted(infos, key=checkpoint_order)
 
     def load(
         self, state: dict[str, Any], *, name: str | None = None, step: int | None = None, planner: Any = None
@@ -80,6 +120,8 @@ class Loader:
                 options=ReaderOptions(resolve_once=True),
                 process_group=group,
             )
+            if self._copies is not None:
+                reader.peer_fetch = self._copies.fetch
             world = dist.get_world_size(group) if distributed else 1
             used = planner if planner is not None else _default_planner(reader, world)
             try:
@@ -105,6 +147,7 @@ class Loader:
                 # before the reads that would have released it.
                 reader.release()
             assert reader.manifest is not None
+            self.sources = dict(reader.sources)
             if coordinator:
                 self._quarantine(set_aside, loaded=reader.manifest.name)
                 self.guard.loaded(reader.manifest)
@@ -121,7 +164,7 @@ class Loader:
         found: Any = None
         if coordinator:
             try:
-                listed = list_checkpoints(self.catalog)
+                listed = self._listed()
                 found = [c.name for c in reversed(self.guard.resumable(listed, step, self.catalog.label))]
             except Exception as err:  # raised below on every rank alike
                 found = err

@@ -47,8 +47,10 @@ class SavePipeline:
     """A manager's saves, one at a time (module docstring), on ``group``, as ``staging`` says.
 
     ``before_write`` runs before each save writes (the hot tier's free-space relief);
-    ``committed(step)`` after each save committed. A failure is recorded, logged and raised
-    once: by the next :meth:`save`, or :meth:`raise_failure`.
+    ``committed(step)`` after each save committed; ``settled(step)`` after each save
+    committed or failed, on every rank (the copies on other nodes: :mod:`tierstore.manager.copies`).
+    A failure is recorded, logged and raised once: by the next :meth:`save`, or
+    :meth:`raise_failure`.
     """
 
     def __init__(
@@ -58,9 +60,11 @@ class SavePipeline:
         *,
         before_write: Callable[[], None],
         committed: Callable[[int], None],
+        settled: Callable[[int], None] | None = None,
     ) -> None:
         self.staging, self._group = staging, group
         self._before_write, self._on_commit = before_write, committed
+        self._on_settle = settled or (lambda step: None)
         self._stager: ReusedStaging | None = None  # made by the first save, freed by release()
         self._staging: Future[None] | None = None  # the last save's copy of the state
         self._thread: ThreadPoolExecutor | None = None  # the manager's save thread
@@ -274,6 +278,7 @@ class SavePipeline:
             self._last_failure = str(failure)
             self._saves_failed += 1
             self._unraised = failure
+        self._on_settle(step)
 
     def take_failure(self) -> SaveFailed | None:
         """The failure not raised yet, taken (``None`` if there is none)."""
@@ -295,6 +300,7 @@ class SavePipeline:
         with self._lock:
             self._saves_ok += 1
             self.last_saved_step = step
+        self._on_settle(step)
         self._on_commit(step)
 
 

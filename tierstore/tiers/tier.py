@@ -268,7 +268,8 @@ class Store:
 
     ``node_local=True`` says the hot tier is per node (NVMe): each node's hot root holds only
     its own ranks' files, so a hot manifest is not a commit of the whole checkpoint and only
-    the cold tier's is (:attr:`committed_tiers`).
+    the cold tier's is (:attr:`committed_tiers`), unless the checkpoint is protected by
+    copies on other nodes (:attr:`peers`, :meth:`with_peers`).
     """
 
     def __init__(
@@ -285,6 +286,7 @@ class Store:
         self.hot = Tier("hot", hot, hot_options) if hot is not None else None
         self.cold = Tier("cold", cold, cold_options) if cold is not None else None
         self.node_local = self._check_node_local(node_local)
+        self.peers: Tier | None = None
 
     def _check_node_local(self, node_local: bool) -> bool:
         if not isinstance(node_local, bool):
@@ -325,6 +327,19 @@ class Store:
         store = cls.__new__(cls)
         store.hot, store.cold = hot, cold
         store.node_local = store._check_node_local(node_local)
+        store.peers = None
+        return store
+
+    def with_peers(self, peers: Tier) -> Store:
+        """This node-local store (its tiers shared) whose hot root also keeps copies of other
+        nodes' files in ``peers`` (:mod:`tierstore.redundancy`): a checkpoint protected there
+        is found and loaded from it first, the cold tier only for what it lacks."""
+        if not self.node_local:
+            raise ConfigError(
+                "copies on other nodes need a node-local store: Store(hot, cold, node_local=True)"
+            )
+        store = Store.of_tiers(self.hot, self.cold, node_local=True)
+        store.peers = peers
         return store
 
     @property

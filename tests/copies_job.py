@@ -1,0 +1,145 @@
+"""One rank of a job with copies on other nodes (``CheckpointManager(redundancy=)``): FSDP2 +
+AdamW on CPU over gloo, "nodes" of ``local_world`` ranks each with a hot directory of its own,
+the cold tier an S3 URL on a closed port (or a directory), as ``spec`` says.
+
+Run by ``tests/launch.py`` with a JSON spec as argv[1]. Operations:
+
+* ``save``: train and save ``saves`` steps through a manager with ``redundancy``; write the
+  digest of the state saved last to ``out/saved.json`` (rank 0) and each rank's health to
+  ``out/health-rank<r>.json``; then either close (``close``: the error's text in
+  ``out/close-rank<r>.json``) or, with ``hang``, write ``out/ready-rank<r>`` and sleep until
+  killed (the test SIGKILLs a node).
+* ``resume``: a fresh model (another init), the same constructor arguments, ``load_latest``;
+  write the loaded state's digest, the step, health (where every file came from, what the
+  start restored) to ``out/resumed-rank<r>.json``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from dist_job import build, digest, train
+from launch import leave_cleanly
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from tierstore import CheckpointManager, Parity, Replicas, Retention, Store
+from tierstore.errors import TierstoreError
+from tierstore.migration.migrator import MigrationOptions
+from tierstore.options import ManagerOptions
+from tierstore.retry import RetryPolicy
+
+
+def scheme(spec: dict[str, Any]) -> Replicas | Parity:
+    kind, *args = spec["redundancy"]
+    return Replicas(*args) if kind == "replicas" else Parity(*args)
+
+
+def manager(spec: dict[str, Any]) -> CheckpointManager:
+    rank = dist.get_rank()
+    node = rank // spec["local_world"]
+    hot = str(Path(spec["root"]) / f"node{node}")
+    retry = RetryPolicy(attempts=2, deadline=2.0, initial=0.01, maximum=0.05)
+    if spec["cold"].startswith("s3://"):
+        options = {
+            "endpoint_url": spec["endpoint"],
+            "key": "testing",
+            "secret": "testing",
+            "region": "us-west-2",
+            "retry": retry,
+        }
+        store = Store(hot, spec["cold"], cold_options=options, node_local=True)
+    else:
+        store = Store(hot, spec["cold"], node_local=True)
+    return CheckpointManager(
+        store,
+        retention=Retention(hot_min_free=None),
+        migration=MigrationOptions(retry=retry, commit_timeout=5),
+        options=ManagerOptions(close_timeout=spec.get("close_timeout", 8)),
+        redundancy=scheme(spec),
+    )
+
+
+def health(mgr: CheckpointManager) -> dict[str, Any]:
+    h = mgr.health()
+    return {"copies": h.copies, "load_sources": h.load_sources}
+
+
+def save(spec: dict[str, Any]) -> None:
+    rank, world, out = dist.get_rank(), dist.get_world_size(), Path(spec["out"])
+    mgr = manager(spec)
+    model, optim = build(0, world)
+    step = 0
+    for step in spec["saves"]:
+        train(model, optim, 2, step)
+        msd, osd = get_state_dict(model, optim)
+        mgr.save(step, {"model": msd, "optim": osd, "extra": {"step": step}}, force=True)
+    mgr.wait(migrations=False)  # the last save committed, its copies verified on the peers
+    saved = digest(model, optim)  # a collective: every rank
+    if rank == 0:
+        (out / "saved.json").write_text(json.dumps({"step": step, "digest": saved}))
+    (out / f"health-rank{rank}.json").write_text(json.dumps(health(mgr)))
+    if spec.get("hang"):
+        (out / f"ready-rank{rank}").write_text("ready")
+        while True:  # until the test SIGKILLs this node, then the others
+            time.sleep(1)
+    started, result = time.monotonic(), "returned"
+    try:
+        mgr.close()
+    except TierstoreError as err:
+        result = f"{type(err).__name__}: {err}"
+    (out / f"close-rank{rank}.json").write_text(
+        json.dumps({"close": result, "seconds": time.monotonic() - started})
+    )
+
+
+def resume(spec: dict[str, Any]) -> None:
+    rank, world, out = dist.get_rank(), dist.get_world_size(), Path(spec["out"])
+    started = time.monotonic()
+    mgr = manager(spec)
+    model, optim = build(12345, world)  # another init: the load must overwrite all of it
+    msd, osd = get_state_dict(model, optim)
+    state = {"model": msd, "optim": osd, "extra": {"step": -1}}
+    step = mgr.load_latest(state)
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    seconds = time.monotonic() - started
+    result = {
+        "step": step,
+        "extra": state["extra"]["step"],
+        "digest": digest(model, optim),
+        "seconds": seconds,
+        **health(mgr),
+    }
+    (out / f"resumed-rank{rank}.json").write_text(json.dumps(result))
+    if spec.get("save_after"):
+        train(model, optim, 1, spec["save_after"])
+        msd, osd = get_state_dict(model, optim)
+        mgr.save(
+            spec["save_after"],
+            {"model": msd, "optim": osd, "extra": {"step": spec["save_after"]}},
+            force=True,
+        )
+        mgr.wait(migrations=False)
+        (out / f"after-rank{rank}.json").write_text(json.dumps(health(mgr)))
+    try:
+        mgr.close()
+    except TierstoreError:
+        pass  # the cold tier is down: the checkpoints stay pending (and protected)
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    os.environ["LOCAL_WORLD_SIZE"] = str(spec["local_world"])  # torchrun's, for "nodes" on one host
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    {"save": save, "resume": resume}[spec["op"]](spec)
+    leave_cleanly()
+
+
+if __name__ == "__main__":
+    main()
