@@ -116,3 +116,15 @@ def test_replicas_a_lost_node_resumes_bit_exact_from_its_peers_with_the_cold_tie
     assert any((node / "replicas" / "checkpoints").rglob("*.distcp")), (
         "and the copies it kept for the other node"
     )
+
+
+@pytest.mark.parametrize("victim", [0, 1, 2])
+def test_parity_over_three_nodes_rebuilds_any_lost_node_bit_exact(tmp_path: Path, victim: int) -> None:
+    # Parity(2, 1) over 3 nodes of 2 ranks: each node keeps half its data's size in parity
+    # blocks, and any one node is rebuilt byte-exact from the other two.
+    saved = save_then_kill(tmp_path, 6, ["parity", 2, 1], victim, saves=[1, 2])
+    resumed = resume(tmp_path, 6, ["parity", 2, 1])
+    check_resumed(saved, resumed, victim, 6)
+    node = tmp_path / "nodes" / f"node{victim}"
+    assert any((node / "checkpoints").rglob("*.distcp")), "its own shards are rebuilt on its disk"
+    assert any((node / "replicas" / "checkpoints").rglob("parity/*.bin")), "and its parity blocks"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +48,7 @@ class Protection:
     attempt: str
     copies: int  # verified copies of the least protected rank (1: only its own)
     received: int = 0  # bytes this rank received
+    seconds: float = 0.0  # the transfers' wall time on this rank (the collectives around them excluded)
     sources: dict[str, str] = field(default_factory=dict)  # file -> "hot" | "peer node N" | ...
     errors: list[str] = field(default_factory=list)
 
@@ -82,13 +84,17 @@ class Peers:
             plan.encode_parity()
         plan.spread_metadata(have={self.topology.node_of(_meta(manifest).rank)})
         faults.point("peers.before_transfer")
+        started = time.monotonic()
         received = wire.run(plan.flows, self.rank, self.group)
         plan.finish()
+        seconds = time.monotonic() - started
         faults.point("peers.after_transfer")
         report = plan.report()
         reports = _dist.all_gather(report, self.group)
         record = _record(self.scheme, self.topology, manifest, reports)
-        done = Protection(manifest.name, manifest.attempt, record.copies, received, errors=report.errors)
+        done = Protection(
+            manifest.name, manifest.attempt, record.copies, received, seconds, errors=report.errors
+        )
         if record.copies > 1:
             if self.lead:
                 faults.point("peers.before_publish")
@@ -175,6 +181,8 @@ class Peers:
         plan = _Plan(self, manifest, record=agreed)
         held = _dist.all_gather(plan.inventory(), self.group)
         plan.rebuild(held)
+        faults.point("peers.before_restore_transfer")
+        started = time.monotonic()
         received = wire.run(plan.flows, self.rank, self.group)
         plan.finish()
         report = plan.report()
@@ -195,7 +203,10 @@ class Peers:
         if self.rank == 0 and self.hot.find_manifest(manifest.name) is None:
             self.hot.publish_manifest(manifest)  # the coordinator's hot manifest, as the writer left it
         _dist.barrier(self.group)
-        result = Protection(manifest.name, manifest.attempt, after.copies, received, errors=report.errors)
+        seconds = time.monotonic() - started
+        result = Protection(
+            manifest.name, manifest.attempt, after.copies, received, seconds, errors=report.errors
+        )
         result.sources = report.sources
         if received:
             log.info(
