@@ -5,7 +5,7 @@ the cold tier an S3 URL on a closed port (or a directory), as ``spec`` says.
 Run by ``tests/launch.py`` with a JSON spec as argv[1]. Operations:
 
 * ``save``: train and save ``saves`` steps through a manager with ``redundancy``; write the
-  digest of the state saved last to ``out/saved.json`` (rank 0) and each rank's health to
+  digest of the state each step saved to ``out/saved.json`` (rank 0) and each rank's health to
   ``out/health-rank<r>.json``; then either close (``close``: the error's text in
   ``out/close-rank<r>.json``) or, with ``hang``, write ``out/ready-rank<r>`` and sleep until
   killed (the test SIGKILLs a node).
@@ -75,15 +75,16 @@ def save(spec: dict[str, Any]) -> None:
     rank, world, out = dist.get_rank(), dist.get_world_size(), Path(spec["out"])
     mgr = manager(spec)
     model, optim = build(0, world)
-    step = 0
+    saved = {}
     for step in spec["saves"]:
         train(model, optim, 2, step)
+        saved[step] = digest(model, optim)  # a collective: every rank, before a test's kill can come
+        if rank == 0:
+            (out / "saved.json").write_text(json.dumps(saved))
         msd, osd = get_state_dict(model, optim)
         mgr.save(step, {"model": msd, "optim": osd, "extra": {"step": step}}, force=True)
-    mgr.wait(migrations=False)  # the last save committed, its copies verified on the peers
-    saved = digest(model, optim)  # a collective: every rank
-    if rank == 0:
-        (out / "saved.json").write_text(json.dumps({"step": step, "digest": saved}))
+    # The last save committed, its copies verified on the peers (and with "drain", in cold).
+    mgr.wait(migrations=bool(spec.get("drain")))
     (out / f"health-rank{rank}.json").write_text(json.dumps(health(mgr)))
     if spec.get("hang"):
         (out / f"ready-rank{rank}").write_text("ready")

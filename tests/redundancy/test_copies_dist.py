@@ -1,130 +1,71 @@
 """Losing a node costs no checkpoint (issue 37): real jobs of gloo processes as nodes of two
 ranks each (FSDP2 + AdamW on CPU), each node its own hot directory, the cold tier an S3 URL
-on a closed port. A node's processes are SIGKILLed and its directory deleted; the relaunch,
-with that node on an empty directory and the same constructor arguments, resumes bit-exact
-from the surviving nodes and reads nothing from the cold tier."""
+on a closed port. The job is SIGKILLed once its copies are verified; a node's directory is
+deleted; the relaunch, with that node on an empty directory and the same constructor
+arguments, resumes bit-exact from the surviving nodes and reads nothing from the cold tier.
+
+One save per scheme (module fixtures), copied for each node lost."""
 
 from __future__ import annotations
 
-import json
-import shutil
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from launch import free_port, kill_group, run_job, start_rank, torchrun_env
+from copies_launch import check_resumed, copy_tree, lose_node, resume, save_and_kill
 
-from tierstore.format.layout import default_name
-
-JOB = Path(__file__).resolve().parent.parent / "copies_job.py"
-LOCAL = 2  # ranks per "node"
+REPLICAS = ["replicas", 2]
+PARITY = ["parity", 2, 1]
 
 
-def _spec(tmp_path: Path, redundancy: list[Any], op: str, out: Path, **more: Any) -> dict[str, Any]:
-    return {
-        "op": op,
-        "root": str(tmp_path / "nodes"),
-        "cold": "s3://bucket/run",
-        "endpoint": f"http://127.0.0.1:{free_port()}",  # nothing listens: the cold tier is down
-        "local_world": LOCAL,
-        "redundancy": redundancy,
-        "out": str(out),
-        **more,
-    }
+def _saved(tmp_path_factory: pytest.TempPathFactory, world: int, scheme: list[Any]) -> tuple[Path, dict]:
+    where = tmp_path_factory.mktemp("saved")
+    saved = save_and_kill(where, world, scheme, saves=[1, 2, 3])
+    return where / "nodes", saved
 
 
-def save_then_kill(tmp_path: Path, world: int, redundancy: list[Any], victim: int, saves: list[int]) -> dict:
-    """Save ``saves`` with copies, wait until every rank has its copies verified, SIGKILL the
-    ``victim`` node's processes (then the rest: a job whose node died is over), delete the
-    victim's directory. The state saved last, as rank 0 saw it."""
-    out = tmp_path / "saved"
-    out.mkdir()
-    spec = _spec(tmp_path, redundancy, "save", out, saves=saves, hang=True)
-    port = free_port()
-    procs = []
-    logs = []
-    for rank in range(world):
-        log = open(tmp_path / f"save-rank{rank}.log", "wb")  # noqa: SIM115 - closed below
-        logs.append(log)
-        env = {**__import__("os").environ, **torchrun_env(rank, world, port), "PYTHONFAULTHANDLER": "1"}
-        procs.append(start_rank([sys.executable, str(JOB), json.dumps(spec)], env, output=log))
-    deadline = time.monotonic() + 240
-    try:
-        while not all((out / f"ready-rank{r}").exists() for r in range(world)):
-            failed = [r for r, p in enumerate(procs) if p.poll() is not None]
-            assert not failed and time.monotonic() < deadline, _logs(tmp_path, world, f"ranks {failed} ended")
-            time.sleep(0.1)
-        for rank in range(victim * LOCAL, (victim + 1) * LOCAL):
-            kill_group(procs[rank])  # the node is lost: SIGKILL, nothing flushed
-        for p in procs:
-            kill_group(p)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                kill_group(p)
-        for log in logs:
-            log.close()
-    shutil.rmtree(tmp_path / "nodes" / f"node{victim}")  # its disk is gone
-    (tmp_path / "nodes" / f"node{victim}").mkdir()  # the replacement node's empty directory
-    return json.loads((out / "saved.json").read_text())
+@pytest.fixture(scope="module")
+def replicas_saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    return _saved(tmp_path_factory, 4, REPLICAS)  # 2 nodes x 2 ranks
 
 
-def _logs(tmp_path: Path, world: int, what: str) -> str:
-    return (
-        what
-        + "\n"
-        + "\n".join(
-            f"--- rank {r}\n" + (tmp_path / f"save-rank{r}.log").read_text(errors="replace")[-3000:]
-            for r in range(world)
-        )
-    )
+@pytest.fixture(scope="module")
+def parity_saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    return _saved(tmp_path_factory, 6, PARITY)  # 3 nodes x 2 ranks
 
 
-def resume(tmp_path: Path, world: int, redundancy: list[Any], **more: Any) -> list[dict]:
-    out = tmp_path / "resumed"
-    out.mkdir(exist_ok=True)
-    job = run_job(_spec(tmp_path, redundancy, "resume", out, **more), world, timeout=240, script=JOB)
-    assert job.ok, job.describe()
-    return [json.loads((out / f"resumed-rank{r}.json").read_text()) for r in range(world)]
-
-
-def check_resumed(saved: dict, resumed: list[dict], victim: int, world: int) -> None:
-    for rank, got in enumerate(resumed):
-        assert (got["step"], got["extra"]) == (saved["step"], saved["step"]), got
-        assert got["digest"] == saved["digest"], f"rank {rank}: not bit-exact"  # weights and AdamW moments
-        sources = got["load_sources"]
-        assert sources and "cold" not in sources.values(), (rank, sources)  # 0 bytes from the cold tier
-    lost = [resumed[r] for r in range(victim * LOCAL, (victim + 1) * LOCAL)]
-    assert all(r["copies"]["restored_bytes"] > 0 for r in lost), lost  # its files came from the peers
-    kept = [resumed[r] for r in range(world) if r // LOCAL != victim]
-    assert all(r["copies"]["copies"][default_name(saved["step"])] >= 2 for r in kept), kept  # re-protected
-
-
-@pytest.mark.parametrize("victim", [1, 0], ids=["a-node-lost", "the-coordinators-node-lost"])
+@pytest.mark.parametrize("lost", [1, 0], ids=["a-node-lost", "the-coordinators-node-lost"])
 def test_replicas_a_lost_node_resumes_bit_exact_from_its_peers_with_the_cold_tier_down(
-    tmp_path: Path, victim: int
+    tmp_path: Path, replicas_saved: tuple[Path, dict], lost: int
 ) -> None:
-    saved = save_then_kill(tmp_path, 4, ["replicas", 2], victim, saves=[1, 2, 3])
-    assert saved["step"] == 3
-    resumed = resume(tmp_path, 4, ["replicas", 2])
-    check_resumed(saved, resumed, victim, 4)
+    nodes = copy_tree(replicas_saved[0], tmp_path / "nodes")
+    lose_node(nodes, lost)
+    resumed = resume(nodes, tmp_path / "out", 4, REPLICAS)
+    check_resumed(replicas_saved[1], resumed, lost)
     # The replaced node holds its files again: losing the other node now would cost nothing.
-    node = tmp_path / "nodes" / f"node{victim}"
-    assert any((node / "checkpoints").rglob("*.distcp")), "its own shards are back on its disk"
-    assert any((node / "replicas" / "checkpoints").rglob("*.distcp")), (
-        "and the copies it kept for the other node"
-    )
+    assert any((nodes / f"node{lost}" / "checkpoints").rglob("*.distcp")), "its own shards are back"
+    assert any((nodes / f"node{lost}" / "replicas" / "checkpoints").rglob("*.distcp")), "and its copies"
 
 
-@pytest.mark.parametrize("victim", [0, 1, 2])
-def test_parity_over_three_nodes_rebuilds_any_lost_node_bit_exact(tmp_path: Path, victim: int) -> None:
-    # Parity(2, 1) over 3 nodes of 2 ranks: each node keeps half its data's size in parity
-    # blocks, and any one node is rebuilt byte-exact from the other two.
-    saved = save_then_kill(tmp_path, 6, ["parity", 2, 1], victim, saves=[1, 2])
-    resumed = resume(tmp_path, 6, ["parity", 2, 1])
-    check_resumed(saved, resumed, victim, 6)
-    node = tmp_path / "nodes" / f"node{victim}"
-    assert any((node / "checkpoints").rglob("*.distcp")), "its own shards are rebuilt on its disk"
-    assert any((node / "replicas" / "checkpoints").rglob("parity/*.bin")), "and its parity blocks"
+@pytest.mark.parametrize("lost", [0, 1, 2])
+def test_parity_over_three_nodes_rebuilds_any_lost_node_bit_exact(
+    tmp_path: Path, parity_saved: tuple[Path, dict], lost: int
+) -> None:
+    # Parity(2, 1) over 3 nodes: each node keeps parity blocks of half its data's size, and
+    # any one node is rebuilt byte-exact from the other two.
+    nodes = copy_tree(parity_saved[0], tmp_path / "nodes")
+    lose_node(nodes, lost)
+    resumed = resume(nodes, tmp_path / "out", 6, PARITY)
+    check_resumed(parity_saved[1], resumed, lost)
+    assert any((nodes / f"node{lost}" / "checkpoints").rglob("*.distcp")), "its own shards are rebuilt"
+    assert any((nodes / f"node{lost}" / "replicas" / "checkpoints").rglob("parity/*.bin")), "and its parity"
+
+
+def test_parity_costs_one_and_a_half_times_the_disk(parity_saved: tuple[Path, dict]) -> None:
+    # (1 + m/(s-m)) with s = 3 nodes per group, m = 1: parity blocks are half the data, a
+    # little more for the padding of uneven chunks; Replicas(2) would cost twice.
+    nodes = parity_saved[0]
+    data = sum(f.stat().st_size for f in nodes.glob("node*/checkpoints/**/*.distcp"))
+    parity = sum(f.stat().st_size for f in nodes.glob("node*/replicas/checkpoints/**/parity/*.bin"))
+    assert data > 0
+    assert 0.5 <= parity / data < 0.6, (parity, data)

@@ -215,14 +215,6 @@ def test_the_reader_told_the_current_attempt_never_takes_the_stale_copy(
     assert node.peers not in holders and [t.role for t in holders] == ["cold"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "TieredReader._resolve (tierstore/dcp/reader.py:225) takes the replica namespace's "
-        "manifest of the name whatever its attempt (_protected(self.name) without an attempt), "
-        "so a stale attempt still published there is loaded although cold commits another"
-    ),
-)
 def test_a_load_by_name_does_not_take_a_stale_attempt_of_the_copies(
     node: Node, stale: tuple[Manifest, Manifest]
 ) -> None:

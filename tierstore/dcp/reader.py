@@ -165,6 +165,9 @@ class TieredReader(StorageReader):
         # Set by a manager with copies on other nodes: fetches, collectively, the files this
         # rank is about to read that its node lacks (tierstore.redundancy.protect.Peers.fetch).
         self.peer_fetch: Callable[[Manifest, list[str]], Any] | None = None
+        # The attempt of ``name`` the caller picked (a manager's loader, from its listing): a
+        # copy of another attempt is then never read, and no request asks the cold tier which.
+        self.attempt: str | None = None
 
     # -- DCP protocol --------------------------------------------------------------------
 
@@ -220,9 +223,26 @@ class TieredReader(StorageReader):
             return None
         return manifest
 
+    def _cold_disagrees(self, protected: Manifest) -> bool:
+        """Whether the cold tier commits another attempt of ``protected``'s name (one that
+        cannot be asked agrees: the copies are the catalog while it is down)."""
+        cold = self.store.cold
+        if cold is None:
+            return False
+        try:
+            there = cold.find_manifest(protected.name)
+        except TierstoreError as err:
+            log.info(
+                "reading %s from this node's copies: the cold tier did not answer (%s)", protected.name, err
+            )
+            return False
+        return there is not None and there.attempt != protected.attempt
+
     def _resolve(self, exclude: Collection[tuple[str, str]] = ()) -> tuple[Manifest, list[Tier]]:
         """Pick the checkpoint and lease it; re-pick if a prune removed it meanwhile."""
-        protected = self._protected(self.name)
+        protected = self._protected(self.name, self.attempt)
+        if protected is not None and self.attempt is None and self._cold_disagrees(protected):
+            protected = None  # a stale attempt of the name among the copies: never read
         if protected is not None and self.store.peers is not None:
             return protected, [self.store.peers]
         committed_tiers = self.store.committed_tiers

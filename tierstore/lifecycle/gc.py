@@ -28,6 +28,13 @@ GC raises before deleting anything. Any other error on one object or one tier is
 :attr:`GCReport.failures` and the rest carries on. The tier's identity object
 (``tierstore-store.json``) is never garbage.
 
+A node-local hot root's copies of other nodes' files (``replicas/``, :mod:`tierstore.redundancy`)
+are kept while that node's replica namespace publishes their attempt (parity blocks and the
+protection record included), and its manifests reference the node's own files too: a
+checkpoint protected by copies is never garbage on any node that holds a part of it. Copies
+of an attempt the namespace never published (a round that died half-way) are garbage once
+older than ``grace``.
+
 A two-level manifest's parts live with its attempt's files and are kept while its root names
 them. Garbage is deleted in batches (:meth:`~tierstore.storage.backend.Backend.delete_many`,
 one request per 1,000 keys on S3), the tiers in parallel.
@@ -46,6 +53,7 @@ from tierstore.errors import TierstoreError
 from tierstore.format import layout
 from tierstore.format.layout import KeyKind
 from tierstore.format.manifest import Manifest
+from tierstore.redundancy.records import peer_tier
 from tierstore.storage import faults
 from tierstore.storage.backend import ObjectInfo
 from tierstore.tiers import marks
@@ -117,13 +125,18 @@ def _scan(tiers: Sequence[Tier], now: float, grace: float) -> tuple[_Scan, list[
     # Manifest read errors propagate on purpose: without every manifest, nothing is known
     # to be unreferenced.
     scans = [(tier, *tier.scan_manifests()) for tier in tiers]
+    # A hot root's replica namespace: its published manifests reference this node's files.
+    copies = {tier.label: peer_tier(tier).manifests() for tier in tiers if tier.role == "hot"}
     damaged = [Problem(t.label, err.key or "", str(err)) for t, _, invalid in scans for err in invalid]
     for problem in damaged:
         log.warning("gc: keeping the data of a checkpoint with a damaged manifest: %s", problem.error)
     scan = _Scan(
         now,
         grace,
-        referenced={(m.name, m.attempt): m for _, ms, _ in scans for m in ms},
+        referenced={
+            **{(m.name, m.attempt): m for ms in copies.values() for m in ms},
+            **{(m.name, m.attempt): m for _, ms, _ in scans for m in ms},
+        },
         damaged_names={
             err.checkpoint for _, _, invalid in scans for err in invalid if err.checkpoint is not None
         },
@@ -136,13 +149,16 @@ def _scan(tiers: Sequence[Tier], now: float, grace: float) -> tuple[_Scan, list[
     }
     for tier, manifests, _ in scans:
         try:
-            _tier_garbage(tier, scan, {(m.name, m.attempt) for m in manifests})
+            published = {(m.name, m.attempt) for m in copies.get(tier.label, [])}
+            _tier_garbage(tier, scan, {(m.name, m.attempt) for m in manifests}, published)
         except TierstoreError as err:  # e.g. the tier cannot be listed: the others go on
             scan.fail(tier, "", err)
     return scan, damaged
 
 
-def _tier_garbage(tier: Tier, scan: _Scan, committed_here: set[tuple[str, str]]) -> None:
+def _tier_garbage(
+    tier: Tier, scan: _Scan, committed_here: set[tuple[str, str]], copies: set[tuple[str, str]]
+) -> None:
     attempts: dict[tuple[str, str], list[ObjectInfo]] = defaultdict(list)
     lease_infos: list[ObjectInfo] = []
     for info in tier.backend.list(""):
@@ -163,6 +179,8 @@ def _tier_garbage(tier: Tier, scan: _Scan, committed_here: set[tuple[str, str]])
                 scan.add(tier, info, "leftover clock probe")
         elif kind is KeyKind.LEASE:
             lease_infos.append(info)
+        elif kind is KeyKind.REPLICA:
+            _copy_garbage(tier, info, scan, copies)
     for info in expired_leases(tier, lease_infos, grace=scan.grace):
         scan.add(tier, info, "expired lease")
     for (name, attempt), infos in attempts.items():
@@ -194,6 +212,20 @@ def _attempt_garbage(tier: Tier, scan: _Scan, name: str, attempt: str, infos: li
     for info in infos:
         if info.key not in listed and scan.old(info):
             scan.add(tier, info, "file not listed in its manifest")
+
+
+def _copy_garbage(tier: Tier, info: ObjectInfo, scan: _Scan, copies: set[tuple[str, str]]) -> None:
+    """A key of the hot root's replica namespace: garbage once old if its attempt (a copy, a
+    parity block, a protection record) was never published there, or no longer is."""
+    rel = info.key[len(layout.REPLICA_DIR) + 1 :]
+    where = layout.spread_attempt_of(rel)
+    if where is None and rel.startswith("protection/") and rel.endswith(".json"):
+        parts = rel[: -len(".json")].split("/")
+        where = (parts[1], parts[2]) if len(parts) == 3 else None
+    if where is None or where in copies or where[0] in scan.damaged_names:
+        return  # a manifest of the namespace, or what it publishes
+    if scan.old(info):
+        scan.add(tier, info, "copy of an attempt this node's replica namespace does not publish")
 
 
 def _mark_garbage(tier: Tier, info: ObjectInfo, scan: _Scan, committed_here: set[tuple[str, str]]) -> None:

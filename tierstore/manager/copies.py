@@ -101,7 +101,7 @@ class PeerCopies:
         started = time.monotonic()
         try:
             self.restored = self.peers.restore()
-        except wire.PeerLost as err:
+        except (wire.PeerLost, RuntimeError) as err:  # a peer lost: gloo's collectives raise
             self._broke(err)
             return []
         moved = sum(p.received for p in self.restored)
@@ -132,7 +132,7 @@ class PeerCopies:
                 log.error("cannot read the manifest of step %d to protect it: %s", step, err)
         try:
             done = peers.protect(manifest)
-        except wire.PeerLost as err:
+        except (wire.PeerLost, RuntimeError) as err:  # a peer lost: gloo's collectives raise
             self._broke(err)
             return None
         except Exception as err:  # never lost silently on a background thread
@@ -184,7 +184,7 @@ class PeerCopies:
         self.wait(None)
         try:
             return self.peers.fetch(manifest, paths)
-        except wire.PeerLost as err:
+        except (wire.PeerLost, RuntimeError) as err:
             self._broke(err)
             return {}
 

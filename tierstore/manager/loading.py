@@ -103,8 +103,9 @@ class Loader:
         group, distributed = self._group.group, self._group.distributed
         coordinator = not distributed or dist.get_rank(group) == 0
         candidates = [name] if name is not None else []  # newest first; known to the coordinator
+        attempts: dict[str, str] = {}  # the attempt of each candidate as the coordinator listed it
         if name is None:
-            candidates = self._candidates(step, coordinator)
+            candidates = self._candidates(step, coordinator, attempts)
         damaged: list[CheckpointException] = []
         # The damaged ones, quarantined once an older one loads.
         set_aside: list[tuple[Manifest, CheckpointException]] = []
@@ -122,6 +123,7 @@ class Loader:
             )
             if self._copies is not None:
                 reader.peer_fetch = self._copies.fetch
+                reader.attempt = attempts.get(chosen)
             world = dist.get_world_size(group) if distributed else 1
             used = planner if planner is not None else _default_planner(reader, world)
             try:
@@ -156,7 +158,7 @@ class Loader:
             raise damaged[0]
         return None
 
-    def _candidates(self, step: int | None, coordinator: bool) -> list[str]:
+    def _candidates(self, step: int | None, coordinator: bool, attempts: dict[str, str]) -> list[str]:
         """The checkpoints to try, newest first, known to the coordinator (others get an
         empty list): with a run name, its own (:meth:`RunGuard.resumable`). Its listing's error (or
         ``RunOptions(strict=True)``'s) reaches every rank, so none waits for ever on a coordinator
@@ -165,7 +167,10 @@ class Loader:
         if coordinator:
             try:
                 listed = self._listed()
-                found = [c.name for c in reversed(self.guard.resumable(listed, step, self.catalog.label))]
+                resumable = list(reversed(self.guard.resumable(listed, step, self.catalog.label)))
+                found = list(dict.fromkeys(c.name for c in resumable))  # a name once: its newest attempt
+                for c in reversed(resumable):  # oldest first: the newest attempt of a name wins
+                    attempts[c.name] = c.attempt
             except Exception as err:  # raised below on every rank alike
                 found = err
         if self._group.distributed:

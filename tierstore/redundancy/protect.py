@@ -110,6 +110,16 @@ class Peers:
         return done
 
     def _publish(self, manifest: Manifest, record: Record) -> None:
+        """Record, then publish, the protection on this node; a failure (a full disk) is
+        logged, never raised: every rank must reach the round's last collective alike."""
+        try:
+            self._publish_here(manifest, record)
+        except TierstoreError as err:
+            log.error(
+                "could not publish the protection of %s in %s: %s", manifest.name, self.peers.label, err
+            )
+
+    def _publish_here(self, manifest: Manifest, record: Record) -> None:
         write_record(self.peers, record)
         here = self.peers.find_manifest(manifest.name)
         if here is not None and here.attempt == manifest.attempt:
@@ -198,10 +208,17 @@ class Peers:
         reports = _dist.all_gather(report, self.group)
         held = _dist.all_gather(_Plan(self, manifest, record=agreed).inventory(), self.group)
         after = _record_from_inventory(agreed, held, reports)
-        if self.lead and after.copies > 1:
+        if self.lead:
+            # It was protected (a node kept its record): every node publishes it again with
+            # the copies it has now, so each finds it without the cold tier, which serves
+            # only what no copy holds (the record says how many copies each rank has left).
             self._publish(manifest, after)
-        if self.rank == 0 and self.hot.find_manifest(manifest.name) is None:
-            self.hot.publish_manifest(manifest)  # the coordinator's hot manifest, as the writer left it
+        if self.rank == 0:
+            try:  # the coordinator's hot manifest, as the writer left it
+                if self.hot.find_manifest(manifest.name) is None:
+                    self.hot.publish_manifest(manifest)
+            except TierstoreError as err:
+                log.error("could not publish %s in %s again: %s", manifest.name, self.hot.label, err)
         _dist.barrier(self.group)
         seconds = time.monotonic() - started
         result = Protection(

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from tierstore.errors import TierstoreError
+from tierstore.storage import faults
 
 __all__ = ["CHUNK", "Flow", "PeerLost", "Sink", "Source", "run"]
 
@@ -84,6 +85,7 @@ def run(
                 _send(flow, group, chunk, inflight)
             else:
                 received += _receive(flow, group, chunk, progress)
+            faults.point("peers.flow_done")  # a rank lost between two files of a round
         while inflight:
             inflight.popleft()[0].wait()
     except (RuntimeError, OSError) as err:  # gloo: a closed connection, a timeout

@@ -1,0 +1,92 @@
+"""The failure model of copies on other nodes (issue 37, "Failure model in the suite"), with
+real processes: a copy damaged on disk or planted by someone who can write the directory is
+never loaded; a node killed while replicating leaves the previous checkpoint the newest
+protected one (the half-sent copies are never used, and are garbage); a peer that dies while
+restoring leaves nothing half-restored that a later start would trust.
+
+Each test can fail: take the CRC32C check out of ``FileSink.close`` and the damaged and planted
+copies load; publish the protection before the round's transfers verified and the killed
+round's checkpoint is picked with a rank's files missing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from copies_launch import JOB, LOCAL, check_resumed, lose_node, resume, save_and_kill, spec
+from launch import run_job
+
+from tierstore.format.layout import default_name
+from tierstore.lifecycle.gc import find_garbage
+from tierstore.testing.faults import armed_env
+
+REPLICAS = ["replicas", 2]
+
+
+def _attempt_dir(node: Path, step: int, *, copies: bool) -> Path:
+    base = node / ("replicas/checkpoints" if copies else "checkpoints") / default_name(step)
+    (attempt,) = list(base.iterdir())
+    return attempt
+
+
+def test_a_damaged_and_a_planted_copy_are_never_loaded(tmp_path: Path) -> None:
+    cold = str(tmp_path / "cold")  # reachable here: where a file no good copy holds comes from
+    saved = save_and_kill(tmp_path, 4, REPLICAS, saves=[1, 2, 3], cold=cold, drain=True)
+    nodes = tmp_path / "nodes"
+    kept = _attempt_dir(nodes / "node0", 3, copies=True)  # node 0 keeps node 1's copies
+    damaged, planted = kept / "__2_0.distcp", kept / "__3_0.distcp"
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit, inside a shard
+    damaged.write_bytes(bytes(data))
+    older = _attempt_dir(nodes / "node1", 2, copies=False) / "__3_0.distcp"  # a valid file, wrong checkpoint
+    planted.write_bytes(older.read_bytes())
+    lose_node(nodes, 1)
+    resumed = resume(nodes, tmp_path / "out", 4, REPLICAS, cold=cold)
+    for rank, got in enumerate(resumed):
+        assert (got["step"], got["digest"]) == (3, saved[3]), f"rank {rank}: not bit-exact"
+    # Neither bad copy was restored or read: those two files came from the cold tier.
+    assert resumed[2]["load_sources"]["__2_0.distcp"] == "cold", resumed[2]["load_sources"]
+    assert resumed[3]["load_sources"]["__3_0.distcp"] == "cold", resumed[3]["load_sources"]
+    restored = {p.name for p in (nodes / "node1" / "checkpoints" / default_name(3)).rglob("*.distcp")}
+    assert "__2_0.distcp" not in restored and "__3_0.distcp" not in restored, restored  # never written
+    bad = {"__2_0.distcp", "__3_0.distcp"}  # no good copy on any node: the cold tier's
+    for got in resumed:
+        others = {p: s for p, s in got["load_sources"].items() if p not in bad}
+        assert "cold" not in others.values(), others  # every other file from the nodes' disks
+
+
+def test_a_node_killed_while_replicating_leaves_the_previous_checkpoint_protected(tmp_path: Path) -> None:
+    # Node 1's ranks die in step 3's round, after their bytes were sent but before the round
+    # verified everywhere: step 3 is never published as protected; step 2 is the newest that is.
+    kill = {r: armed_env("peers.after_transfer@3=kill") for r in range(LOCAL, 2 * LOCAL)}
+    saved = save_and_kill(tmp_path, 4, REPLICAS, saves=[1, 2, 3], rank_env=kill, lost=(2, 3))
+    nodes = tmp_path / "nodes"
+    health = json.loads((tmp_path / "saved" / "health-rank0.json").read_text())
+    assert default_name(3) not in health["copies"]["copies"] and health["copies"]["broken"], health
+    assert not (nodes / "node0" / "replicas" / "manifests" / f"{default_name(3)}.json").exists()
+    # Node 1's step-3 copies that reached node 0 are garbage (once old), never a checkpoint.
+    half = {g.key for g in find_garbage(str(nodes / "node0"), grace=0.0)}
+    assert any(k.startswith(f"replicas/checkpoints/{default_name(3)}/") for k in half), half
+    lose_node(nodes, 1)
+    resumed = resume(nodes, tmp_path / "out", 4, REPLICAS)
+    check_resumed(saved, resumed, lost=1, step=2)
+
+
+def test_a_peer_that_dies_while_restoring_leaves_nothing_half_restored(tmp_path: Path) -> None:
+    saved = save_and_kill(tmp_path, 4, REPLICAS, saves=[1, 2])
+    nodes = tmp_path / "nodes"
+    lose_node(nodes, 1)
+    # Node 0's rank 0 dies after its first file of the restore: the relaunch fails.
+    dying = {0: armed_env("peers.flow_done@1=kill")}
+    out = tmp_path / "first"
+    out.mkdir()
+    job = run_job(spec(nodes, REPLICAS, "resume", out), 4, rank_env=dying, timeout=300, script=JOB)
+    assert not job.ok
+    node1 = nodes / "node1"
+    assert not list(node1.glob("replicas/manifests/*.json")), "nothing published as protected"
+    for path in node1.glob("checkpoints/**/*.distcp"):  # what arrived, arrived whole and verified
+        original = nodes / "node0" / "replicas" / path.relative_to(node1)
+        assert path.read_bytes() == original.read_bytes(), path
+    # The next start restores the rest and resumes bit-exact, nothing from the cold tier.
+    resumed = resume(nodes, tmp_path / "out", 4, REPLICAS)
+    check_resumed(saved, resumed, lost=1)
