@@ -9,6 +9,8 @@ Run by ``tests/launch.py`` with a JSON spec as argv[1]. Operations:
   ``out/health-rank<r>.json``; then either close (``close``: the error's text in
   ``out/close-rank<r>.json``) or, with ``hang``, write ``out/ready-rank<r>`` and sleep until
   killed (the test SIGKILLs a node).
+* ``preempt``: rank 1 is sent SIGTERM before step ``at``; the save on the notice, its copies
+  and close() are reported in ``out/preempted-rank<r>.json``.
 * ``resume``: a fresh model (another init), the same constructor arguments, ``load_latest``;
   write the loaded state's digest, the step, health (where every file came from, what the
   start restored) to ``out/resumed-rank<r>.json``.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -32,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from tierstore import CheckpointManager, Parity, Replicas, Retention, Store
 from tierstore.errors import TierstoreError
 from tierstore.migration.migrator import MigrationOptions
-from tierstore.options import ManagerOptions
+from tierstore.options import ManagerOptions, PreemptionOptions
 from tierstore.retry import RetryPolicy
 
 
@@ -57,11 +60,13 @@ def manager(spec: dict[str, Any]) -> CheckpointManager:
         store = Store(hot, spec["cold"], cold_options=options, node_local=True)
     else:
         store = Store(hot, spec["cold"], node_local=True)
+    grace = spec.get("grace")
     return CheckpointManager(
         store,
         retention=Retention(hot_min_free=None),
         migration=MigrationOptions(retry=retry, commit_timeout=5),
         options=ManagerOptions(close_timeout=spec.get("close_timeout", 8)),
+        preemption=PreemptionOptions(grace_seconds=grace) if grace else True,
         redundancy=scheme(spec),
     )
 
@@ -98,6 +103,43 @@ def save(spec: dict[str, Any]) -> None:
     (out / f"close-rank{rank}.json").write_text(
         json.dumps({"close": result, "seconds": time.monotonic() - started})
     )
+
+
+def preempt(spec: dict[str, Any]) -> None:
+    """Save every step; rank 1 gets SIGTERM before step ``at``: the next save() saves on
+    every rank at once and pushes it to the peers (and tries the cold tier) within the grace
+    period. The notice's report, each rank's copies and close()'s error go to
+    ``out/preempted-rank<r>.json``; the state saved last to ``out/saved.json``."""
+    rank, world, out = dist.get_rank(), dist.get_world_size(), Path(spec["out"])
+    mgr = manager(spec)
+    model, optim = build(0, world)
+    saved: dict[int, Any] = {}
+    signalled = 0.0
+    for step in range(1, spec["at"] + 3):
+        train(model, optim, 1, step)
+        saved[step] = digest(model, optim)
+        if rank == 0:
+            (out / "saved.json").write_text(json.dumps(saved))
+        if step == spec["at"] and rank == 1:
+            signalled = time.monotonic()
+            os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's notice, on one rank
+        msd, osd = get_state_dict(model, optim)
+        mgr.save(step, {"model": msd, "optim": osd, "extra": {"step": step}}, force=step % 2 == 0)
+        if mgr.preempted:
+            break
+    report = mgr.preemption
+    result: dict[str, Any] = {
+        "step": report.step if report else None,
+        "report": report.summary() if report else None,
+        **health(mgr),
+    }
+    try:
+        mgr.close()
+        result["close"] = "returned"
+    except TierstoreError as err:
+        result["close"] = f"{type(err).__name__}: {err}"
+    result["seconds_since_signal"] = time.monotonic() - signalled if signalled else None
+    (out / f"preempted-rank{rank}.json").write_text(json.dumps(result))
 
 
 def resume(spec: dict[str, Any]) -> None:
@@ -138,7 +180,7 @@ def main() -> None:
     spec = json.loads(sys.argv[1])
     os.environ["LOCAL_WORLD_SIZE"] = str(spec["local_world"])  # torchrun's, for "nodes" on one host
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    {"save": save, "resume": resume}[spec["op"]](spec)
+    {"save": save, "resume": resume, "preempt": preempt}[spec["op"]](spec)
     leave_cleanly()
 
 

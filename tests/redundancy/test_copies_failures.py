@@ -90,3 +90,28 @@ def test_a_peer_that_dies_while_restoring_leaves_nothing_half_restored(tmp_path:
     # The next start restores the rest and resumes bit-exact, nothing from the cold tier.
     resumed = resume(nodes, tmp_path / "out", 4, REPLICAS)
     check_resumed(saved, resumed, lost=1)
+
+
+def test_a_preemption_notice_pushes_the_checkpoint_to_the_peers_within_the_grace_period(
+    tmp_path: Path,
+) -> None:
+    # SIGTERM on rank 1; the cold tier is down: the save on the notice is protected by its
+    # copies before the grace period ends, close() says so, and losing a node after the
+    # preemption costs nothing.
+    out = tmp_path / "saved"
+    out.mkdir()
+    grace = 10.0
+    job = run_job(
+        spec(tmp_path / "nodes", REPLICAS, "preempt", out, at=3, grace=grace), 4, timeout=300, script=JOB
+    )
+    assert job.ok, job.describe()
+    reports = [json.loads((out / f"preempted-rank{r}.json").read_text()) for r in range(4)]
+    stopped = reports[0]["step"]
+    assert stopped is not None and all(r["step"] == stopped for r in reports), reports
+    assert all(r["copies"]["copies"][default_name(stopped)] == 2 for r in reports), reports
+    assert "2 verified copies" in reports[0]["close"], reports[0]["close"]  # MigrationFailed names them
+    assert reports[1]["seconds_since_signal"] < grace, reports[1]
+    saved = {int(k): v for k, v in json.loads((out / "saved.json").read_text()).items()}
+    lose_node(tmp_path / "nodes", 1)
+    resumed = resume(tmp_path / "nodes", tmp_path / "out", 4, REPLICAS)
+    check_resumed(saved, resumed, lost=1, step=stopped)
