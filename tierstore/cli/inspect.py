@@ -6,6 +6,7 @@ import argparse
 import json
 import time
 from dataclasses import asdict
+from typing import Any
 
 from tierstore.cli.checks import cold_unreachable
 from tierstore.cli.common import (
@@ -21,7 +22,7 @@ from tierstore.cli.common import (
     structure_text,
 )
 from tierstore.cli.parser import EXIT_ERROR, EXIT_OK
-from tierstore.errors import CheckpointNotFound
+from tierstore.errors import CheckpointNotFound, TierstoreError
 from tierstore.format import layout
 from tierstore.format.manifest import Manifest
 from tierstore.lifecycle.quarantine import delete_quarantined, restore_quarantined
@@ -29,6 +30,7 @@ from tierstore.lifecycle.scrub import verify_store
 from tierstore.migration.migrator import MigrationState
 from tierstore.migration.status import migration_status
 from tierstore.progress import size_text
+from tierstore.redundancy.records import describe_copies
 from tierstore.tiers.catalog import list_checkpoints, resolve
 from tierstore.tiers.tier import Store, Tier
 
@@ -174,24 +176,62 @@ def cmd_status(args: argparse.Namespace) -> int:
         return _status_cold_down(args, store, down)
     statuses = migration_status(store)
     failed = any(s.state is MigrationState.FAILED for s in statuses)
+    copies = _copies_rows(store)
     if args.json:
-        print(json.dumps([status_json(s) for s in statuses], indent=1))
+        print(json.dumps([_with_copies(status_json(s), copies) for s in statuses], indent=1))
         return EXIT_ERROR if failed else EXIT_OK
     print(f"{'name':<24}{'state':<11}{'uploaded':>22}{'lag':>10}  error")
     for s in statuses:
         moved = f"{size_text(s.bytes_done)}/{size_text(s.bytes_total)}"
         print(f"{s.name:<24}{s.state.value:<11}{moved:>22}{s.lag_seconds:>9.0f}s  {s.error or ''}")
+    _print_copies(copies)
     print_quarantined(quarantine_rows(store))
     return EXIT_ERROR if failed else EXIT_OK  # a failed migration is damage to act on
+
+
+def _unknown_row(info: Any) -> dict[str, Any]:
+    return {"name": info.name, "step": info.step, "state": "unknown", "bytes_total": info.size}
+
+
+def _copies_rows(store: Store) -> dict[str, dict[str, Any]]:
+    """The copies this node's hot root keeps (``redundancy=``), by checkpoint name."""
+    if store.hot is None:
+        return {}
+    try:
+        return {row["name"]: row for row in describe_copies(store.hot)}
+    except TierstoreError as err:
+        print(f"(cannot read this node's copies: {err})")
+        return {}
+
+
+def _with_copies(row: dict[str, Any], copies: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    found = copies.get(row["name"])
+    return {**row, "copies": found} if found else row
+
+
+def _print_copies(copies: dict[str, dict[str, Any]]) -> None:
+    """Where each rank's files are kept, for the checkpoints this node's copies protect."""
+    if not copies:
+        return
+    print("\nprotected by copies on other nodes (this node's record: rank -> nodes holding its files)")
+    for row in copies.values():
+        holders = ", ".join(f"{rank}:{'+'.join(map(str, nodes))}" for rank, nodes in row["holders"].items())
+        print(f"  {row['name']:<24}{row['scheme'] or '?':<22}{row['copies'] or '?'} copies  {holders}")
 
 
 def _status_cold_down(args: argparse.Namespace, store: Store, why: str) -> int:
     """The hot checkpoints, each of unknown migration state."""
     infos = list_checkpoints(Store.of_tiers(store.hot, None))
+    copies = _copies_rows(store)
     if args.json:
         print(
             json.dumps(
-                [{"name": i.name, "step": i.step, "state": "unknown", "bytes_total": i.size} for i in infos],
+                [
+                    _with_copies(
+                        {"name": i.name, "step": i.step, "state": "unknown", "bytes_total": i.size}, copies
+                    )
+                    for i in infos
+                ],
                 indent=1,
             )
         )
@@ -199,6 +239,7 @@ def _status_cold_down(args: argparse.Namespace, store: Store, why: str) -> int:
         print(f"{'name':<24}{'state':<11}{'size':>22}")
         for i in infos:
             print(f"{i.name:<24}{'unknown':<11}{size_text(i.size):>22}")
+        _print_copies(copies)
     say_unreachable(args, why)
     return EXIT_ERROR
 

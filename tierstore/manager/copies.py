@@ -225,9 +225,18 @@ class PeerCopies:
         return "; ".join(parts)
 
     def release(self) -> None:
+        """Stop the rounds and destroy the group; a round still running (close()'s deadline
+        came first: a peer that answers slowly) is left to end on its own, with its group."""
+        running = False
         if self._worker is not None:
-            self._worker.shutdown(wait=True)
+            with self._lock:
+                last = self._last
+            running = last is not None and not last.done()
+            self._worker.shutdown(wait=False, cancel_futures=True)
             self._worker = None
+        if running:
+            log.warning("the copies of the last checkpoint were still being sent at close's deadline")
+            return
         if self._group is not None:
             try:
                 dist.destroy_process_group(self._group)

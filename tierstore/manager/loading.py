@@ -150,6 +150,16 @@ class Loader:
                 reader.release()
             assert reader.manifest is not None
             self.sources = dict(reader.sources)
+            if self._copies is not None:  # the load report: where this rank's bytes came from
+                counts = {
+                    where: list(self.sources.values()).count(where) for where in set(self.sources.values())
+                }
+                log.info(
+                    "loaded %s on rank %d: %s",
+                    reader.manifest.name,
+                    _dist.rank_world()[0],
+                    ", ".join(f"{n} file(s) from {where}" for where, n in sorted(counts.items())),
+                )
             if coordinator:
                 self._quarantine(set_aside, loaded=reader.manifest.name)
                 self.guard.loaded(reader.manifest)

@@ -218,3 +218,26 @@ def drop_copies(peers: Tier, manifest: Manifest) -> int:
     if keys:
         peers.backend.delete_many(keys)
     return sum(info.size for info in found)
+
+
+def describe_copies(hot: Tier) -> list[dict[str, Any]]:
+    """What ``hot``'s replica namespace says of each checkpoint it protects, newest last: the
+    scheme, the least copies of any rank, and which nodes hold each rank's files (from the
+    record; ``tierstore status``). Nothing is read but the namespace's manifests and records."""
+    peers = peer_tier(hot)
+    rows = []
+    for manifest in sorted(
+        peers.manifests(), key=lambda m: (m.step if m.step is not None else -1, m.created)
+    ):
+        record = read_record(peers, manifest)
+        rows.append(
+            {
+                "name": manifest.name,
+                "step": manifest.step,
+                "attempt": manifest.attempt,
+                "scheme": record.scheme.describe() if record else None,
+                "copies": record.copies if record else None,
+                "holders": {str(r): nodes for r, nodes in sorted(record.holders.items())} if record else {},
+            }
+        )
+    return rows
