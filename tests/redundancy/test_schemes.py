@@ -213,12 +213,28 @@ def test_topology_from_a_node_id_function_wins_over_the_environment(monkeypatch:
 @pytest.mark.parametrize(
     "node_of",
     [
-        lambda rank: rank % 2,  # interleaved: not consecutive ranks per node
         lambda rank: rank // 2 + 1,  # nodes not numbered from 0
         lambda rank: 0 if rank < 3 else 1,  # 3 and 5 ranks: not the same count per node
-        lambda rank: [0, 0, 2, 2, 1, 1, 3, 3][rank],  # out of order
+        lambda rank: [0, 0, 2, 2, 4, 4, 3, 3][rank],  # a node number skipped
     ],
 )
 def test_a_bad_node_id_function_is_a_config_error(node_of: object) -> None:
     with pytest.raises(ConfigError, match="node-id function must number nodes 0, 1"):
         Topology.of(8, node_of)  # type: ignore[arg-type]
+
+
+def test_a_node_id_function_may_place_ranks_in_any_order_to_spread_copies_over_racks() -> None:
+    # Two racks of two nodes each: nodes 0, 2 in rack A, 1, 3 in rack B, ranks 0-3 in rack A:
+    # the ring's neighbours (node n + 1) are then always in the other rack.
+    topology = Topology.of(8, lambda rank: [0, 0, 2, 2, 1, 1, 3, 3][rank])
+    assert topology.placement == (0, 0, 2, 2, 1, 1, 3, 3) and topology.nodes == 4
+    assert [topology.node_of(r) for r in range(8)] == [0, 0, 2, 2, 1, 1, 3, 3]
+    assert [topology.local_of(r) for r in range(8)] == [0, 1] * 4
+    assert topology.ranks_of(1) == [4, 5] and topology.rank_at(2, 1) == 3
+    rack = {0: "A", 2: "A", 1: "B", 3: "B"}
+    for rank in range(8):
+        (target,) = Replicas(2).targets(rank, topology)
+        assert rack[topology.node_of(target)] != rack[topology.node_of(rank)]
+        assert topology.local_of(target) == topology.local_of(rank)
+    interleaved = Topology.of(4, lambda rank: rank % 2)  # ranks 0, 2 on node 0; 1, 3 on node 1
+    assert interleaved.ranks_of(0) == [0, 2] and Replicas(2).targets(2, interleaved) == [3]

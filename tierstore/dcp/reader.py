@@ -386,8 +386,12 @@ class TieredReader(StorageReader):
     def _open(self, manifest: Manifest, holders: list[Tier]) -> Metadata:
         if self.node_local:
             holders = [self.tiers[0], *holders]  # local files first, verified like any other
-            cold = self.store.cold
-            if holders[-1] is self.store.peers and cold is not None:
+            peers, cold = self.store.peers, self.store.cold
+            if peers is not None and peers not in holders:
+                # This node's copies (and the files a load fetched from other nodes into them)
+                # come right after its own files, whoever committed the checkpoint.
+                holders.insert(1, peers)
+            if holders[-1] is peers and cold is not None:
                 # Found among this node's copies: the cold tier is the last resort for a file
                 # no copy here holds, read at the same attempt and verified like any other.
                 holders.append(cold)

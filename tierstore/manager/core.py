@@ -436,7 +436,9 @@ class CheckpointManager:
             self._delivery.deliver(deadline, in_grace=self._notice.in_grace())
         self._pipeline.raise_failure()
         if migrations:
-            failed = self._delivery.failed_once(deadline, in_grace=self._notice.in_grace())
+            failed = self._delivery.failed_once(
+                deadline, in_grace=self._notice.in_grace(), copies=self._copies
+            )
             if failed is not None:
                 raise failed
 

@@ -67,7 +67,9 @@ class Delivery:
         lookup = 0.0 if self.cold_down else 30.0 if deadline is None else left(deadline, floor=floor)
         return undelivered(self._migrators(), cold, timeout=lookup, catalog=self._catalog)
 
-    def failed_once(self, deadline: float | None, *, in_grace: bool) -> MigrationFailed | None:
+    def failed_once(
+        self, deadline: float | None, *, in_grace: bool, copies: Any = None
+    ) -> MigrationFailed | None:
         """The checkpoints whose migration failed and that are still pending, not raised
         before (``wait()``'s error), each once."""
         failed = {
@@ -76,7 +78,7 @@ class Delivery:
             if name not in self._reported and not why.startswith("still ")
         }
         self._reported.update(failed)
-        return self.failed(failed) if failed else None
+        return self.failed(failed, copies) if failed else None
 
     def stop(self, names: set[str]) -> None:
         """Stop the migrations of ``names``: nothing of them runs after this returns."""

@@ -17,7 +17,8 @@ __all__ = ["Health"]
 class Health:
     """What a :class:`CheckpointManager` knows of its saves, migrations and pruning.
 
-    ``ok`` is false while any save or migration has failed, or pruning reported an error.
+    ``ok`` is false while any save or migration has failed, pruning reported an error, or
+    copies on other nodes failed (``copies["errors"]``).
     Migration figures are this process's migrator's (the coordinator's sees the commits).
     """
 
@@ -42,7 +43,9 @@ class Health:
 
     @property
     def ok(self) -> bool:
-        return not (self.saves_failed or self.migrations_failed or self.prune_errors)
+        return not (
+            self.saves_failed or self.migrations_failed or self.prune_errors or self.copies.get("errors")
+        )
 
     @classmethod
     def of(

@@ -291,6 +291,8 @@ class _Report:
     parity: dict[str, tuple[int, int]] = field(default_factory=dict)  # "node:path" -> (size, crc)
     errors: list[str] = field(default_factory=list)
     sources: dict[str, str] = field(default_factory=dict)
+    metadata_ok: bool = True  # the .metadata copy this rank received (if any) verified
+    sent_ok: bool = True  # every file this rank read to send verified (parity: nothing checks it later)
 
 
 @dataclass
@@ -315,6 +317,7 @@ class _Plan:
         self.data_sinks: list[_ConcatSink] = []
         self.parity_phase: bool | None = None
         self._entries: dict[int, tuple[FileEntry, ...]] = {}
+        self.checks: dict[int, _SentCheck] = {}  # this rank's files as it reads them to encode
 
     @property
     def topo(self) -> Topology:
@@ -407,7 +410,8 @@ class _Plan:
         start = j * chunk + offset
         length = max(0, min(size, chunk - offset))
         hot, manifest, entries = self.p.hot, self.m, self.entries(rank)
-        return lambda: _ConcatSource(hot, manifest, entries, start, length, size)
+        check = self.checks.setdefault(rank, _SentCheck(entries))
+        return lambda: _ConcatSource(hot, manifest, entries, start, length, size, check)
 
     def _stripe_to(self, stripe: Stripe, stripes: list[Stripe], local: int, dst: int, *, block: int) -> None:
         """The ``k`` data chunks of ``stripe`` (local index ``local``) to ``dst``, which encodes
@@ -597,6 +601,8 @@ class _Plan:
         for owner, path, sink in self.sinks:
             if owner >= 0:
                 out.verified[owner] = out.verified.get(owner, True) and sink.ok
+            else:
+                out.metadata_ok = out.metadata_ok and sink.ok
             if not sink.ok:
                 out.errors.append(f"{path} from rank {owner}: {sink.error}")
             else:
@@ -610,24 +616,37 @@ class _Plan:
             for path in dsink.done:
                 out.sources[path] = "peer"
             out.errors += dsink.errors
+        for check in self.checks.values():
+            if check.errors:
+                out.sent_ok = False
+                out.errors += check.errors
         return out
 
 
 def _record(scheme: Scheme, topology: Topology, manifest: Manifest, reports: list[_Report]) -> Record:
+    """The protection every rank's report proves: for each rank, the nodes whose copy of its
+    files verified (a rank that wrote no file is held wherever its placement says); none
+    beyond the rank's own node when any node's ``.metadata`` copy failed (that node could not
+    open the checkpoint without the cold tier)."""
     by_rank = {r.rank: r for r in reports}
     holders: dict[int, list[int]] = {}
     parity: dict[str, tuple[int, int]] = {}
     for report in reports:
         parity.update(report.parity)
+    metadata_ok = all(r.metadata_ok for r in reports)
+    meta = manifest.metadata_file
     for rank in range(topology.world):
         nodes = [topology.node_of(rank)]
-        if isinstance(scheme, Replicas):
+        if isinstance(scheme, Replicas) and metadata_ok:
+            empty = not [e for e in manifest.files_of_rank(rank) if e.path != meta]
             nodes += [
-                topology.node_of(t) for t in scheme.targets(rank, topology) if by_rank[t].verified.get(rank)
+                topology.node_of(t)
+                for t in scheme.targets(rank, topology)
+                if empty or by_rank[t].verified.get(rank)
             ]
         holders[rank] = nodes
     if isinstance(scheme, Parity):
-        complete = not any(r.errors for r in reports)
+        complete = metadata_ok and not any(r.errors for r in reports)
         return Record(manifest.name, manifest.attempt, scheme, topology, holders if complete else {}, parity)
     return Record(manifest.name, manifest.attempt, scheme, topology, holders, parity)
 
@@ -698,10 +717,18 @@ class _ConcatSource:
     """Bytes ``start .. start + length`` of a rank's files laid end to end, then zeros up to ``size``."""
 
     def __init__(
-        self, tier: Tier, manifest: Manifest, entries: Sequence[FileEntry], start: int, length: int, size: int
+        self,
+        tier: Tier,
+        manifest: Manifest,
+        entries: Sequence[FileEntry],
+        start: int,
+        length: int,
+        size: int,
+        check: _SentCheck | None = None,
     ) -> None:
-        self._parts = _spans(tier, manifest, entries, start, length)
+        self._parts: Any = _spans(tier, manifest, entries, start, length)
         self._left_zero = size - length
+        self._check, self._at = check, start
 
     def read(self, size: int) -> bytes:
         out = bytearray()
@@ -710,13 +737,23 @@ class _ConcatSource:
                 part = next(self._parts)
             except StopIteration:
                 break
+            except (TierstoreError, OSError) as err:  # zeros for the rest: the check says why
+                if self._check is not None:
+                    self._check.errors.append(f"reading to encode failed: {err}")
+                self._parts = iter(())
+                break
+            if self._check is not None:
+                self._check.feed(self._at, part)
+            self._at += len(part)
             out += part
         if len(out) < size:
             out += bytes(size - len(out))
         return bytes(out)
 
     def close(self) -> None:
-        self._parts.close()
+        close = getattr(self._parts, "close", None)
+        if close is not None:
+            close()
 
 
 def _spans(
@@ -739,6 +776,37 @@ def _spans(
         pos += entry.size
         if pos >= end:
             return
+
+
+class _SentCheck:
+    """A rank's files checked against the manifest as a parity round reads them in order (the
+    first pass over the rank's data is sequential: chunk ``j`` in stripe order, segment by
+    segment); reads out of that order (the other parity holders' passes) are not fed twice.
+    A parity block encodes what it is sent: nothing downstream could tell a bad byte."""
+
+    def __init__(self, entries: Sequence[FileEntry]) -> None:
+        self._entries = list(entries)
+        self._index, self._pos, self._file_at, self._crc = 0, 0, 0, 0
+        self.errors: list[str] = []
+
+    def feed(self, offset: int, data: bytes) -> None:
+        if offset != self._pos:
+            return
+        view = memoryview(data)
+        while len(view) and self._index < len(self._entries):
+            entry = self._entries[self._index]
+            take = min(len(view), entry.size - self._file_at)
+            self._crc = crc32c_update(self._crc, view[:take])
+            self._file_at += take
+            self._pos += take
+            view = view[take:]
+            if self._file_at == entry.size:
+                if self._crc != entry.crc32c:
+                    self.errors.append(
+                        f"{entry.path} on this node's disk does not match the manifest (CRC32C "
+                        f"{self._crc:08x}, not {entry.crc32c:08x}): not encoded into parity"
+                    )
+                self._index, self._file_at, self._crc = self._index + 1, 0, 0
 
 
 class _ConcatSink:

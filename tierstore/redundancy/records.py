@@ -78,6 +78,7 @@ class Record:
                 "scheme": scheme,
                 "world": self.topology.world,
                 "local_world": self.topology.local_world,
+                "placement": list(self.topology.placement) if self.topology.placement is not None else None,
                 "holders": {str(r): nodes for r, nodes in sorted(self.holders.items())},
                 "parity": {k: list(v) for k, v in sorted(self.parity.items())},
             },
@@ -97,7 +98,12 @@ class Record:
             if spec["kind"] == "replicas"
             else Parity(int(spec["k"]), int(spec["m"]))
         )
-        topology = Topology(int(raw["world"]), int(raw["local_world"]))
+        placement = raw.get("placement")
+        topology = Topology(
+            int(raw["world"]),
+            int(raw["local_world"]),
+            None if placement is None else tuple(int(n) for n in placement),
+        )
         holders = {int(r): [int(n) for n in nodes] for r, nodes in raw["holders"].items()}
         parity = {str(k): (int(v[0]), int(v[1])) for k, v in raw["parity"].items()}
         return cls(name, attempt, scheme, topology, holders, parity)

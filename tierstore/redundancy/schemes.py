@@ -1,7 +1,8 @@
 """What survives a lost node: :class:`Replicas` and :class:`Parity`, and where their copies go.
 
 Nodes are numbered ``rank // LOCAL_WORLD_SIZE`` (torchrun's variable), or by a node-id
-function given to :class:`Topology`; every node runs the same number of ranks. A rank's
+function given to :class:`Topology` (``ManagerOptions(node_of=)``: number nodes so that ring
+neighbours and parity groups span racks); every node runs the same number of ranks. A rank's
 copies always land on other nodes, each on the rank of the same local index there.
 
 * ``Replicas(n)``: ``n`` copies in all (the rank's own and ``n - 1`` on the next nodes of a
@@ -9,7 +10,7 @@ copies always land on other nodes, each on the rank of the same local index ther
   the load NVRx's cliques spread). Survives any ``n - 1`` lost nodes; costs ``n`` times the
   disk and ``n - 1`` times the checkpoint over the network.
 * ``Parity(k, m)``: Reed-Solomon over groups of ``k + m`` consecutive nodes (nodes left over
-  join the last groups, one each, as extra data members). In a group of ``s`` nodes there
+  join the first groups, one each, as extra data members). In a group of ``s`` nodes there
   are ``s`` stripes; stripe ``t`` keeps its ``m`` parity blocks on the group's nodes
   ``t .. t + m - 1`` and takes one data chunk from each other node. Each node's data (its
   rank's files, in the manifest's order) is cut into ``s - m`` chunks, one per stripe it is a
@@ -141,24 +142,31 @@ class Stripe:
 
 @dataclass(frozen=True)
 class Topology:
-    """The job's nodes: ``world`` ranks, ``local_world`` per node, node ``rank // local_world``."""
+    """The job's nodes: ``world`` ranks, ``local_world`` on each node. By default node
+    ``rank // local_world`` (torchrun's numbering); ``placement`` (the node of each rank, from
+    a node-id function) numbers them otherwise, e.g. so that neighbours on the ring, and the
+    members of a parity group, are in different racks. A rank's local index is its place
+    among its node's ranks, in rank order."""
 
     world: int
     local_world: int
+    placement: tuple[int, ...] | None = None
 
     @classmethod
     def of(cls, world: int, node_of: Callable[[int], int] | None = None) -> Topology:
         """From ``LOCAL_WORLD_SIZE`` (torchrun), or ``node_of(rank)`` where given, which must
-        put the same number of consecutive ranks on each node."""
+        number nodes 0, 1, ... and put the same number of ranks on each."""
         if node_of is not None:
             nodes = [node_of(r) for r in range(world)]
-            local = nodes.count(nodes[0]) if nodes else 1
-            if nodes != [r // local for r in range(world)]:
+            count = len(set(nodes))
+            local = world // count if count else 1
+            if sorted(set(nodes)) != list(range(count)) or any(nodes.count(n) != local for n in set(nodes)):
                 raise ConfigError(
                     "the node-id function must number nodes 0, 1, ... with the same count of "
-                    f"consecutive ranks on each; it gave {nodes[:16]}"
+                    f"ranks on each; it gave {nodes[:16]}"
                 )
-            return cls(world, local)
+            consecutive = nodes == [r // local for r in range(world)]
+            return cls(world, local, None if consecutive else tuple(nodes))
         raw = os.environ.get("LOCAL_WORLD_SIZE", "")
         try:
             local = int(raw) if raw else world
@@ -173,16 +181,23 @@ class Topology:
         return self.world // self.local_world
 
     def node_of(self, rank: int) -> int:
-        return rank // self.local_world
+        return self.placement[rank] if self.placement is not None else rank // self.local_world
 
     def local_of(self, rank: int) -> int:
-        return rank % self.local_world
+        if self.placement is None:
+            return rank % self.local_world
+        return self.ranks_of(self.placement[rank]).index(rank)
 
     def rank_at(self, node: int, local: int) -> int:
-        return node * self.local_world + local
+        if self.placement is None:
+            return node * self.local_world + local
+        return self.ranks_of(node)[local]
 
     def ranks_of(self, node: int) -> list[int]:
-        return [self.rank_at(node, local) for local in range(self.local_world)]
+        if self.placement is None:
+            return [node * self.local_world + local for local in range(self.local_world)]
+        return [r for r, n in enumerate(self.placement) if n == node]
 
     def describe(self) -> str:
-        return f"{self.world} ranks, {self.local_world} per node"
+        placed = "" if self.placement is None else ", placed by a node-id function"
+        return f"{self.world} ranks, {self.local_world} per node{placed}"
