@@ -118,11 +118,13 @@ def gcs_bucket(gcs_endpoint: str) -> str:
 # minutes after the other had finished. Longest first evens them out; order inside a file,
 # and what runs, are unchanged.
 _LONG_FILES = {
+    "tests/redundancy/test_copies_failures.py": 150,
     "tests/test_lifecycle_e2e.py": 147,
     "tests/manager/test_preemption_ends.py": 117,
     "tests/integrations/test_lightning.py": 115,
     "tests/tiers/test_delivery_trust.py": 103,
     "tests/crash/test_crash_state_machine.py": 99,
+    "tests/redundancy/test_copies_dist.py": 95,
     "tests/test_docs_code.py": 76,
     "tests/integrations/test_torchtitan.py": 72,
     "tests/dcp/test_distributed.py": 67,
