@@ -137,13 +137,24 @@ class FileSource:
         self._stream = tier.backend.open_read(key)
 
     def read(self, size: int) -> bytes:
-        out = bytearray()
-        while len(out) < size:
-            part = self._stream.read(size - len(out))
-            if not part:
+        buffer = bytearray(size)
+        return bytes(buffer[: self.readinto(memoryview(buffer))])
+
+    def readinto(self, view: memoryview) -> int:
+        """Fill ``view`` from the file (fewer bytes only at its end): no copy in between."""
+        got = 0
+        readinto = getattr(self._stream, "readinto", None)
+        while got < len(view):
+            if readinto is not None:
+                n = readinto(view[got:])
+            else:
+                part = self._stream.read(len(view) - got)
+                n = len(part)
+                view[got : got + n] = part
+            if not n:
                 break
-            out += part
-        return bytes(out)
+            got += n
+        return got
 
     def close(self) -> None:
         self._stream.close()

@@ -101,16 +101,20 @@ def _send(flow: Flow, group: Any, chunk: int, inflight: deque[tuple[Any, torch.T
     except (TierstoreError, OSError) as err:
         log.error("cannot read what rank %d expects (sending zeros, which it will refuse): %s", flow.dst, err)
     done = 0
+    readinto = getattr(source, "readinto", None)
     while done < flow.length:
         size = min(chunk, flow.length - done)
-        data = b""
+        buffer = bytearray(size)  # zeros past what the source gives
         if source is not None:
             try:
-                data = source.read(size)
+                if readinto is not None:
+                    readinto(memoryview(buffer))  # straight into the message: no copy
+                else:
+                    data = source.read(size)
+                    buffer[: len(data)] = data
             except (TierstoreError, OSError) as err:
                 log.error("read failed mid-way (sending zeros, which rank %d will refuse): %s", flow.dst, err)
                 source = None
-        buffer = bytearray(data) if len(data) == size else bytearray(data) + bytearray(size - len(data))
         tensor = torch.frombuffer(buffer, dtype=torch.uint8)
         while len(inflight) >= WINDOW:
             inflight.popleft()[0].wait()
