@@ -54,6 +54,13 @@ class Profile:
     # ... and from the signal to the exit, per training loop: 2 ranks, model + AdamW state
     preemption_exit_size: int = 64 * MiB
     preemption_exit_reps: int = 3  # best of these per loop, with the spread (a rep: 40 s on 2 cores)
+    # copies: copies on other nodes, 4 ranks as 2 nodes (benchmarks/jobs/copies.py)
+    copies_size: int = 256 * MiB  # the state over the 4 ranks (64 MiB a rank)
+    copies_reps: int = 3  # best of these per side, with the spread
+    copies_saves: int = 5  # saves per training loop; the first (staging allocated) is left out
+    copies_every: int = 3  # steps between saves
+    copies_step_seconds: float = 1.0  # a step, at least: its compute, then the host idle
+    copies_layers: int = 2  # square Linear layers of the loop's model (FSDP2 + AdamW)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -112,6 +119,9 @@ FULL = Profile(
     preemption_reps=7,
     preemption_exit_size=256 * MiB,
     preemption_exit_reps=5,
+    copies_size=1 * GiB,
+    copies_reps=5,
+    copies_saves=8,
 )
 
 # Every suite end to end in a few minutes, at sizes too small for its figures to mean anything:
@@ -147,6 +157,11 @@ SMOKE = Profile(
     preemption_reps=1,
     preemption_exit_size=8 * MiB,
     preemption_exit_reps=1,
+    copies_size=32 * MiB,
+    copies_reps=1,
+    copies_saves=2,
+    copies_every=2,
+    copies_step_seconds=0.3,
 )
 
 PROFILES = {p.name: p for p in (QUICK, FULL, SMOKE)}

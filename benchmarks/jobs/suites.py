@@ -299,6 +299,43 @@ def suite_preemption(bench: Bench) -> dict[str, Any]:
     return result
 
 
+def suite_copies(bench: Bench) -> dict[str, Any]:
+    """Copies on other nodes: the save stall with ``Replicas(2)`` against without (a training
+    loop), replication throughput against raw gloo, the restore of a lost node from its peers
+    against the same bytes from the cold tier; 4 ranks as 2 nodes, hot tier on disk and tmpfs."""
+    from benchmarks.jobs import copies
+
+    profile = bench.profile
+    print(
+        f"  copies: {profile.copies_size // MiB} MiB over 4 ranks as 2 nodes, best of {profile.copies_reps}: "
+        f"a training loop saving every {profile.copies_every} steps with and without Replicas(2), "
+        "replication against raw gloo, a lost node restored from its peers and from the cold tier",
+        flush=True,
+    )
+    bench.jobs += 1
+    spec = {
+        "job": f"copies{bench.jobs}",
+        "scratch": str(bench.scratch / "copies"),
+        "bytes": profile.copies_size,
+        "reps": profile.copies_reps,
+        "saves": profile.copies_saves,
+        "every": profile.copies_every,
+        "step_seconds": profile.copies_step_seconds,
+        "layers": profile.copies_layers,
+        "phases": ["stall", "copies"],
+    }
+    try:
+        records = copies.launch(spec, bench.scratch / f"copies{bench.jobs}-out")
+    finally:
+        shutil.rmtree(bench.scratch / "copies", ignore_errors=True)
+    return {
+        **{k: spec[k] for k in ("bytes", "reps", "saves", "every", "step_seconds", "layers")},
+        "world": copies.WORLD,
+        "local_world": copies.LOCAL,
+        "records": records,
+    }
+
+
 STALL_SYSTEMS = (
     "sync_tiered",
     "ours_reuse",
@@ -320,4 +357,5 @@ SUITES: dict[str, Callable[[Bench], dict[str, Any]]] = {
     "cold-down": suite_cold_down,
     "perf": suite_perf,
     "preemption": suite_preemption,
+    "copies": suite_copies,
 }

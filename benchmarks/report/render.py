@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from benchmarks.report import cold_down, loop, overview, perf, preemption
+from benchmarks.report import cold_down, copies, loop, overview, perf, preemption
 from benchmarks.report import sections as S
 from benchmarks.report.tables import DOC, FIGURES
 
@@ -54,6 +54,10 @@ PARTS: dict[str, Part] = {
     "memory.save": S.memory_part,
     "memory.migration": S.migration_memory_part,
     "cold-down": cold_down.cold_down_part,
+    "copies.targets": copies.targets_part,
+    "copies.stall": copies.stall_part,
+    "copies.throughput": copies.throughput_part,
+    "copies.restore": copies.restore_part,
     "preemption": preemption.preemption_part,
     "preemption.exit": preemption.exit_part,
     "scaling": S.scaling_part,
