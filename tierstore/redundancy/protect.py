@@ -85,7 +85,7 @@ class Peers:
         plan.spread_metadata(have={self.topology.node_of(_meta(manifest).rank)})
         faults.point("peers.before_transfer")
         started = time.monotonic()
-        received = wire.run(plan.flows, self.rank, self.group)
+        received = wire.run(plan.flows, self.rank, self.group, ordered=plan.ordered)
         plan.finish()
         seconds = time.monotonic() - started
         faults.point("peers.after_transfer")
@@ -193,7 +193,7 @@ class Peers:
         plan.rebuild(held)
         faults.point("peers.before_restore_transfer")
         started = time.monotonic()
-        received = wire.run(plan.flows, self.rank, self.group)
+        received = wire.run(plan.flows, self.rank, self.group, ordered=plan.ordered)
         plan.finish()
         report = plan.report()
         if plan.parity_phase is not None:  # parity blocks of lost holders: from the rebuilt data
@@ -269,7 +269,7 @@ class Peers:
                     sinks[path] = (sink, src)
                     flow.sink = _given(sink)
                 flows.append(flow)
-        wire.run(flows, self.rank, self.group)
+        wire.run(flows, self.rank, self.group, ordered=False)  # files, each on its own
         got = {}
         for path, (sink, src) in sinks.items():
             if sink.ok:
@@ -318,6 +318,13 @@ class _Plan:
         self.parity_phase: bool | None = None
         self._entries: dict[int, tuple[FileEntry, ...]] = {}
         self.checks: dict[int, _SentCheck] = {}  # this rank's files as it reads them to encode
+
+    @property
+    def ordered(self) -> bool:
+        """Whether the plan's flows must complete in its order: parity's sinks combine the
+        flows of several senders in turn; copies of files stand each on its own. The same
+        answer on every rank (the scheme's), as the two ways must not meet in one round."""
+        return isinstance(self.p.scheme, Parity)
 
     @property
     def topo(self) -> Topology:

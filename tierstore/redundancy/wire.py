@@ -68,9 +68,19 @@ def run(
     *,
     chunk: int = CHUNK,
     progress: Callable[[int], None] | None = None,
+    ordered: bool = True,
 ) -> int:
     """Run this rank's part of ``flows`` (every rank passes the same plan, in the same
-    order); the bytes this rank received."""
+    order); the bytes this rank received.
+
+    ``ordered``: each rank's flows complete in the plan's order (what parity's sinks need:
+    each combines the flows of several senders in turn). Otherwise (every sink on its own:
+    copies of files) the flows between each pair of ranks form one stream, and all streams
+    run at once, in stages: each rank posts one message of each of its outgoing streams,
+    then takes one message of each incoming stream, so every rank sends and receives at the
+    same time instead of in a chain from the first sender to the last."""
+    if not ordered:
+        return _run_streams(list(flows), rank, group, chunk, progress)
     inflight: deque[tuple[Any, torch.Tensor]] = deque()
     received = 0
     try:
@@ -143,3 +153,129 @@ def _receive(flow: Flow, group: Any, chunk: int, progress: Callable[[int], None]
         if sink is not None:
             sink.close()
     return done
+
+
+class _Stream:
+    """The flows between one pair of ranks, in plan order, as messages of at most ``chunk``."""
+
+    def __init__(self, peer: int, flows: list[Flow], chunk: int) -> None:
+        self.peer, self.chunk = peer, chunk
+        self.messages = [
+            (flow, at, min(chunk, flow.length - at)) for flow in flows for at in range(0, flow.length, chunk)
+        ]
+        self.next = 0
+        self.buffer = bytearray(min(chunk, max((size for _, _, size in self.messages), default=0)))
+        self.tensor = torch.frombuffer(self.buffer, dtype=torch.uint8) if self.buffer else None
+        self.source: Source | None = None
+        self.readinto: Callable[[memoryview], int] | None = None
+        self.sink: Sink | None = None
+
+    def pending(self) -> bool:
+        return self.next < len(self.messages)
+
+
+def _run_streams(
+    flows: list[Flow], rank: int, group: Any, chunk: int, progress: Callable[[int], None] | None
+) -> int:
+    outgoing: dict[int, list[Flow]] = {}
+    incoming: dict[int, list[Flow]] = {}
+    for flow in flows:
+        if rank not in (flow.src, flow.dst):
+            continue
+        if flow.length <= 0 or flow.src == flow.dst:
+            if rank == flow.dst and flow.sink is not None and flow.length <= 0:
+                flow.sink().close()
+            continue
+        if rank == flow.src:
+            outgoing.setdefault(flow.dst, []).append(flow)
+        else:
+            incoming.setdefault(flow.src, []).append(flow)
+    sends = [_Stream(peer, fs, chunk) for peer, fs in outgoing.items()]
+    receives = [_Stream(peer, fs, chunk) for peer, fs in incoming.items()]
+    received = 0
+    try:
+        while any(s.pending() for s in sends) or any(s.pending() for s in receives):
+            works = []
+            for stream in sends:
+                if stream.pending():
+                    works.append(_post_send(stream, group))
+            taking = []
+            for stream in receives:
+                if stream.pending():
+                    _, _, size = stream.messages[stream.next]
+                    assert stream.tensor is not None
+                    taking.append((stream, size, dist.irecv(stream.tensor[:size], stream.peer, group=group)))
+            for stream, size, work in taking:
+                assert work is not None
+                work.wait()
+                _deliver(stream, size)
+                received += size
+                if progress is not None:
+                    progress(size)
+            for work in works:
+                work.wait()
+    except (RuntimeError, OSError) as err:  # gloo: a closed connection, a timeout
+        raise PeerLost(f"a peer stopped answering during a transfer: {err}") from err
+    finally:
+        for stream in receives:
+            if stream.sink is not None:
+                stream.sink.close()  # short of its bytes: the sink refuses to keep it
+        for stream in sends:
+            if stream.source is not None:
+                stream.source.close()
+    return received
+
+
+def _post_send(stream: _Stream, group: Any) -> Any:
+    """Read the stream's next message into its buffer and post it (zeros past a source that
+    failed or ended early: the receiver's check refuses the file)."""
+    flow, at, size = stream.messages[stream.next]
+    if at == 0:
+        stream.source, stream.readinto = None, None
+        assert flow.source is not None, "the sender's flow has no source"
+        try:
+            stream.source = flow.source()
+            stream.readinto = getattr(stream.source, "readinto", None)
+        except (TierstoreError, OSError) as err:
+            log.error(
+                "cannot read what rank %d expects (sending zeros, which it will refuse): %s", flow.dst, err
+            )
+    view = memoryview(stream.buffer)[:size]
+    got = 0
+    if stream.source is not None:
+        try:
+            if stream.readinto is not None:
+                got = stream.readinto(view)
+            else:
+                data = stream.source.read(size)
+                got = len(data)
+                view[:got] = data
+        except (TierstoreError, OSError) as err:
+            log.error("read failed mid-way (sending zeros, which rank %d will refuse): %s", flow.dst, err)
+            stream.source = None
+    if got < size:
+        view[got:] = bytes(size - got)
+    stream.next += 1
+    assert stream.tensor is not None
+    work = dist.isend(stream.tensor[:size], stream.peer, group=group)
+    if at + size >= flow.length:  # the flow's last message is posted
+        if stream.source is not None:
+            stream.source.close()
+            stream.source = None
+        faults.point("peers.flow_done")
+    return work
+
+
+def _deliver(stream: _Stream, size: int) -> None:
+    """Hand the message just received to its flow's sink, opening and closing it at the ends."""
+    flow, at, _ = stream.messages[stream.next]
+    stream.next += 1
+    if at == 0:
+        assert flow.sink is not None, "the receiver's flow has no sink"
+        stream.sink = flow.sink()
+    assert stream.sink is not None
+    stream.sink.write(memoryview(stream.buffer)[:size])
+    if at + size >= flow.length:
+        stream.sink.close()
+        stream.sink = None
+        faults.point("peers.flow_done")
