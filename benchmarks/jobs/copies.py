@@ -295,8 +295,7 @@ def loop(spec: dict[str, Any], trainer: Trainer, root: Path, variant: str, rep: 
         computes.append(trainer.step(step))
         if step % every == 0:
             state = trainer.state()
-            last = mgr._copies._last  # the previous save's replication round
-            busy.append(last is not None and not last.done())
+            busy.append(bool(mgr.health().copies.get("busy")))  # the previous save's round still running
             thread = time.thread_time()
             mgr.save(step, state, force=True)
             save_cpu.append(time.thread_time() - thread)
@@ -304,9 +303,8 @@ def loop(spec: dict[str, Any], trainer: Trainer, root: Path, variant: str, rep: 
     looped = now() - start
     mgr.wait(migrations=False)  # the last save committed, and its copies verified on the peers
     settled, spent = now() - start, cpu_seconds() - cpu
-    rounds = [
-        [p.seconds, p.received] for p in sorted(mgr._copies._protections.values(), key=lambda p: p.name)
-    ]
+    done = mgr.health().copies.get("rounds", {})
+    rounds = [[done[name]["seconds"], done[name]["bytes"]] for name in sorted(done)]
     mgr.close()  # untimed: the cold tier's copies
     clear(root)
     return {
@@ -486,7 +484,16 @@ class Rounds:
     many bytes between the same ranks."""
 
     def __init__(self, mgr: Any, received: int, buffers: tuple[torch.Tensor, torch.Tensor]) -> None:
-        self.peers = mgr._copies.peers
+        from tierstore import Replicas
+        from tierstore.redundancy.protect import Peers
+        from tierstore.redundancy.records import peer_tier
+        from tierstore.redundancy.schemes import Topology
+
+        hot = mgr.store.hot  # rounds of its own, on a group of its own, beside the manager's
+        group = dist.new_group(backend="gloo")
+        self.peers = Peers(
+            Replicas(2), Topology.of(WORLD, node_of), group, dist.get_rank(), hot, peer_tier(hot)
+        )
         self.gets = received  # this rank's bytes from its partner in a round
         lengths: list[int] = [0] * WORLD
         dist.all_gather_object(lengths, received)
@@ -522,10 +529,10 @@ def transfers(
     mgr = manager(root, dist.get_rank(), Replicas(2))
     mgr.save(1, state, force=True)
     mgr.wait()  # committed, its copies verified on the peers, in the cold tier
-    first = mgr._copies._protections[NAME]
-    round_ = {"transfer": first.seconds, "received": first.received, "copies": first.copies}
+    first = mgr.health().copies["rounds"][NAME]
+    round_ = {"transfer": first["seconds"], "received": first["bytes"], "copies": first["copies"]}
     note(records, "copies", medium, "manager_round", -1, round_)
-    moves = Rounds(mgr, first.received, buffers)
+    moves = Rounds(mgr, first["bytes"], buffers)
     for rep in range(reps):
         for variant in rotated(TRANSFERS, rep):
             note(records, "copies", medium, variant, rep, timed(getattr(moves, variant)), reps)
@@ -557,14 +564,14 @@ def started(root: Path) -> Record:
     cpu, begun = cpu_seconds(), now()
     again = manager(root, dist.get_rank(), Replicas(2))
     seconds, spent = now() - begun, cpu_seconds() - cpu
-    restored = again._copies.restored
+    copies = again.health().copies
     again.close()
     return {
         "seconds": seconds,
         "cpu": spent,
-        "transfer": sum(p.seconds for p in restored),
-        "received": sum(p.received for p in restored),
-        "copies": min((p.copies for p in restored), default=0),
+        "transfer": copies["restore_seconds"],
+        "received": copies["restored_bytes"],
+        "copies": min(copies["copies"].values(), default=0),
     }
 
 

@@ -204,13 +204,21 @@ class PeerCopies:
             return {}
         with self._lock:
             copies = {name: p.copies for name, p in self._protections.items()}
+            rounds = {
+                name: {"seconds": p.seconds, "bytes": p.received, "copies": p.copies}
+                for name, p in self._protections.items()
+            }
             errors = list(self._errors)
+            busy = self._last is not None and not self._last.done()
         for p in self.restored:
             copies.setdefault(p.name, p.copies)
         return {
             "scheme": self.scheme.describe(),
             "copies": copies,
+            "rounds": rounds,  # each checkpoint's round on this rank: transfer seconds, bytes received
+            "busy": busy,  # a round is running now
             "restored_bytes": sum(p.received for p in self.restored),
+            "restore_seconds": sum(p.seconds for p in self.restored),
             "restored_from": sorted({s for p in self.restored for s in p.sources.values()}),
             "errors": errors,
             "broken": self.broken,
