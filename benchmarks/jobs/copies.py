@@ -25,6 +25,8 @@ Phases (``spec["phases"]``):
     the same pairs (rank r and rank (r + 2) % 4), chunks of ``wire.CHUNK``, in the round's
     order (ranks 0 and 1 send, then receive);
   - ``raw_duplex``: the same, both directions of a pair at once (``isend`` beside ``recv``);
+  - ``raw_disk``: ``raw_duplex`` with every received chunk written to a file in the node's hot
+    directory, fsynced at the end: the least any copy that must survive a crash of its holder pays;
 
   then the restore of a lost node: node 1's directory deleted and, in an order rotated by
   rep,
@@ -70,7 +72,7 @@ warnings.filterwarnings("ignore")
 WORLD = 4
 LOCAL = 2  # ranks per node: 2 nodes
 VARIANTS = ("plain", "replicas")  # the stall loop: without and with Replicas(2)
-TRANSFERS = ("protect", "raw_plan", "raw_duplex")
+TRANSFERS = ("protect", "raw_plan", "raw_duplex", "raw_disk")
 RESTORES = ("peers", "cold")
 MEDIA = ("disk", "tmpfs")
 TMPFS = Path("/dev/shm")
@@ -377,7 +379,16 @@ def chunks(length: int, chunk: int) -> list[int]:
     return [min(chunk, length - done) for done in range(0, length, chunk)]
 
 
-def raw(sends: int, gets: int, chunk: int, *, duplex: bool, send: torch.Tensor, into: torch.Tensor) -> Record:
+def raw(
+    sends: int,
+    gets: int,
+    chunk: int,
+    *,
+    duplex: bool,
+    send: torch.Tensor,
+    into: torch.Tensor,
+    land: Path | None = None,
+) -> Record:
     """``sends`` bytes to this rank's partner and ``gets`` back over plain gloo, in chunks: in
     the round's order (the ranks of node 0 send, then receive) or both directions at once."""
     from tierstore.redundancy import wire
@@ -386,15 +397,27 @@ def raw(sends: int, gets: int, chunk: int, *, duplex: bool, send: torch.Tensor, 
     out, back = chunks(sends, chunk), chunks(gets, chunk)
     if duplex:
         inflight = []
-        for i in range(max(len(out), len(back))):
-            if i < len(out):
-                inflight.append(dist.isend(send[: out[i]], other))
-                while len(inflight) > wire.WINDOW:
-                    inflight.pop(0).wait()
-            if i < len(back):
-                dist.recv(into[: back[i]], other)
-        for work in inflight:
-            work.wait()
+        landing = open(land, "wb") if land is not None else None  # noqa: SIM115 - closed below
+        view = memoryview(into.numpy()) if landing is not None else None
+        try:
+            for i in range(max(len(out), len(back))):
+                if i < len(out):
+                    inflight.append(dist.isend(send[: out[i]], other))
+                    while len(inflight) > wire.WINDOW:
+                        inflight.pop(0).wait()
+                if i < len(back):
+                    dist.recv(into[: back[i]], other)
+                    if landing is not None and view is not None:
+                        landing.write(view[: back[i]])
+            for work in inflight:
+                work.wait()
+            if landing is not None:
+                landing.flush()
+                os.fsync(landing.fileno())
+        finally:
+            if landing is not None:
+                landing.close()
+                os.unlink(land)  # type: ignore[arg-type]
         return {"received": gets}
     for src in range(WORLD):  # the plan's order: every rank's files, rank by rank
         if rank == src:
@@ -512,11 +535,15 @@ class Rounds:
     def raw_duplex(self) -> Record:
         return self._raw(duplex=True)
 
-    def _raw(self, *, duplex: bool) -> Record:
+    def raw_disk(self) -> Record:
+        assert self.peers.hot is not None
+        return self._raw(duplex=True, land=Path(self.peers.hot.url) / f"raw-landing-{dist.get_rank()}.bin")
+
+    def _raw(self, *, duplex: bool, land: Path | None = None) -> Record:
         from tierstore.redundancy import wire
 
         send, into = self.buffers
-        return raw(self.sends, self.gets, wire.CHUNK, duplex=duplex, send=send, into=into)
+        return raw(self.sends, self.gets, wire.CHUNK, duplex=duplex, send=send, into=into, land=land)
 
 
 def transfers(
