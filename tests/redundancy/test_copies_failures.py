@@ -13,12 +13,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import crc32c
 from copies_launch import JOB, LOCAL, check_resumed, lose_node, resume, save_and_kill, spec
 from launch import run_job
 
+from tierstore import Store, list_checkpoints
 from tierstore.format.layout import default_name
 from tierstore.lifecycle.gc import find_garbage
 from tierstore.testing.faults import armed_env
+from tierstore.tiers.tier import Tier
 
 REPLICAS = ["replicas", 2]
 
@@ -115,3 +118,29 @@ def test_a_preemption_notice_pushes_the_checkpoint_to_the_peers_within_the_grace
     lose_node(tmp_path / "nodes", 1)
     resumed = resume(tmp_path / "nodes", tmp_path / "out", 4, REPLICAS)
     check_resumed(saved, resumed, lost=1, step=stopped)
+
+
+def test_a_checkpoint_the_cold_tier_never_got_reaches_it_from_the_restored_node(tmp_path: Path) -> None:
+    # The cold tier is down while the job saves (a file where its directory should be); node 1
+    # is lost. The relaunch, with the cold tier back, rebuilds node 1 from its peer and the
+    # migration every rank resumes at start uploads node 1's files from the rebuilt copy: the
+    # cold tier ends up with whole checkpoints none of whose node-1 files survived on node 1.
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the cold tier's directory should be")
+    cold = str(blocked / "cold")
+    saved = save_and_kill(tmp_path, 4, REPLICAS, saves=[1, 2], cold=cold)
+    nodes = tmp_path / "nodes"
+    lose_node(nodes, 1)
+    blocked.unlink()
+    blocked.mkdir()
+    resumed = resume(nodes, tmp_path / "out", 4, REPLICAS, cold=cold, close_timeout=60)
+    assert all(r["digest"] == saved[2] for r in resumed)
+    in_cold = {c.step: c for c in list_checkpoints(Store(cold=cold))}
+    assert set(in_cold) == {1, 2}, in_cold  # both committed in cold by the relaunch
+    tier = Tier("cold", cold)
+    for step in (1, 2):  # and whole: every rank's files, node 1's from its rebuilt copies
+        manifest = tier.find_manifest(default_name(step))
+        assert manifest is not None and {f.rank for f in manifest.files} >= {2, 3}
+        for entry in manifest.files:
+            path = Path(cold) / tier.file_key(manifest.name, manifest.attempt, entry.path)
+            assert path.stat().st_size == entry.size and crc32c.crc32c(path.read_bytes()) == entry.crc32c
