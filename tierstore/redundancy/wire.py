@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -156,7 +157,9 @@ def _receive(flow: Flow, group: Any, chunk: int, progress: Callable[[int], None]
 
 
 class _Stream:
-    """The flows between one pair of ranks, in plan order, as messages of at most ``chunk``."""
+    """The flows between one pair of ranks, in plan order, as messages of at most ``chunk``,
+    through two buffers in turn: one is on the wire (or being written) while the other is
+    filled (or received)."""
 
     def __init__(self, peer: int, flows: list[Flow], chunk: int) -> None:
         self.peer, self.chunk = peer, chunk
@@ -164,14 +167,26 @@ class _Stream:
             (flow, at, min(chunk, flow.length - at)) for flow in flows for at in range(0, flow.length, chunk)
         ]
         self.next = 0
-        self.buffer = bytearray(min(chunk, max((size for _, _, size in self.messages), default=0)))
-        self.tensor = torch.frombuffer(self.buffer, dtype=torch.uint8) if self.buffer else None
+        size = min(chunk, max((size for _, _, size in self.messages), default=0))
+        self.buffers = [bytearray(size), bytearray(size)] if size else []
+        self.tensors = [torch.frombuffer(b, dtype=torch.uint8) for b in self.buffers]
+        self.busy: list[Any] = [None, None]  # a buffer's send, or its write, not done yet
         self.source: Source | None = None
         self.readinto: Callable[[memoryview], int] | None = None
-        self.sink: Sink | None = None
+        self.sink: Sink | None = None  # the writer thread's only
 
     def pending(self) -> bool:
         return self.next < len(self.messages)
+
+    def free(self, b: int) -> None:
+        """Wait until buffer ``b`` is neither on the wire nor being written."""
+        busy, self.busy[b] = self.busy[b], None
+        if busy is None:
+            return
+        if isinstance(busy, Future):
+            busy.result()
+        else:
+            busy.wait()
 
 
 def _run_streams(
@@ -193,30 +208,43 @@ def _run_streams(
     sends = [_Stream(peer, fs, chunk) for peer, fs in outgoing.items()]
     receives = [_Stream(peer, fs, chunk) for peer, fs in incoming.items()]
     received = 0
+    # One thread writes what arrived, in arrival order per stream, while the next message
+    # comes in: the disk and the wire work at once.
+    writer = ThreadPoolExecutor(1, thread_name_prefix="tierstore-copies-write") if receives else None
     try:
         while any(s.pending() for s in sends) or any(s.pending() for s in receives):
-            works = []
             for stream in sends:
                 if stream.pending():
-                    works.append(_post_send(stream, group))
+                    _post_send(stream, group)
             taking = []
             for stream in receives:
                 if stream.pending():
-                    _, _, size = stream.messages[stream.next]
-                    assert stream.tensor is not None
-                    taking.append((stream, size, dist.irecv(stream.tensor[:size], stream.peer, group=group)))
-            for stream, size, work in taking:
-                assert work is not None
+                    message, b = stream.messages[stream.next], stream.next % 2
+                    stream.next += 1
+                    stream.free(b)  # its previous message is written
+                    taking.append(
+                        (
+                            stream,
+                            message,
+                            b,
+                            dist.irecv(stream.tensors[b][: message[2]], stream.peer, group=group),
+                        )
+                    )
+            for stream, message, b, work in taking:
+                assert work is not None and writer is not None
                 work.wait()
-                _deliver(stream, size)
-                received += size
+                stream.busy[b] = writer.submit(_deliver, stream, message, b)
+                received += message[2]
                 if progress is not None:
-                    progress(size)
-            for work in works:
-                work.wait()
+                    progress(message[2])
+        for stream in sends + receives:
+            stream.free(0)
+            stream.free(1)
     except (RuntimeError, OSError) as err:  # gloo: a closed connection, a timeout
         raise PeerLost(f"a peer stopped answering during a transfer: {err}") from err
     finally:
+        if writer is not None:
+            writer.shutdown(wait=True)
         for stream in receives:
             if stream.sink is not None:
                 stream.sink.close()  # short of its bytes: the sink refuses to keep it
@@ -226,10 +254,12 @@ def _run_streams(
     return received
 
 
-def _post_send(stream: _Stream, group: Any) -> Any:
-    """Read the stream's next message into its buffer and post it (zeros past a source that
+def _post_send(stream: _Stream, group: Any) -> None:
+    """Read the stream's next message into a free buffer and post it (zeros past a source that
     failed or ended early: the receiver's check refuses the file)."""
     flow, at, size = stream.messages[stream.next]
+    b = stream.next % 2
+    stream.next += 1
     if at == 0:
         stream.source, stream.readinto = None, None
         assert flow.source is not None, "the sender's flow has no source"
@@ -240,7 +270,8 @@ def _post_send(stream: _Stream, group: Any) -> Any:
             log.error(
                 "cannot read what rank %d expects (sending zeros, which it will refuse): %s", flow.dst, err
             )
-    view = memoryview(stream.buffer)[:size]
+    stream.free(b)  # its message of two stages ago has left
+    view = memoryview(stream.buffers[b])[:size]
     got = 0
     if stream.source is not None:
         try:
@@ -255,26 +286,23 @@ def _post_send(stream: _Stream, group: Any) -> Any:
             stream.source = None
     if got < size:
         view[got:] = bytes(size - got)
-    stream.next += 1
-    assert stream.tensor is not None
-    work = dist.isend(stream.tensor[:size], stream.peer, group=group)
+    stream.busy[b] = dist.isend(stream.tensors[b][:size], stream.peer, group=group)
     if at + size >= flow.length:  # the flow's last message is posted
         if stream.source is not None:
             stream.source.close()
             stream.source = None
         faults.point("peers.flow_done")
-    return work
 
 
-def _deliver(stream: _Stream, size: int) -> None:
-    """Hand the message just received to its flow's sink, opening and closing it at the ends."""
-    flow, at, _ = stream.messages[stream.next]
-    stream.next += 1
+def _deliver(stream: _Stream, message: tuple[Flow, int, int], b: int) -> None:
+    """Hand a message received into buffer ``b`` to its flow's sink, opening and closing it at
+    the flow's ends (on the writer thread, in the stream's order)."""
+    flow, at, size = message
     if at == 0:
         assert flow.sink is not None, "the receiver's flow has no sink"
         stream.sink = flow.sink()
     assert stream.sink is not None
-    stream.sink.write(memoryview(stream.buffer)[:size])
+    stream.sink.write(memoryview(stream.buffers[b])[:size])
     if at + size >= flow.length:
         stream.sink.close()
         stream.sink = None
