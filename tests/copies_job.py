@@ -1,4 +1,4 @@
-"""One rank of a job with copies on other nodes (``CheckpointManager(redundancy=)``): FSDP2 +
+"""One rank of a job with copies on other nodes (``ManagerOptions(redundancy=)``): FSDP2 +
 AdamW on CPU over gloo, "nodes" of ``local_world`` ranks each with a hot directory of its own,
 the cold tier an S3 URL on a closed port (or a directory), as ``spec`` says.
 
@@ -65,9 +65,8 @@ def manager(spec: dict[str, Any]) -> CheckpointManager:
         store,
         retention=Retention(hot_min_free=None),
         migration=MigrationOptions(retry=retry, commit_timeout=5),
-        options=ManagerOptions(close_timeout=spec.get("close_timeout", 8)),
+        options=ManagerOptions(close_timeout=spec.get("close_timeout", 8), redundancy=scheme(spec)),
         preemption=PreemptionOptions(grace_seconds=grace) if grace else True,
-        redundancy=scheme(spec),
     )
 
 

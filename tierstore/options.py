@@ -285,12 +285,20 @@ class ManagerOptions:
             ``close()`` raises :class:`~tierstore.errors.MigrationFailed`.
         process_group: the group for the checkpoint collectives; by default (``None``) the
             manager makes a gloo group of its own, so they never interleave with training's.
-        node_of: ``rank -> node`` for copies on other nodes (``CheckpointManager(redundancy=)``);
-            by default ``rank // LOCAL_WORLD_SIZE``, as torchrun numbers nodes.
+        redundancy: copies of each checkpoint on other nodes, for a node-local store
+            (``Store(hot, cold, node_local=True)``): :class:`~tierstore.Replicas` or
+            :class:`~tierstore.Parity` (default ``None``: none). After each commit every rank's
+            files go, in the background, to other nodes' hot tiers, verified; a checkpoint so
+            protected is found and resumed from the surviving nodes with the cold tier
+            unreachable, and a node replaced by an empty one gets its files back from the
+            others when the manager starts (docs/operations.md, "Copies on other nodes").
+        node_of: ``rank -> node`` for those copies; by default ``rank // LOCAL_WORLD_SIZE``,
+            as torchrun numbers nodes.
     """
 
     close_timeout: float = 300.0
     process_group: Any = None
+    redundancy: Any = None  # Replicas | Parity | None, checked by the manager (a layer above)
     node_of: Callable[[int], int] | None = None
 
     def __post_init__(self) -> None:

@@ -1,4 +1,4 @@
-"""Copies on other nodes (``CheckpointManager(redundancy=Replicas(2))``): one rank of the job,
+"""Copies on other nodes (``ManagerOptions(redundancy=Replicas(2))``): one rank of the job,
 ``python -m benchmarks.jobs.copies SPEC.json``, and :func:`launch`, which starts the job.
 
 4 gloo processes as 2 "nodes" of 2 ranks (``LOCAL_WORLD_SIZE=2``, the manager's node of a rank
@@ -9,7 +9,7 @@ Phases (``spec["phases"]``):
 * ``stall``: a training-shaped loop (square ``Linear`` layers under FSDP2 over the 4 ranks,
   AdamW, a step of compute padded to ``step_seconds`` as an accelerator's step leaves the
   host idle, a save every ``every`` steps through a ``CheckpointManager``), with and without
-  ``redundancy=Replicas(2)``, in an order rotated by rep. Per save: ``manager.stalls`` and
+  ``ManagerOptions(redundancy=Replicas(2))``, in an order rotated by rep. Per save: ``manager.stalls`` and
   the CPU time of the training thread inside ``save()``; per loop: its wall time, the
   compute part of its steps, the process's CPU time (every thread: replication included)
   until the last save's copies are verified, and each background round's transfer time
@@ -219,8 +219,7 @@ def manager(root: Path, rank: int, redundancy: Any) -> Any:
     return CheckpointManager(
         Store(hot, cold, node_local=True),
         retention=Retention(hot_min_free=None),  # the scratch disk is shared: no free-space rule
-        redundancy=redundancy,
-        options=ManagerOptions(close_timeout=600),
+        options=ManagerOptions(close_timeout=600, redundancy=redundancy),
     )
 
 

@@ -194,7 +194,7 @@ def _unknown_row(info: Any) -> dict[str, Any]:
 
 
 def _copies_rows(store: Store) -> dict[str, dict[str, Any]]:
-    """The copies this node's hot root keeps (``redundancy=``), by checkpoint name."""
+    """The copies this node's hot root keeps (``ManagerOptions(redundancy=)``), by checkpoint name."""
     if store.hot is None:
         return {}
     try:

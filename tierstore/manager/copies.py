@@ -1,4 +1,4 @@
-"""A manager's copies on other nodes (``CheckpointManager(redundancy=Replicas(2))``): the
+"""A manager's copies on other nodes (``ManagerOptions(redundancy=Replicas(2))``): the
 part that protects each committed checkpoint in the background, restores a replaced node at
 start, and fetches another node's files for a load (:mod:`tierstore.redundancy`).
 
@@ -93,6 +93,14 @@ class PeerCopies:
         return store.with_peers(self.peers.peers)
 
     # -- at start ----------------------------------------------------------------------------
+
+    def start(self, store: Store) -> Store:
+        """At the manager's start: restore what a replaced node lost (:meth:`restore`), and
+        return ``store`` with this node's copies as a tier to find and read checkpoints in
+        (found there first, the cold tier last)."""
+        reading = self.reading_store(store)
+        self.restore()
+        return reading
 
     def restore(self) -> list[Protection]:
         """Rebuild what a replaced node lost from the other nodes' copies (collective, at start)."""

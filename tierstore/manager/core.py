@@ -6,6 +6,7 @@ attribute between them."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -32,7 +33,6 @@ from tierstore.manager.saving import SavePipeline
 from tierstore.migration.migrator import MigrationOptions
 from tierstore.migration.workers import migrator_for
 from tierstore.options import ManagerOptions, PreemptionOptions, RunOptions, StagingOptions, WriterOptions
-from tierstore.redundancy.schemes import Parity, Replicas
 from tierstore.tiers import runlock
 from tierstore.tiers.tier import Store, TierURL
 
@@ -77,14 +77,9 @@ class CheckpointManager:
         options: what the manager itself needs beyond these
             (:class:`~tierstore.ManagerOptions`: ``close_timeout``, 300 s by default, the
             most seconds :meth:`close` waits for migrations, pruning and checks in all;
-            ``process_group``, by default a new gloo group; ``node_of``, how ranks map to nodes).
-        redundancy: copies of each checkpoint on other nodes, for a node-local store
-            (:class:`~tierstore.Replicas` or :class:`~tierstore.Parity`; default none):
-            after each commit every rank's files go, in the background, to other nodes'
-            hot tiers, verified; a checkpoint so protected is found and resumed from the
-            surviving nodes with the cold tier unreachable, and a node replaced by an empty
-            one gets its files back from the others when the manager starts
-            (docs/operations.md, "Copies on other nodes").
+            ``process_group``, by default a new gloo group; ``redundancy``, copies of each
+            checkpoint of a node-local store on other nodes, :class:`~tierstore.Replicas` or
+            :class:`~tierstore.Parity`, and ``node_of``, how ranks map to nodes).
 
     An argument of an older form (``hot_options=``, ``node_local=``, ``hot_policy=``,
     ``async_mode=``, ``writer_options=``, ``close_timeout=``, ...) is a ``TypeError`` naming
@@ -108,7 +103,6 @@ class CheckpointManager:
         writer: WriterOptions | None = None,
         migration: MigrationOptions | None = None,
         options: ManagerOptions | None = None,
-        redundancy: Replicas | Parity | None = None,
         **removed: Any,
     ) -> None:
         refuse_removed(removed)
@@ -134,28 +128,21 @@ class CheckpointManager:
         try:  # a read-only or foreign hot directory, or another run's (strict): refused, every rank
             writable.check_writable(hot_tier, self._group.group, every_rank=self.node_local)
             self._guard.check_start(hot_tier, self._group.group, self._group.distributed)
-            self._copies = PeerCopies(redundancy, self.store, node_of=options.node_of)
+            self._copies = PeerCopies(options.redundancy, self.store, node_of=options.node_of)
         except (TierstoreError, OSError):
             self._group.release()
             raise
-        # With copies, this node's replica namespace is a catalog too (found first, cold last),
-        # and a replaced node gets back what it held before anything else reads the hot tier.
-        self.store = self._copies.reading_store(self.store)
-        self._copies.restore()
+        self.store = self._copies.start(self.store)  # a replaced node restored from its peers
         self._maintenance = Maintenance(self.store, self.retention, self._guard, self._group, migration)
         if self.store.cold is not None:  # the exit hook waits at most close_timeout for its uploads
             migrator_for(hot_tier, self.store.cold, migration, exit_wait=self.close_timeout)
+        relieve, settled = self._maintenance.relieve_disk_pressure, self._copies.settled
         self._pipeline = SavePipeline(
-            self.staging,
-            self._group,
-            before_write=self._maintenance.relieve_disk_pressure,
-            committed=self._committed,
-            settled=self._copies.settled,
+            self.staging, self._group, before_write=relieve, committed=self._committed, settled=settled
         )
         self._loader = Loader(self.store, self.catalog, self._guard, self._group, copies=self._copies)
-        self._delivery = Delivery(
-            self.store, self._maintenance.migrators, catalog=self._group.rank == 0 or not self.node_local
-        )
+        lists = self._group.rank == 0 or not self.node_local
+        self._delivery = Delivery(self.store, self._maintenance.migrators, catalog=lists, copies=self._copies)
         # Another live job saving into this hot directory is warned about now, once.
         self._run_lock = runlock.acquire(hot_tier) if self._group.rank == 0 else None
         self._maintenance.start()  # a killed run's pending migrations: finished in the background
@@ -222,14 +209,8 @@ class CheckpointManager:
         statuses = [s for m in self._maintenance.migrators() for s in m.status()]
         tally = self._pipeline.tally()
         saves = (tally.ok, tally.failed, tally.last_step, tally.last_error)
-        return Health.of(
-            saves,
-            statuses,
-            self._maintenance.errors,
-            self._loader.quarantined,
-            copies=self._copies.summary(),
-            load_sources=self._loader.sources,
-        )
+        where = (self._copies.summary(), self._loader.sources)
+        return Health.of(saves, statuses, self._maintenance.errors, self._loader.quarantined, *where)
 
     # -- saving --------------------------------------------------------------------------------
 
@@ -273,22 +254,13 @@ class CheckpointManager:
     def _save_on_notice(
         self, step: int, state: dict[str, Any], metrics: Mapping[str, float], since: float
     ) -> bool:
-        """The save on a preemption notice (:mod:`tierstore.manager.notice`): synchronous, after
-        the save in flight (whose failure is logged, not raised: this one matters now)."""
-        pipeline = self._pipeline
-
-        def write() -> None:
-            try:
-                pipeline.finish_previous()
-                pipeline.raise_failure()
-            except SaveFailed as err:  # that save is lost either way
-                log.error("the save before the preemption notice failed (%s); saving step %d", err, step)
-            if step != pipeline.last_saved_step:  # else saved already: push that one
-                pipeline.save_sync(step, state, self._writer(step, metrics))
-            # Copies on the other nodes first: they take the network, not the cold tier.
-            self._copies.wait(self._notice.close_deadline(time.monotonic() + self.close_timeout))
-
-        pipeline.stalls[step] = self._notice.save(step, since, write, self._maintenance.migrators)
+        """The save on a preemption notice: :meth:`SavePipeline.save_on_notice`, its copies
+        on other nodes waited for within the grace period."""
+        grace = self._notice.close_deadline(time.monotonic() + self.close_timeout)
+        copied = functools.partial(self._copies.wait, grace)
+        made = functools.partial(self._writer, step, metrics)
+        write = functools.partial(self._pipeline.save_on_notice, step, state, made, copied)
+        self._pipeline.stalls[step] = self._notice.save(step, since, write, self._maintenance.migrators)
         return True
 
     def wait_staged(self) -> None:
@@ -436,9 +408,7 @@ class CheckpointManager:
             self._delivery.deliver(deadline, in_grace=self._notice.in_grace())
         self._pipeline.raise_failure()
         if migrations:
-            failed = self._delivery.failed_once(
-                deadline, in_grace=self._notice.in_grace(), copies=self._copies
-            )
+            failed = self._delivery.failed_once(deadline, in_grace=self._notice.in_grace())
             if failed is not None:
                 raise failed
 
@@ -500,7 +470,7 @@ class CheckpointManager:
         undelivered = delivery.undelivered(deadline_now(), in_grace=notice.in_grace())
         delivery.stop(set(undelivered))  # nothing of them runs once close returns
         if undelivered:
-            late = delivery.failed(undelivered, copies=self._copies)
+            late = delivery.failed(undelivered)
             log.error("%s", late)
             failure = failure or late
         self._release()

@@ -29,10 +29,13 @@ class Delivery:
     """This process's migrations to ``store``'s cold tier (by ``migrators()``), waited for
     against a deadline and spent trying (invariant 26), and what they left undelivered.
     ``catalog``: whether this process looks the undelivered ones up in the cold catalog (every
-    process but the non-coordinators of node-local hot tiers)."""
+    process but the non-coordinators of node-local hot tiers). ``copies``: the manager's copies
+    on other nodes (:class:`~tierstore.manager.copies.PeerCopies`), which its errors count."""
 
-    def __init__(self, store: Store, migrators: Callable[[], list[Migrator]], *, catalog: bool) -> None:
-        self.store, self._migrators, self._catalog = store, migrators, catalog
+    def __init__(
+        self, store: Store, migrators: Callable[[], list[Migrator]], *, catalog: bool, copies: Any = None
+    ) -> None:
+        self.store, self._migrators, self._catalog, self._copies = store, migrators, catalog, copies
         self.cold_down = False  # close() found the cold tier unreachable: nothing to look up
         self._reported: set[str] = set()  # migration failures wait() raised already
 
@@ -67,9 +70,7 @@ class Delivery:
         lookup = 0.0 if self.cold_down else 30.0 if deadline is None else left(deadline, floor=floor)
         return undelivered(self._migrators(), cold, timeout=lookup, catalog=self._catalog)
 
-    def failed_once(
-        self, deadline: float | None, *, in_grace: bool, copies: Any = None
-    ) -> MigrationFailed | None:
+    def failed_once(self, deadline: float | None, *, in_grace: bool) -> MigrationFailed | None:
         """The checkpoints whose migration failed and that are still pending, not raised
         before (``wait()``'s error), each once."""
         failed = {
@@ -78,18 +79,19 @@ class Delivery:
             if name not in self._reported and not why.startswith("still ")
         }
         self._reported.update(failed)
-        return self.failed(failed, copies) if failed else None
+        return self.failed(failed) if failed else None
 
     def stop(self, names: set[str]) -> None:
         """Stop the migrations of ``names``: nothing of them runs after this returns."""
         for migrator in self._migrators():
             migrator.stop(names)
 
-    def failed(self, failures: dict[str, str], copies: Any = None) -> MigrationFailed:
-        """The error naming ``failures``; with ``copies`` (:class:`~tierstore.manager.copies.PeerCopies`
-        on), how many verified copies on other nodes protect each meanwhile."""
+    def failed(self, failures: dict[str, str]) -> MigrationFailed:
+        """The error naming ``failures``; with copies on other nodes, how many verified copies
+        protect each meanwhile."""
         assert self.store.hot is not None and self.store.cold is not None
         message = describe(failures, self.store.hot, self.store.cold)
+        copies = self._copies
         if copies is not None and copies.on:
             message += (
                 ". Meanwhile each is protected by copies on other nodes, as verified: "

@@ -34,7 +34,7 @@ class Health:
     # Checkpoints this manager's resumes found damaged and set aside (their data kept:
     # `tierstore quarantine` lists every quarantined one, and removes them).
     quarantined: tuple[str, ...] = ()
-    # Copies on other nodes (CheckpointManager(redundancy=)): the scheme, each checkpoint's
+    # Copies on other nodes (ManagerOptions(redundancy=)): the scheme, each checkpoint's
     # verified copies as this process knows them, what a restore at start moved and from
     # where, and why copies failed; empty without redundancy.
     copies: dict[str, Any] = field(default_factory=dict)

@@ -150,6 +150,22 @@ class SavePipeline:
         )
         self._submitter().submit(self._guarded, start_save, step, staged, settled)
 
+    def save_on_notice(
+        self, step: int, state: dict[str, Any], writer: Callable[[], TieredWriter], after: Callable[[], Any]
+    ) -> None:
+        """The save on a preemption notice (:mod:`tierstore.manager.notice`): synchronous, after
+        the save in flight (whose failure is logged, not raised: this one matters now), unless
+        that one was this step's; then ``after()`` (the copies on other nodes, before the cold
+        tier: they take the network, not the object store)."""
+        try:
+            self.finish_previous()
+            self.raise_failure()
+        except SaveFailed as err:  # that save is lost either way
+            log.error("the save before the preemption notice failed (%s); saving step %d", err, step)
+        if step != self.last_saved_step:  # else saved already: push that one
+            self.save_sync(step, state, writer())
+        after()
+
     def save_sync(self, step: int, state: dict[str, Any], writer: TieredWriter) -> None:
         """``dcp.save`` through ``writer``: committed in the hot tier when it returns."""
         self._before_write()

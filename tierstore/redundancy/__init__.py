@@ -1,5 +1,6 @@
 """Copies of node-local checkpoints on other nodes: :class:`Replicas` and :class:`Parity`
-(``CheckpointManager(Store(hot, cold, node_local=True), redundancy=Replicas(2))``).
+(``CheckpointManager(Store(hot, cold, node_local=True),
+options=ManagerOptions(redundancy=Replicas(2)))``).
 
 :mod:`~tierstore.redundancy.schemes` says where copies go, :mod:`~tierstore.redundancy.wire`
 moves bytes between ranks, :mod:`~tierstore.redundancy.records` keeps them on a node, and
