@@ -45,6 +45,7 @@ def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untype
 
 def pytest_runtest_makereport(item, call) -> None:  # type: ignore[no-untyped-def]
     failed = call.when == "call" and call.excinfo is not None and "crash" in item.nodeid
+    failed = failed and item.get_closest_marker("xfail") is None  # a known bug's replay: expected
     if failed and call.excinfo.errisinstance(AssertionError) and not STATS.messages:
         STATS.violations += 1
         STATS.messages.append(str(call.excinfo.value).splitlines()[0][:500])

@@ -263,6 +263,33 @@ def _migrated_garbage(
         scan.add(tier, info, "migrated mark of a pruned checkpoint")
 
 
+def _still_unpublished(tier: Tier, keys: list[str]) -> list[str]:
+    """Of a hot tier's ``keys``, those whose attempt its replica namespace still does not
+    publish (copies, and the node's own files, which that manifest references too): a second
+    look just before deleting, as a round or a restore may have published the attempt since
+    the scan (docs/design.md invariant 19)."""
+    if tier.role != "hot":
+        return keys
+    published = {(m.name, m.attempt) for m in peer_tier(tier).manifests()}
+    if not published:
+        return keys
+    kept = []
+    for key in keys:
+        own = layout.spread_attempt_of(key)
+        if own is not None and own in published:
+            continue
+        if layout.kind_of(key) is KeyKind.REPLICA:
+            rel = key[len(layout.REPLICA_DIR) + 1 :]
+            where = layout.spread_attempt_of(rel)
+            if where is None and rel.startswith("protection/"):
+                parts = rel[: -len(".json")].split("/")
+                where = (parts[1], parts[2]) if len(parts) == 3 else None
+            if where is not None and where in published:
+                continue
+        kept.append(key)
+    return kept
+
+
 def _delete(tier: Tier, keys: list[str], scan: _Scan) -> None:
     """Delete ``keys`` in batches; a batch that fails is retried key by key, so each failure
     names its key (a batch delete is idempotent, so a retry is always safe)."""
@@ -312,7 +339,14 @@ def collect_garbage(
         for item in scan.garbage:
             doomed[item.tier].append(item.key)
         with ThreadPoolExecutor(max(1, len(doomed)), thread_name_prefix="tierstore-gc") as pool:
-            list(pool.map(lambda label: _delete(by_label[label], doomed[label], scan), doomed))
+            list(
+                pool.map(
+                    lambda label: _delete(
+                        by_label[label], _still_unpublished(by_label[label], doomed[label]), scan
+                    ),
+                    doomed,
+                )
+            )
         if scan.garbage:
             log.info(
                 "garbage collected %d objects (%d bytes)",

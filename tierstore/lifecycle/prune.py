@@ -315,11 +315,11 @@ def prune_node_local(
                 tally.deferred.append(manifest.name)
                 continue
             faults.point("prune.after_lease_check")
-            delete_batched(hot, [info.key for info in local])
-            delete_batched(hot, _mark_keys(hot, manifest.name, manifest.attempt), fault=None)
-            if copied:
+            if copied:  # the protection first: no node publishes one whose own files are gone
                 assert peers is not None
                 tally.freed += drop_copies(peers, manifest)
+            delete_batched(hot, [info.key for info in local])
+            delete_batched(hot, _mark_keys(hot, manifest.name, manifest.attempt), fault=None)
         except TierstoreError as err:
             log.error(
                 "could not prune the local copy of %s from %s (going on with the others): %s",
