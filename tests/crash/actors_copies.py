@@ -41,13 +41,13 @@ again), prunes and GC beside anything, a migration beside anything but a restore
 rounds at once (the manager runs one at a time). While a node is lost (wiped, not restored
 since), only restores, prunes and GC run (a relaunch restores before it saves).
 
-**Around the product bugs it found** (each replayed as an ``xfail(strict=True)`` test in
-test_copies_machine.py), so that it goes on looking for others: a prune at a gate between
-deleting its node's files and un-publishing the copies' manifest is released, never killed
-(:data:`KILLED_PRUNE_WINDOW`); a prune beside a round never drops the round's checkpoint, a
-round beside a prune never protects one the prune drops, and a restore and a prune never run
-at once (:data:`ROUND_AND_PRUNE`); GC held while a round or a restore runs has an hour's grace
-(:data:`GC_THEN_PUBLISH`).
+**Around the product bugs it found and that are not fixed** (each replayed as an
+``xfail(strict=True)`` test in test_copies_machine.py), so that it goes on looking for
+others: a prune beside a round never drops the round's checkpoint, a round beside a prune
+never protects one the prune drops, and a restore and a prune never run at once
+(:data:`ROUND_AND_PRUNE`). The two it found that are fixed (a prune killed between deleting
+its node's files and un-publishing that node's protection; GC held after its scan while a
+round or a restore publishes what it scanned) it no longer steers around: it runs them.
 
 **GC's grace** is what protects a round in flight (its copies are no manifest's until it
 publishes), a save in flight (files before the manifest), a restore and a migration in
@@ -59,9 +59,9 @@ migration is held beside it and no file of a checkpoint cold has not committed h
 verified copy where GC, from that node's root, sees no manifest naming it (that root's hot
 manifests name its own files; its replica namespace's name its own files and its copies);
 otherwise with an hour (nothing here is that old: GC deletes nothing, but runs). GC held
-after its scan while a round or a restore runs gets an hour too, but that is a bug, not the
-grace's design: the grace does not protect copies older than it that a restore publishes
-again (:data:`GC_THEN_PUBLISH`).
+after its scan while a round or a restore runs beside it keeps a grace of 0: the grace cannot
+protect copies older than it that a restore publishes again, so GC must look at the replica
+namespace again before it deletes (it does: ``gc._still_unpublished``).
 
 **A disk error** flips one bit of a file of a checkpoint on one node: of a checkpoint no node
 publishes as protected (a round must then refuse to copy it), or, in a protected one, only
@@ -187,12 +187,8 @@ WHILE_LOST = ("restore", "prune", "gc")
 # Actors that write what no manifest names yet while they run (GC's grace protects them).
 WRITERS = ("save", "protect", "migrate", "restore")
 FINISH = ("release", "release", "kill", "kill-rank")
-# Product bugs this machine found, each reproduced by an xfail test in
+# Product bugs this machine found and that are not fixed, each reproduced by an xfail test in
 # test_copies_machine.py; the machine steers around them so that it goes on finding others.
-# A prune killed after deleting a node's own files, before un-publishing its namespace's
-# manifest: the node publishes a protection whose own files are gone
-# (test_a_prune_killed_between_its_deletes_leaves_a_protection_naming_them).
-KILLED_PRUNE_WINDOW = ("prune.after_file_delete", "peers.before_drop_unpublish")
 # A round (or a restore) and a prune of one checkpoint at once, either held while the other
 # runs: the round publishes a protection whose files the prune deleted, or the prune deletes
 # the files of a protection published after it decided (test_a_round_and_a_prune_of_one_checkpoint,
@@ -200,12 +196,6 @@ KILLED_PRUNE_WINDOW = ("prune.after_file_delete", "peers.before_drop_unpublish")
 # never drops the round's checkpoint, a round beside a prune never protects one it drops, and
 # a restore (which republishes every protected checkpoint) and a prune never run at once.
 ROUND_AND_PRUNE = ("protect", "prune")
-# GC held after its scan while a round or a restore publishes an attempt the scan found
-# unpublished on that node (copies of a round killed before that node's publish): GC then
-# deletes the files of a protection published since (test_gc_held_after_its_scan_while_the_attempt_is_published).
-# The grace does not cover it once those copies are older than it; here GC beside them runs
-# with an hour.
-GC_THEN_PUBLISH = ("protect", "restore")
 
 
 @dataclass
@@ -256,7 +246,7 @@ class CopiesMachine(RuleBasedStateMachine):
     docstring. A machine derived for one purpose (a catch of test_catches_copies.py) sets
     rules it does not want to ``None``."""
 
-    steer = True  # around the product bugs it found (KILLED_PRUNE_WINDOW, ROUND_AND_PRUNE, GC_THEN_PUBLISH)
+    steer = True  # around the product bugs it found that are not fixed (ROUND_AND_PRUNE)
 
     def __init__(self) -> None:
         super().__init__()
@@ -385,10 +375,8 @@ class CopiesMachine(RuleBasedStateMachine):
         migrate: bool | None = None,
         target: str | None = None,
         avoid: set[str] = frozenset(),  # type: ignore[assignment]
-        then: str | None = None,
     ) -> Op:
-        """Actor ``kind``, planned now: ``beside`` is the actor held while it runs, ``then``
-        the one that will run while it is held."""
+        """Actor ``kind``, planned now (``beside``: the actor held while it runs)."""
         hots, cold = self.hots, self.cold
         if kind == "save":
             step, self.next_step = self.next_step, self.next_step + 1
@@ -456,8 +444,6 @@ class CopiesMachine(RuleBasedStateMachine):
         if kind == "gc":
             node = data.draw(st.sampled_from(self.alive()), label="gc node")
             grace = 0.0 if beside not in WRITERS and self.gc_may_delete_young(node) else HOUR
-            if self.steer and then in GC_THEN_PUBLISH:
-                grace = HOUR
 
             def gc(rank: int) -> Any:
                 report = collect_garbage(hots[node], grace=grace, dry_run=False)
@@ -530,7 +516,7 @@ class CopiesMachine(RuleBasedStateMachine):
         checkpoint a round protects (A's or B's)."""
         if target is None:
             self.prepare(a, data)
-        first = self.plan(a, data, target=target, then=b)
+        first = self.plan(a, data, target=target)
         hit = data.draw(st.integers(1, 3), label="its pass") if point == "peers.flow_done" else 1
         holders = [r for r in POINTS[a][point] if r < first.world]
         self.gate_n += 1
@@ -638,8 +624,6 @@ class CopiesMachine(RuleBasedStateMachine):
         point = points[pick % len(points)]
         b = beside[(pick >> 4) % len(beside)]
         finish = FINISH[(pick >> 8) % len(FINISH)]
-        if self.steer and a == "prune" and point in KILLED_PRUNE_WINDOW:
-            finish = "release"
         self.force(data, a, point, b, finish)
 
     protect_held = _held_rule("protect")
