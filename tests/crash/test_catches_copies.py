@@ -113,15 +113,15 @@ def test_the_catch_machines_keep_every_invariant() -> None:
 
 def test_the_machine_catches_a_copy_kept_without_its_crc(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(records.FileSink, "close", keeping_unchecked(records.FileSink.close))
-    catches.expect_caught(DiskErrorsAndRounds, "publishes .*damaged:", catches.generated(20, 8))
+    catches.expect_caught(DiskErrorsAndRounds, "publishes .*damaged:", catches.generated(60, 10))
 
 
 def test_the_machine_catches_a_round_publishing_a_failed_copy(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(protect_mod, "_record", claiming_every_copy(protect_mod._record))
-    catches.expect_caught(RoundsAfterDiskErrors, "publishes .*missing:", catches.generated(20, 8))
+    catches.expect_caught(RoundsAfterDiskErrors, "publishes .*missing:", catches.generated(60, 10))
 
 
 def test_the_machine_catches_a_prune_of_what_cold_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(prune_mod, "prune_node_local", believing_copies(prune_mod.prune_node_local))
     assert actors_copies.prune_mod is prune_mod  # the actors call it through the module
-    catches.expect_caught(PrunesOfUnmigrated, "last verified copy", catches.generated(20, 8))
+    catches.expect_caught(PrunesOfUnmigrated, "last verified copy", catches.generated(60, 10))
