@@ -217,11 +217,7 @@ def _attempt_garbage(tier: Tier, scan: _Scan, name: str, attempt: str, infos: li
 def _copy_garbage(tier: Tier, info: ObjectInfo, scan: _Scan, copies: set[tuple[str, str]]) -> None:
     """A key of the hot root's replica namespace: garbage once old if its attempt (a copy, a
     parity block, a protection record) was never published there, or no longer is."""
-    rel = info.key[len(layout.REPLICA_DIR) + 1 :]
-    where = layout.spread_attempt_of(rel)
-    if where is None and rel.startswith("protection/") and rel.endswith(".json"):
-        parts = rel[: -len(".json")].split("/")
-        where = (parts[1], parts[2]) if len(parts) == 3 else None
+    where = _copy_attempt(info.key)
     if where is None or where in copies or where[0] in scan.damaged_names:
         return  # a manifest of the namespace, or what it publishes
     if scan.old(info):
@@ -263,6 +259,17 @@ def _migrated_garbage(
         scan.add(tier, info, "migrated mark of a pruned checkpoint")
 
 
+def _copy_attempt(key: str) -> tuple[str, str] | None:
+    """The ``(name, attempt)`` a key of a hot root's replica namespace belongs to: a copy, a
+    parity block, or a protection record (``None`` for its manifests)."""
+    rel = key[len(layout.REPLICA_DIR) + 1 :]
+    where = layout.spread_attempt_of(rel)
+    if where is None and rel.startswith("protection/") and rel.endswith(".json"):
+        parts = rel[: -len(".json")].split("/")
+        where = (parts[1], parts[2]) if len(parts) == 3 else None
+    return where
+
+
 def _still_unpublished(tier: Tier, keys: list[str]) -> list[str]:
     """Of a hot tier's ``keys``, those whose attempt its replica namespace still does not
     publish (copies, and the node's own files, which that manifest references too): a second
@@ -278,14 +285,8 @@ def _still_unpublished(tier: Tier, keys: list[str]) -> list[str]:
         own = layout.spread_attempt_of(key)
         if own is not None and own in published:
             continue
-        if layout.kind_of(key) is KeyKind.REPLICA:
-            rel = key[len(layout.REPLICA_DIR) + 1 :]
-            where = layout.spread_attempt_of(rel)
-            if where is None and rel.startswith("protection/"):
-                parts = rel[: -len(".json")].split("/")
-                where = (parts[1], parts[2]) if len(parts) == 3 else None
-            if where is not None and where in published:
-                continue
+        if layout.kind_of(key) is KeyKind.REPLICA and _copy_attempt(key) in published:
+            continue
         kept.append(key)
     return kept
 

@@ -697,27 +697,7 @@ def _given(sink: Any) -> Callable[[], Any]:
 
 
 def _range_opener(tier: Tier, key: str, offset: int, size: int) -> Callable[[], wire.Source]:
-    def open_() -> wire.Source:
-        return _Stream(tier.backend.open_range(key, offset, size))
-
-    return open_
-
-
-class _Stream:
-    def __init__(self, stream: Any) -> None:
-        self._s = stream
-
-    def read(self, size: int) -> bytes:
-        out = bytearray()
-        while len(out) < size:
-            part = self._s.read(size - len(out))
-            if not part:
-                break
-            out += part
-        return bytes(out)
-
-    def close(self) -> None:
-        self._s.close()
+    return lambda: FileSource(tier, key, offset, size)
 
 
 class _ConcatSource:

@@ -131,10 +131,11 @@ def read_record(peers: Tier, manifest: Manifest) -> Record | None:
 
 
 class FileSource:
-    """A file of an attempt in a tier, read sequentially."""
+    """A file of an attempt in a tier (or ``length`` bytes of it from ``offset``), read sequentially."""
 
-    def __init__(self, tier: Tier, key: str) -> None:
-        self._stream = tier.backend.open_read(key)
+    def __init__(self, tier: Tier, key: str, offset: int | None = None, length: int = 0) -> None:
+        backend = tier.backend
+        self._stream = backend.open_read(key) if offset is None else backend.open_range(key, offset, length)
 
     def read(self, size: int) -> bytes:
         buffer = bytearray(size)
