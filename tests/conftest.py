@@ -54,3 +54,4 @@ def cwd(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TIERSTORE_TEST_PRELOAD", "1")  # ranks start from a preloaded torch: tests/preload.py

@@ -54,7 +54,12 @@ def start_rank(
 ) -> subprocess.Popen[bytes]:
     """Start one rank in a session of its own, so that :func:`kill_group` also ends the
     helper processes it starts (DCP's PROCESS-mode stagers). ``output`` takes its stdout
-    and stderr together; ``None`` leaves both to this process's."""
+    and stderr together; ``None`` leaves both to this process's. A Python script starts
+    from a process that imported torch already (tests/preload.py: the same real process,
+    started in a fraction of the CPU), anything else with ``subprocess.Popen``."""
+    rank = _preloaded(command, env, cwd, output)
+    if rank is not None:
+        return rank  # type: ignore[return-value]  # Popen's interface, as far as the tests use it
     return subprocess.Popen(
         list(command),
         cwd=cwd,
@@ -63,6 +68,27 @@ def start_rank(
         stderr=subprocess.STDOUT if output is not None else None,
         start_new_session=True,
     )
+
+
+def _preloaded(
+    command: Sequence[str], env: Mapping[str, str], cwd: Path | None, output: IO[bytes] | int | None
+) -> Any:
+    """tests/preload.py's rank, where the tests turned it on (``TIERSTORE_TEST_PRELOAD=1``,
+    tests/conftest.py); the benchmarks start every rank as a user's job does."""
+    if os.environ.get("TIERSTORE_TEST_PRELOAD") != "1":
+        return None
+    module = sys.modules.get("tierstore_test_preload")
+    if module is None:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location(
+            "tierstore_test_preload", Path(__file__).with_name("preload.py")
+        )
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["tierstore_test_preload"] = module
+        spec.loader.exec_module(module)
+    return module.preloaded(command, env, cwd, output)
 
 
 def wait_ranks(procs: Sequence[subprocess.Popen[bytes]], timeout: float, grace: float) -> None:

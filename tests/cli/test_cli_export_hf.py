@@ -67,7 +67,8 @@ def test_the_default_export_with_config_loads_with_from_pretrained(gpt2, tmp_pat
     out = tmp_path / "gpt2"
     proc = cli("--hot", hot, "--format", "safetensors", "--out", str(out), "--config", str(config))
     assert proc.returncode == 0, proc.stderr
-    assert "exported the model's weights, under train.model. (found from the keys" in proc.stdout
+    said = f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"  # whole, should CI ever differ again
+    assert "exported the model's weights, under train.model. (found from the keys" in proc.stdout, said
     assert "left out lm_head.weight: tied to transformer.wte.weight" in proc.stdout
     assert "keys not under train.model.: train.optim." in proc.stdout
     assert sorted(p.name for p in out.iterdir()) == [
