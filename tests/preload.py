@@ -3,7 +3,7 @@ launcher: ``launch.start_rank``).
 
 Every rank of a test job used to pay ``import torch`` and DCP's and FSDP2's modules on its
 own: about 3 CPU-seconds a process, most of a short job's time, and most of the suite's CPU
-on 2 cores. A *preloader* (``python tests/preload.py SOCKET``), one per test process, imports
+on 2 cores. A *preloader* (``python tests/preload.py SOCKET PARENT``), one per test process, imports
 those once and forks a rank for each request, as torch's DataLoader workers and
 multiprocessing's forkserver do. The rank is a real process all the same: its own session
 (``kill_group`` ends it and its helpers), its own pid, a child of the test process (the
@@ -42,14 +42,18 @@ from typing import IO, Any
 _PRELOADED = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp")
 _READ_AT_IMPORT = ("TORCH_", "OMP_", "MKL_", "PYTHON", "LD_", "KMP_", "GOMP_")
 _PR_SET_CHILD_SUBREAPER = 36
+_PR_SET_PDEATHSIG = 1  # the preloader ends with the test process, even one SIGKILLed
 _HERE = Path(__file__).resolve()
 
 
-# --- the preloader (runs as ``python tests/preload.py SOCKET``) ---------------------------
+# --- the preloader (runs as ``python tests/preload.py SOCKET PARENT``) --------------------
 
 
-def _serve(path: str) -> dict[str, Any]:
+def _serve(path: str, test_process: int) -> dict[str, Any]:
     """Accept requests until the test process goes; in a forked rank, return its request."""
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # a rank, forked, has none
+    if os.getppid() != test_process:  # the test process was gone before that line
+        os._exit(0)
     for module in _PRELOADED:
         __import__(module)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -69,10 +73,10 @@ def _serve(path: str) -> dict[str, Any]:
             middle = os.fork()
             if middle == 0:  # forks the rank, tells its pid, and leaves it to the test process
                 server.close()
+                middle = os.getpid()  # before the fork: the middle may be gone before the rank looks
                 rank = os.fork()
                 if rank == 0:
                     conn.close()
-                    middle = os.getppid()
                     while os.getppid() == middle:  # adopted by the test process before it runs
                         time.sleep(0.001)
                     _become(request, fds)
@@ -122,7 +126,7 @@ def _become(request: dict[str, Any], fds: list[int]) -> None:
 
 
 def _main() -> None:
-    request = _serve(sys.argv[1])
+    request = _serve(sys.argv[1], int(sys.argv[2]))
     import runpy
 
     runpy.run_path(sys.argv[0], run_name="__main__")  # an exception ends it as python would
@@ -187,7 +191,7 @@ class _Preloader:
         self.path = os.path.join(tempfile.mkdtemp(prefix="tierstore-preload-"), "socket")
         self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
-            [sys.executable, str(_HERE), self.path],
+            [sys.executable, str(_HERE), self.path, str(os.getpid())],
             env=self.env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,

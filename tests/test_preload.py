@@ -87,3 +87,34 @@ def test_sigkill_ends_the_rank_with_minus_9_and_kill_group_reaps_it(script: Path
         time.sleep(0.01)
     assert proc.returncode == -signal.SIGKILL
     kill_group(proc)  # a group already gone: nothing raised
+
+
+ORPHAN = textwrap.dedent(
+    """
+    import os, subprocess, sys, time
+    sys.path.insert(0, sys.argv[1])
+    from launch import start_rank
+    rank = start_rank([sys.executable, sys.argv[2], "exit"], {**os.environ, "PRELOAD_PROBE": "x"},
+                      output=subprocess.DEVNULL)
+    rank.wait(60)
+    print(sys.modules["tierstore_test_preload"]._preloader.proc.pid, flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def test_the_preloader_ends_with_a_test_process_that_was_sigkilled(script: Path, tmp_path: Path) -> None:
+    env = {**os.environ, "TIERSTORE_TEST_PRELOAD": "1", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    test_process = subprocess.Popen(
+        [sys.executable, "-c", ORPHAN, str(Path(__file__).parent), str(script)],
+        env=env,
+        stdout=subprocess.PIPE,
+    )
+    assert test_process.stdout is not None
+    preloader = int(test_process.stdout.readline())
+    os.kill(test_process.pid, signal.SIGKILL)  # no atexit: only the kernel can end the preloader
+    test_process.wait()
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{preloader}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{preloader}").exists(), "the preloader outlived its test process"
