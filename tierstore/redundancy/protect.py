@@ -659,11 +659,15 @@ def _record(scheme: Scheme, topology: Topology, manifest: Manifest, reports: lis
 
 
 def _record_from_inventory(agreed: Record, held: list[_Inventory], reports: list[_Report]) -> Record:
+    """The protection a restore left, from what every rank's node holds after it: a node
+    holds a rank's copy only with the checkpoint's ``.metadata`` beside it (without it, that
+    node cannot open the checkpoint without the cold tier), as a round's record counts."""
     topology, scheme = agreed.topology, agreed.scheme
     by_rank = {inv.rank: inv for inv in held}
     parity = dict(agreed.parity)
     for report in reports:
         parity.update(report.parity)
+    opens = {topology.node_of(inv.rank) for inv in held if inv.metadata}
     holders: dict[int, list[int]] = {}
     if isinstance(scheme, Replicas):
         for rank in range(topology.world):
@@ -671,9 +675,9 @@ def _record_from_inventory(agreed: Record, held: list[_Inventory], reports: list
             nodes += [
                 topology.node_of(t) for t in scheme.targets(rank, topology) if by_rank[t].replicas.get(rank)
             ]
-            holders[rank] = nodes
+            holders[rank] = [node for node in nodes if node in opens]
         return Record(agreed.name, agreed.attempt, scheme, topology, holders, parity)
-    whole = all(inv.primary and all(inv.parity.values()) for inv in held)
+    whole = all(inv.primary and inv.metadata and all(inv.parity.values()) for inv in held)
     if whole:
         holders = {rank: [topology.node_of(rank)] for rank in range(topology.world)}
     return Record(agreed.name, agreed.attempt, scheme, topology, holders, parity)
